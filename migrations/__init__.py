@@ -1,0 +1,1 @@
+"""Alembic migrations of chatflow-sqlalchemy (shipped as ``chatflow_sqlalchemy._migrations``)."""

@@ -1,0 +1,187 @@
+"""SQLite backend: embedded file or in-memory database.
+
+What differs from the generic store: per-connection pragmas (foreign keys,
+WAL, synchronous=NORMAL, busy timeout), SQLite's own transaction control so
+that writes start with ``BEGIN IMMEDIATE`` (the write lock is taken up front,
+so concurrent writers queue on the busy timeout instead of failing on lock
+upgrade), a single shared connection for in-memory databases, and the
+``ON CONFLICT`` upsert forms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import URL, Connection, Engine, event, make_url
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.pool import StaticPool
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.schema import Table
+
+from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "SQLiteDialectSupport",
+    "SQLiteSessionStore",
+    "is_ephemeral_sqlite",
+    "sqlite_url",
+]
+
+_BLOCKING_IO_WORKERS = 4
+"""Threads in each on-disk store's private pool for the async API (0.4.0rc1)."""
+
+BUSY_TIMEOUT_MS = 30_000
+"""How long a writer waits for another connection's write lock before failing."""
+
+
+def is_ephemeral_sqlite(url: URL) -> bool:
+    """True for ``:memory:``, ``file::memory:...`` and any ``mode=memory`` URI."""
+    database = url.database or ""
+    if database in ("", ":memory:"):
+        return True
+    if database.startswith("file:"):
+        mode = url.query.get("mode")
+        return database.startswith("file::memory:") or mode == "memory" or "mode=memory" in database
+    return False
+
+
+def sqlite_url(db_path: str | Path) -> URL:
+    """Build the SQLAlchemy URL for a path, ``:memory:`` or a ``file:`` URI."""
+    path = str(db_path)
+    if path.startswith("file:"):
+        return make_url(f"sqlite:///{path}").update_query_dict({"uri": "true"})
+    return make_url(f"sqlite:///{path}")
+
+
+class SQLiteDialectSupport(DialectSupport):
+    """SQLite specifics: pragmas, ``BEGIN IMMEDIATE`` writes, ``ON CONFLICT`` upserts."""
+
+    name = "sqlite"
+    cross_process_turn_lock = False
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """A shared single connection in memory; a small pool of connections on disk."""
+        if is_ephemeral_sqlite(url):
+            return {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        return {"connect_args": {"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}}
+
+    def is_ephemeral(self, url: URL) -> bool:
+        """See :func:`is_ephemeral_sqlite`."""
+        return is_ephemeral_sqlite(url)
+
+    def prepare_engine(self, engine: Engine) -> None:
+        """Set pragmas on each connection and take transaction control from pysqlite."""
+        ephemeral = is_ephemeral_sqlite(engine.url)
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            # pysqlite's implicit BEGIN would defer the write lock to the first
+            # write and make DDL non-transactional; we emit BEGIN ourselves.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            try:
+                cursor.execute("PRAGMA foreign_keys = ON")
+                cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                if not ephemeral:
+                    cursor.execute("PRAGMA journal_mode = WAL")
+                    cursor.execute("PRAGMA synchronous = NORMAL")
+            finally:
+                cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            write = conn.get_execution_options().get("chatflow_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    def insert_ignore(self, table: Table) -> Insert:
+        """``INSERT ... ON CONFLICT DO NOTHING``."""
+        return sqlite_insert(table).on_conflict_do_nothing()
+
+    def claim_processed(self, table: Table) -> Insert:
+        """Insert the id, or take over an expired claim; a live claim changes nothing."""
+        stmt = sqlite_insert(table)
+        return stmt.on_conflict_do_update(
+            index_elements=[table.c.message_id],
+            set_={"processed_at": stmt.excluded.processed_at},
+            where=table.c.processed_at < _cutoff(),
+        )
+
+    def upsert_processed(self, table: Table) -> Insert:
+        """Insert the id or move its timestamp to now."""
+        stmt = sqlite_insert(table)
+        return stmt.on_conflict_do_update(
+            index_elements=[table.c.message_id],
+            set_={"processed_at": stmt.excluded.processed_at},
+        )
+
+    def lock_session_row(self, select: Any) -> Any:
+        """No row locks in SQLite: ``BEGIN IMMEDIATE`` already holds the database write lock."""
+        return select
+
+    def begin_migration(self, connection: Connection) -> None:
+        """Turn foreign keys off: rebuilding a parent table must not cascade-delete children."""
+        # Outside any transaction (the pragma is a no-op inside one), on the raw connection.
+        _raw(connection).execute("PRAGMA foreign_keys = OFF")
+
+    def end_migration(self, connection: Connection) -> None:
+        """Check referential integrity, then turn foreign keys back on."""
+        raw = _raw(connection)
+        problems = raw.execute("PRAGMA foreign_key_check").fetchall()
+        raw.execute("PRAGMA foreign_keys = ON")
+        if problems:
+            raise RuntimeError(f"foreign key check failed after migration: {problems[:5]}")
+
+
+def _raw(connection: Connection) -> Any:
+    return connection.connection.dbapi_connection
+
+
+def _cutoff() -> Any:
+    from sqlalchemy import bindparam
+
+    from chatflow_sqlalchemy.models import UTCDateTime
+
+    return bindparam("cutoff", type_=UTCDateTime())
+
+
+class SQLiteSessionStore(SQLAlchemySessionStore):
+    """Session store in an embedded SQLite database: a drop-in for upstream's store.
+
+    Args:
+        db_path: File path, ``":memory:"`` or a ``file:`` URI
+            (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
+        default_max_turns: History window of new contexts, in complete turns.
+        dedup_ttl_hours: How long a processed webhook id stays claimed.
+
+    WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
+    deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
+
+    """
+
+    dialect_support = SQLiteDialectSupport()
+    _blocking_io_workers = _BLOCKING_IO_WORKERS
+
+    def __init__(
+        self,
+        db_path: str | Path = "chatflow.db",
+        default_max_turns: int = 40,
+        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+    ) -> None:
+        self.db_path = str(db_path)
+        url = sqlite_url(self.db_path)
+        if not is_ephemeral_sqlite(url):
+            Path(url.database or self.db_path).parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(url, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours)
+
+    @classmethod
+    def from_url(cls, url: str | URL, **kwargs: Any) -> SQLiteSessionStore:
+        """Open ``sqlite:///path`` (or a ``file:`` URI with ``?uri=true``)."""
+        parsed = make_url(url)
+        database = parsed.database or ":memory:"
+        query = {k: v for k, v in parsed.query.items() if k != "uri"}
+        if database.startswith("file:") and query:
+            database += "?" + "&".join(f"{k}={v}" for k, v in query.items())
+        return cls(database, **kwargs)

@@ -1,0 +1,588 @@
+"""The session context: a conversation's history window, active agent and metadata.
+
+:class:`SessionContext` subclasses ``chatflow_agent.SessionContext`` and keeps
+its public behaviour (turn-safe pruning, rollback, the ``lock`` the Runner
+holds around a turn) while fixing what upstream gets wrong:
+
+* pruning is incremental: each message costs O(1) amortised bookkeeping
+  instead of regrouping the whole history;
+* ``rollback_to`` restores the exact earlier state (history *and* active
+  agent), also when the rolled-back messages pruned older turns;
+* mutation is thread-safe, and a context whose session was deleted raises
+  :class:`~chatflow_sqlalchemy.exceptions.SessionDeletedError`.
+
+A context created directly (or by the in-memory store) lives only in memory.
+A context handed out by a SQL store is *attached*: the store persists every
+change. Outside ``session.lock`` each change is written at once; inside it
+(one Runner turn) changes are buffered and written in one transaction when
+the lock is released, so a failed turn rolls back as a plain discard and a
+crash mid-turn leaves no partial turn behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from chatflow_agent import Agent, Message, Role
+from chatflow_agent import SessionContext as _UpstreamSessionContext
+
+from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.models import SESSION_ID_MAX_LENGTH
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["SessionContext", "TurnLock", "validate_max_turns", "validate_session_id"]
+
+_T = TypeVar("_T")
+
+_JOURNAL_LIMIT = 64
+"""Rollback points kept per context (bounded so long-lived contexts stay small)."""
+
+
+def validate_session_id(session_id: object) -> str:
+    """Return ``session_id`` if it is a usable id, else raise ``ValueError`` naming it."""
+    if not isinstance(session_id, str):
+        raise ValueError(f"session_id must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise ValueError("session_id must be a non-empty string")
+    if len(session_id) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(
+            f"session_id is {len(session_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
+        )
+    return session_id
+
+
+def validate_max_turns(value: object, name: str = "max_turns") -> int:
+    """Return ``value`` if it is a positive int, else raise ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def dump_metadata(metadata: object) -> str:
+    """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``."""
+    try:
+        return json.dumps(metadata, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
+
+
+class ContextOwner(Protocol):
+    """What an attached context needs from its store (implemented by the SQL store)."""
+
+    def _flush_context(self, ctx: SessionContext) -> None: ...
+
+    def _begin_turn(self, ctx: SessionContext) -> None: ...
+
+    def _end_turn(self, ctx: SessionContext) -> None: ...
+
+    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
+
+
+@dataclass
+class _Snapshot:
+    history: list[Message]
+    seqs: list[int]
+    agent: Agent
+
+
+@dataclass
+class DurableState:
+    """What the database holds for a session, as last read or written by this context."""
+
+    version: int
+    seqs: set[int]
+    agent_name: str
+    metadata_json: str
+
+
+class _TrackedDict(dict[str, Any]):
+    """A dict that tells its context about top-level changes, so they get persisted.
+
+    Values are checked to be JSON-serialisable before they are stored, so a bad
+    value raises ``ValueError`` and changes nothing. Nested changes
+    (``metadata["a"]["b"] = 1``) are not seen at once; they are persisted with
+    the next write of the session (any message, or the end of the turn).
+    """
+
+    def __init__(self, owner: SessionContext, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self._owner = owner
+
+    def _changed(self) -> None:
+        self._owner._on_metadata_change()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        dump_metadata({key: value})
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        incoming = dict(*args, **kwargs)
+        dump_metadata(incoming)
+        super().update(incoming)
+        self._changed()
+
+    def pop(self, key: str, *default: Any) -> Any:
+        value = super().pop(key, *default)
+        self._changed()
+        return value
+
+    def popitem(self) -> tuple[str, Any]:
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def __ior__(self, other: Any) -> _TrackedDict:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+
+class TurnLock:
+    """The object behind ``session.lock``: an ``asyncio.Lock`` that also frames a turn.
+
+    ``async with session.lock:`` serialises turns of this session within the
+    process. On entry the context catches up with what other processes
+    committed (and the store may take a cross-process lock); on exit the
+    turn's changes are written in one transaction.
+    """
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self._ctx = ctx
+        self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _bound_lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop and not self._lock.locked():
+            # A context can outlive an event loop (Runner.run uses asyncio.run each
+            # call); an idle asyncio.Lock bound to a dead loop would refuse to wait.
+            self._lock = asyncio.Lock()
+            self._loop = loop
+        return self._lock
+
+    async def acquire(self) -> bool:
+        """Wait for the session's turn, then open it."""
+        lock = self._bound_lock()
+        await lock.acquire()
+        try:
+            await self._ctx._abegin_turn()
+        except BaseException:
+            lock.release()
+            raise
+        return True
+
+    async def release_async(self) -> None:
+        """Close the turn (writing its changes) and let the next turn in."""
+        try:
+            await self._ctx._aend_turn()
+        finally:
+            self._lock.release()
+
+    def locked(self) -> bool:
+        """Return True while a turn holds the lock."""
+        return self._lock.locked()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release_async()
+
+
+class SessionContext(_UpstreamSessionContext):
+    """Conversation state of one session: history window, active agent, metadata.
+
+    Args:
+        session_id: Non-empty id of at most 255 characters.
+        initial_agent: The agent that handles the session until a handoff.
+        max_turns: How many complete user turns the history keeps (> 0).
+        metadata: JSON-serialisable dict stored with the session.
+
+    Raises:
+        ValueError: For an invalid ``session_id``, ``max_turns`` or ``metadata``.
+
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        initial_agent: Agent,
+        max_turns: int = 40,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        validate_session_id(session_id)
+        self._mutex = threading.RLock()
+        self._owner: ContextOwner | None = None
+        self._deleted = False
+        self._history: list[Message] = []
+        self._seqs: list[int] = []
+        self._n_system = 0
+        self._turns: deque[int] = deque()
+        self._next_seq = 1
+        self._journal: list[tuple[int, _Snapshot]] = []
+        self._turn_snapshot: _Snapshot | None = None
+        self._in_turn = False
+        self._durable: DurableState | None = None
+        self._turn_lock: TurnLock | None = None
+        self._max_turns = 1
+        self._metadata = _TrackedDict(self, {})
+        super().__init__(
+            session_id=session_id,
+            initial_agent=initial_agent,
+            max_turns=max_turns,
+            metadata=metadata,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def max_turns(self) -> int:
+        """How many complete user turns the history window keeps."""
+        return self._max_turns
+
+    @max_turns.setter
+    def max_turns(self, value: int) -> None:
+        self._max_turns = validate_max_turns(value)
+
+    @property
+    def history(self) -> list[Message]:
+        """The history window: SYSTEM messages first, then whole user turns.
+
+        Raises:
+            SessionDeletedError: If the session was deleted.
+
+        """
+        self._check_alive()
+        return self._history
+
+    @history.setter
+    def history(self, messages: Iterable[Message]) -> None:
+        with self._mutex:
+            self._check_alive()
+            self._push_undo()
+            self._history = list(messages)
+            self._seqs = []
+            self._regroup()
+            self._changed()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Session metadata; top-level changes are persisted at once (see ``_TrackedDict``)."""
+        self._check_alive()
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any] | None) -> None:
+        value = dict(value or {})
+        dump_metadata(value)
+        with self._mutex:
+            self._check_alive()
+            self._metadata = _TrackedDict(self, value)
+            self._changed()
+
+    @property
+    def lock(self) -> TurnLock:  # type: ignore[override]
+        """Async lock around one turn (``async with session.lock:``), as the Runner uses it."""
+        if self._turn_lock is None:
+            with self._mutex:
+                if self._turn_lock is None:
+                    self._turn_lock = TurnLock(self)
+        return self._turn_lock
+
+    @property
+    def deleted(self) -> bool:
+        """True once the session was deleted through its store."""
+        return self._deleted
+
+    # -------------------------------------------------------------- mutation
+
+    def add_message(self, message: Message) -> None:
+        """Append a message and prune to ``max_turns`` complete turns.
+
+        Raises:
+            SessionDeletedError: If the session was deleted.
+
+        """
+        with self._mutex:
+            self._check_alive()
+            self._ensure_indexed()
+            self._push_undo()
+            self._append(message)
+            self._changed()
+
+    def set_active_agent(self, agent: Agent) -> None:
+        """Switch the agent handling this session (persisted by name)."""
+        with self._mutex:
+            self._check_alive()
+            self._push_undo()
+            self.active_agent = agent
+            self._changed()
+
+    def clear_history(self) -> None:
+        """Drop every message of the session, SYSTEM messages included."""
+        with self._mutex:
+            self._check_alive()
+            self._push_undo()
+            self._history = []
+            self._seqs = []
+            self._n_system = 0
+            self._turns.clear()
+            self._changed()
+
+    def rollback_to(self, checkpoint_len: int) -> None:
+        """Restore the state the session had when ``len(history) == checkpoint_len``.
+
+        Inside ``session.lock`` a checkpoint taken at the start of the turn
+        restores exactly the pre-turn history and active agent, even when the
+        turn's messages pruned older turns. Otherwise the most recent recorded
+        state of that length is restored; with none recorded, the history is
+        truncated as upstream does. Rollback never undoes tool side effects.
+
+        Raises:
+            SessionDeletedError: If the session was deleted.
+
+        """
+        with self._mutex:
+            self._check_alive()
+            snapshot = self._find_snapshot(checkpoint_len)
+            if snapshot is not None:
+                self._restore(snapshot)
+            elif 0 <= checkpoint_len < len(self._history):
+                self._ensure_indexed()
+                del self._history[checkpoint_len:]
+                del self._seqs[checkpoint_len:]
+                self._reindex()
+            else:
+                return
+            self._changed()
+
+    def _prune_history(self) -> None:
+        """Regroup the whole history into whole turns (upstream's full algorithm).
+
+        Normal appends prune incrementally; this is for callers that changed
+        ``history`` by hand and want it made canonical again.
+        """
+        with self._mutex:
+            self._check_alive()
+            self._regroup()
+            self._changed()
+
+    # ------------------------------------------------------------ async twins
+
+    async def aadd_message(self, message: Message) -> None:
+        """Async :meth:`add_message`; disk I/O never runs on the event loop."""
+        await self._maybe_blocking(self.add_message, message)
+
+    async def aset_active_agent(self, agent: Agent) -> None:
+        """Async :meth:`set_active_agent`."""
+        await self._maybe_blocking(self.set_active_agent, agent)
+
+    async def aclear_history(self) -> None:
+        """Async :meth:`clear_history`."""
+        await self._maybe_blocking(self.clear_history)
+
+    async def arollback_to(self, checkpoint_len: int) -> None:
+        """Async :meth:`rollback_to`."""
+        await self._maybe_blocking(self.rollback_to, checkpoint_len)
+
+    async def _maybe_blocking(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._owner is None or self._in_turn:
+            fn(*args)  # nothing to write now: memory only, or buffered until the turn ends
+        else:
+            await self._owner._run_blocking(fn, *args)
+
+    # ------------------------------------------------------------------ turns
+
+    async def _abegin_turn(self) -> None:
+        if self._owner is not None:
+            await self._owner._run_blocking(self._owner._begin_turn, self)
+        with self._mutex:
+            self._check_alive()
+            self._ensure_indexed()
+            self._in_turn = True
+            self._journal.clear()
+            self._turn_snapshot = self._snapshot()
+
+    async def _aend_turn(self) -> None:
+        with self._mutex:
+            self._in_turn = False
+            self._turn_snapshot = None
+            self._journal.clear()
+        if self._owner is not None:
+            await self._owner._run_blocking(self._owner._end_turn, self)
+
+    # -------------------------------------------------------------- internals
+
+    def _check_alive(self) -> None:
+        if self._deleted:
+            raise SessionDeletedError(self.session_id)
+
+    def _changed(self) -> None:
+        """Persist now, or leave it for the end of the turn."""
+        if self._owner is not None and not self._in_turn:
+            self._owner._flush_context(self)
+
+    def _on_metadata_change(self) -> None:
+        with self._mutex:
+            self._check_alive()
+            self._changed()
+
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(list(self._history), list(self._seqs), self.active_agent)
+
+    def _push_undo(self) -> None:
+        self._journal.append((len(self._history), self._snapshot()))
+        if len(self._journal) > _JOURNAL_LIMIT:
+            del self._journal[0]
+
+    def _find_snapshot(self, checkpoint_len: int) -> _Snapshot | None:
+        turn = self._turn_snapshot
+        if turn is not None and len(turn.history) == checkpoint_len:
+            self._journal.clear()
+            return turn
+        for index in range(len(self._journal) - 1, -1, -1):
+            length, snapshot = self._journal[index]
+            if length == checkpoint_len:
+                del self._journal[index:]
+                return snapshot
+        return None
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        self._history = list(snapshot.history)
+        self._seqs = list(snapshot.seqs)
+        self.active_agent = snapshot.agent
+        self._reindex()
+
+    def _new_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _append(self, message: Message) -> None:
+        role = message.role
+        if role == Role.SYSTEM:
+            self._history.insert(self._n_system, message)
+            self._seqs.insert(self._n_system, self._new_seq())
+            self._n_system += 1
+        elif role == Role.USER:
+            self._history.append(message)
+            self._seqs.append(self._new_seq())
+            self._turns.append(1)
+        elif self._turns:
+            self._history.append(message)
+            self._seqs.append(self._new_seq())
+            self._turns[-1] += 1
+        # else: a non-USER message with no turn to belong to is discarded forward.
+        self._enforce_window()
+
+    def _enforce_window(self) -> None:
+        excess = len(self._turns) - self._max_turns
+        if excess <= 0:
+            return
+        dropped = sum(self._turns.popleft() for _ in range(excess))
+        start = self._n_system
+        del self._history[start : start + dropped]
+        del self._seqs[start : start + dropped]
+
+    def _ensure_indexed(self) -> None:
+        """Re-derive bookkeeping if ``history`` was edited in place behind our back."""
+        expected = self._n_system + sum(self._turns)
+        if len(self._history) != len(self._seqs) or len(self._history) != expected:
+            self._regroup()
+
+    def _regroup(self) -> None:
+        """Upstream's full turn regroup; keeps the seqs of messages it can still match."""
+        if len(self._seqs) != len(self._history):
+            self._seqs = [self._new_seq() for _ in self._history]
+        systems: list[tuple[Message, int]] = []
+        turns: list[list[tuple[Message, int]]] = []
+        for message, seq in zip(self._history, self._seqs, strict=True):
+            if message.role == Role.SYSTEM:
+                systems.append((message, seq))
+            elif message.role == Role.USER:
+                turns.append([(message, seq)])
+            elif turns:
+                turns[-1].append((message, seq))
+        kept = turns[-self._max_turns :]
+        pairs = systems + [pair for turn in kept for pair in turn]
+        self._history = [message for message, _ in pairs]
+        self._seqs = [seq for _, seq in pairs]
+        self._n_system = len(systems)
+        self._turns = deque(len(turn) for turn in kept)
+
+    def _reindex(self) -> None:
+        """Recompute bookkeeping of a history already in canonical order."""
+        self._n_system = 0
+        self._turns = deque()
+        for message in self._history:
+            if message.role == Role.SYSTEM:
+                self._n_system += 1
+            elif message.role == Role.USER:
+                self._turns.append(1)
+            elif self._turns:
+                self._turns[-1] += 1
+        if self._n_system + sum(self._turns) != len(self._history):
+            self._regroup()
+
+    def _load(
+        self,
+        messages: list[Message],
+        seqs: list[int],
+        agent: Agent,
+        metadata: dict[str, Any],
+        durable: DurableState,
+    ) -> None:
+        """Replace the whole state with what the store read (caller holds the mutex)."""
+        self._history = messages
+        self._seqs = seqs
+        self.active_agent = agent
+        self._replace_metadata(metadata)
+        self._next_seq = max(seqs, default=0) + 1
+        self._journal.clear()
+        self._durable = durable
+        self._reindex()
+
+    def _replace_metadata(self, metadata: dict[str, Any]) -> None:
+        self._metadata = _TrackedDict(self, metadata)
+
+    def _pending_messages(self) -> Iterator[tuple[int, Message]]:
+        """Messages in memory that the database does not hold yet."""
+        durable = self._durable.seqs if self._durable is not None else set()
+        for seq, message in zip(self._seqs, self._history, strict=True):
+            if seq not in durable:
+                yield seq, message
+
+    def __repr__(self) -> str:
+        return (
+            f"<SessionContext id={self.session_id!r} active_agent={self.active_agent.name!r} "
+            f"messages={len(self._history)} turns={len(self._turns)}>"
+        )

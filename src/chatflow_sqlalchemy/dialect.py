@@ -1,0 +1,76 @@
+"""What differs per database dialect, behind one small interface.
+
+The generic store (``store.py``) writes every query once against SQLAlchemy
+Core. A :class:`DialectSupport` subclass in ``backends/`` holds only what
+cannot be portable: engine options and per-connection setup, the atomic
+upsert forms, how a write transaction takes its locks, and how migrations
+are serialised across processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import URL, Connection, Engine, Select, Table
+from sqlalchemy.sql.dml import Insert
+
+__all__ = ["DialectSupport"]
+
+
+class DialectSupport:
+    """Per-dialect hooks; subclass it in a backend and override what differs.
+
+    Attributes:
+        name: The SQLAlchemy dialect name this support handles.
+        cross_process_turn_lock: True when ``session.lock`` also excludes other
+            processes for the whole turn (not only the final write).
+
+    """
+
+    name: str = "generic"
+    cross_process_turn_lock: bool = False
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """Keyword arguments for ``create_engine`` (pool, connect args)."""
+        return {"pool_pre_ping": True}
+
+    def prepare_engine(self, engine: Engine) -> None:
+        """Install per-connection setup (event listeners) on a new engine."""
+
+    def is_ephemeral(self, url: URL) -> bool:
+        """True when the database lives only in this process's memory."""
+        return False
+
+    def insert_ignore(self, table: Table) -> Insert:
+        """An INSERT of one row that silently does nothing if its primary key exists."""
+        raise NotImplementedError(f"{type(self).__name__} must implement insert_ignore()")
+
+    def claim_processed(self, table: Table) -> Insert:
+        """The atomic dedup claim: insert ``message_id``, or refresh an expired row.
+
+        Bind parameters: ``message_id``, ``processed_at`` (now) and ``cutoff``
+        (rows older than it are expired). The statement must affect a row
+        exactly when the claim succeeded; :meth:`claimed` reads the rowcount.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement claim_processed()")
+
+    def claimed(self, rowcount: int) -> bool:
+        """Interpret the rowcount of :meth:`claim_processed`."""
+        return rowcount == 1
+
+    def upsert_processed(self, table: Table) -> Insert:
+        """Insert ``message_id`` or move its ``processed_at`` to now (``mark``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement upsert_processed()")
+
+    def lock_session_row(self, select: Select[Any]) -> Select[Any]:
+        """Make a session-row SELECT lock the row for the rest of the transaction."""
+        return select.with_for_update()
+
+    def begin_migration(self, connection: Connection) -> None:
+        """Prepare a connection before the migration transaction begins."""
+
+    def lock_migrations(self, connection: Connection) -> None:
+        """Inside the migration transaction: wait until no other process migrates."""
+
+    def end_migration(self, connection: Connection) -> None:
+        """Undo :meth:`begin_migration` after the migration transaction ended."""

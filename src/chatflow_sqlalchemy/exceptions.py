@@ -1,0 +1,95 @@
+"""Errors raised by chatflow-sqlalchemy.
+
+Every error derives from :class:`ChatflowStoreError` (itself a
+``chatflow_agent.ChatFlowError``), so one ``except`` clause catches them all.
+Each message says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+from chatflow_agent.exceptions import ChatFlowError
+
+__all__ = [
+    "BackendImportError",
+    "BackendNotFoundError",
+    "ChatflowStoreError",
+    "CorruptRowError",
+    "DatabaseUnavailableError",
+    "DuplicateBackendError",
+    "SchemaAheadError",
+    "SchemaError",
+    "SessionDeletedError",
+]
+
+
+class ChatflowStoreError(ChatFlowError):
+    """Base class of every error raised by chatflow-sqlalchemy."""
+
+
+class SessionDeletedError(ChatflowStoreError):
+    """A live session context was used after its session was deleted.
+
+    Raised when a context reads or writes a session removed through
+    ``store.delete`` (or ``store.clear``), in this process or another one.
+    Fetch a fresh context with ``store.get_or_create`` to start over.
+    """
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} was deleted; call store.get_or_create({session_id!r}, ...) "
+            "to start a new conversation"
+        )
+        self.session_id = session_id
+
+
+class BackendNotFoundError(ChatflowStoreError, LookupError):
+    """No installed backend handles the requested database dialect."""
+
+    def __init__(self, name: str, installed: list[str]) -> None:
+        listing = ", ".join(sorted(installed)) or "none"
+        super().__init__(
+            f"no chatflow-sqlalchemy backend named {name!r} (installed: {listing}); "
+            f"install a plugin that provides it, e.g. pip install chatflow-sqlalchemy-{name}"
+        )
+        self.name = name
+        self.installed = sorted(installed)
+
+
+class BackendImportError(ChatflowStoreError, ImportError):
+    """A backend is registered but its module (or its driver) cannot be imported."""
+
+
+class DuplicateBackendError(ChatflowStoreError):
+    """Two installed distributions register the same backend name."""
+
+
+class SchemaError(ChatflowStoreError):
+    """The database schema does not match what this version of the code expects."""
+
+    def __init__(self, message: str, *, found: str | None, expected: str) -> None:
+        super().__init__(message)
+        self.found = found
+        self.expected = expected
+
+
+class SchemaAheadError(SchemaError):
+    """The database was migrated by a newer chatflow-sqlalchemy than this one."""
+
+
+class CorruptRowError(ChatflowStoreError):
+    """A stored row cannot be decoded; the message names its session and row id."""
+
+    def __init__(self, session_id: str, row_id: object, reason: str) -> None:
+        super().__init__(
+            f"corrupt row in chatflow_messages (session {session_id!r}, id {row_id}): {reason}; "
+            f"inspect it with 'chatflow-sqlalchemy sessions show {session_id}' or delete the row"
+        )
+        self.session_id = session_id
+        self.row_id = row_id
+
+
+class DatabaseUnavailableError(ChatflowStoreError):
+    """The database cannot be reached or refused the credentials.
+
+    The message names the host and database, never the password.
+    """

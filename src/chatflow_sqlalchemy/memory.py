@@ -1,0 +1,202 @@
+"""Thread-safe in-memory session store with the same contract as the SQL stores.
+
+For tests, CLIs and short-lived services. Contexts prune incrementally (no
+regroup of the whole history per message, which dominates upstream's
+in-memory store), deletion is visible to live contexts, and the dedup claim
+is atomic under one lock with a TTL and a bounded number of entries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from chatflow_agent import Agent, BaseSessionStore
+
+from chatflow_sqlalchemy.context import (
+    SessionContext,
+    dump_metadata,
+    validate_max_turns,
+    validate_session_id,
+)
+from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
+
+__all__ = ["SessionStore"]
+
+
+class SessionStore(BaseSessionStore):
+    """In-memory session registry; nothing survives the process.
+
+    Args:
+        default_max_turns: History window of new contexts, in complete turns.
+        dedup_ttl_hours: How long a processed webhook id stays claimed.
+
+    """
+
+    dedup_max_entries = 100_000
+    """Oldest claims are evicted beyond this many, bounding memory."""
+
+    def __init__(
+        self, default_max_turns: int = 40, dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS
+    ) -> None:
+        self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
+        self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
+        self._ttl_seconds = self.dedup_ttl_hours * 3600.0
+        self._sessions: dict[str, SessionContext] = {}
+        self._updated: dict[str, float] = {}
+        self._processed: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.RLock()
+        self._agent_resolver: Callable[[str], Agent | None] | None = None
+
+    def set_agent_resolver(self, resolver: Callable[[str], Agent | None]) -> None:
+        """Accepted for API parity; in-memory contexts keep their Agent objects."""
+        self._agent_resolver = resolver
+
+    def get_or_create(
+        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+    ) -> SessionContext:
+        """Return the session's context, creating it (with ``metadata``) if needed."""
+        validate_session_id(session_id)
+        dump_metadata(metadata or {})
+        with self._lock:
+            ctx = self._sessions.get(session_id)
+            if ctx is None:
+                ctx = SessionContext(
+                    session_id, default_agent, max_turns=self.default_max_turns,
+                    metadata=dict(metadata or {}),
+                )
+                self._sessions[session_id] = ctx
+            self._updated[session_id] = time.monotonic()
+            return ctx
+
+    def get(self, session_id: str) -> SessionContext | None:
+        """Return the session's context, or None."""
+        validate_session_id(session_id)
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def delete(self, session_id: str) -> bool:
+        """Delete the session; its live contexts then raise SessionDeletedError."""
+        validate_session_id(session_id)
+        with self._lock:
+            ctx = self._sessions.pop(session_id, None)
+            self._updated.pop(session_id, None)
+        if ctx is None:
+            return False
+        ctx._deleted = True
+        return True
+
+    def list_sessions(self) -> list[str]:
+        """Session ids, most recently used first."""
+        with self._lock:
+            return sorted(self._updated, key=self._updated.__getitem__, reverse=True)
+
+    def clear(self) -> None:
+        """Delete every session (processed webhook ids are kept)."""
+        with self._lock:
+            contexts = list(self._sessions.values())
+            self._sessions.clear()
+            self._updated.clear()
+        for ctx in contexts:
+            ctx._deleted = True
+
+    def is_message_processed(self, message_id: str) -> bool:
+        """True if ``message_id`` was claimed within the TTL."""
+        _validate_message_id(message_id)
+        with self._lock:
+            stamp = self._processed.get(message_id)
+            return stamp is not None and time.monotonic() - stamp <= self._ttl_seconds
+
+    def mark_message_processed(self, message_id: str) -> None:
+        """Record ``message_id`` as processed now."""
+        _validate_message_id(message_id)
+        with self._lock:
+            self._remember(message_id, time.monotonic())
+
+    def record_processed_message(self, message_id: str) -> bool:
+        """Atomically claim ``message_id``: True only for its first caller within the TTL."""
+        _validate_message_id(message_id)
+        now = time.monotonic()
+        with self._lock:
+            stamp = self._processed.get(message_id)
+            if stamp is not None and now - stamp <= self._ttl_seconds:
+                return False
+            self._remember(message_id, now)
+            return True
+
+    def _remember(self, message_id: str, now: float) -> None:
+        self._processed.pop(message_id, None)
+        self._processed[message_id] = now  # insertion order == age order
+        while len(self._processed) > self.dedup_max_entries:
+            self._processed.popitem(last=False)
+
+    def purge_processed_messages(self) -> int:
+        """Drop expired claims; return how many went."""
+        cutoff = time.monotonic() - self._ttl_seconds
+        removed = 0
+        with self._lock:
+            while self._processed:
+                message_id, stamp = next(iter(self._processed.items()))
+                if stamp >= cutoff:
+                    break
+                del self._processed[message_id]
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Nothing to release; present for API parity."""
+
+    def __enter__(self) -> SessionStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def aget_or_create(
+        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+    ) -> SessionContext:
+        """Async :meth:`get_or_create` (no I/O: runs directly)."""
+        return self.get_or_create(session_id, default_agent, metadata)
+
+    async def aget(self, session_id: str) -> SessionContext | None:
+        """Async :meth:`get`."""
+        return self.get(session_id)
+
+    async def adelete(self, session_id: str) -> bool:
+        """Async :meth:`delete`."""
+        return self.delete(session_id)
+
+    async def alist_sessions(self) -> list[str]:
+        """Async :meth:`list_sessions`."""
+        return self.list_sessions()
+
+    async def aclear(self) -> None:
+        """Async :meth:`clear`."""
+        self.clear()
+
+    async def ais_message_processed(self, message_id: str) -> bool:
+        """Async :meth:`is_message_processed`."""
+        return self.is_message_processed(message_id)
+
+    async def amark_message_processed(self, message_id: str) -> None:
+        """Async :meth:`mark_message_processed`."""
+        self.mark_message_processed(message_id)
+
+    async def arecord_processed_message(self, message_id: str) -> bool:
+        """Async :meth:`record_processed_message`."""
+        return self.record_processed_message(message_id)
+
+    async def apurge_processed_messages(self) -> int:
+        """Async :meth:`purge_processed_messages`."""
+        return self.purge_processed_messages()
+
+    async def aclose(self) -> None:
+        """Async :meth:`close`."""
+        self.close()

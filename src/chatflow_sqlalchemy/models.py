@@ -1,0 +1,168 @@
+"""SQLAlchemy 2.x models of the three chatflow tables.
+
+The table and column names mirror what ``chatflow_agent.SQLiteSessionStore``
+creates, so a database written by upstream can be adopted in place (see
+``migrate.py``). The columns added on top of upstream's are there for
+correctness, each explained on its model.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "SESSION_ID_MAX_LENGTH",
+    "Base",
+    "ChatflowMessage",
+    "ChatflowProcessedMessage",
+    "ChatflowSession",
+    "UTCDateTime",
+    "metadata",
+    "utcnow",
+]
+
+SESSION_ID_MAX_LENGTH = 255
+"""Longest accepted session id / message id (an index-friendly VARCHAR on every dialect)."""
+
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """Return the current time as a timezone-aware UTC datetime."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python.
+
+    PostgreSQL stores ``timestamptz``; SQLite has no time zones, so values are
+    stored as naive UTC text and given back their UTC zone on load.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+    zone_aware_dialects = frozenset({"postgresql", "oracle", "mssql"})
+    """Dialects whose timestamp type stores the zone; others get naive UTC."""
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Normalise to UTC; naive values are rejected to avoid silent local-time bugs."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("UTCDateTime needs a timezone-aware datetime (use utcnow())")
+        value = value.astimezone(timezone.utc)
+        if dialect.name in self.zone_aware_dialects:
+            return value
+        return value.replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Attach UTC to the naive values SQLite gives back."""
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+JSONDocument = JSON().with_variant(postgresql.JSONB(), "postgresql")
+"""Portable JSON: JSONB on PostgreSQL (indexable, compact), JSON text elsewhere."""
+
+MessageId = BigInteger().with_variant(Integer(), "sqlite")
+"""BIGINT primary key, but INTEGER on SQLite so that it stays the rowid alias."""
+
+
+class Base(DeclarativeBase):
+    """Declarative base carrying the constraint naming convention."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+metadata = Base.metadata
+
+
+class ChatflowSession(Base):
+    """One conversation: its active agent, metadata and a version counter.
+
+    ``version`` is not in upstream's schema. It is bumped by every write to the
+    session (history, active agent, metadata) in the same transaction, so a
+    context can tell in one indexed read whether another process changed the
+    session since it loaded it, and writers can detect concurrent changes
+    instead of silently merging them.
+    """
+
+    __tablename__ = "chatflow_sessions"
+
+    session_id: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH), primary_key=True)
+    active_agent_name: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH))
+    metadata_json: Mapped[dict[str, Any]] = mapped_column(JSONDocument)
+    version: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "updated_at"),)
+
+
+class ChatflowMessage(Base):
+    """One message of a session's history window, serialised as pydantic JSON.
+
+    ``seq`` is not in upstream's schema: a per-session, monotonically growing
+    position. It orders the history independently of the global id, lets the
+    store delete exactly the rows pruning dropped (``seq IN (...)``) and
+    restore rows on rollback, and ``(session_id, seq)`` is unique so two
+    writers can never interleave a message into the same slot.
+    ``message_json`` stays text: it is an opaque pydantic document that is
+    only ever decoded whole, and text avoids a JSON round trip on the hot path.
+    """
+
+    __tablename__ = "chatflow_messages"
+
+    id: Mapped[int] = mapped_column(MessageId, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(SESSION_ID_MAX_LENGTH),
+        ForeignKey("chatflow_sessions.session_id", ondelete="CASCADE"),
+    )
+    seq: Mapped[int] = mapped_column(BigInteger)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str | None] = mapped_column(Text, nullable=True)
+    message_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (UniqueConstraint("session_id", "seq"),)
+
+
+class ChatflowProcessedMessage(Base):
+    """An inbound webhook message id already claimed, for idempotent processing.
+
+    The primary key makes the claim one atomic ``INSERT ... ON CONFLICT``; the
+    index on ``processed_at`` keeps the TTL purge a range scan.
+    """
+
+    __tablename__ = "chatflow_processed_messages"
+
+    message_id: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH), primary_key=True)
+    processed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "processed_at"),)

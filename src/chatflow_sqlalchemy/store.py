@@ -1,0 +1,782 @@
+"""The generic SQLAlchemy session store.
+
+Every query lives here, written once against SQLAlchemy Core; backends only
+contribute a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`. The async
+API runs the same sync code through :meth:`SQLAlchemySessionStore._run_blocking`
+(a private thread pool for on-disk databases, directly on the loop for
+in-memory SQLite), so there is no second copy of the SQL.
+
+Write path, per logical operation one transaction:
+
+* outside ``session.lock`` each context change is written at once;
+* inside it (one Runner turn) the turn's messages, prunes, handoff and
+  metadata are written in one transaction when the lock is released.
+
+Each write reads the session's ``version`` under the write lock (row lock on
+PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite). If another process wrote since
+this context loaded, the context is rebased on the fresh rows and its new
+messages are appended after them as whole turns, never interleaved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, ClassVar, TypeVar, cast
+
+from chatflow_agent import Agent, BaseSessionStore, Message, Role
+from pydantic import ValidationError
+from sqlalchemy import (
+    URL,
+    Connection,
+    Engine,
+    Table,
+    bindparam,
+    case,
+    create_engine,
+    delete,
+    insert,
+    make_url,
+    select,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+
+from chatflow_sqlalchemy.context import (
+    DurableState,
+    SessionContext,
+    dump_metadata,
+    validate_max_turns,
+    validate_session_id,
+)
+from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.exceptions import (
+    CorruptRowError,
+    DatabaseUnavailableError,
+    SessionDeletedError,
+)
+from chatflow_sqlalchemy.models import (
+    SESSION_ID_MAX_LENGTH,
+    ChatflowMessage,
+    ChatflowProcessedMessage,
+    ChatflowSession,
+    utcnow,
+)
+
+__all__ = [
+    "DEFAULT_DATABASE_URL",
+    "DEFAULT_DEDUP_TTL_HOURS",
+    "SQLAlchemySessionStore",
+    "database_url_from_env",
+]
+
+_T = TypeVar("_T")
+
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+DEFAULT_DEDUP_TTL_HOURS = 192
+"""Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
+
+_PURGE_BATCH = 1000
+_PURGE_INTERVAL = timedelta(minutes=5)
+
+_sessions = cast(Table, ChatflowSession.__table__)
+_messages = cast(Table, ChatflowMessage.__table__)
+_processed = cast(Table, ChatflowProcessedMessage.__table__)
+
+_SELECT_VERSION = select(_sessions.c.version).where(
+    _sessions.c.session_id == bindparam("session_id")
+)
+_SELECT_SESSION = select(
+    _sessions.c.version, _sessions.c.active_agent_name, _sessions.c.metadata_json
+).where(_sessions.c.session_id == bindparam("session_id"))
+_SELECT_MESSAGES = (
+    select(_messages.c.id, _messages.c.seq, _messages.c.message_json)
+    .where(_messages.c.session_id == bindparam("session_id"))
+    .order_by(case((_messages.c.role == Role.SYSTEM.value, 0), else_=1), _messages.c.seq)
+)
+_INSERT_MESSAGES = insert(_messages)
+_DELETE_ALL_MESSAGES = delete(_messages).where(_messages.c.session_id == bindparam("session_id"))
+_DELETE_SOME_MESSAGES = _DELETE_ALL_MESSAGES.where(
+    _messages.c.seq.in_(bindparam("seqs", expanding=True))
+)
+_UPDATE_SESSION = (
+    update(_sessions)
+    .where(_sessions.c.session_id == bindparam("sid"))
+    .values(
+        version=bindparam("new_version"),
+        active_agent_name=bindparam("agent_name"),
+        metadata_json=bindparam("metadata"),
+        updated_at=bindparam("now"),
+    )
+)
+_IS_PROCESSED = select(_processed.c.message_id).where(
+    _processed.c.message_id == bindparam("message_id"),
+    _processed.c.processed_at >= bindparam("cutoff"),
+)
+_PURGE_PROCESSED = delete(_processed).where(
+    _processed.c.message_id.in_(
+        select(_processed.c.message_id)
+        .where(_processed.c.processed_at < bindparam("cutoff"))
+        .limit(_PURGE_BATCH)
+        .scalar_subquery()
+    )
+)
+
+
+def database_url_from_env(url: str | URL | None = None) -> str | URL:
+    """Return ``url``, else ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``."""
+    return url or os.environ.get("CHATFLOW_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+def _describe(url: URL) -> str:
+    """Name host and database of ``url`` without the password."""
+    if url.get_backend_name() == "sqlite":
+        return f"SQLite database {url.database or ':memory:'!r}"
+    host = f"{url.host or 'localhost'}:{url.port}" if url.port else (url.host or "localhost")
+    return f"{url.get_backend_name()} database {url.database!r} on {host} as {url.username!r}"
+
+
+def _validate_message_id(message_id: object) -> str:
+    if not isinstance(message_id, str) or not message_id:
+        raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
+    if len(message_id) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    return message_id
+
+
+def _validate_ttl(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"dedup_ttl_hours must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class _StoredSession:
+    """A session as read from the database (the rows of its window)."""
+
+    version: int
+    agent_name: str
+    metadata: dict[str, Any]
+    messages: list[Message]
+    seqs: list[int]
+
+
+class SQLAlchemySessionStore(BaseSessionStore):
+    """Session store on any database with a chatflow-sqlalchemy backend.
+
+    Args:
+        url: SQLAlchemy URL; defaults to ``$CHATFLOW_DATABASE_URL`` or
+            ``sqlite:///chatflow.db``. Ignored when ``engine`` is given.
+        engine: An existing engine to use (the store does not dispose it).
+        default_max_turns: History window of new contexts, in complete turns.
+        dedup_ttl_hours: How long a processed webhook id stays claimed.
+
+    The schema is created or upgraded on open (under a cross-process lock); a
+    database migrated by a newer version raises
+    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`.
+
+    Raises:
+        ValueError: For invalid parameters.
+        BackendNotFoundError: When no backend handles the URL's dialect.
+        DatabaseUnavailableError: When the database cannot be reached.
+
+    """
+
+    dialect_support: ClassVar[DialectSupport | None] = None
+    """Set by backend subclasses; the generic class looks it up by dialect name."""
+
+    _blocking_io_workers: ClassVar[int] = 4
+    _context_cache_size: ClassVar[int] = 256
+
+    def __init__(
+        self,
+        url: str | URL | None = None,
+        *,
+        engine: Engine | None = None,
+        default_max_turns: int = 40,
+        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+    ) -> None:
+        self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
+        self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
+        self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
+        self._agent_resolver: Callable[[str], Agent | None] | None = None
+        self._warned_agents: set[str] = set()
+        self._contexts: weakref.WeakValueDictionary[str, SessionContext] = (
+            weakref.WeakValueDictionary()
+        )
+        self._recent: OrderedDict[str, SessionContext] = OrderedDict()
+        self._cache_lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        self._last_purge = utcnow()
+
+        if engine is None:
+            self.url = make_url(database_url_from_env(url))
+            self.support = self._support_for(self.url.get_backend_name())
+            engine = create_engine(self.url, **self.support.engine_options(self.url))
+            self._owns_engine = True
+        else:
+            self.url = engine.url
+            self.support = self._support_for(engine.dialect.name)
+            self._owns_engine = False
+        self.support.prepare_engine(engine)
+        self.engine = engine
+        self._write_engine = engine.execution_options(chatflow_write=True)
+        self._ephemeral = self.support.is_ephemeral(self.url)
+        # One shared connection (in-memory SQLite) must not be used by two threads at once.
+        self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
+        self._open_schema()
+
+    # ------------------------------------------------------------ plumbing
+
+    @classmethod
+    def _support_for(cls, dialect_name: str) -> DialectSupport:
+        if cls.dialect_support is not None:
+            return cls.dialect_support
+        from chatflow_sqlalchemy.registry import load_backend
+
+        backend = load_backend(dialect_name)
+        if backend.dialect_support is None:
+            raise TypeError(f"backend {dialect_name!r} ({backend!r}) declares no dialect_support")
+        return backend.dialect_support
+
+    @classmethod
+    def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
+        """Open a store of this class for ``url`` (what ``open_store`` calls)."""
+        return cls(url, **kwargs)
+
+    def _open_schema(self) -> None:
+        from chatflow_sqlalchemy.migrate import ensure_schema
+
+        with self._guard():
+            ensure_schema(self.engine, self.support)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turn driver connection failures into one clear, password-free error."""
+        try:
+            with self._serial or nullcontext():
+                yield
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+            if exc.connection_invalidated or _is_connect_error(exc):
+                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+                raise DatabaseUnavailableError(
+                    f"cannot reach {_describe(self.url)}: {reason}"
+                ) from exc
+            raise
+
+    @contextmanager
+    def _transaction(self, *, write: bool = False) -> Iterator[Connection]:
+        """One transaction; ``write`` takes the database's write lock up front."""
+        self._check_open()
+        with self._guard(), (self._write_engine if write else self.engine).begin() as conn:
+            yield conn
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this session store is closed; open a new one")
+
+    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking database work off the event loop.
+
+        On-disk databases use a private pool of ``_blocking_io_workers`` threads
+        owned by the store; in-memory SQLite runs directly on the loop, where a
+        thread hop would cost more than the work.
+        """
+        if self._ephemeral:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io_pool(), functools.partial(fn, *args))
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._blocking_io_workers, thread_name_prefix="chatflow-io"
+                )
+            return self._pool
+
+    # ------------------------------------------------------------ contexts
+
+    def set_agent_resolver(self, resolver: Callable[[str], Agent | None]) -> None:
+        """Register how stored agent names map back to Agent objects (the Runner does)."""
+        self._agent_resolver = resolver
+
+    def _resolve_agent(self, name: str, default: Agent | None) -> Agent:
+        if self._agent_resolver is not None:
+            agent = self._agent_resolver(name)
+            if agent is not None:
+                return agent
+        if default is not None and default.name == name:
+            return default
+        if name not in self._warned_agents:
+            self._warned_agents.add(name)
+            logger.warning(
+                "no agent resolver knows agent %r; using a temporary fallback agent without "
+                "tools (pass session_store= to a Runner that knows it, or call "
+                "store.set_agent_resolver)",
+                name,
+            )
+        return Agent(name=name, instructions="", model="gemini-2.5-flash")
+
+    def _cached(self, session_id: str) -> SessionContext | None:
+        with self._cache_lock:
+            ctx = self._contexts.get(session_id)
+            if ctx is not None:
+                self._recent[session_id] = ctx
+                self._recent.move_to_end(session_id)
+            return ctx
+
+    def _publish(self, ctx: SessionContext) -> SessionContext:
+        """Cache ``ctx`` unless another thread published a live one first."""
+        with self._cache_lock:
+            existing = self._contexts.get(ctx.session_id)
+            if existing is not None and not existing.deleted:
+                return existing
+            self._contexts[ctx.session_id] = ctx
+            self._recent[ctx.session_id] = ctx
+            self._recent.move_to_end(ctx.session_id)
+            while len(self._recent) > self._context_cache_size:
+                self._recent.popitem(last=False)
+            return ctx
+
+    def _forget(self, session_id: str) -> None:
+        with self._cache_lock:
+            ctx = self._contexts.pop(session_id, None)
+            self._recent.pop(session_id, None)
+        if ctx is not None:
+            ctx._deleted = True
+
+    def _build_context(self, stored: _StoredSession, session_id: str,
+                       default_agent: Agent | None) -> SessionContext:
+        agent = self._resolve_agent(stored.agent_name, default_agent)
+        ctx = SessionContext(session_id, agent, max_turns=self.default_max_turns)
+        self._install(ctx, stored, agent)
+        ctx._owner = self
+        return ctx
+
+    def _install(self, ctx: SessionContext, stored: _StoredSession, agent: Agent) -> None:
+        durable = DurableState(
+            version=stored.version,
+            seqs=set(stored.seqs),
+            agent_name=stored.agent_name,
+            metadata_json=dump_metadata(stored.metadata),
+        )
+        messages, seqs = _repair_window(stored.messages, stored.seqs)
+        ctx._load(messages, seqs, agent, stored.metadata, durable)
+
+    def _refresh(self, ctx: SessionContext) -> bool:
+        """Catch ``ctx`` up with the database; False if its session is gone."""
+        with self._transaction() as conn:
+            version = conn.execute(_SELECT_VERSION, {"session_id": ctx.session_id}).scalar()
+            if version is None:
+                self._forget(ctx.session_id)
+                return False
+            durable = ctx._durable
+            if durable is not None and durable.version == version:
+                return True
+            stored = self._read_session(conn, ctx.session_id)
+        if stored is None:
+            self._forget(ctx.session_id)
+            return False
+        with ctx._mutex:
+            agent = self._resolve_agent(stored.agent_name, ctx.active_agent)
+            self._install(ctx, stored, agent)
+        return True
+
+    def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
+        row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+        if row is None:
+            return None
+        metadata = row.metadata_json
+        if not isinstance(metadata, dict):
+            raise CorruptRowError(session_id, "-", "metadata_json is not a JSON object")
+        messages: list[Message] = []
+        seqs: list[int] = []
+        for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
+            try:
+                messages.append(Message.model_validate_json(msg_row.message_json))
+            except (ValidationError, ValueError, TypeError) as exc:
+                reason = str(exc).splitlines()[0]
+                raise CorruptRowError(session_id, msg_row.id, reason) from exc
+            seqs.append(msg_row.seq)
+        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs)
+
+    # ------------------------------------------------------------ store API
+
+    def get_or_create(
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None = None,
+    ) -> SessionContext:
+        """Return the session's context, creating the session if it does not exist.
+
+        ``metadata`` is stored only when the session is created. The same
+        context object is returned for a session while anyone holds it, so its
+        ``lock`` serialises turns within the process.
+
+        Raises:
+            ValueError: For an invalid ``session_id`` or non-JSON ``metadata``.
+
+        """
+        validate_session_id(session_id)
+        metadata = dict(metadata or {})
+        dump_metadata(metadata)
+        ctx = self._cached(session_id)
+        if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
+            return ctx
+        with self._transaction() as conn:
+            stored = self._read_session(conn, session_id)
+        if stored is None:
+            now = utcnow()
+            with self._transaction(write=True) as conn:
+                conn.execute(
+                    self.support.insert_ignore(_sessions),
+                    {
+                        "session_id": session_id,
+                        "active_agent_name": default_agent.name,
+                        "metadata_json": metadata,
+                        "version": 0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                )
+                stored = self._read_session(conn, session_id)
+            assert stored is not None
+        return self._publish(self._build_context(stored, session_id, default_agent))
+
+    def get(self, session_id: str) -> SessionContext | None:
+        """Return the session's context, or None if the session does not exist."""
+        validate_session_id(session_id)
+        ctx = self._cached(session_id)
+        if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
+            return ctx
+        with self._transaction() as conn:
+            stored = self._read_session(conn, session_id)
+        if stored is None:
+            return None
+        return self._publish(self._build_context(stored, session_id, None))
+
+    def delete(self, session_id: str) -> bool:
+        """Delete a session and its messages; live contexts then raise SessionDeletedError."""
+        validate_session_id(session_id)
+        with self._transaction(write=True) as conn:
+            result = conn.execute(delete(_sessions).where(_sessions.c.session_id == session_id))
+        self._forget(session_id)
+        return bool(result.rowcount)
+
+    def list_sessions(self) -> list[str]:
+        """Return every session id, most recently updated first."""
+        query = select(_sessions.c.session_id).order_by(
+            _sessions.c.updated_at.desc(), _sessions.c.session_id
+        )
+        with self._transaction() as conn:
+            return list(conn.execute(query).scalars())
+
+    def clear(self) -> None:
+        """Delete every session and message (processed webhook ids are kept)."""
+        with self._transaction(write=True) as conn:
+            conn.execute(delete(_messages))
+            conn.execute(delete(_sessions))
+        with self._cache_lock:
+            ids = list(self._contexts.keys())
+        for session_id in ids:
+            self._forget(session_id)
+
+    # ------------------------------------------------------------ dedup
+
+    def is_message_processed(self, message_id: str) -> bool:
+        """True if ``message_id`` was claimed within the dedup TTL."""
+        _validate_message_id(message_id)
+        cutoff = utcnow() - self._dedup_ttl
+        with self._transaction() as conn:
+            row = conn.execute(_IS_PROCESSED, {"message_id": message_id, "cutoff": cutoff})
+            return row.first() is not None
+
+    def mark_message_processed(self, message_id: str) -> None:
+        """Record ``message_id`` as processed now (check-then-mark; prefer the atomic claim)."""
+        _validate_message_id(message_id)
+        with self._transaction(write=True) as conn:
+            conn.execute(
+                self.support.upsert_processed(_processed),
+                {"message_id": message_id, "processed_at": utcnow()},
+            )
+
+    def record_processed_message(self, message_id: str) -> bool:
+        """Atomically claim ``message_id``: True only for its first caller within the TTL.
+
+        One ``INSERT ... ON CONFLICT`` statement decides, so concurrent threads
+        and processes racing on the same id get exactly one True. An expired
+        claim can be taken again. Expired ids are purged in bounded batches
+        at most every five minutes.
+        """
+        _validate_message_id(message_id)
+        now = utcnow()
+        params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
+        with self._transaction(write=True) as conn:
+            result = conn.execute(self.support.claim_processed(_processed), params)
+            claimed = self.support.claimed(result.rowcount)
+        if now - self._last_purge >= _PURGE_INTERVAL:
+            self._last_purge = now
+            self._purge_batch(now - self._dedup_ttl)
+        return claimed
+
+    def purge_processed_messages(self) -> int:
+        """Delete expired processed ids in batches of 1000; return how many went."""
+        cutoff = utcnow() - self._dedup_ttl
+        total = 0
+        while True:
+            removed = self._purge_batch(cutoff)
+            total += removed
+            if removed < _PURGE_BATCH:
+                return total
+
+    def _purge_batch(self, cutoff: Any) -> int:
+        with self._transaction(write=True) as conn:
+            return int(conn.execute(_PURGE_PROCESSED, {"cutoff": cutoff}).rowcount)
+
+    # ------------------------------------------------------------ writes
+
+    def _flush_context(self, ctx: SessionContext) -> None:
+        """Write what ``ctx`` changed since the database last saw it, in one transaction."""
+        with ctx._mutex:
+            ctx._check_alive()
+            ctx._ensure_indexed()
+            if ctx._durable is None or not _has_changes(ctx):
+                return
+            try:
+                with self._transaction(write=True) as conn:
+                    self._write_changes(conn, ctx)
+            except SessionDeletedError:
+                self._forget(ctx.session_id)
+                raise
+
+    def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
+        session_id = ctx.session_id
+        durable = ctx._durable
+        assert durable is not None
+        version = conn.execute(
+            self.support.lock_session_row(_SELECT_VERSION), {"session_id": session_id}
+        ).scalar()
+        if version is None:
+            raise SessionDeletedError(session_id)
+        if version != durable.version:
+            self._rebase(conn, ctx)
+            durable = ctx._durable
+            assert durable is not None
+        now = utcnow()
+        current = set(ctx._seqs)
+        gone = durable.seqs - current
+        if gone:
+            if current:
+                params = {"session_id": session_id, "seqs": sorted(gone)}
+                conn.execute(_DELETE_SOME_MESSAGES, params)
+            else:
+                conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
+        new_rows = [
+            {
+                "session_id": session_id,
+                "seq": seq,
+                "role": message.role.value,
+                "content": message.content,
+                "message_json": message.model_dump_json(),
+                "created_at": now,
+            }
+            for seq, message in ctx._pending_messages()
+        ]
+        if new_rows:
+            conn.execute(_INSERT_MESSAGES, new_rows)
+        metadata_json = dump_metadata(ctx._metadata)
+        conn.execute(
+            _UPDATE_SESSION,
+            {
+                "sid": session_id,
+                "new_version": version + 1,
+                "agent_name": ctx.active_agent.name,
+                "metadata": dict(ctx._metadata),
+                "now": now,
+            },
+        )
+        ctx._durable = DurableState(
+            version=version + 1,
+            seqs=current,
+            agent_name=ctx.active_agent.name,
+            metadata_json=metadata_json,
+        )
+
+    def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
+        """Another writer moved the session: replay our unsaved changes on its rows."""
+        durable = ctx._durable
+        assert durable is not None
+        pending = [message for _, message in ctx._pending_messages()]
+        our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
+        our_metadata = dict(ctx._metadata)
+        metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
+        stored = self._read_session(conn, ctx.session_id)
+        if stored is None:
+            raise SessionDeletedError(ctx.session_id)
+        agent = our_agent or self._resolve_agent(stored.agent_name, ctx.active_agent)
+        self._install(ctx, stored, agent)
+        if metadata_changed:
+            ctx._replace_metadata(our_metadata)
+        for message in pending:
+            ctx._append(message)
+        logger.info(
+            "session %r changed in another process; %d new message(s) appended after its rows",
+            ctx.session_id,
+            len(pending),
+        )
+
+    def _begin_turn(self, ctx: SessionContext) -> None:
+        """Before a turn: see every message other writers committed."""
+        if ctx._owner is self and not self._refresh(ctx):
+            raise SessionDeletedError(ctx.session_id)
+
+    def _end_turn(self, ctx: SessionContext) -> None:
+        """After a turn: write the whole turn in one transaction."""
+        self._flush_context(ctx)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Release the thread pool and (if the store created it) the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __enter__(self) -> SQLAlchemySessionStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> SQLAlchemySessionStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------ async twins
+
+    async def aget_or_create(
+        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+    ) -> SessionContext:
+        """Async :meth:`get_or_create`."""
+        return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
+
+    async def aget(self, session_id: str) -> SessionContext | None:
+        """Async :meth:`get`."""
+        return await self._run_blocking(self.get, session_id)
+
+    async def adelete(self, session_id: str) -> bool:
+        """Async :meth:`delete`."""
+        return await self._run_blocking(self.delete, session_id)
+
+    async def alist_sessions(self) -> list[str]:
+        """Async :meth:`list_sessions`."""
+        return await self._run_blocking(self.list_sessions)
+
+    async def aclear(self) -> None:
+        """Async :meth:`clear`."""
+        await self._run_blocking(self.clear)
+
+    async def ais_message_processed(self, message_id: str) -> bool:
+        """Async :meth:`is_message_processed`."""
+        return await self._run_blocking(self.is_message_processed, message_id)
+
+    async def amark_message_processed(self, message_id: str) -> None:
+        """Async :meth:`mark_message_processed`."""
+        await self._run_blocking(self.mark_message_processed, message_id)
+
+    async def arecord_processed_message(self, message_id: str) -> bool:
+        """Async :meth:`record_processed_message`."""
+        return await self._run_blocking(self.record_processed_message, message_id)
+
+    async def apurge_processed_messages(self) -> int:
+        """Async :meth:`purge_processed_messages`."""
+        return await self._run_blocking(self.purge_processed_messages)
+
+    async def aclose(self) -> None:
+        """Async :meth:`close` (waits for in-flight work off the loop)."""
+        if self._ephemeral:
+            self.close()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {_describe(self.url)}>"
+
+
+def _has_changes(ctx: SessionContext) -> bool:
+    durable = ctx._durable
+    assert durable is not None
+    if ctx.active_agent.name != durable.agent_name or len(ctx._seqs) != len(durable.seqs):
+        return True
+    if any(seq not in durable.seqs for seq in ctx._seqs):
+        return True
+    return dump_metadata(ctx._metadata) != durable.metadata_json
+
+
+def _repair_window(messages: list[Message], seqs: list[int]) -> tuple[list[Message], list[int]]:
+    """Drop what a crash can leave behind: a leading non-USER message, a dangling tool call.
+
+    Only the loaded copy is repaired; the next write of the session deletes
+    the dropped rows, so the database converges on what memory holds.
+    """
+    first = 0
+    while first < len(messages) and messages[first].role == Role.SYSTEM:
+        first += 1
+    start = first
+    while start < len(messages) and messages[start].role != Role.USER:
+        start += 1
+    end = len(messages)
+    if end > start and messages[-1].role == Role.MODEL and messages[-1].tool_calls:
+        end -= 1
+    if start == first and end == len(messages):
+        return messages, seqs
+    keep = list(range(first)) + list(range(start, end))
+    return [messages[i] for i in keep], [seqs[i] for i in keep]
+
+
+def _is_connect_error(exc: sa_exc.DBAPIError) -> bool:
+    text = str(exc.orig or exc).lower()
+    markers = (
+        "connection refused", "could not connect", "connection failed", "password authentication",
+        "unable to open database", "could not translate host name", "timeout expired",
+        "server closed the connection", "no such host", "does not exist", "terminating connection",
+        "connection is closed", "the connection is lost", "consuming input failed",
+    )
+    return any(marker in text for marker in markers)
