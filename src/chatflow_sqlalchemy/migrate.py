@@ -31,7 +31,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, Engine, MetaData, create_engine, make_url
+from sqlalchemy import URL, Connection, Engine, MetaData, create_engine, make_url
 
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import SchemaAheadError, SchemaError
@@ -48,6 +48,7 @@ __all__ = [
     "head_revision",
     "history",
     "make_config",
+    "open_engine",
     "run_locked",
     "stamp",
     "upgrade",
@@ -108,14 +109,28 @@ def locked_connection(engine: Engine, support: DialectSupport) -> Iterator[Conne
             support.end_migration(conn)
 
 
+def open_engine(url: str | URL) -> Engine:
+    """An engine for ``url`` set up exactly as a store sets it up, without migrating.
+
+    For tools (the CLI, Alembic's env.py) that must look at a database as it is.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() in ("postgresql", "postgres"):
+        from chatflow_sqlalchemy.backends.postgresql import psycopg_url
+
+        parsed = psycopg_url(parsed)
+    support = _support_for(parsed.get_backend_name())
+    engine = create_engine(parsed, **support.engine_options(parsed))
+    support.prepare_engine(engine)
+    return engine
+
+
 def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
     """Open ``url`` like a store would, and run ``fn`` under the migration lock."""
     if not url:
         raise SchemaError("no database URL: set CHATFLOW_DATABASE_URL", found=None, expected="")
-    parsed = make_url(url)
-    support = _support_for(parsed.get_backend_name())
-    engine = create_engine(parsed, **support.engine_options(parsed))
-    support.prepare_engine(engine)
+    engine = open_engine(url)
+    support = _support_for(engine.dialect.name)
     try:
         with locked_connection(engine, support) as conn:
             fn(conn)
