@@ -128,14 +128,18 @@ def _upgrade_altering() -> None:
     }.items():
         for column in columns:
             op.execute(f"UPDATE {table} SET {column} = CURRENT_TIMESTAMP WHERE {column} IS NULL")
+            # PostgreSQL changes a column's type before its default; the old
+            # default must go first or it may not cast to the new type.
+            op.alter_column(table, column, server_default=None)
             op.alter_column(
-                table, column, type_=_TS, nullable=False, server_default=None,
+                table, column, type_=_TS, nullable=False,
                 postgresql_using=f"{column} AT TIME ZONE 'UTC'",
             )
     op.alter_column("chatflow_sessions", "session_id", type_=_ID)
     op.alter_column("chatflow_sessions", "active_agent_name", type_=_ID)
+    op.alter_column("chatflow_sessions", "metadata_json", server_default=None)
     op.alter_column(
-        "chatflow_sessions", "metadata_json", type_=_JSON, server_default=None,
+        "chatflow_sessions", "metadata_json", type_=_JSON,
         postgresql_using="metadata_json::jsonb",
     )
     op.drop_constraint("chatflow_messages_session_id_fkey", "chatflow_messages", "foreignkey")

@@ -82,9 +82,9 @@ class ContextOwner(Protocol):
 
     def _flush_context(self, ctx: SessionContext) -> None: ...
 
-    def _begin_turn(self, ctx: SessionContext) -> None: ...
+    async def _abegin_turn(self, ctx: SessionContext) -> None: ...
 
-    def _end_turn(self, ctx: SessionContext) -> None: ...
+    async def _aend_turn(self, ctx: SessionContext) -> None: ...
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
 
@@ -424,7 +424,7 @@ class SessionContext(_UpstreamSessionContext):
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
-            await self._owner._run_blocking(self._owner._begin_turn, self)
+            await self._owner._abegin_turn(self)
         with self._mutex:
             self._check_alive()
             self._ensure_indexed()
@@ -438,7 +438,7 @@ class SessionContext(_UpstreamSessionContext):
             self._turn_snapshot = None
             self._journal.clear()
         if self._owner is not None:
-            await self._owner._run_blocking(self._owner._end_turn, self)
+            await self._owner._aend_turn(self)
 
     # -------------------------------------------------------------- internals
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import URL, Connection, Engine, Select, Table
+from sqlalchemy import URL, Connection, CursorResult, Engine, Select, Table
 from sqlalchemy.sql.dml import Insert
 
 __all__ = ["DialectSupport"]
@@ -50,13 +50,14 @@ class DialectSupport:
 
         Bind parameters: ``message_id``, ``processed_at`` (now) and ``cutoff``
         (rows older than it are expired). The statement must affect a row
-        exactly when the claim succeeded; :meth:`claimed` reads the rowcount.
+        exactly when the claim succeeded; :meth:`claimed` reads its result
+        (by default: a row came back from ``RETURNING``).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement claim_processed()")
 
-    def claimed(self, rowcount: int) -> bool:
-        """Interpret the rowcount of :meth:`claim_processed`."""
-        return rowcount == 1
+    def claimed(self, result: CursorResult[Any]) -> bool:
+        """Interpret the result of :meth:`claim_processed`."""
+        return result.first() is not None
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert ``message_id`` or move its ``processed_at`` to now (``mark``)."""

@@ -532,7 +532,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
         with self._transaction(write=True) as conn:
             result = conn.execute(self.support.claim_processed(_processed), params)
-            claimed = self.support.claimed(result.rowcount)
+            claimed = self.support.claimed(result)
         if now - self._last_purge >= _PURGE_INTERVAL:
             self._last_purge = now
             self._purge_batch(now - self._dedup_ttl)
@@ -644,14 +644,39 @@ class SQLAlchemySessionStore(BaseSessionStore):
             len(pending),
         )
 
-    def _begin_turn(self, ctx: SessionContext) -> None:
-        """Before a turn: see every message other writers committed."""
-        if ctx._owner is self and not self._refresh(ctx):
-            raise SessionDeletedError(ctx.session_id)
+    async def _abegin_turn(self, ctx: SessionContext) -> None:
+        """Before a turn: take the cross-process turn lock, then catch up with the database.
 
-    def _end_turn(self, ctx: SessionContext) -> None:
-        """After a turn: write the whole turn in one transaction."""
-        self._flush_context(ctx)
+        The lock is polled with a short backoff rather than waited for, so a
+        contended session never pins one of the I/O threads.
+        """
+        locking = self.support.cross_process_turn_lock
+        delay = 0.002
+        while locking and not await self._run_blocking(self._try_turn_lock, ctx.session_id):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        try:
+            if not await self._run_blocking(self._refresh, ctx):
+                raise SessionDeletedError(ctx.session_id)
+        except BaseException:
+            if locking:
+                await self._run_blocking(self._release_turn_lock, ctx.session_id)
+            raise
+
+    async def _aend_turn(self, ctx: SessionContext) -> None:
+        """After a turn: write it in one transaction, then let other processes in."""
+        try:
+            await self._run_blocking(self._flush_context, ctx)
+        finally:
+            if self.support.cross_process_turn_lock:
+                await self._run_blocking(self._release_turn_lock, ctx.session_id)
+
+    def _try_turn_lock(self, session_id: str) -> bool:
+        """Try to take the cross-process lock of a session's turn (default: none needed)."""
+        return True
+
+    def _release_turn_lock(self, session_id: str) -> None:
+        """Release what :meth:`_try_turn_lock` took."""
 
     # ------------------------------------------------------------ lifecycle
 

@@ -9,9 +9,12 @@ advisory lock.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import threading
 from typing import Any
 
-from sqlalchemy import URL, Connection, bindparam, make_url, text
+from sqlalchemy import URL, Connection, Engine, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
@@ -20,7 +23,14 @@ from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
-__all__ = ["MIGRATION_LOCK_KEY", "PostgresDialectSupport", "PostgresSessionStore", "psycopg_url"]
+__all__ = [
+    "MIGRATION_LOCK_KEY",
+    "AdvisoryTurnLocks",
+    "PostgresDialectSupport",
+    "PostgresSessionStore",
+    "psycopg_url",
+    "session_lock_key",
+]
 
 MIGRATION_LOCK_KEY = 0x63686174666C6F77 & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("chatflow") held while migrations run."""
@@ -35,10 +45,70 @@ def psycopg_url(url: str | URL) -> URL:
     return parsed
 
 
+def session_lock_key(session_id: str) -> int:
+    """A stable signed 64-bit advisory-lock key for a session id."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8, person=b"chatflow").digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+class AdvisoryTurnLocks:
+    """Session-level advisory locks for turns, all held on one dedicated connection.
+
+    One connection per store can hold the locks of any number of sessions, so
+    a turn that waits on a slow model does not pin a pooled connection. The
+    locks die with the connection, so a crashed worker never leaves a
+    session locked. Calls are serialised: the connection is shared.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._conn: Connection | None = None
+        self._mutex = threading.Lock()
+
+    def _connection(self) -> Connection:
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            self._conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._conn
+
+    def _call(self, sql: str, session_id: str) -> bool:
+        with self._mutex:
+            conn = self._connection()
+            try:
+                return bool(conn.execute(text(sql), {"key": session_lock_key(session_id)}).scalar())
+            except Exception:
+                self._discard()
+                raise
+
+    def try_acquire(self, session_id: str) -> bool:
+        """Take the session's lock if free; never waits."""
+        return self._call("SELECT pg_try_advisory_lock(:key)", session_id)
+
+    def release(self, session_id: str) -> None:
+        """Release the session's lock (a lost connection already released it)."""
+        with contextlib.suppress(Exception):
+            self._call("SELECT pg_advisory_unlock(:key)", session_id)
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+                conn.close()
+
+    def close(self) -> None:
+        """Close the dedicated connection, releasing every lock it holds."""
+        with self._mutex:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
 class PostgresDialectSupport(DialectSupport):
-    """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, advisory migration lock."""
+    """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, advisory locks."""
 
     name = "postgresql"
+    cross_process_turn_lock = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pre-pinged pool, so connections killed by a server restart are replaced."""
@@ -55,7 +125,7 @@ class PostgresDialectSupport(DialectSupport):
             index_elements=[table.c.message_id],
             set_={"processed_at": stmt.excluded.processed_at},
             where=table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()),
-        )
+        ).returning(table.c.message_id)
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""
@@ -106,6 +176,20 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
         )
         self._owns_engine = True
+        self._turn_locks = AdvisoryTurnLocks(engine)
+
+    def _try_turn_lock(self, session_id: str) -> bool:
+        with self._guard():
+            return self._turn_locks.try_acquire(session_id)
+
+    def _release_turn_lock(self, session_id: str) -> None:
+        self._turn_locks.release(session_id)
+
+    def close(self) -> None:
+        """Release the turn-lock connection, the thread pool and the engine."""
+        if hasattr(self, "_turn_locks"):
+            self._turn_locks.close()
+        super().close()
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:

@@ -107,7 +107,7 @@ class SQLiteDialectSupport(DialectSupport):
             index_elements=[table.c.message_id],
             set_={"processed_at": stmt.excluded.processed_at},
             where=table.c.processed_at < _cutoff(),
-        )
+        ).returning(table.c.message_id)
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""
