@@ -251,6 +251,7 @@ class SessionContext(_UpstreamSessionContext):
         self._journal: list[tuple[int, _Snapshot]] = []
         self._turn_snapshot: _Snapshot | None = None
         self._in_turn = False
+        self._stale = False
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
         self._max_turns = 1
@@ -288,11 +289,11 @@ class SessionContext(_UpstreamSessionContext):
     def history(self, messages: Iterable[Message]) -> None:
         with self._mutex:
             self._check_alive()
-            self._push_undo()
+            undo = self._push_undo()
             self._history = list(messages)
             self._seqs = []
             self._regroup()
-            self._changed()
+            self._changed(undo)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -335,28 +336,28 @@ class SessionContext(_UpstreamSessionContext):
         with self._mutex:
             self._check_alive()
             self._ensure_indexed()
-            self._push_undo()
+            undo = self._push_undo()
             self._append(message)
-            self._changed()
+            self._changed(undo)
 
     def set_active_agent(self, agent: Agent) -> None:
         """Switch the agent handling this session (persisted by name)."""
         with self._mutex:
             self._check_alive()
-            self._push_undo()
+            undo = self._push_undo()
             self.active_agent = agent
-            self._changed()
+            self._changed(undo)
 
     def clear_history(self) -> None:
         """Drop every message of the session, SYSTEM messages included."""
         with self._mutex:
             self._check_alive()
-            self._push_undo()
+            undo = self._push_undo()
             self._history = []
             self._seqs = []
             self._n_system = 0
             self._turns.clear()
-            self._changed()
+            self._changed(undo)
 
     def rollback_to(self, checkpoint_len: int) -> None:
         """Restore the state the session had when ``len(history) == checkpoint_len``.
@@ -373,6 +374,7 @@ class SessionContext(_UpstreamSessionContext):
         """
         with self._mutex:
             self._check_alive()
+            undo = self._snapshot()
             snapshot = self._find_snapshot(checkpoint_len)
             if snapshot is not None:
                 self._restore(snapshot)
@@ -383,7 +385,7 @@ class SessionContext(_UpstreamSessionContext):
                 self._reindex()
             else:
                 return
-            self._changed()
+            self._changed(undo)
 
     def _prune_history(self) -> None:
         """Regroup the whole history into whole turns (upstream's full algorithm).
@@ -393,8 +395,9 @@ class SessionContext(_UpstreamSessionContext):
         """
         with self._mutex:
             self._check_alive()
+            undo = self._push_undo()
             self._regroup()
-            self._changed()
+            self._changed(undo)
 
     # ------------------------------------------------------------ async twins
 
@@ -438,7 +441,11 @@ class SessionContext(_UpstreamSessionContext):
             self._turn_snapshot = None
             self._journal.clear()
         if self._owner is not None:
-            await self._owner._aend_turn(self)
+            try:
+                await self._owner._aend_turn(self)
+            except BaseException:
+                self._stale = True  # the turn was not written: reload before the next one
+                raise
 
     # -------------------------------------------------------------- internals
 
@@ -446,10 +453,25 @@ class SessionContext(_UpstreamSessionContext):
         if self._deleted:
             raise SessionDeletedError(self.session_id)
 
-    def _changed(self) -> None:
-        """Persist now, or leave it for the end of the turn."""
-        if self._owner is not None and not self._in_turn:
+    def _changed(self, undo: _Snapshot | None = None) -> None:
+        """Persist now, or leave it for the end of the turn.
+
+        If writing fails, the change is undone in memory (``undo`` is the state
+        before it) and the context is marked stale, so the store reloads it
+        from the database before its next use: memory never claims what the
+        database does not hold.
+        """
+        if self._owner is None or self._in_turn:
+            return
+        try:
             self._owner._flush_context(self)
+        except BaseException:
+            if undo is not None:
+                self._restore(undo)
+                if self._journal and self._journal[-1][1] is undo:
+                    self._journal.pop()
+            self._stale = True
+            raise
 
     def _on_metadata_change(self) -> None:
         with self._mutex:
@@ -459,10 +481,12 @@ class SessionContext(_UpstreamSessionContext):
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(list(self._history), list(self._seqs), self.active_agent)
 
-    def _push_undo(self) -> None:
-        self._journal.append((len(self._history), self._snapshot()))
+    def _push_undo(self) -> _Snapshot:
+        snapshot = self._snapshot()
+        self._journal.append((len(self._history), snapshot))
         if len(self._journal) > _JOURNAL_LIMIT:
             del self._journal[0]
+        return snapshot
 
     def _find_snapshot(self, checkpoint_len: int) -> _Snapshot | None:
         turn = self._turn_snapshot
@@ -569,6 +593,7 @@ class SessionContext(_UpstreamSessionContext):
         self._next_seq = max(seqs, default=0) + 1
         self._journal.clear()
         self._durable = durable
+        self._stale = False
         self._reindex()
 
     def _replace_metadata(self, metadata: dict[str, Any]) -> None:

@@ -389,7 +389,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 self._forget(ctx.session_id)
                 return False
             durable = ctx._durable
-            if durable is not None and durable.version == version:
+            if durable is not None and durable.version == version and not ctx._stale:
                 return True
             stored = self._read_session(conn, ctx.session_id)
         if stored is None:
