@@ -7,6 +7,8 @@ Each message says what happened and what to do about it.
 
 from __future__ import annotations
 
+import shlex
+
 from chatflow_agent.exceptions import ChatFlowError
 
 __all__ = [
@@ -82,7 +84,7 @@ class CorruptRowError(ChatflowStoreError):
     def __init__(self, session_id: str, row_id: object, reason: str) -> None:
         super().__init__(
             f"corrupt row in chatflow_messages (session {session_id!r}, id {row_id}): {reason}; "
-            f"inspect it with 'chatflow-sqlalchemy sessions show {session_id}' or delete the row"
+            f"inspect it with: chatflow-sqlalchemy sessions show {shlex.quote(session_id)}"
         )
         self.session_id = session_id
         self.row_id = row_id

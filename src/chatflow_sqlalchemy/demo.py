@@ -1,0 +1,493 @@
+"""An offline, deterministic tour of chatflow-sqlalchemy driving the real Runner.
+
+``chatflow-sqlalchemy demo`` (or :func:`run_demo`) runs a two-agent support bot
+(``Support`` with an order-status tool, ``Billing`` with a refund tool, each able
+to hand off to the other) on an embedded SQLite file through the real
+``chatflow_agent.Runner``. The LLM is replaced by :class:`ScriptedEngine`,
+which picks tool calls from keywords, so the demo needs no network and no key.
+
+It shows, step by step: a tool call, a handoff, a process restart that
+reloads the session (with the active agent and its tools), turn-safe pruning
+to ``max_turns``, webhook deduplication and the rollback of a failing turn.
+Every claim it prints is also checked; a failed check raises :class:`DemoError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
+from chatflow_agent.core.engines.base import EngineTurnResult
+
+from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+
+__all__ = [
+    "DEMO_MAX_TURNS",
+    "DEMO_SESSION_ID",
+    "DemoError",
+    "ScriptedEngine",
+    "build_agents",
+    "run_demo",
+]
+
+DEMO_SESSION_ID = "whatsapp:+15550100"
+"""The session the demo talks in."""
+
+DEMO_MAX_TURNS = 3
+"""History window of the demo store, small enough to see pruning happen."""
+
+_WEBHOOK_ID = "wamid.X"
+
+_ORDER_RE = re.compile(r"\border\s*#?\s*(\d+)", re.IGNORECASE)
+_CALL_ID_RE = re.compile(r"^call_(\d+)$")
+_FAILURE_WORDS = ("crash", "fail")
+
+
+class DemoError(RuntimeError):
+    """A behaviour the demo shows did not hold (the demo doubles as a smoke test)."""
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _handoff_tool_name(agent_name: str) -> str:
+    """The tool name chatflow-agent generates for a handoff to ``agent_name``."""
+    from chatflow_agent.core.agent import _sanitize_tool_name
+
+    return str(_sanitize_tool_name(agent_name))
+
+
+def _latest_user_text(history: Sequence[Message]) -> str:
+    for message in reversed(history):
+        if message.role == Role.USER:
+            return message.content or ""
+    return ""
+
+
+def _format_value(value: Any, limit: int = 72) -> str:
+    if isinstance(value, dict):
+        text = ", ".join(f"{k}={_format_value(v)}" for k, v in value.items())
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ScriptedEngine(BaseEngine):
+    """An offline, deterministic stand-in for an LLM provider.
+
+    It decides from the history alone:
+
+    * last message USER: the first rule that applies wins:
+
+      - "refund" and the agent has no ``issue_refund`` tool but can hand off to
+        ``Billing`` → call ``transfer_to_billing``;
+      - "support" and the agent can hand off to ``Support`` → call ``transfer_to_support``;
+      - "crash" or "fail" → raise ``RuntimeError`` (a simulated provider outage);
+      - "refund" and the agent has ``issue_refund`` → call it;
+      - "order <n>" and the agent has ``check_order_status`` → call it with ``order_id="<n>"``;
+      - anything else → a plain text answer;
+
+    * last message TOOL: after a successful handoff the new agent continues the
+      user's request (raising if it asked to "crash"/"fail", calling
+      ``issue_refund`` for a refund); otherwise it answers with a text summary of
+      the tool results.
+
+    Tool call ids are ``call_<n>``, with ``n`` above every id in the history and
+    every id this engine issued, so they are unique within a session.
+
+    Attributes:
+        calls: How many times the engine was asked for a turn.
+        last_agent: Name of the agent of the latest request (None before the first).
+
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last_agent: str | None = None
+        self._last_id = 0
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        """Return the scripted next step for ``agent`` given ``history``.
+
+        Raises:
+            RuntimeError: When the user asked for a failure ("crash"/"fail").
+
+        """
+        self.calls += 1
+        self.last_agent = agent.name
+        if not history:
+            return EngineTurnResult(text=f"[{agent.name}] Hello! How can I help?")
+        last = history[-1]
+        tools = {tool.name for tool in agent.get_all_tools()}
+        if last.role == Role.TOOL:
+            return self._after_tool(agent, history, last, tools)
+        if last.role == Role.USER:
+            return self._after_user(agent, history, last.content or "", tools)
+        return EngineTurnResult(text=f"[{agent.name}] Is there anything else I can do?")
+
+    # ------------------------------------------------------------ decisions
+
+    def _after_user(
+        self, agent: Agent, history: list[Message], text: str, tools: set[str]
+    ) -> EngineTurnResult:
+        lowered = text.lower()
+        to_billing = _handoff_tool_name("Billing")
+        to_support = _handoff_tool_name("Support")
+        if "refund" in lowered and "issue_refund" not in tools and to_billing in tools:
+            return self._call(history, to_billing, reason="refund request")
+        if "support" in lowered and to_support in tools:
+            return self._call(history, to_support, reason="back to general support")
+        if any(word in lowered for word in _FAILURE_WORDS):
+            raise RuntimeError("simulated provider outage (ScriptedEngine)")
+        if "refund" in lowered and "issue_refund" in tools:
+            return self._call(history, "issue_refund", order_id=_order_id(text))
+        match = _ORDER_RE.search(text)
+        if match and "check_order_status" in tools:
+            return self._call(history, "check_order_status", order_id=match.group(1))
+        return EngineTurnResult(text=f"[{agent.name}] Noted: {text.strip()}")
+
+    def _after_tool(
+        self, agent: Agent, history: list[Message], last: Message, tools: set[str]
+    ) -> EngineTurnResult:
+        results = last.tool_results or []
+        handed_off = any(
+            isinstance(r.content, dict) and r.content.get("status") == "HANDOFF_SUCCESS"
+            for r in results
+        )
+        user_text = _latest_user_text(history)
+        if handed_off:
+            lowered = user_text.lower()
+            if any(word in lowered for word in _FAILURE_WORDS):
+                raise RuntimeError("simulated provider outage (ScriptedEngine)")
+            if "refund" in lowered and "issue_refund" in tools:
+                return self._call(history, "issue_refund", order_id=_order_id(user_text))
+            return EngineTurnResult(text=f"[{agent.name}] Hi, {agent.name} here. How can I help?")
+        parts = [_summarise(r.name, r.content, r.is_error) for r in results]
+        return EngineTurnResult(text=f"[{agent.name}] " + " ".join(parts))
+
+    def _call(self, history: list[Message], name: str, **args: Any) -> EngineTurnResult:
+        return EngineTurnResult(
+            tool_calls=[ToolCall(id=self._next_id(history), name=name, args=args)]
+        )
+
+    def _next_id(self, history: list[Message]) -> str:
+        highest = self._last_id
+        for message in history:
+            for call in message.tool_calls or []:
+                match = _CALL_ID_RE.match(call.id)
+                if match:
+                    highest = max(highest, int(match.group(1)))
+        self._last_id = highest + 1
+        return f"call_{self._last_id}"
+
+
+def _order_id(text: str) -> str:
+    match = _ORDER_RE.search(text)
+    return match.group(1) if match else "unknown"
+
+
+def _summarise(name: str, content: Any, is_error: bool) -> str:
+    if is_error:
+        return f"Sorry, {name} failed: {_format_value(content)}"
+    if isinstance(content, dict):
+        if name == "check_order_status":
+            return (
+                f"Order {content.get('order_id')} is {content.get('status')}"
+                f" (ETA {content.get('eta')})."
+            )
+        if name == "issue_refund":
+            return (
+                f"Refund {content.get('refund_id')} of {content.get('amount')} "
+                f"for order {content.get('order_id')} is {content.get('status')}."
+            )
+    return f"{name} says: {_format_value(content)}."
+
+
+# --------------------------------------------------------------------------- agents
+
+
+def check_order_status(order_id: str) -> dict[str, Any]:
+    """Look up the shipping status of an order."""
+    number = int(order_id) if order_id.isdigit() else 0
+    status = ("processing", "shipped", "in transit", "delivered")[number % 4]
+    return {"order_id": order_id, "status": status, "eta": f"2025-06-{10 + number % 20:02d}"}
+
+
+def issue_refund(order_id: str) -> dict[str, Any]:
+    """Refund an order in full."""
+    return {
+        "refund_id": f"RF-{order_id}",
+        "order_id": order_id,
+        "amount": "49.90 EUR",
+        "status": "approved",
+    }
+
+
+def build_agents() -> dict[str, Agent]:
+    """Build the demo's two agents (fresh objects each call, as after a restart).
+
+    Returns:
+        ``{"Support": ..., "Billing": ...}``; Support starts, each can hand off
+        to the other.
+
+    """
+    support = Agent(
+        name="Support",
+        instructions="You answer order questions and route refunds to Billing.",
+        tools=[check_order_status],
+    )
+    billing = Agent(
+        name="Billing",
+        instructions="You handle refunds and invoices.",
+        tools=[issue_refund],
+    )
+    support.add_handoff(billing)
+    billing.add_handoff(support)
+    return {"Support": support, "Billing": billing}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _describe_message(message: Message) -> list[str]:
+    role = message.role.value
+    lines: list[str] = []
+    if message.content:
+        lines.append(f"{role:>6}: {message.content}")
+    for call in message.tool_calls or []:
+        args = ", ".join(f"{k}={v!r}" for k, v in call.args.items())
+        lines.append(f"{role:>6}: calls {call.name}({args})  [{call.id}]")
+    for result in message.tool_results or []:
+        flag = " (error)" if result.is_error else ""
+        lines.append(f"{role:>6}: {result.name}{flag} -> {_format_value(result.content)}")
+    return lines or [f"{role:>6}: (empty)"]
+
+
+def _last_turn(history: Sequence[Message]) -> list[Message]:
+    for index in range(len(history) - 1, -1, -1):
+        if history[index].role == Role.USER:
+            return list(history[index:])
+    return []
+
+
+def _turns(history: Sequence[Message]) -> list[list[Message]]:
+    turns: list[list[Message]] = []
+    for message in history:
+        if message.role == Role.USER:
+            turns.append([message])
+        elif turns and message.role != Role.SYSTEM:
+            turns[-1].append(message)
+    return turns
+
+
+def _dump(history: Sequence[Message]) -> list[dict[str, Any]]:
+    return [message.model_dump(mode="json") for message in history]
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise DemoError(f"demo check failed: {what}")
+
+
+def _pairs_intact(history: Sequence[Message]) -> bool:
+    """Every tool call has its result right after it, and every result its call."""
+    for index, message in enumerate(history):
+        if message.tool_calls:
+            following = history[index + 1] if index + 1 < len(history) else None
+            if following is None or following.role != Role.TOOL:
+                return False
+            answered = {r.tool_call_id for r in following.tool_results or []}
+            if {c.id for c in message.tool_calls} != answered:
+                return False
+        if message.role == Role.TOOL:
+            previous = history[index - 1] if index else None
+            if previous is None or not previous.tool_calls:
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------- the tour
+
+
+class _Demo:
+    def __init__(self, db_path: str, out: Callable[[str], None]) -> None:
+        self.db_path = db_path
+        self.out = out
+        self.engine = ScriptedEngine()
+        self.store = SQLiteSessionStore(db_path, default_max_turns=DEMO_MAX_TURNS)
+        self.agents = build_agents()
+        self.runner = Runner(
+            starting_agent=self.agents["Support"], session_store=self.store, engine=self.engine
+        )
+
+    def heading(self, text: str) -> None:
+        self.out("")
+        self.out(text)
+
+    def history(self) -> list[Message]:
+        session = self.store.get(DEMO_SESSION_ID)
+        _check(session is not None, "the demo session exists")
+        assert session is not None
+        return list(session.history)
+
+    def active_agent(self) -> Agent:
+        session = self.store.get(DEMO_SESSION_ID)
+        assert session is not None
+        return session.active_agent
+
+    async def turn(self, text: str) -> None:
+        response = await self.runner.run_async(DEMO_SESSION_ID, text)
+        for message in _last_turn(self.history()):
+            for line in _describe_message(message):
+                self.out("  " + line)
+        if response.handoff is not None:
+            self.out(f"  -- handoff to {response.handoff.target_agent_name}")
+
+    def reopen(self) -> SQLiteSessionStore:
+        """A second, independent store on the same file (what another process sees)."""
+        store = SQLiteSessionStore(self.db_path, default_max_turns=DEMO_MAX_TURNS)
+        store.set_agent_resolver(self.agents.get)
+        return store
+
+    async def run(self) -> None:
+        try:
+            await self.tools()
+            await self.handoff()
+            await self.restart()
+            await self.pruning()
+            await self.duplicate()
+            await self.rollback()
+        finally:
+            await self.store.aclose()
+        self.out("")
+        self.out("All steps behaved as described.")
+
+    async def tools(self) -> None:
+        self.heading("1. Tool call (Support agent)")
+        await self.turn("Hi! Where is my order 404?")
+        history = self.history()
+        _check(
+            any(c.name == "check_order_status" for m in history for c in m.tool_calls or []),
+            "Support called check_order_status",
+        )
+
+    async def handoff(self) -> None:
+        self.heading("2. Handoff: a refund goes to Billing, which uses its own tool")
+        await self.turn("It never arrived. I want a refund for order 404.")
+        _check(self.active_agent().name == "Billing", "Billing is now the active agent")
+        called = [c.name for m in _last_turn(self.history()) for c in m.tool_calls or []]
+        _check("issue_refund" in called, "Billing called issue_refund")
+        self.out("  active agent: Billing")
+
+    async def restart(self) -> None:
+        self.heading("3. Restart: close the store, reopen the file with a new Runner")
+        before = _dump(self.history())
+        await self.store.aclose()
+        self.out("  store closed (simulated process exit)")
+        self.store = self.reopen()
+        self.agents = build_agents()
+        self.runner = Runner(
+            starting_agent=self.agents["Support"], session_store=self.store, engine=self.engine
+        )
+        agent = self.active_agent()
+        tools = [tool.name for tool in agent.get_all_tools()]
+        _check(agent is self.agents["Billing"], "the new Runner's Billing agent was resolved")
+        _check(_dump(self.history()) == before, "the reloaded history is identical")
+        self.out(f"  reloaded: {len(before)} messages, active agent {agent.name}")
+        self.out(f"  {agent.name}'s tools after restart: {', '.join(tools)}")
+
+    async def pruning(self) -> None:
+        self.heading(f"4. Pruning: max_turns={DEMO_MAX_TURNS} keeps the newest whole turns")
+        for text in (
+            "Thanks! Back to support, please.",
+            "Where is order 405?",
+            "And order 406?",
+        ):
+            await self.turn(text)
+        history = self.history()
+        turns = _turns(history)
+        _check(len(turns) == DEMO_MAX_TURNS, f"{DEMO_MAX_TURNS} turns remain")
+        _check(history[0].role == Role.USER, "the history starts with a USER message")
+        _check(_pairs_intact(history), "tool calls and results stay paired")
+        self.out(f"  after 5 turns, {len(turns)} remain ({len(history)} messages):")
+        for turn in turns:
+            self.out(f"    - {turn[0].content!r} ({len(turn)} messages)")
+        self.out("  first message is USER; every tool call still has its result")
+        with self.reopen() as fresh:
+            reloaded = fresh.get(DEMO_SESSION_ID)
+            assert reloaded is not None
+            _check(_dump(reloaded.history) == _dump(history), "a fresh store reloads the same")
+        self.out("  a fresh store reloads the identical history")
+
+    async def duplicate(self) -> None:
+        self.heading("5. Duplicate webhook: the same WhatsApp message delivered twice")
+        for delivery in ("first", "second"):
+            claimed = await self.store.arecord_processed_message(_WEBHOOK_ID)
+            if claimed:
+                self.out(f"  {delivery} delivery of {_WEBHOOK_ID}: claimed, processing it")
+                await self.turn("Is order 406 insured?")
+            else:
+                self.out(f"  {delivery} delivery of {_WEBHOOK_ID}: duplicate, skipped")
+            _check(claimed == (delivery == "first"), "only the first delivery is claimed")
+
+    async def rollback(self) -> None:
+        self.heading("6. Rollback: the provider fails mid-turn, after a handoff")
+        before = _dump(self.history())
+        agent_before = self.active_agent().name
+        self.out(f"  before: {len(before)} messages, active agent {agent_before}")
+        try:
+            await self.runner.run_async(DEMO_SESSION_ID, "Refund order 406 too... then fail.")
+        except RuntimeError as exc:
+            self.out("    user: Refund order 406 too... then fail.")
+            self.out(f"  Support handed off to {self.engine.last_agent}, then: {exc}")
+        else:
+            raise DemoError("demo check failed: the failing turn raised")
+        _check(self.engine.last_agent == "Billing", "the turn failed after its handoff")
+        after = _dump(self.history())
+        agent_after = self.active_agent().name
+        _check(after == before, "the history is unchanged after the rollback")
+        _check(agent_after == agent_before, "the active agent is unchanged after the rollback")
+        self.out(f"  in memory: {len(after)} messages, active agent {agent_after}")
+        with self.reopen() as fresh:
+            reloaded = fresh.get(DEMO_SESSION_ID)
+            assert reloaded is not None
+            _check(_dump(reloaded.history) == before, "the database holds the pre-turn history")
+            _check(reloaded.active_agent.name == agent_before, "the database holds the agent")
+            self.out(
+                f"  reloaded: {len(reloaded.history)} messages, "
+                f"active agent {reloaded.active_agent.name}"
+            )
+        self.out("  the Runner rolled the turn back: no messages, no handoff left behind")
+
+
+def run_demo(db_path: str, out: Callable[[str], None] = print) -> None:
+    """Run the whole demo on a new SQLite file at ``db_path``, printing through ``out``.
+
+    Args:
+        db_path: Where to create the database; the file must not exist yet, so
+            the demo never touches a real database.
+        out: Receives each output line (default :func:`print`).
+
+    Raises:
+        FileExistsError: ``db_path`` already exists.
+        DemoError: A behaviour the demo shows did not hold.
+
+    """
+    path = Path(db_path)
+    if path.exists():
+        raise FileExistsError(
+            f"{db_path} already exists; the demo needs a new file (remove it or pick another path)"
+        )
+    out("chatflow-sqlalchemy demo: offline scripted engine, real chatflow_agent.Runner")
+    out(f"database: {db_path} (SQLite), session {DEMO_SESSION_ID}, max_turns={DEMO_MAX_TURNS}")
+    asyncio.run(_Demo(str(path), out).run())
+    url = shlex.quote(f"sqlite:///{path}")
+    out(f"inspect it: chatflow-sqlalchemy --url {url} sessions show {DEMO_SESSION_ID}")
