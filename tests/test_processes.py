@@ -41,7 +41,7 @@ def kill_when_ready(proc: subprocess.Popen[str]) -> None:
         _, err = proc.communicate(timeout=30)
         pytest.fail(f"worker did not reach its blocking point: {line!r}\n{err}")
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
 

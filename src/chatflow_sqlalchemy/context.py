@@ -161,6 +161,28 @@ class _TrackedDict(dict[str, Any]):
         return self
 
 
+class _LoopLock:
+    """An ``asyncio.Lock`` that follows the running event loop while it is free.
+
+    A context can outlive an event loop (``Runner.run`` uses ``asyncio.run``
+    on every call); an idle lock bound to a finished loop would refuse to wait.
+    """
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def get(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop and not self._lock.locked():
+            self._lock = asyncio.Lock()
+            self._loop = loop
+        return self._lock
+
+
 class TurnLock:
     """The object behind ``session.lock``: an ``asyncio.Lock`` that also frames a turn.
 
@@ -172,21 +194,11 @@ class TurnLock:
 
     def __init__(self, ctx: SessionContext) -> None:
         self._ctx = ctx
-        self._lock = asyncio.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _bound_lock(self) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop and not self._lock.locked():
-            # A context can outlive an event loop (Runner.run uses asyncio.run each
-            # call); an idle asyncio.Lock bound to a dead loop would refuse to wait.
-            self._lock = asyncio.Lock()
-            self._loop = loop
-        return self._lock
+        self._lock = _LoopLock()
 
     async def acquire(self) -> bool:
         """Wait for the session's turn, then open it."""
-        lock = self._bound_lock()
+        lock = self._lock.get()
         await lock.acquire()
         try:
             await self._ctx._abegin_turn()
@@ -200,7 +212,7 @@ class TurnLock:
         try:
             await self._ctx._aend_turn()
         finally:
-            self._lock.release()
+            self._lock.get().release()
 
     def locked(self) -> bool:
         """Return True while a turn holds the lock."""
@@ -254,6 +266,7 @@ class SessionContext(_UpstreamSessionContext):
         self._stale = False
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
+        self._async_writer = _LoopLock()
         self._max_turns = 1
         self._metadata = _TrackedDict(self, {})
         super().__init__(
@@ -420,14 +433,18 @@ class SessionContext(_UpstreamSessionContext):
     async def _maybe_blocking(self, fn: Callable[..., None], *args: Any) -> None:
         if self._owner is None or self._in_turn:
             fn(*args)  # nothing to write now: memory only, or buffered until the turn ends
-        else:
+            return
+        # Async writers of one context take turns: on a native-async store they
+        # share the loop thread, where the thread mutex cannot tell them apart.
+        async with self._async_writer.get():
             await self._owner._run_blocking(fn, *args)
 
     # ------------------------------------------------------------------ turns
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
-            await self._owner._abegin_turn(self)
+            async with self._async_writer.get():
+                await self._owner._abegin_turn(self)
         with self._mutex:
             self._check_alive()
             self._ensure_indexed()
@@ -442,7 +459,8 @@ class SessionContext(_UpstreamSessionContext):
             self._journal.clear()
         if self._owner is not None:
             try:
-                await self._owner._aend_turn(self)
+                async with self._async_writer.get():
+                    await self._owner._aend_turn(self)
             except BaseException:
                 self._stale = True  # the turn was not written: reload before the next one
                 raise

@@ -34,6 +34,14 @@ class DialectSupport:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
         return {"pool_pre_ping": True}
 
+    def sync_url(self, url: URL) -> URL:
+        """The URL for the store's sync engine (e.g. an async driver mapped to a sync one)."""
+        return url
+
+    def async_url(self, url: URL) -> URL | None:
+        """The URL for a native AsyncEngine, or None to run async work on the thread pool."""
+        return None
+
     def prepare_engine(self, engine: Engine) -> None:
         """Install per-connection setup (event listeners) on a new engine."""
 

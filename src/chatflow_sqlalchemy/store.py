@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 import os
 import threading
@@ -52,6 +53,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.util.concurrency import greenlet_spawn, in_greenlet
 
 from chatflow_sqlalchemy.context import (
     DurableState,
@@ -228,7 +231,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if engine is None:
             self.url = make_url(database_url_from_env(url))
             self.support = self._support_for(self.url.get_backend_name())
-            engine = create_engine(self.url, **self.support.engine_options(self.url))
+            sync_url = self.support.sync_url(self.url)
+            engine = create_engine(sync_url, **self.support.engine_options(sync_url))
             self._owns_engine = True
         else:
             self.url = engine.url
@@ -236,10 +240,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._owns_engine = False
         self.support.prepare_engine(engine)
         self.engine = engine
-        self._write_engine = engine.execution_options(chatflow_write=True)
+        self._engines = (engine, engine.execution_options(chatflow_write=True))
+        self._aengines: tuple[Engine, Engine] | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
+        self._native_async = (
+            not self._ephemeral
+            and self.support.async_url(self.url) is not None
+            and _greenlet_available()
+        )
+        self._aengine: AsyncEngine | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
         self._open_schema()
 
     # ------------------------------------------------------------ plumbing
@@ -282,9 +294,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     @contextmanager
     def _transaction(self, *, write: bool = False) -> Iterator[Connection]:
-        """One transaction; ``write`` takes the database's write lock up front."""
+        """One transaction; ``write`` takes the database's write lock up front.
+
+        Inside :meth:`_run_blocking` on a native-async store this code runs in
+        a greenlet and uses the AsyncEngine's sync facade, so the very same
+        statements execute on the async driver without a thread hop.
+        """
         self._check_open()
-        with self._guard(), (self._write_engine if write else self.engine).begin() as conn:
+        engines = self._aengines if self._native_async and in_greenlet() else self._engines
+        assert engines is not None
+        with self._guard(), engines[write].begin() as conn:
             yield conn
 
     def _check_open(self) -> None:
@@ -300,8 +319,39 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         if self._ephemeral:
             return fn(*args)
+        if self._native_async:
+            await self._async_engine_for_loop()
+            return await greenlet_spawn(fn, *args)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._io_pool(), functools.partial(fn, *args))
+
+    def _make_async_engine(self) -> AsyncEngine:
+        """Create the AsyncEngine of a native-async store (backends may add options)."""
+        url = self.support.async_url(self.url)
+        assert url is not None
+        return create_async_engine(url, **self.support.engine_options(url))
+
+    async def _async_engine_for_loop(self) -> AsyncEngine:
+        """The AsyncEngine, its pool emptied first if the running event loop changed.
+
+        Async connections belong to the loop that opened them; a store that
+        outlives a loop (``Runner.run`` calls ``asyncio.run`` every time) closes
+        the old loop's idle connections instead of reusing them.
+        """
+        loop = asyncio.get_running_loop()
+        with self._pool_lock:
+            self._check_open()
+            stale = self._aengine is not None and self._aloop is not loop
+            if self._aengine is None:
+                self._aengine = self._make_async_engine()
+                facade = self._aengine.sync_engine
+                self.support.prepare_engine(facade)
+                self._aengines = (facade, facade.execution_options(chatflow_write=True))
+            self._aloop = loop
+            engine = self._aengine
+        if stale:
+            await engine.dispose()
+        return engine
 
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -652,7 +702,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         locking = self.support.cross_process_turn_lock
         delay = 0.002
-        while locking and not await self._run_blocking(self._try_turn_lock, ctx.session_id):
+        while locking and not await self._atry_turn_lock(ctx.session_id):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         try:
@@ -660,7 +710,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
             if locking:
-                await self._run_blocking(self._release_turn_lock, ctx.session_id)
+                await self._arelease_turn_lock(ctx.session_id)
             raise
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
@@ -669,14 +719,19 @@ class SQLAlchemySessionStore(BaseSessionStore):
             await self._run_blocking(self._flush_context, ctx)
         finally:
             if self.support.cross_process_turn_lock:
-                await self._run_blocking(self._release_turn_lock, ctx.session_id)
+                await self._arelease_turn_lock(ctx.session_id)
 
-    def _try_turn_lock(self, session_id: str) -> bool:
-        """Try to take the cross-process lock of a session's turn (default: none needed)."""
-        return True
+    async def _atry_turn_lock(self, session_id: str) -> bool:
+        """Try to take the cross-process lock of a session's turn; never waits.
 
-    def _release_turn_lock(self, session_id: str) -> None:
-        """Release what :meth:`_try_turn_lock` took."""
+        Only called when ``support.cross_process_turn_lock`` is set; backends
+        that set it override this and :meth:`_arelease_turn_lock`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
+
+    async def _arelease_turn_lock(self, session_id: str) -> None:
+        """Release what :meth:`_atry_turn_lock` took."""
+        raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -689,6 +744,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        if self._aengine is not None:
+            _dispose_from_sync_code(self._aengine)
         if self._owns_engine:
             self.engine.dispose()
 
@@ -756,13 +813,36 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     async def aclose(self) -> None:
         """Async :meth:`close` (waits for in-flight work off the loop)."""
+        if self._aengine is not None and self._aloop is asyncio.get_running_loop():
+            await self._aengine.dispose()
         if self._ephemeral:
             self.close()
         else:
             await asyncio.get_running_loop().run_in_executor(None, self.close)
 
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {_describe(self.url)}>"
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _dispose_from_sync_code(engine: AsyncEngine) -> None:
+    """Close an AsyncEngine's pool from sync code (``aclose`` is the clean way)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(engine.dispose())
+    else:
+        task = loop.create_task(engine.dispose())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+def _greenlet_available() -> bool:
+    """SQLAlchemy's asyncio layer needs greenlet (shipped with the postgres extra)."""
+    return importlib.util.find_spec("greenlet") is not None
 
 
 def _has_changes(ctx: SessionContext) -> bool:

@@ -9,17 +9,21 @@ advisory lock.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
-import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sqlalchemy import URL, Connection, Engine, bindparam, make_url, text
+import psycopg
+from sqlalchemy import URL, Connection, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
@@ -54,54 +58,71 @@ def session_lock_key(session_id: str) -> int:
 class AdvisoryTurnLocks:
     """Session-level advisory locks for turns, all held on one dedicated connection.
 
-    One connection per store can hold the locks of any number of sessions, so
-    a turn that waits on a slow model does not pin a pooled connection. The
-    locks die with the connection, so a crashed worker never leaves a
-    session locked. Calls are serialised: the connection is shared.
+    One connection per store holds the locks of any number of sessions, so a
+    turn that waits on a slow model does not pin a pooled connection. The
+    locks die with the connection, so a crashed worker never leaves a session
+    locked. The connection is a plain psycopg ``AsyncConnection`` (outside the
+    SQLAlchemy pool) owned by the event loop that uses it; calls are
+    serialised because the connection is shared.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._conn: Connection | None = None
-        self._mutex = threading.Lock()
+    def __init__(self, connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]]) -> None:
+        self._connect = connect
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mutex: asyncio.Lock | None = None
 
-    def _connection(self) -> Connection:
-        if self._conn is None or self._conn.closed or self._conn.invalidated:
-            self._conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        return self._conn
+    def _bind_to_running_loop(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # A connection of a finished loop cannot be awaited any more; closing the
+            # socket synchronously still makes the server drop its locks at once.
+            self._abandon()
+            self._loop = loop
+            self._mutex = asyncio.Lock()
+        assert self._mutex is not None
+        return self._mutex
 
-    def _call(self, sql: str, session_id: str) -> bool:
-        with self._mutex:
-            conn = self._connection()
-            try:
-                return bool(conn.execute(text(sql), {"key": session_lock_key(session_id)}).scalar())
-            except Exception:
-                self._discard()
-                raise
-
-    def try_acquire(self, session_id: str) -> bool:
-        """Take the session's lock if free; never waits."""
-        return self._call("SELECT pg_try_advisory_lock(:key)", session_id)
-
-    def release(self, session_id: str) -> None:
-        """Release the session's lock (a lost connection already released it)."""
-        with contextlib.suppress(Exception):
-            self._call("SELECT pg_advisory_unlock(:key)", session_id)
-
-    def _discard(self) -> None:
+    def _abandon(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
-                conn.invalidate()
-                conn.close()
+                conn.pgconn.finish()
+
+    async def _call(self, sql: str, session_id: str) -> bool:
+        async with self._bind_to_running_loop():
+            if self._conn is None or self._conn.closed:
+                self._conn = await self._connect()
+            try:
+                cursor = await self._conn.execute(sql, (session_lock_key(session_id),))
+                row = await cursor.fetchone()
+            except Exception:
+                self._abandon()
+                raise
+            return bool(row and row[0])
+
+    async def try_acquire(self, session_id: str) -> bool:
+        """Take the session's lock if it is free; never waits."""
+        return await self._call("SELECT pg_try_advisory_lock(%s)", session_id)
+
+    async def release(self, session_id: str) -> None:
+        """Release the session's lock (a lost connection already released it)."""
+        with contextlib.suppress(Exception):
+            await self._call("SELECT pg_advisory_unlock(%s)", session_id)
+
+    async def aclose(self) -> None:
+        """Close the connection, releasing every lock it holds."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._loop is asyncio.get_running_loop():
+            with contextlib.suppress(Exception):
+                await conn.close()
+        elif conn is not None:
+            self._conn = conn
+            self._abandon()
 
     def close(self) -> None:
-        """Close the dedicated connection, releasing every lock it holds."""
-        with self._mutex:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        """Close from sync code: drop the socket (the server releases the locks)."""
+        self._abandon()
 
 
 class PostgresDialectSupport(DialectSupport):
@@ -113,6 +134,10 @@ class PostgresDialectSupport(DialectSupport):
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pre-pinged pool, so connections killed by a server restart are replaced."""
         return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 10}
+
+    def async_url(self, url: URL) -> URL | None:
+        """Async work runs natively on psycopg 3's async driver (no thread hop)."""
+        return psycopg_url(url)
 
     def insert_ignore(self, table: Table) -> Insert:
         """``INSERT ... ON CONFLICT DO NOTHING``."""
@@ -164,6 +189,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
 
         parsed = psycopg_url(url)
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
+        self._pg_url = parsed
+        self._pg_options = options
         try:
             engine = create_engine(parsed, **options)
         except ImportError as exc:
@@ -176,17 +203,36 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
         )
         self._owns_engine = True
-        self._turn_locks = AdvisoryTurnLocks(engine)
+        self._turn_locks = AdvisoryTurnLocks(self._connect_lock_connection)
 
-    def _try_turn_lock(self, session_id: str) -> bool:
+    async def _connect_lock_connection(self) -> psycopg.AsyncConnection[Any]:
+        args, params = self.engine.dialect.create_connect_args(self._pg_url)
+        params.update(self._pg_options.get("connect_args", {}))
+        return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
+
+    def _make_async_engine(self) -> AsyncEngine:
+        return create_async_engine(self._pg_url, **self._pg_options)
+
+    async def _atry_turn_lock(self, session_id: str) -> bool:
         with self._guard():
-            return self._turn_locks.try_acquire(session_id)
+            try:
+                return await self._turn_locks.try_acquire(session_id)
+            except psycopg.OperationalError as exc:
+                raise DatabaseUnavailableError(
+                    f"cannot take the turn lock of session {session_id!r}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+                ) from exc
 
-    def _release_turn_lock(self, session_id: str) -> None:
-        self._turn_locks.release(session_id)
+    async def _arelease_turn_lock(self, session_id: str) -> None:
+        await self._turn_locks.release(session_id)
+
+    async def aclose(self) -> None:
+        """Close the turn-lock connection, then the pools."""
+        await self._turn_locks.aclose()
+        await super().aclose()
 
     def close(self) -> None:
-        """Release the turn-lock connection, the thread pool and the engine."""
+        """Drop the turn-lock connection, the thread pool and the engine."""
         if hasattr(self, "_turn_locks"):
             self._turn_locks.close()
         super().close()

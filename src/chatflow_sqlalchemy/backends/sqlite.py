@@ -72,6 +72,21 @@ class SQLiteDialectSupport(DialectSupport):
         """See :func:`is_ephemeral_sqlite`."""
         return is_ephemeral_sqlite(url)
 
+    def sync_url(self, url: URL) -> URL:
+        """``sqlite+aiosqlite://`` keeps pysqlite for the sync API."""
+        return url.set(drivername="sqlite") if url.drivername == "sqlite+aiosqlite" else url
+
+    def async_url(self, url: URL) -> URL | None:
+        """Native async only when asked for with ``sqlite+aiosqlite://``.
+
+        Otherwise on-disk async work goes to the store's private thread pool
+        (``_BLOCKING_IO_WORKERS``), which is faster than aiosqlite's thread per
+        connection; in-memory databases run directly on the loop.
+        """
+        if url.drivername == "sqlite+aiosqlite" and not is_ephemeral_sqlite(url):
+            return url
+        return None
+
     def prepare_engine(self, engine: Engine) -> None:
         """Set pragmas on each connection and take transaction control from pysqlite."""
         ephemeral = is_ephemeral_sqlite(engine.url)
@@ -177,9 +192,15 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         super().__init__(url, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours)
 
     @classmethod
-    def from_url(cls, url: str | URL, **kwargs: Any) -> SQLiteSessionStore:
-        """Open ``sqlite:///path`` (or a ``file:`` URI with ``?uri=true``)."""
+    def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
+        """Open ``sqlite:///path`` (or a ``file:`` URI with ``?uri=true``).
+
+        ``sqlite+aiosqlite:///path`` opens the generic store, whose async API
+        then runs natively on aiosqlite.
+        """
         parsed = make_url(url)
+        if parsed.drivername == "sqlite+aiosqlite":
+            return SQLAlchemySessionStore(parsed, **kwargs)
         database = parsed.database or ":memory:"
         query = {k: v for k, v in parsed.query.items() if k != "uri"}
         if database.startswith("file:") and query:

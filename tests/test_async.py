@@ -1,0 +1,228 @@
+"""The async API under load: the event loop never stalls, and the Runner at scale."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
+from chatflow_agent.core.engines.base import EngineTurnResult
+
+from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
+
+from .pg_util import fresh_schema, postgres_url, schema_connect_args
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100)[98]
+
+
+async def measure_loop_lag(work: Any) -> list[float]:
+    """Run ``work`` beside a 1 ms ticker; return how late each tick woke up (seconds)."""
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            started = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - started - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    try:
+        await work()
+    finally:
+        done.set()
+        await tick
+    return lags
+
+
+async def test_loop_never_stalls_under_eight_disk_writers(tmp_path: Path) -> None:
+    store = SQLiteSessionStore(tmp_path / "lag.db")
+    agent = Agent(name="Bot", instructions="")
+    payload = "x" * 2048
+
+    async def writer(index: int) -> None:
+        session = await store.aget_or_create(f"writer-{index}", agent)
+        for turn in range(40):
+            role = Role.USER if turn % 2 == 0 else Role.MODEL
+            await session.aadd_message(Message(role=role, content=payload))
+
+    async def work() -> None:
+        await asyncio.gather(*(writer(i) for i in range(8)))
+
+    try:
+        lags = await measure_loop_lag(work)
+    finally:
+        await store.aclose()
+    assert len(lags) > 50
+    assert p99(lags) < 0.020, f"event loop p99 lag {p99(lags) * 1000:.1f} ms"
+    reopened = SQLiteSessionStore(tmp_path / "lag.db")
+    try:
+        assert all(len(reopened.get(f"writer-{i}").history) == 40 for i in range(8))  # type: ignore[union-attr]
+    finally:
+        reopened.close()
+
+
+async def test_disk_io_runs_on_the_private_pool_not_the_loop(tmp_path: Path) -> None:
+    store = SQLiteSessionStore(tmp_path / "pool.db")
+    seen: list[str] = []
+    original = store._flush_context
+
+    def spy(ctx: Any) -> None:
+        seen.append(threading.current_thread().name)
+        original(ctx)
+
+    store._flush_context = spy  # type: ignore[method-assign]
+    session = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+    await session.aadd_message(Message(role=Role.USER, content="hi"))
+    await store.aclose()
+    assert seen and all(name.startswith("chatflow-io") for name in seen)
+    assert store._pool is None  # aclose shut the pool down
+
+
+class Scripted(BaseEngine):
+    """USER -> tool call; TOOL -> answer, with a yield to the loop in between."""
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        await asyncio.sleep(0)
+        last = history[-1]
+        if last.role == Role.USER:
+            call = ToolCall(id=f"c-{last.content}", name="lookup", args={"q": last.content})
+            return EngineTurnResult(tool_calls=[call])
+        question = next(m.content for m in reversed(history) if m.role == Role.USER)
+        return EngineTurnResult(text=f"answer to {question}")
+
+
+def lookup(q: str) -> str:
+    return f"found {q}"
+
+
+@pytest.fixture(params=["sqlite-file", "sqlite-memory", "memory",
+                        pytest.param("postgresql", marks=pytest.mark.postgres)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    kind = request.param
+    if kind == "postgresql":
+        url = postgres_url()
+        with fresh_schema(url) as schema:
+            from chatflow_sqlalchemy import PostgresSessionStore
+
+            def open_pg(**kw: Any) -> Any:
+                return PostgresSessionStore(url, connect_args=schema_connect_args(schema), **kw)
+
+            yield {"open": open_pg, "persistent": True}
+        return
+    if kind == "sqlite-file":
+        yield {"open": lambda **kw: SQLiteSessionStore(tmp_path / "r.db", **kw),
+               "persistent": True}
+    elif kind == "sqlite-memory":
+        yield {"open": lambda **kw: SQLiteSessionStore(":memory:", **kw), "persistent": False}
+    else:
+        yield {"open": lambda **kw: SessionStore(**kw), "persistent": False}
+
+
+async def test_runner_fifty_concurrent_sessions_ten_turns(backend: dict[str, Any]) -> None:
+    store = backend["open"](default_max_turns=40)
+    runner = Runner(
+        starting_agent=Agent(name="Bot", instructions="", tools=[lookup]),
+        session_store=store,
+        engine=Scripted(),
+    )
+
+    async def conversation(index: int) -> None:
+        for turn in range(10):
+            response = await runner.run_async(f"user-{index}", f"u{index}-t{turn}")
+            assert response.content == f"answer to u{index}-t{turn}"
+
+    await asyncio.gather(*(conversation(i) for i in range(50)))
+    check = store
+    if backend["persistent"]:
+        store.close()
+        check = backend["open"](default_max_turns=40)
+    try:
+        assert len(check.list_sessions()) == 50
+        for index in range(50):
+            session = check.get(f"user-{index}")
+            assert session is not None
+            history = session.history
+            assert len(history) == 40
+            questions = [m.content for m in history if m.role == Role.USER]
+            assert questions == [f"u{index}-t{t}" for t in range(10)]
+            for start in range(0, 40, 4):
+                user, call, result, answer = history[start : start + 4]
+                assert call.tool_calls and result.tool_results
+                assert result.tool_results[0].tool_call_id == call.tool_calls[0].id
+                assert answer.content == f"answer to {user.content}"
+    finally:
+        check.close()
+
+
+async def test_async_store_context_manager_closes(tmp_path: Path) -> None:
+    async with SQLiteSessionStore(tmp_path / "cm.db") as store:
+        assert await store.arecord_processed_message("m1")
+    with pytest.raises(RuntimeError, match="closed"):
+        store.list_sessions()
+
+
+@pytest.mark.postgres
+async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> None:
+    from sqlalchemy.util.concurrency import in_greenlet
+
+    from chatflow_sqlalchemy import PostgresSessionStore
+
+    url = postgres_url()
+    with fresh_schema(url) as schema:
+        store = PostgresSessionStore(url, connect_args=schema_connect_args(schema))
+        seen: list[tuple[str, bool]] = []
+        original = store._flush_context
+
+        def spy(ctx: Any) -> None:
+            seen.append((threading.current_thread().name, in_greenlet()))
+            original(ctx)
+
+        store._flush_context = spy  # type: ignore[method-assign]
+        try:
+            session = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+            await asyncio.gather(
+                *(session.aadd_message(Message(role=Role.USER, content=f"m{i}")) for i in range(10))
+            )
+            assert await store.arecord_processed_message("w1")
+            assert not await store.arecord_processed_message("w1")
+        finally:
+            await store.aclose()
+        assert seen and all(entry == (threading.main_thread().name, True) for entry in seen)
+        assert store._pool is None  # the thread pool was never started
+        fresh = PostgresSessionStore(url, connect_args=schema_connect_args(schema))
+        try:
+            contents = [m.content for m in fresh.get("s").history]  # type: ignore[union-attr]
+            assert sorted(contents, key=lambda c: int(c[1:])) == [f"m{i}" for i in range(10)]
+        finally:
+            fresh.close()
+
+
+async def test_aiosqlite_url_runs_natively(tmp_path: Path) -> None:
+    from chatflow_sqlalchemy import open_store
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'aio.db'}"
+    store = open_store(url)
+    try:
+        assert store._native_async
+        session = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        await session.aadd_message(Message(role=Role.USER, content="hello"))
+        assert await store.arecord_processed_message("m1")
+        assert await store.alist_sessions() == ["s"]
+    finally:
+        await store.aclose()
+    assert store._pool is None
+    reopened = SQLiteSessionStore(tmp_path / "aio.db")
+    try:
+        assert [m.content for m in reopened.get("s").history] == ["hello"]  # type: ignore[union-attr]
+        assert reopened.is_message_processed("m1")
+    finally:
+        reopened.close()
