@@ -73,6 +73,24 @@ def direct_writes_then_hang(spec: dict[str, Any]) -> None:
     time.sleep(600)
 
 
+def turn_lock_then_hang(spec: dict[str, Any]) -> None:
+    """Inside ``session.lock``: USER and a MODEL tool call, then hang before the result."""
+    store = open_store(spec)
+    session = store.get_or_create("s1", Agent(name="Bot", instructions=""))
+    session.add_message(Message(role=Role.USER, content="q1"))
+    session.add_message(Message(role=Role.MODEL, content="a1"))
+
+    async def turn() -> None:
+        async with session.lock:
+            session.add_message(Message(role=Role.USER, content="q2"))
+            call = ToolCall(id="c2", name="lookup", args={})
+            session.add_message(Message(role=Role.MODEL, tool_calls=[call]))
+            print("READY", flush=True)
+            await asyncio.sleep(600)
+
+    asyncio.run(turn())
+
+
 class SlowEcho(BaseEngine):
     """Answers after a pause, and logs how much history each call saw."""
 
@@ -115,4 +133,4 @@ if __name__ == "__main__":
     name, *args = sys.argv[1:]
     decoded = [json.loads(a) for a in args]
     {"kill_mid_turn": kill_mid_turn, "direct_writes_then_hang": direct_writes_then_hang,
-     "fleet": fleet}[name](*decoded)
+     "turn_lock_then_hang": turn_lock_then_hang, "fleet": fleet}[name](*decoded)

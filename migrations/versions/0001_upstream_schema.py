@@ -12,7 +12,7 @@ Create Date: 2026-11-30
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -24,9 +24,14 @@ _UPSTREAM_COLUMNS = {
     "chatflow_messages": {"id", "session_id", "role", "content", "message_json"},
     "chatflow_processed_messages": {"message_id", "processed_at"},
 }
+# Columns only chatflow-sqlalchemy's own schema (revision 0002) has.
+_OUR_COLUMNS = {
+    "chatflow_sessions": {"version"},
+    "chatflow_messages": {"seq"},
+}
 
 
-def _create_sessions() -> None:
+def _create_sessions(**kw: bool) -> None:
     op.create_table(
         "chatflow_sessions",
         sa.Column("session_id", sa.Text(), nullable=False),
@@ -35,10 +40,11 @@ def _create_sessions() -> None:
         sa.Column("created_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.Column("updated_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.PrimaryKeyConstraint("session_id", name="chatflow_sessions_pkey"),
+        **kw,
     )
 
 
-def _create_messages() -> None:
+def _create_messages(**kw: bool) -> None:
     op.create_table(
         "chatflow_messages",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
@@ -55,39 +61,76 @@ def _create_messages() -> None:
             ondelete="CASCADE",
         ),
         sqlite_autoincrement=True,
+        **kw,
     )
-    op.create_index("idx_chatflow_messages_session", "chatflow_messages", ["session_id", "id"])
+    op.create_index(
+        "idx_chatflow_messages_session", "chatflow_messages", ["session_id", "id"], **kw
+    )
 
 
-def _create_processed() -> None:
+def _create_processed(**kw: bool) -> None:
     op.create_table(
         "chatflow_processed_messages",
         sa.Column("message_id", sa.Text(), nullable=False),
         sa.Column("processed_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.PrimaryKeyConstraint("message_id", name="chatflow_processed_messages_pkey"),
+        **kw,
     )
-    op.create_index("idx_chatflow_processed_at", "chatflow_processed_messages", ["processed_at"])
+    op.create_index(
+        "idx_chatflow_processed_at", "chatflow_processed_messages", ["processed_at"], **kw
+    )
+
+
+_CREATORS = {
+    "chatflow_sessions": _create_sessions,
+    "chatflow_messages": _create_messages,
+    "chatflow_processed_messages": _create_processed,
+}
+
+
+def _check_adoptable(inspector: sa.Inspector, table: str) -> None:
+    """Refuse a same-named table that chatflow-agent 0.3.4 did not write."""
+    from chatflow_sqlalchemy.exceptions import SchemaError
+
+    columns = {column["name"] for column in inspector.get_columns(table)}
+    missing = _UPSTREAM_COLUMNS[table] - columns
+    if missing:
+        raise SchemaError(
+            f"table {table} exists but lacks columns {sorted(missing)} (it has "
+            f"{sorted(columns)}): it was not written by chatflow-agent 0.3.4, so it cannot be "
+            "adopted; nothing was changed. Rename or drop that table, or point "
+            "CHATFLOW_DATABASE_URL at another database",
+            found=None,
+            expected=revision,
+        )
+    ours = _OUR_COLUMNS.get(table, set()) & columns
+    if ours:
+        raise SchemaError(
+            f"table {table} already has chatflow-sqlalchemy's columns {sorted(ours)} but the "
+            "database records no chatflow_alembic_version; it was not created by these "
+            "migrations (e.g. by metadata.create_all), so it cannot be upgraded safely; "
+            "nothing was changed. If it matches the current models exactly, record that with "
+            "`alembic stamp head` (chatflow_sqlalchemy.migrate.stamp), else move it aside",
+            found=None,
+            expected=revision,
+        )
 
 
 def upgrade() -> None:
+    if context.is_offline_mode():
+        # No database to look at: emit SQL that adopts existing tables or creates them.
+        for create in _CREATORS.values():
+            create(if_not_exists=True)
+        return
     inspector = sa.inspect(op.get_bind())
     existing = set(inspector.get_table_names())
-    creators = {
-        "chatflow_sessions": _create_sessions,
-        "chatflow_messages": _create_messages,
-        "chatflow_processed_messages": _create_processed,
-    }
-    for table, create in creators.items():
+    # Check every existing table before creating anything.
+    for table in _CREATORS:
+        if table in existing:
+            _check_adoptable(inspector, table)
+    for table, create in _CREATORS.items():
         if table not in existing:
             create()
-            continue
-        columns = {column["name"] for column in inspector.get_columns(table)}
-        missing = _UPSTREAM_COLUMNS[table] - columns
-        if missing:
-            raise RuntimeError(
-                f"table {table} exists but lacks columns {sorted(missing)}: it was not written by "
-                "chatflow-agent 0.3.4; move it aside or point CHATFLOW_DATABASE_URL elsewhere"
-            )
 
 
 def downgrade() -> None:

@@ -6,33 +6,59 @@ Drop-in ``session_store=`` for ``chatflow_agent.Runner``::
     from chatflow_sqlalchemy import SQLiteSessionStore
 
     runner = Runner(starting_agent=agent, session_store=SQLiteSessionStore("chat.db"))
+
+Names are imported lazily (PEP 562): ``import chatflow_sqlalchemy`` costs
+nothing until a name is used, so the auto-loaded pytest plugin stays light and
+a missing database driver never breaks the import.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from chatflow_sqlalchemy.context import SessionContext
-from chatflow_sqlalchemy.exceptions import (
-    BackendImportError,
-    BackendNotFoundError,
-    ChatflowStoreError,
-    CorruptRowError,
-    DatabaseUnavailableError,
-    DuplicateBackendError,
-    SchemaAheadError,
-    SchemaError,
-    SessionDeletedError,
-)
-from chatflow_sqlalchemy.memory import SessionStore
-from chatflow_sqlalchemy.registry import available_backends, open_store, register
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
     from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+    from chatflow_sqlalchemy.context import SessionContext
+    from chatflow_sqlalchemy.exceptions import (
+        BackendImportError,
+        BackendNotFoundError,
+        ChatflowStoreError,
+        CorruptRowError,
+        DatabaseUnavailableError,
+        DuplicateBackendError,
+        SchemaAheadError,
+        SchemaError,
+        SessionDeletedError,
+    )
+    from chatflow_sqlalchemy.memory import SessionStore
+    from chatflow_sqlalchemy.registry import available_backends, open_store, register
+    from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 __version__ = "0.1.0"
+
+_EXCEPTIONS = "chatflow_sqlalchemy.exceptions"
+_LAZY: dict[str, str] = {
+    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.store",
+    "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
+    "SQLiteSessionStore": "chatflow_sqlalchemy.backends.sqlite",
+    "PostgresSessionStore": "chatflow_sqlalchemy.backends.postgresql",
+    "SessionStore": "chatflow_sqlalchemy.memory",
+    "SessionContext": "chatflow_sqlalchemy.context",
+    "available_backends": "chatflow_sqlalchemy.registry",
+    "open_store": "chatflow_sqlalchemy.registry",
+    "register": "chatflow_sqlalchemy.registry",
+    "BackendImportError": _EXCEPTIONS,
+    "BackendNotFoundError": _EXCEPTIONS,
+    "ChatflowStoreError": _EXCEPTIONS,
+    "CorruptRowError": _EXCEPTIONS,
+    "DatabaseUnavailableError": _EXCEPTIONS,
+    "DuplicateBackendError": _EXCEPTIONS,
+    "SchemaAheadError": _EXCEPTIONS,
+    "SchemaError": _EXCEPTIONS,
+    "SessionDeletedError": _EXCEPTIONS,
+}
 
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
@@ -58,13 +84,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Backends import lazily, so a missing driver never breaks `import chatflow_sqlalchemy`.
-    if name == "SQLiteSessionStore":
-        from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chatflow_sqlalchemy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return SQLiteSessionStore
-    if name == "PostgresSessionStore":
-        from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 
-        return PostgresSessionStore
-    raise AttributeError(f"module 'chatflow_sqlalchemy' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(__all__)

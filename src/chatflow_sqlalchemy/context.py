@@ -72,7 +72,7 @@ def validate_max_turns(value: object, name: str = "max_turns") -> int:
 def dump_metadata(metadata: object) -> str:
     """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``."""
     try:
-        return json.dumps(metadata, sort_keys=True, separators=(",", ":"))
+        return json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
 

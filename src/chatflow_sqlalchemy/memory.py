@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from chatflow_agent import Agent, BaseSessionStore
 
@@ -26,6 +26,8 @@ from chatflow_sqlalchemy.context import (
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
 
 __all__ = ["SessionStore"]
+
+_T = TypeVar("_T")
 
 
 class SessionStore(BaseSessionStore):
@@ -69,9 +71,27 @@ class SessionStore(BaseSessionStore):
                     session_id, default_agent, max_turns=self.default_max_turns,
                     metadata=dict(metadata or {}),
                 )
+                ctx._owner = self
                 self._sessions[session_id] = ctx
-            self._updated[session_id] = time.monotonic()
+                self._updated[session_id] = time.monotonic()
             return ctx
+
+    # The ContextOwner protocol: contexts report their writes, which only move
+    # the session to the front of list_sessions (there is nothing to persist).
+
+    def _flush_context(self, ctx: SessionContext) -> None:
+        with self._lock:
+            if self._sessions.get(ctx.session_id) is ctx:
+                self._updated[ctx.session_id] = time.monotonic()
+
+    async def _abegin_turn(self, ctx: SessionContext) -> None:
+        ctx._check_alive()
+
+    async def _aend_turn(self, ctx: SessionContext) -> None:
+        self._flush_context(ctx)
+
+    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return fn(*args)
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None."""
@@ -91,7 +111,7 @@ class SessionStore(BaseSessionStore):
         return True
 
     def list_sessions(self) -> list[str]:
-        """Session ids, most recently used first."""
+        """Session ids, most recently updated first."""
         with self._lock:
             return sorted(self._updated, key=self._updated.__getitem__, reverse=True)
 

@@ -31,7 +31,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import URL, Connection, Engine, MetaData, create_engine, make_url
+from sqlalchemy import URL, Connection, Engine, MetaData, create_engine, inspect, make_url
 
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import SchemaAheadError, SchemaError
@@ -47,6 +47,7 @@ __all__ = [
     "ensure_schema",
     "head_revision",
     "history",
+    "include_name_for",
     "make_config",
     "open_engine",
     "run_locked",
@@ -76,6 +77,20 @@ def make_config(connection: Connection | None = None) -> Config:
     return config
 
 
+def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, Any], bool]:
+    """An Alembic ``include_name`` hook that sees only ``target_metadata``'s tables.
+
+    The chatflow tables may share a database with an application's own tables
+    (and its own ``alembic_version``); autogenerate and :func:`drift` must
+    neither report them as drift nor ever propose dropping them.
+    """
+
+    def include_name(name: str | None, type_: str, _parent_names: Any) -> bool:
+        return type_ != "table" or name in target_metadata.tables
+
+    return include_name
+
+
 def configure_context(context: Any, connection: Connection, target_metadata: MetaData) -> None:
     """Configure an Alembic environment context the way every run of the chain needs."""
     context.configure(
@@ -84,6 +99,7 @@ def configure_context(context: Any, connection: Connection, target_metadata: Met
         version_table=VERSION_TABLE,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        include_name=include_name_for(target_metadata),
     )
 
 
@@ -103,10 +119,34 @@ def locked_connection(engine: Engine, support: DialectSupport) -> Iterator[Conne
             with conn.begin():
                 support.lock_migrations(conn)
                 yield conn
+                _check_foreign_keys(conn)
         finally:
             if conn.in_transaction():
                 conn.rollback()
             support.end_migration(conn)
+
+
+def _check_foreign_keys(conn: Connection) -> None:
+    """Before commit, check that the chatflow tables' references still hold.
+
+    SQLite migrates with foreign keys off, so a faulty migration could
+    otherwise commit orphan rows.
+    """
+    if conn.dialect.name != "sqlite":
+        return
+    from chatflow_sqlalchemy.models import metadata
+
+    problems: list[Any] = []
+    existing = set(inspect(conn).get_table_names())
+    for table in metadata.tables:
+        if table in existing:
+            problems += conn.exec_driver_sql(f'PRAGMA foreign_key_check("{table}")').fetchall()
+    if problems:
+        raise SchemaError(
+            f"migration left rows whose session does not exist: {problems[:5]}; rolled back",
+            found=None,
+            expected=head_revision(),
+        )
 
 
 def open_engine(url: str | URL) -> Engine:
@@ -257,7 +297,12 @@ def drift(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         try:
             context = MigrationContext.configure(
-                conn, opts={"version_table": VERSION_TABLE, "compare_type": True}
+                conn,
+                opts={
+                    "version_table": VERSION_TABLE,
+                    "compare_type": True,
+                    "include_name": include_name_for(metadata),
+                },
             )
             diffs = compare_metadata(context, metadata)
         finally:
@@ -269,5 +314,5 @@ def _describe_diff(diff: Any) -> str:
     if isinstance(diff, list):
         return "; ".join(_describe_diff(d) for d in diff)
     kind, *rest = diff
-    names = [getattr(item, "name", None) or repr(item) for item in rest[:3]]
+    names = [getattr(item, "name", None) or item for item in rest[:3] if item is not None]
     return f"{kind}: {', '.join(str(n) for n in names)}"

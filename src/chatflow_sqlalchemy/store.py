@@ -252,7 +252,12 @@ class SQLAlchemySessionStore(BaseSessionStore):
         )
         self._aengine: AsyncEngine | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._open_schema()
+        try:
+            self._open_schema()
+        except BaseException:
+            if self._owns_engine:
+                engine.dispose()
+            raise
 
     # ------------------------------------------------------------ plumbing
 
@@ -856,10 +861,12 @@ def _has_changes(ctx: SessionContext) -> bool:
 
 
 def _repair_window(messages: list[Message], seqs: list[int]) -> tuple[list[Message], list[int]]:
-    """Drop what a crash can leave behind: a leading non-USER message, a dangling tool call.
+    """Drop leading non-USER messages (only a file written by upstream can hold them).
 
-    Only the loaded copy is repaired; the next write of the session deletes
-    the dropped rows, so the database converges on what memory holds.
+    Nothing else is repaired on load: a turn inside ``session.lock`` is written
+    in one transaction, so a crash leaves no partial turn, and a tool call
+    written outside the lock may still be waiting for its result in the
+    process that wrote it. The dropped rows are deleted by the next write.
     """
     first = 0
     while first < len(messages) and messages[first].role == Role.SYSTEM:
@@ -867,13 +874,9 @@ def _repair_window(messages: list[Message], seqs: list[int]) -> tuple[list[Messa
     start = first
     while start < len(messages) and messages[start].role != Role.USER:
         start += 1
-    end = len(messages)
-    if end > start and messages[-1].role == Role.MODEL and messages[-1].tool_calls:
-        end -= 1
-    if start == first and end == len(messages):
+    if start == first:
         return messages, seqs
-    keep = list(range(first)) + list(range(start, end))
-    return [messages[i] for i in keep], [seqs[i] for i in keep]
+    return messages[:first] + messages[start:], seqs[:first] + seqs[start:]
 
 
 def _is_connect_error(exc: sa_exc.DBAPIError) -> bool:

@@ -199,9 +199,13 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             raise BackendImportError(
                 f"PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]' ({exc})"
             ) from exc
-        super().__init__(
-            engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
-        )
+        try:
+            super().__init__(
+                engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
+            )
+        except BaseException:
+            engine.dispose()
+            raise
         self._owns_engine = True
         self._turn_locks = AdvisoryTurnLocks(self._connect_lock_connection)
 

@@ -1,0 +1,52 @@
+"""Every store under test, by name."""
+
+from __future__ import annotations
+
+from benchmarks.stores.base import Adapter, Target
+from benchmarks.stores.chatflow import (
+    OursMemory,
+    OursPostgres,
+    OursSQLite,
+    OursSQLiteMemory,
+    UpstreamMemory,
+    UpstreamSQLite,
+)
+from benchmarks.stores.floors import RawMemory, RawPostgres, RawSQLite, RawSQLiteMemory
+from benchmarks.stores.openai import (
+    OpenAISQLAlchemyPostgres,
+    OpenAISQLAlchemySQLite,
+    OpenAISQLite,
+)
+
+__all__ = ["ADAPTERS", "FLOORS", "Adapter", "Target", "adapter_class"]
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    cls.name: cls
+    for cls in (
+        RawSQLite,
+        OursSQLite,
+        UpstreamSQLite,
+        OpenAISQLite,
+        OpenAISQLAlchemySQLite,
+        RawSQLiteMemory,
+        OursSQLiteMemory,
+        RawMemory,
+        OursMemory,
+        UpstreamMemory,
+        RawPostgres,
+        OursPostgres,
+        OpenAISQLAlchemyPostgres,
+    )
+}
+"""Every adapter, in the order the tables list them (floor first within a backend)."""
+
+FLOORS: dict[str, str] = {cls.backend: cls.name for cls in ADAPTERS.values() if cls.floor}
+"""backend -> name of its raw floor."""
+
+
+def adapter_class(name: str) -> type[Adapter]:
+    """Look an adapter up by name."""
+    try:
+        return ADAPTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown store {name!r}; known: {', '.join(ADAPTERS)}") from None

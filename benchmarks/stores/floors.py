@@ -1,0 +1,313 @@
+"""The raw floors: the least a Python process can do per turn on each backend.
+
+One persistent connection, one transaction per turn: the dedup claim
+(``INSERT .. ON CONFLICT``, TTL-aware like the stores'), the session upsert,
+the four messages (serialised with ``Message.model_dump_json`` like every
+chatflow store), and the window prune as one ``DELETE``. The driver's own
+I/O runs directly on the event loop: no thread hop, no ORM, no pool. The
+window the Runner reads is kept in memory, as a store's context would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from chatflow_agent import Message
+
+from benchmarks import MAX_TURNS
+from benchmarks.pg import libpq_url, schema_connect_args
+from benchmarks.stores.base import Adapter, Target
+from benchmarks.workload import Tag, TurnRef, build_messages, message_tag
+
+__all__ = ["RawMemory", "RawPostgres", "RawSQLite", "RawSQLiteMemory"]
+
+TTL = timedelta(hours=192)
+PRUNE_OFFSET = MAX_TURNS - 1
+
+SQLITE_DDL = (
+    """CREATE TABLE IF NOT EXISTS sessions (
+        session_id TEXT PRIMARY KEY, active_agent_name TEXT NOT NULL,
+        metadata_json TEXT NOT NULL DEFAULT '{}', created_at TEXT, updated_at TEXT)""",
+    """CREATE TABLE IF NOT EXISTS messages (
+        id INTEGER PRIMARY KEY, session_id TEXT NOT NULL
+            REFERENCES sessions(session_id) ON DELETE CASCADE,
+        role TEXT NOT NULL, content TEXT, message_json TEXT NOT NULL, created_at TEXT)""",
+    "CREATE INDEX IF NOT EXISTS ix_messages_session ON messages(session_id, id)",
+    "CREATE TABLE IF NOT EXISTS processed (message_id TEXT PRIMARY KEY, processed_at TEXT)",
+    "CREATE INDEX IF NOT EXISTS ix_processed_at ON processed(processed_at)",
+)
+PG_DDL = (
+    """CREATE TABLE IF NOT EXISTS sessions (
+        session_id VARCHAR(255) PRIMARY KEY, active_agent_name VARCHAR(255) NOT NULL,
+        metadata_json JSONB NOT NULL DEFAULT '{}', created_at TIMESTAMPTZ,
+        updated_at TIMESTAMPTZ)""",
+    """CREATE TABLE IF NOT EXISTS messages (
+        id BIGSERIAL PRIMARY KEY, session_id VARCHAR(255) NOT NULL
+            REFERENCES sessions(session_id) ON DELETE CASCADE,
+        role VARCHAR(16) NOT NULL, content TEXT, message_json TEXT NOT NULL,
+        created_at TIMESTAMPTZ)""",
+    "CREATE INDEX IF NOT EXISTS ix_messages_session ON messages(session_id, id)",
+    """CREATE TABLE IF NOT EXISTS processed (
+        message_id VARCHAR(255) PRIMARY KEY, processed_at TIMESTAMPTZ)""",
+    "CREATE INDEX IF NOT EXISTS ix_processed_at ON processed(processed_at)",
+)
+
+CLAIM = (
+    "INSERT INTO processed (message_id, processed_at) VALUES ({p}, {p}) "
+    "ON CONFLICT (message_id) DO UPDATE SET processed_at = excluded.processed_at "
+    "WHERE processed.processed_at < {p} RETURNING 1"
+)
+UPSERT_SESSION = (
+    "INSERT INTO sessions (session_id, active_agent_name, metadata_json, created_at, updated_at) "
+    "VALUES ({p}, {p}, '{{}}', {p}, {p}) "
+    "ON CONFLICT (session_id) DO UPDATE SET updated_at = excluded.updated_at"
+)
+INSERT_MESSAGE = (
+    "INSERT INTO messages (session_id, role, content, message_json, created_at) "
+    "VALUES ({p}, {p}, {p}, {p}, {p})"
+)
+PRUNE = (
+    "DELETE FROM messages WHERE session_id = {p} AND id < ("
+    "SELECT id FROM messages WHERE session_id = {p} AND role = 'user' "
+    f"ORDER BY id DESC LIMIT 1 OFFSET {PRUNE_OFFSET})"
+)
+READ = "SELECT message_json FROM messages WHERE session_id = {p} ORDER BY id"
+
+
+def _sql(template: str, placeholder: str) -> str:
+    return template.format(p=placeholder)
+
+
+class _Windows:
+    """What a floor keeps in memory: each session's window of turns and its lock."""
+
+    def __init__(self) -> None:
+        self.turns: defaultdict[str, deque[list[Message]]] = defaultdict(
+            lambda: deque(maxlen=MAX_TURNS)
+        )
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+def _rows(session_id: str, payload: list[Message], now: Any) -> list[tuple[Any, ...]]:
+    return [
+        (session_id, m.role.value, m.content, m.model_dump_json(), now) for m in payload
+    ]
+
+
+class RawSQLite(Adapter):
+    """stdlib ``sqlite3``: WAL, ``synchronous=NORMAL``, ``BEGIN IMMEDIATE`` per turn."""
+
+    name = "raw-sqlite"
+    backend = "sqlite-file"
+    multiprocess = True
+    floor = True
+    database: str | None = None
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.windows = _Windows()
+        self.conn: sqlite3.Connection | None = None
+        self.sql = {key: _sql(value, "?") for key, value in _TEMPLATES.items()}
+
+    @classmethod
+    def prepare(cls, target: Target) -> None:
+        cls._connect(target.path or "").close()
+
+    @staticmethod
+    def _connect(database: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(database, isolation_level=None, timeout=30)
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA busy_timeout = 30000")
+        if database != ":memory:":
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        for statement in SQLITE_DDL:
+            conn.execute(statement)
+        return conn
+
+    async def open(self) -> None:
+        self.conn = self._connect(self.database or self.target.path or "")
+
+    def payload(self, ref: TurnRef) -> list[Message]:
+        return build_messages(ref.session_id, ref.turn)
+
+    def _write(self, ref: TurnRef, payload: list[Message]) -> bool:
+        conn, sql = self.conn, self.sql
+        assert conn is not None
+        now = datetime.now(timezone.utc)
+        stamp, cutoff = now.isoformat(), (now - TTL).isoformat()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not conn.execute(sql["claim"], (ref.webhook_id, stamp, cutoff)).fetchall():
+                conn.execute("ROLLBACK")
+                return False
+            sid = ref.session_id
+            conn.execute(sql["upsert"], (sid, "Support", stamp, stamp))
+            conn.executemany(sql["insert"], _rows(sid, payload, stamp))
+            conn.execute(sql["prune"], (sid, sid))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return True
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        async with self.windows.locks[ref.session_id]:
+            _checkpoint = len(self.windows.turns[ref.session_id])
+            if not self._write(ref, payload):
+                return False
+            self.windows.turns[ref.session_id].append(payload)
+        return True
+
+    async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
+        assert self.conn is not None
+        return {
+            sid: [
+                message_tag(Message.model_validate_json(row[0]))
+                for row in self.conn.execute(self.sql["read"], (sid,))
+            ]
+            for sid in session_ids
+        }
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+class RawSQLiteMemory(RawSQLite):
+    """stdlib ``sqlite3`` on ``:memory:``."""
+
+    name = "raw-sqlite-mem"
+    backend = "sqlite-memory"
+    ephemeral = True
+    multiprocess = False
+    database = ":memory:"
+
+
+class RawPostgres(Adapter):
+    """``psycopg`` 3, one connection: claim, then upsert + insert + prune pipelined, commit."""
+
+    name = "raw-pg"
+    backend = "postgres"
+    multiprocess = True
+    floor = True
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.windows = _Windows()
+        self.conn: Any = None
+        self.sql = {key: _sql(value, "%s") for key, value in _TEMPLATES.items()}
+
+    @staticmethod
+    def _connect(target: Target) -> Any:
+        import psycopg
+
+        return psycopg.connect(
+            libpq_url(target.pg_url or ""), **schema_connect_args(target.schema or "public")
+        )
+
+    @classmethod
+    def prepare(cls, target: Target) -> None:
+        with cls._connect(target) as conn:
+            for statement in PG_DDL:
+                conn.execute(statement)
+
+    async def open(self) -> None:
+        self.conn = self._connect(self.target)
+
+    def payload(self, ref: TurnRef) -> list[Message]:
+        return build_messages(ref.session_id, ref.turn)
+
+    def _write(self, ref: TurnRef, payload: list[Message]) -> bool:
+        conn, sql = self.conn, self.sql
+        now = datetime.now(timezone.utc)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql["claim"], (ref.webhook_id, now, now - TTL))
+                if cur.fetchone() is None:
+                    conn.rollback()
+                    return False
+                sid = ref.session_id
+                with conn.pipeline():
+                    cur.execute(sql["upsert"], (sid, "Support", now, now))
+                    cur.executemany(sql["insert"], _rows(sid, payload, now))
+                    cur.execute(sql["prune"], (sid, sid))
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        return True
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        async with self.windows.locks[ref.session_id]:
+            _checkpoint = len(self.windows.turns[ref.session_id])
+            if not self._write(ref, payload):
+                return False
+            self.windows.turns[ref.session_id].append(payload)
+        return True
+
+    async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
+        windows: dict[str, list[Tag]] = {}
+        for sid in session_ids:
+            rows = self.conn.execute(self.sql["read"], (sid,)).fetchall()
+            windows[sid] = [message_tag(Message.model_validate_json(row[0])) for row in rows]
+        self.conn.rollback()
+        return windows
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+class RawMemory(Adapter):
+    """Plain dicts: a claimed-id dict with TTL, a deque of turns and an asyncio.Lock per session."""
+
+    name = "raw-memory"
+    backend = "memory"
+    ephemeral = True
+    floor = True
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.windows = _Windows()
+        self.claimed: dict[str, float] = {}
+        self.ttl = TTL.total_seconds()
+
+    async def open(self) -> None:
+        """Nothing to open."""
+
+    def payload(self, ref: TurnRef) -> list[Message]:
+        return build_messages(ref.session_id, ref.turn)
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        now = time.monotonic()
+        stamp = self.claimed.get(ref.webhook_id)
+        if stamp is not None and now - stamp <= self.ttl:
+            return False
+        self.claimed[ref.webhook_id] = now
+        async with self.windows.locks[ref.session_id]:
+            window = self.windows.turns[ref.session_id]
+            _checkpoint = len(window)
+            window.append(payload)
+        return True
+
+    async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
+        return {
+            sid: [message_tag(m) for turn in self.windows.turns[sid] for m in turn]
+            for sid in session_ids
+        }
+
+
+_TEMPLATES = {
+    "claim": CLAIM,
+    "upsert": UPSERT_SESSION,
+    "insert": INSERT_MESSAGE,
+    "prune": PRUNE,
+    "read": READ,
+}

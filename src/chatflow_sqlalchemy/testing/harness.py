@@ -1,0 +1,512 @@
+"""Describe a session-store backend to the conformance suite.
+
+A backend package tests itself against the shipped suite by overriding the
+``store_factory`` pytest fixture so that it returns a :class:`StoreHarness`
+for its store::
+
+    # conftest.py of a third-party backend
+    import pytest
+    from chatflow_sqlalchemy.testing import Capability, SpecHarness, StoreSpec
+
+    @pytest.fixture
+    def store_factory(tmp_path):
+        harness = SpecHarness(
+            "mariadb",
+            StoreSpec("chatflow_mariadb:MariaDBSessionStore", (MARIADB_URL,)),
+            capabilities={Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL},
+        )
+        yield harness
+        harness.close()
+
+    # test_conformance.py
+    from chatflow_sqlalchemy.testing.suite import *  # noqa: F403
+
+Tests never look at backend names: each declares the :class:`Capability`
+values it needs (``@requires(Capability.PERSISTENT)``) and is skipped, with
+the missing capability in the reason, on a harness that lacks them.
+
+This module is imported by spawned worker processes of the cross-process
+tests, so it stays light: pytest and the store classes are imported lazily.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import importlib
+import multiprocessing
+import os
+import queue as queue_module
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pytest
+    from chatflow_agent import BaseSessionStore
+
+__all__ = [
+    "CRASH_EXIT_CODE",
+    "Capability",
+    "FactoryHarness",
+    "SpecHarness",
+    "StoreHarness",
+    "StoreSpec",
+    "claim_worker",
+    "crash_worker",
+    "missing_capabilities",
+    "requires",
+    "run_process",
+    "run_workers",
+    "turns_worker",
+]
+
+
+class Capability(str, enum.Enum):
+    """What a backend under test can do; tests require capabilities, never names.
+
+    Members are plain strings too (``Capability.SQL == "sql"``), so a harness
+    may declare ``capabilities`` as any set of these values.
+    """
+
+    PERSISTENT = "persistent"
+    """A new store instance from ``harness.open()`` sees everything earlier ones wrote.
+
+    Declare it when ``open()`` reaches the same database every time (a file, a
+    server schema, a named shared-memory database kept alive by the harness).
+    Tests that reload a session "after a restart" require it.
+    """
+
+    CROSS_PROCESS = "cross_process"
+    """Several OS processes can use the database at once.
+
+    Requires :meth:`StoreHarness.spec`: spawned worker processes open their
+    own store from it. Dedup claim races, concurrent turns and crash-safety
+    tests run real processes and require it.
+    """
+
+    SQL = "sql"
+    """The store is a SQL store with an ``engine`` attribute (a SQLAlchemy Engine)
+    over the ``chatflow_sessions`` / ``chatflow_messages`` /
+    ``chatflow_processed_messages`` tables. Tests inspect rows (cascades,
+    orphans, corrupt rows) through it.
+    """
+
+    ASYNC_THREADPOOL = "async_threadpool"
+    """The async API runs blocking work on the store's private thread pool.
+
+    The store has ``_run_blocking`` and ``_pool`` (a ``ThreadPoolExecutor``
+    whose threads are named ``chatflow-io*``); database work started from the
+    ``a*`` methods never runs on the event-loop thread.
+    """
+
+    ASYNC_NATIVE = "async_native"
+    """The async API drives a native async driver on the event loop.
+
+    A SQL store with it runs the same statements through a SQLAlchemy
+    ``AsyncEngine`` (e.g. psycopg 3's async mode): no thread hop and no
+    blocking driver call on the loop thread.
+    """
+
+    EPHEMERAL = "ephemeral"
+    """The database lives only in this process's memory.
+
+    SQL stores with it run their async work directly on the event loop (no
+    thread hop) and create no thread pool.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A picklable recipe for opening a store, usable in a spawned process.
+
+    Attributes:
+        target: ``"package.module:callable"`` returning a store (usually the
+            store class itself).
+        args: Positional arguments for the callable.
+        kwargs: Keyword arguments for the callable (picklable values only).
+
+    """
+
+    target: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolve(self) -> Callable[..., Any]:
+        """Import and return the callable named by :attr:`target`."""
+        module_name, _, attr = self.target.partition(":")
+        if not attr:
+            raise ValueError(f"StoreSpec target must be 'module:callable', got {self.target!r}")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise TypeError(f"StoreSpec target {self.target!r} is not callable")
+        return obj  # type: ignore[no-any-return]
+
+    def open(self, **store_kwargs: Any) -> BaseSessionStore:
+        """Open a store; ``store_kwargs`` override :attr:`kwargs`."""
+        factory = self.resolve()
+        store: BaseSessionStore = factory(*self.args, **{**dict(self.kwargs), **store_kwargs})
+        return store
+
+
+def missing_capabilities(have: Iterable[str], need: Iterable[str]) -> list[str]:
+    """Return the capabilities of ``need`` that ``have`` lacks, as strings, in order."""
+    owned = {str(c) for c in have}
+    return [str(c) for c in need if str(c) not in owned]
+
+
+def requires(*capabilities: Capability | str) -> pytest.MarkDecorator:
+    """Mark a test (or class) as needing ``capabilities`` of the store under test.
+
+    On a harness without them the test is skipped with a reason naming the
+    missing capabilities. Shorthand for ``@pytest.mark.chatflow_requires(...)``.
+    """
+    import pytest
+
+    return pytest.mark.chatflow_requires(*(str(c) for c in capabilities))
+
+
+class StoreHarness(abc.ABC):
+    """One backend under test: how to open its store and what it can do.
+
+    Subclass it and implement :meth:`_open` (and :meth:`spec` for
+    ``CROSS_PROCESS``), or use :class:`SpecHarness` / :class:`FactoryHarness`.
+    Every store returned by :meth:`open` is closed by :meth:`close`.
+
+    Attributes:
+        name: Human-readable backend name (shown in test ids and skip reasons).
+        capabilities: The :class:`Capability` values this backend has.
+
+    """
+
+    name: str = "store"
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(
+        self, name: str | None = None, capabilities: Iterable[Capability | str] | None = None
+    ) -> None:
+        if name is not None:
+            self.name = name
+        if capabilities is not None:
+            self.capabilities = frozenset(str(c) for c in capabilities)
+        unknown = self.capabilities - {c.value for c in Capability}
+        if unknown:
+            raise ValueError(f"unknown capabilities {sorted(unknown)} for harness {self.name!r}")
+        self._opened: list[BaseSessionStore] = []
+        self._closed = False
+
+    @abc.abstractmethod
+    def _open(self, **store_kwargs: Any) -> BaseSessionStore:
+        """Create a new store instance on this harness's database."""
+
+    def open(self, **store_kwargs: Any) -> BaseSessionStore:
+        """Open a NEW store instance on the same database as every other call.
+
+        Keyword arguments (``default_max_turns``, ``dedup_ttl_hours``) go to the
+        store's constructor. The store is closed by :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError(f"harness {self.name!r} is closed")
+        store = self._open(**store_kwargs)
+        self._opened.append(store)
+        return store
+
+    def spec(self) -> StoreSpec:
+        """A picklable recipe for opening this database in another process.
+
+        Required when the harness declares ``CROSS_PROCESS``.
+        """
+        raise NotImplementedError(
+            f"harness {self.name!r} has no spec(); implement it to declare CROSS_PROCESS"
+        )
+
+    def has(self, *capabilities: Capability | str) -> bool:
+        """Return True when the harness has every capability given."""
+        return not missing_capabilities(self.capabilities, capabilities)
+
+    def require(self, *capabilities: Capability | str) -> None:
+        """Skip the running test unless the harness has every capability given."""
+        missing = missing_capabilities(self.capabilities, capabilities)
+        if missing:
+            import pytest
+
+            pytest.skip(self.skip_reason(missing))
+
+    def skip_reason(self, missing: Sequence[str]) -> str:
+        """The skip message for a test that needs ``missing`` capabilities."""
+        return (
+            f"store {self.name!r} lacks capability {', '.join(missing)} "
+            f"(has: {', '.join(sorted(self.capabilities)) or 'none'})"
+        )
+
+    def close(self) -> None:
+        """Close every store opened through this harness, then :meth:`cleanup`."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for store in reversed(self._opened):
+            try:
+                close = getattr(store, "close", None)
+                if close is not None:
+                    close()
+            except Exception as exc:  # keep closing the others
+                errors.append(exc)
+        self._opened.clear()
+        self.cleanup()
+        if errors:
+            raise errors[0]
+
+    def cleanup(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
+        """Release the database itself (delete files, drop schemas); a hook."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {sorted(self.capabilities)}>"
+
+
+class SpecHarness(StoreHarness):
+    """A harness whose stores are opened from a :class:`StoreSpec`.
+
+    Args:
+        name: Backend name.
+        spec: How to open the store (also used by spawned processes).
+        capabilities: What the backend can do.
+        cleanup: Called once after every store was closed.
+
+    """
+
+    def __init__(
+        self,
+        name: str,
+        spec: StoreSpec,
+        capabilities: Iterable[Capability | str],
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name, capabilities)
+        self._spec = spec
+        self._cleanup = cleanup
+
+    def _open(self, **store_kwargs: Any) -> BaseSessionStore:
+        return self._spec.open(**store_kwargs)
+
+    def spec(self) -> StoreSpec:
+        """Return the spec this harness opens its stores from."""
+        return self._spec
+
+    def cleanup(self) -> None:
+        """Run the cleanup callback, if any."""
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+class FactoryHarness(StoreHarness):
+    """A harness whose stores come from any callable (no cross-process use).
+
+    Args:
+        name: Backend name.
+        factory: ``factory(**store_kwargs)`` returns a new store.
+        capabilities: What the backend can do (``CROSS_PROCESS`` needs ``spec``).
+        spec: Optional recipe for spawned processes.
+        cleanup: Called once after every store was closed.
+
+    """
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[..., BaseSessionStore],
+        capabilities: Iterable[Capability | str],
+        spec: StoreSpec | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name, capabilities)
+        self._factory = factory
+        self._spec = spec
+        self._cleanup = cleanup
+
+    def _open(self, **store_kwargs: Any) -> BaseSessionStore:
+        return self._factory(**store_kwargs)
+
+    def spec(self) -> StoreSpec:
+        """Return the spec given to the constructor."""
+        if self._spec is None:
+            return super().spec()
+        return self._spec
+
+    def cleanup(self) -> None:
+        """Run the cleanup callback, if any."""
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+# ------------------------------------------------------------------ processes
+#
+# Workers run in processes started with the "spawn" method: they receive a
+# StoreSpec, open their own store and report through a queue. They are
+# module-level functions so that spawn can pickle them by name.
+
+
+def run_workers(
+    target: Callable[..., Any],
+    per_worker_args: Sequence[tuple[Any, ...]],
+    *,
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``target(*args, barrier, results)`` in one spawned process per args tuple.
+
+    The workers wait on a shared barrier so they start together, and each puts
+    exactly one result on ``results``. Returns the results (in completion
+    order). Raises ``AssertionError`` if a worker fails, exits without a
+    result, or the whole run exceeds ``timeout`` seconds; stragglers are killed.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results: Any = ctx.Queue()
+    barrier = ctx.Barrier(len(per_worker_args))
+    processes = [
+        ctx.Process(target=target, args=(*args, barrier, results), daemon=True)
+        for args in per_worker_args
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    collected: list[Any] = []
+    try:
+        while len(collected) < len(processes):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"worker processes timed out after {timeout}s "
+                    f"({len(collected)}/{len(processes)} reported)"
+                )
+            try:
+                item = results.get(timeout=min(remaining, 0.5))
+            except queue_module.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    codes = [p.exitcode for p in dead]
+                    raise AssertionError(f"worker process died with exit codes {codes}") from None
+                continue
+            if isinstance(item, tuple) and item and item[0] == "error":
+                raise AssertionError(f"worker process failed: {item[1]}")
+            collected.append(item)
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        results.close()
+    return collected
+
+
+def run_process(target: Callable[..., Any], args: tuple[Any, ...], *, timeout: float = 60.0) -> int:
+    """Run ``target(*args)`` in one spawned process and return its exit code."""
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(target=target, args=args, daemon=True)
+    process.start()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+        raise AssertionError(f"worker process did not finish within {timeout}s")
+    assert process.exitcode is not None
+    return process.exitcode
+
+
+def _report_errors(results: Any, fn: Callable[[], Any]) -> None:
+    try:
+        results.put(fn())
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def claim_worker(spec: StoreSpec, message_ids: Sequence[str], barrier: Any, results: Any) -> None:
+    """Claim every id with ``record_processed_message``; report ``(pid, claimed ids)``."""
+
+    def work() -> tuple[int, list[str]]:
+        store = spec.open()
+        try:
+            store.is_message_processed("warm-up")  # connect before the race starts
+            barrier.wait(30)
+            claimed = [m for m in message_ids if store.record_processed_message(m)]
+        finally:
+            getattr(store, "close", lambda: None)()
+        return os.getpid(), claimed
+
+    _report_errors(results, work)
+
+
+def turns_worker(
+    spec: StoreSpec,
+    session_id: str,
+    agent_name: str,
+    label: str,
+    n_turns: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """Run ``n_turns`` locked turns (USER then MODEL, both ``f"{label}-{k}"``); report label."""
+
+    def work() -> str:
+        from chatflow_agent import Agent, Message, Role
+
+        store = spec.open()
+        try:
+            ctx = store.get_or_create(session_id, Agent(name=agent_name, instructions=""))
+            barrier.wait(30)
+
+            async def turns() -> None:
+                for k in range(n_turns):
+                    async with ctx.lock:
+                        ctx.add_message(Message(role=Role.USER, content=f"{label}-{k}"))
+                        await asyncio.sleep(0.001)
+                        ctx.add_message(Message(role=Role.MODEL, content=f"{label}-{k}"))
+
+            asyncio.run(turns())
+        finally:
+            getattr(store, "close", lambda: None)()
+        return label
+
+    _report_errors(results, work)
+
+
+CRASH_EXIT_CODE = 17
+"""Exit status of :func:`crash_worker` when it died where it meant to."""
+
+
+def crash_worker(spec: StoreSpec, locked_session: str, unlocked_session: str) -> None:
+    """Die (``os._exit``) in the middle of two turns, one inside ``session.lock``.
+
+    ``locked_session`` gets one complete turn, then a second turn that dies
+    inside the lock after a USER message and a MODEL tool call.
+    ``unlocked_session`` gets a USER message and a MODEL tool call written
+    outside any lock, and the process dies before the tool result.
+    """
+    from chatflow_agent import Agent, Message, Role, ToolCall
+
+    store = spec.open()
+    agent = Agent(name="Crasher", instructions="")
+    call = ToolCall(id="call-crash", name="lookup", args={"q": "x"})
+
+    locked = store.get_or_create(locked_session, agent)
+    locked.add_message(Message(role=Role.USER, content="turn 1"))
+    locked.add_message(Message(role=Role.MODEL, content="answer 1"))
+
+    unlocked = store.get_or_create(unlocked_session, agent)
+    unlocked.add_message(Message(role=Role.USER, content="turn 1"))
+    unlocked.add_message(Message(role=Role.MODEL, content=None, tool_calls=[call]))
+
+    async def die_mid_turn() -> None:
+        async with locked.lock:
+            locked.add_message(Message(role=Role.USER, content="turn 2"))
+            locked.add_message(Message(role=Role.MODEL, content=None, tool_calls=[call]))
+            os._exit(CRASH_EXIT_CODE)
+
+    asyncio.run(die_mid_turn())

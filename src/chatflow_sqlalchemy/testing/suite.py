@@ -1,0 +1,1760 @@
+"""The chatflow-sqlalchemy conformance suite: the public contract as pytest classes.
+
+Collect it from a test module of your own::
+
+    from chatflow_sqlalchemy.testing.suite import *  # noqa: F403
+
+and override the ``store_factory`` fixture (see
+:mod:`chatflow_sqlalchemy.testing.harness`) to return a ``StoreHarness`` for
+your backend. Every class uses two fixtures of :class:`StoreTestBase`:
+``harness`` (the ``store_factory`` harness) and ``store`` (one store opened
+from it, closed after the test). Tests that need something a backend may not
+have declare it with ``@requires(Capability.X)`` and are skipped, with the
+missing capability named, where it is absent; no test looks at backend names.
+
+The suite does not depend on pytest-asyncio: async scenarios run in
+``asyncio.run`` inside plain tests, as a sync web handler would drive them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import random
+import re
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from chatflow_agent import (
+    Agent,
+    BaseEngine,
+    BaseSessionStore,
+    Message,
+    Role,
+    Runner,
+    Tool,
+    ToolCall,
+    ToolResult,
+    tool,
+)
+from chatflow_agent import SessionContext as UpstreamSessionContext
+from chatflow_agent.core.engines import EngineTurnResult
+
+from chatflow_sqlalchemy import (
+    DEFAULT_DEDUP_TTL_HOURS,
+    ChatflowStoreError,
+    SessionContext,
+    SessionDeletedError,
+)
+from chatflow_sqlalchemy.testing.harness import (
+    CRASH_EXIT_CODE,
+    Capability,
+    StoreHarness,
+    claim_worker,
+    crash_worker,
+    requires,
+    run_process,
+    run_workers,
+    turns_worker,
+)
+from chatflow_sqlalchemy.testing.plugin import MARKER
+
+__all__ = [
+    "ScriptedEngine",
+    "StoreTestBase",
+    "TestAgentResolver",
+    "TestAsyncTwins",
+    "TestClear",
+    "TestCorruptRows",
+    "TestCrossProcess",
+    "TestDedup",
+    "TestDeletion",
+    "TestListSessions",
+    "TestMetadata",
+    "TestOneContextPerSession",
+    "TestPruning",
+    "TestRollback",
+    "TestRunnerEndToEnd",
+    "TestSeedDocumentExamples",
+    "TestValidation",
+]
+
+_T = TypeVar("_T")
+
+STORE_ASYNC_TWINS = (
+    "aget_or_create",
+    "aget",
+    "adelete",
+    "alist_sessions",
+    "aclear",
+    "ais_message_processed",
+    "amark_message_processed",
+    "arecord_processed_message",
+    "apurge_processed_messages",
+    "aclose",
+)
+CONTEXT_ASYNC_TWINS = ("aadd_message", "aset_active_agent", "aclear_history", "arollback_to")
+
+
+# =============================================================== helpers
+
+
+def run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine on a new event loop (as ``Runner.run`` does)."""
+    return asyncio.run(coro)
+
+
+def new_id(prefix: str = "s") -> str:
+    """A unique session / message id."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def user(text: str) -> Message:
+    """A USER message."""
+    return Message(role=Role.USER, content=text)
+
+
+def model(text: str | None = None, calls: list[ToolCall] | None = None) -> Message:
+    """A MODEL message, optionally with tool calls."""
+    return Message(role=Role.MODEL, content=text, tool_calls=calls)
+
+
+def system(text: str) -> Message:
+    """A SYSTEM message."""
+    return Message(role=Role.SYSTEM, content=text)
+
+
+def tool_result(call: ToolCall, content: Any) -> Message:
+    """A TOOL message answering ``call``."""
+    return Message(
+        role=Role.TOOL,
+        tool_results=[ToolResult(tool_call_id=call.id, name=call.name, content=content)],
+    )
+
+
+def call(name: str, **args: Any) -> ToolCall:
+    """A tool call with a unique id."""
+    return ToolCall(id=new_id("call"), name=name, args=args)
+
+
+def dump(history: Sequence[Message]) -> list[dict[str, Any]]:
+    """A comparable, JSON-shaped copy of a history."""
+    return [m.model_dump(mode="json") for m in history]
+
+
+def outline(history: Sequence[Message]) -> list[str]:
+    """A short readable form of a history: role, content, ``+calls`` for tool calls."""
+    return [f"{m.role.value}:{m.content}{'+calls' if m.tool_calls else ''}" for m in history]
+
+
+def contents(history: Sequence[Message]) -> list[str | None]:
+    """The ``content`` of each message."""
+    return [m.content for m in history]
+
+
+def assert_turn_shaped(history: Sequence[Message]) -> None:
+    """SYSTEM messages only at the front, then turns: the first non-SYSTEM is a USER."""
+    roles = [m.role for m in history]
+    n_system = 0
+    while n_system < len(roles) and roles[n_system] == Role.SYSTEM:
+        n_system += 1
+    assert Role.SYSTEM not in roles[n_system:], f"SYSTEM message after the front: {roles}"
+    if n_system < len(roles):
+        assert roles[n_system] == Role.USER, f"history starts with {roles[n_system]}: {roles}"
+
+
+def assert_well_formed(history: Sequence[Message]) -> None:
+    """Turn-shaped, and every MODEL tool call is answered by the next (TOOL) message."""
+    assert_turn_shaped(history)
+    roles = [m.role for m in history]
+    for index, message in enumerate(history):
+        if message.role == Role.MODEL and message.tool_calls:
+            assert index + 1 < len(history), f"dangling tool call at the end: {roles}"
+            answer = history[index + 1]
+            assert answer.role == Role.TOOL, f"tool call at {index} not followed by TOOL: {roles}"
+            answered = {r.tool_call_id for r in answer.tool_results or []}
+            assert {c.id for c in message.tool_calls} <= answered, "tool call without result"
+
+
+@dataclass(frozen=True)
+class ExecutedSQL:
+    """One statement seen by :func:`record_sql`."""
+
+    statement: str
+    thread: str
+    is_async: bool
+
+
+@contextmanager
+def record_sql() -> Iterator[list[ExecutedSQL]]:
+    """Record every SQL statement any SQLAlchemy engine of this process executes."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    executed: list[ExecutedSQL] = []
+
+    def on_execute(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        executed.append(
+            ExecutedSQL(
+                " ".join(statement.split())[:60],
+                threading.current_thread().name,
+                bool(conn.dialect.is_async),
+            )
+        )
+
+    event.listen(Engine, "before_cursor_execute", on_execute)
+    try:
+        yield executed
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_execute)
+
+
+def count_records(caplog: pytest.LogCaptureFixture, needle: str, level: int) -> int:
+    """How many captured records at ``level`` or above mention ``needle``."""
+    return sum(1 for r in caplog.records if r.levelno >= level and needle in r.getMessage())
+
+
+def random_messages(rng: random.Random, n: int) -> list[Message]:
+    """A random role sequence, often starting with non-USER messages, with a few SYSTEMs."""
+    roles = [Role.USER, Role.MODEL, Role.TOOL, Role.SYSTEM]
+    weights = [0.3, 0.38, 0.25, 0.07]
+    messages = []
+    for i in range(n):
+        role = rng.choices(roles, weights)[0]
+        if role == Role.MODEL and rng.random() < 0.4:
+            messages.append(model(f"m{i}", [call("lookup", i=i)]))
+        elif role == Role.TOOL:
+            result = ToolResult(tool_call_id=f"c{i}", name="lookup", content={"i": i})
+            messages.append(Message(role=Role.TOOL, tool_results=[result]))
+        else:
+            messages.append(Message(role=role, content=f"{role.value}{i}"))
+    return messages
+
+
+def reload(
+    harness: StoreHarness,
+    session_id: str,
+    resolver: Callable[[str], Agent | None] | None = None,
+    **store_kwargs: Any,
+) -> SessionContext:
+    """The session as a fresh store instance (a restarted process) loads it."""
+    fresh: Any = harness.open(**store_kwargs)
+    if resolver is not None:
+        fresh.set_agent_resolver(resolver)
+    ctx = fresh.get(session_id)
+    assert ctx is not None, f"a fresh store does not find session {session_id!r}"
+    return ctx  # type: ignore[no-any-return]
+
+
+def assert_reloads_identically(harness: StoreHarness, ctx: Any, **store_kwargs: Any) -> None:
+    """With PERSISTENT, a fresh store reloads exactly ``ctx``'s history and agent name."""
+    if not harness.has(Capability.PERSISTENT):
+        return
+    again = reload(harness, ctx.session_id, **store_kwargs)
+    assert dump(again.history) == dump(ctx.history), (
+        f"a fresh store reloads {outline(again.history)}, memory holds {outline(ctx.history)}"
+    )
+    assert again.active_agent.name == ctx.active_agent.name
+
+
+# ------------------------------------------------------------------- tools
+
+
+def _check_order_status(order_id: str) -> dict[str, str]:
+    """Check shipment tracking for an order ID."""
+    return {"order_id": order_id, "status": "IN_TRANSIT", "eta": "Tomorrow"}
+
+
+def _refund(amount: str) -> dict[str, str]:
+    """Refund an amount to the customer."""
+    return {"refunded": amount, "status": "OK"}
+
+
+check_order_status = Tool(_check_order_status, name="check_order_status")
+refund = Tool(_refund, name="refund")
+
+
+def make_agents() -> tuple[Agent, Agent]:
+    """New ``Support`` (order tool, hands off to Billing) and ``Billing`` agents."""
+    billing = Agent(name="Billing", instructions="Billing specialist", tools=[refund])
+    support = Agent(
+        name="Support", instructions="Support", tools=[check_order_status], handoffs=[billing]
+    )
+    billing.add_handoff(support)
+    return support, billing
+
+
+_ORDER = re.compile(r"\border\s+#?(\w+)", re.IGNORECASE)
+_TRANSFER = re.compile(r"\btransfer\s+(?:to\s+)?(\w+)", re.IGNORECASE)
+_REFUND = re.compile(r"\brefund\s+(\w+)", re.IGNORECASE)
+
+
+class ScriptedEngine(BaseEngine):
+    """An offline engine for the real ``Runner``, scripted by the user's words.
+
+    The user message is split on ``" then "`` into steps; step *k* runs when
+    the turn already holds *k* TOOL messages:
+
+    * ``order <id>``: call ``check_order_status(order_id=<id>)``;
+    * ``transfer <agent>``: call the handoff tool ``transfer_to_<agent>``;
+    * ``refund <amount>``: call ``refund(amount=<amount>)``;
+    * ``fail``: raise ``RuntimeError`` (the Runner must roll the turn back);
+    * anything else, or no step left: answer with text naming the agent, the
+      user message and the last tool results.
+
+    Args:
+        delay: Seconds to ``await asyncio.sleep`` before every answer, so that
+            concurrent turns get a chance to interleave.
+
+    """
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.calls = 0
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        self.calls += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        start = max(i for i, m in enumerate(history) if m.role == Role.USER)
+        text = history[start].content or ""
+        turn = history[start + 1 :]
+        done = sum(1 for m in turn if m.role == Role.TOOL)
+        steps = [s.strip() for s in text.split(" then ")]
+        if done < len(steps):
+            step = steps[done]
+            if step.lower() == "fail":
+                raise RuntimeError(f"scripted engine failure in turn {text!r}")
+            planned = self._plan(agent, step)
+            if planned is not None:
+                return EngineTurnResult(tool_calls=[planned])
+        results = [r.content for m in turn if m.role == Role.TOOL for r in m.tool_results or []]
+        tail = f" | {json.dumps(results[-1], sort_keys=True)}" if results else ""
+        return EngineTurnResult(text=f"{agent.name} re: {text}{tail}")
+
+    @staticmethod
+    def _plan(agent: Agent, step: str) -> ToolCall | None:
+        tools = {t.name for t in agent.get_all_tools()}
+        if (m := _TRANSFER.search(step)) and f"transfer_to_{m[1].lower()}" in tools:
+            return call(f"transfer_to_{m[1].lower()}", reason=step)
+        if (m := _ORDER.search(step)) and "check_order_status" in tools:
+            return call("check_order_status", order_id=m[1])
+        if (m := _REFUND.search(step)) and "refund" in tools:
+            return call("refund", amount=m[1])
+        return None
+
+
+# ============================================================ base class
+
+
+class StoreTestBase:
+    """Fixtures of every suite class; subclass it to write backend tests of your own.
+
+    ``harness`` is the ``store_factory`` harness; ``store`` is one store
+    opened from it and closed after the test. ``@requires(...)`` markers are
+    checked before any store is opened.
+    """
+
+    @pytest.fixture(autouse=True)
+    def _chatflow_capability_gate(
+        self, request: pytest.FixtureRequest, store_factory: StoreHarness
+    ) -> None:
+        needed = [str(c) for marker in request.node.iter_markers(MARKER) for c in marker.args]
+        store_factory.require(*needed)
+
+    @pytest.fixture
+    def harness(self, store_factory: StoreHarness) -> StoreHarness:
+        """The backend under test."""
+        return store_factory
+
+    @pytest.fixture
+    def store(self, harness: StoreHarness) -> Iterator[Any]:
+        """A store opened from the harness, closed after the test."""
+        opened: Any = harness.open()
+        try:
+            yield opened
+        finally:
+            opened.close()
+
+
+# ================================================================ pruning
+
+
+class TestPruning(StoreTestBase):
+    """Behaviour 1: turn-safe pruning, identical to upstream's algorithm, persisted as is."""
+
+    def test_system_messages_stay_in_front_forever(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        agent = Agent(name="Bot", instructions="")
+        ctx = store.get_or_create(new_id(), agent)
+        s1, s2 = system("rules"), system("more rules")
+        for m in [s1, user("u1"), model("m1"), s2, user("u2"), model("m2"), user("u3")]:
+            ctx.add_message(m)
+        ctx.add_message(model("m3"))
+        assert contents(ctx.history) == ["rules", "more rules", "u2", "m2", "u3", "m3"]
+        assert_well_formed(ctx.history)
+        assert_reloads_identically(harness, ctx, default_max_turns=2)
+
+    def test_turn_holds_every_model_and_tool_message(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=1)
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        c = call("lookup", q="x")
+        turn = [user("u1"), model(None, [c]), tool_result(c, {"ok": True}), model("done")]
+        for m in turn:
+            ctx.add_message(m)
+        assert dump(ctx.history) == dump(turn)
+        ctx.add_message(user("u2"))
+        assert contents(ctx.history) == ["u2"]
+        assert_reloads_identically(harness, ctx, default_max_turns=1)
+
+    def test_only_newest_max_turns_turns_are_kept(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=3)
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        assert ctx.max_turns == 3
+        for k in range(6):
+            ctx.add_message(user(f"u{k}"))
+            ctx.add_message(model(f"m{k}"))
+        assert contents(ctx.history) == ["u3", "m3", "u4", "m4", "u5", "m5"]
+        assert_reloads_identically(harness, ctx, default_max_turns=3)
+
+    def test_leading_non_user_messages_are_dropped(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        c = call("lookup")
+        ctx.add_message(model("orphan"))
+        ctx.add_message(tool_result(c, "orphan"))
+        assert ctx.history == []
+        ctx.add_message(system("sys"))
+        ctx.add_message(model("still orphan"))
+        assert contents(ctx.history) == ["sys"]
+        ctx.add_message(user("u1"))
+        ctx.add_message(model("m1"))
+        assert contents(ctx.history) == ["sys", "u1", "m1"]
+        assert_reloads_identically(harness, ctx, default_max_turns=2)
+
+    def test_matches_upstream_on_random_sequences(self, harness: StoreHarness) -> None:
+        for seed, max_turns in [(1, 1), (2, 2), (3, 3), (4, 5), (5, 2), (6, 4)]:
+            rng = random.Random(seed)
+            messages = random_messages(rng, 45)
+            store: Any = harness.open(default_max_turns=max_turns)
+            agent = Agent(name="Bot", instructions="")
+            ours = store.get_or_create(new_id(f"seed{seed}"), agent)
+            upstream = UpstreamSessionContext("upstream", agent, max_turns=max_turns)
+            for index, message in enumerate(messages):
+                ours.add_message(message)
+                upstream.add_message(message)
+                assert ours.history == upstream.history, (
+                    f"seed {seed}, max_turns {max_turns}: differs from upstream after "
+                    f"message {index} ({message.role.value})"
+                )
+            assert_turn_shaped(ours.history)
+            assert_reloads_identically(harness, ours, default_max_turns=max_turns)
+
+    def test_matches_upstream_inside_turn_lock(self, harness: StoreHarness) -> None:
+        async def scenario(seed: int, max_turns: int) -> None:
+            messages = random_messages(random.Random(seed), 40)
+            store: Any = harness.open(default_max_turns=max_turns)
+            agent = Agent(name="Bot", instructions="")
+            ours = store.get_or_create(new_id(f"lock{seed}"), agent)
+            upstream = UpstreamSessionContext("upstream", agent, max_turns=max_turns)
+            for start in range(0, len(messages), 7):
+                async with ours.lock:
+                    for message in messages[start : start + 7]:
+                        ours.add_message(message)
+                        upstream.add_message(message)
+                        assert ours.history == upstream.history
+                assert ours.history == upstream.history
+            assert_reloads_identically(harness, ours, default_max_turns=max_turns)
+
+        for seed, max_turns in [(11, 1), (12, 2), (13, 3)]:
+            run(scenario(seed, max_turns))
+
+    @requires(Capability.PERSISTENT)
+    def test_fresh_store_reloads_identical_history_after_pruning(
+        self, harness: StoreHarness
+    ) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        ctx.add_message(system("sys"))
+        for k in range(5):
+            c = call("lookup", k=k)
+            for m in [user(f"u{k}"), model(None, [c]), tool_result(c, {"k": k}), model(f"m{k}")]:
+                ctx.add_message(m)
+        assert [m.content for m in ctx.history if m.role == Role.USER] == ["u3", "u4"]
+        again = reload(harness, ctx.session_id, default_max_turns=2)
+        assert dump(again.history) == dump(ctx.history)
+        assert len(again.history) == 9
+        # and the reloaded context keeps pruning from where it is
+        again.add_message(user("u5"))
+        assert [m.content for m in again.history if m.role == Role.USER] == ["u4", "u5"]
+        third = reload(harness, ctx.session_id, default_max_turns=2)
+        assert dump(third.history) == dump(again.history)
+
+    @requires(Capability.PERSISTENT)
+    def test_fresh_store_reloads_a_pending_tool_call(self, harness: StoreHarness) -> None:
+        # Written outside a lock, message by message: the database holds exactly
+        # what memory holds, also while a tool call still waits for its result.
+        store: Any = harness.open()
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        pending = call("lookup", q="slow")
+        ctx.add_message(user("u1"))
+        ctx.add_message(model(None, [pending]))
+        again = reload(harness, ctx.session_id)
+        assert dump(again.history) == dump(ctx.history)
+
+    @requires(Capability.PERSISTENT)
+    def test_other_writer_never_drops_a_pending_tool_call(self, harness: StoreHarness) -> None:
+        # Worker A is running a tool; worker B loads the session and writes to it.
+        # When A stores the tool result, the call it answers must still be there.
+        bot = Agent(name="Bot", instructions="")
+        writer: Any = harness.open()
+        ctx = writer.get_or_create(new_id(), bot)
+        pending = call("lookup", q="slow")
+        ctx.add_message(user("u1"))
+        ctx.add_message(model(None, [pending]))
+        other: Any = harness.open()
+        other.get(ctx.session_id).metadata["seen_by"] = "worker-b"
+        ctx.add_message(tool_result(pending, {"ok": True}))
+        final = reload(harness, ctx.session_id)
+        assert_well_formed(final.history)
+        assert [m.role for m in final.history] == [Role.USER, Role.MODEL, Role.TOOL]
+        assert final.metadata == {"seen_by": "worker-b"}
+
+    def test_prune_history_regroups_a_hand_set_history(self, harness: StoreHarness) -> None:
+        messages = random_messages(random.Random(99), 30)
+        store: Any = harness.open(default_max_turns=3)
+        agent = Agent(name="Bot", instructions="")
+        ctx = store.get_or_create(new_id(), agent)
+        upstream = UpstreamSessionContext("upstream", agent, max_turns=3)
+        ctx.history = list(messages)
+        upstream.history = list(messages)
+        ctx._prune_history()
+        upstream._prune_history()
+        assert ctx.history == upstream.history
+        ctx._prune_history()
+        assert ctx.history == upstream.history
+        assert_reloads_identically(harness, ctx, default_max_turns=3)
+
+
+# =============================================================== rollback
+
+
+class TestRollback(StoreTestBase):
+    """Behaviour 2: rollback restores the exact pre-turn history and active agent."""
+
+    @staticmethod
+    def _two_full_turns(store: Any, agent: Agent) -> Any:
+        ctx = store.get_or_create(new_id(), agent)
+        for m in [system("sys"), user("u1"), model("m1"), user("u2"), model("m2")]:
+            ctx.add_message(m)
+        return ctx
+
+    def test_rollback_inside_lock_restores_pruned_turns_and_agent(
+        self, harness: StoreHarness
+    ) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        support, billing = make_agents()
+        ctx = self._two_full_turns(store, support)
+        before = dump(ctx.history)
+
+        async def turn() -> None:
+            async with ctx.lock:
+                checkpoint = len(ctx.history)
+                ctx.add_message(user("u3"))
+                assert "u1" not in contents(ctx.history), "the new turn must prune u1"
+                ctx.set_active_agent(billing)
+                c = call("refund", amount="5")
+                ctx.add_message(model(None, [c]))
+                ctx.add_message(tool_result(c, {"status": "OK"}))
+                ctx.rollback_to(checkpoint)
+                assert dump(ctx.history) == before
+                assert ctx.active_agent is support
+
+        run(turn())
+        assert dump(ctx.history) == before
+        assert ctx.active_agent is support
+        assert_reloads_identically(harness, ctx, default_max_turns=2)
+        # the session keeps working normally after the rollback
+        ctx.add_message(user("u4"))
+        ctx.add_message(model("m4"))
+        assert contents(ctx.history) == ["sys", "u2", "m2", "u4", "m4"]
+        assert_reloads_identically(harness, ctx, default_max_turns=2)
+
+    def test_runner_style_rollback_on_exception(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        support, billing = make_agents()
+        ctx = self._two_full_turns(store, support)
+        before = dump(ctx.history)
+
+        async def failing_turn() -> None:
+            async with ctx.lock:
+                checkpoint = len(ctx.history)
+                try:
+                    ctx.add_message(user("u3"))
+                    ctx.set_active_agent(billing)
+                    ctx.add_message(model("m3"))
+                    ctx.add_message(user("u4"))
+                    raise RuntimeError("engine down")
+                except Exception:
+                    ctx.rollback_to(checkpoint)
+                    raise
+
+        with pytest.raises(RuntimeError, match="engine down"):
+            run(failing_turn())
+        assert dump(ctx.history) == before
+        assert ctx.active_agent is support
+        assert_reloads_identically(harness, ctx, default_max_turns=2)
+
+    def test_plain_rollback_outside_lock(self, harness: StoreHarness) -> None:
+        store: Any = harness.open()
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        ctx.add_message(user("u1"))
+        ctx.add_message(model("m1"))
+        checkpoint = len(ctx.history)
+        ctx.add_message(user("u2"))
+        ctx.add_message(model("m2"))
+        ctx.rollback_to(checkpoint)
+        assert contents(ctx.history) == ["u1", "m1"]
+        assert_reloads_identically(harness, ctx)
+        ctx.rollback_to(len(ctx.history))  # rolling back to "now" changes nothing
+        assert contents(ctx.history) == ["u1", "m1"]
+        ctx.add_message(user("u3"))
+        assert contents(ctx.history) == ["u1", "m1", "u3"]
+        assert_reloads_identically(harness, ctx)
+
+    def test_rollback_outside_lock_restores_pruned_turn_and_agent(
+        self, harness: StoreHarness
+    ) -> None:
+        store: Any = harness.open(default_max_turns=1)
+        support, billing = make_agents()
+        ctx = store.get_or_create(new_id(), support)
+        ctx.add_message(user("u1"))
+        ctx.add_message(model("m1"))
+        before = dump(ctx.history)
+        checkpoint = len(ctx.history)
+        ctx.add_message(user("u2"))
+        ctx.set_active_agent(billing)
+        ctx.add_message(model("m2"))
+        assert contents(ctx.history) == ["u2", "m2"]
+        ctx.rollback_to(checkpoint)
+        assert dump(ctx.history) == before
+        assert ctx.active_agent is support
+        assert_reloads_identically(harness, ctx, default_max_turns=1)
+
+
+# ========================================================= context identity
+
+
+class TestOneContextPerSession(StoreTestBase):
+    """Behaviour 3: one context object per session per store, so its lock serialises turns."""
+
+    def test_same_object_for_a_session(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        sid = new_id()
+        first = store.get_or_create(sid, agent)
+        assert store.get_or_create(sid, agent) is first
+        assert store.get(sid) is first
+        assert run(store.aget_or_create(sid, agent)) is first
+        assert run(store.aget(sid)) is first
+        assert store.get_or_create(new_id(), agent) is not first
+
+    def test_contexts_and_stores_are_upstream_types(self, store: Any) -> None:
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        assert isinstance(store, BaseSessionStore)
+        assert isinstance(ctx, UpstreamSessionContext)
+        assert isinstance(ctx, SessionContext)
+
+    def test_lock_serialises_concurrent_runner_turns(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        support, _ = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine(0.005))
+        sid = new_id()
+        orders = ["A1", "B2", "C3"]
+
+        async def concurrently() -> None:
+            await asyncio.gather(*(runner.run_async(sid, f"order {o}") for o in orders))
+
+        run(concurrently())
+        ctx = store.get(sid)
+        history = ctx.history
+        assert len(history) == 4 * len(orders), [m.role.value for m in history]
+        seen = []
+        for start in range(0, len(history), 4):
+            u, m, t, final = history[start : start + 4]
+            assert [u.role, m.role, t.role, final.role] == [
+                Role.USER,
+                Role.MODEL,
+                Role.TOOL,
+                Role.MODEL,
+            ], "turns interleaved"
+            order = (u.content or "").split()[-1]
+            assert m.tool_calls and m.tool_calls[0].args == {"order_id": order}
+            assert t.tool_results and t.tool_results[0].tool_call_id == m.tool_calls[0].id
+            assert t.tool_results[0].content["order_id"] == order
+            assert order in (final.content or "")
+            seen.append(order)
+        assert sorted(seen) == orders
+        assert_reloads_identically(harness, ctx)
+
+
+# ========================================================= agent resolver
+
+
+class TestAgentResolver(StoreTestBase):
+    """Behaviour 5: stored agent names are mapped back through the resolver, else a fallback."""
+
+    @requires(Capability.PERSISTENT)
+    def test_resolver_maps_stored_name_to_agent(self, harness: StoreHarness, store: Any) -> None:
+        support, billing = make_agents()
+        sid = new_id()
+        store.get_or_create(sid, support).set_active_agent(billing)
+        new_support, new_billing = make_agents()
+        agents = {a.name: a for a in (new_support, new_billing)}
+        again = reload(harness, sid, resolver=agents.get)
+        assert again.active_agent is new_billing
+        # the resolver also wins over get_or_create's default agent
+        fresh: Any = harness.open()
+        fresh.set_agent_resolver(agents.get)
+        assert fresh.get_or_create(sid, new_support).active_agent is new_billing
+
+    @requires(Capability.PERSISTENT)
+    def test_runner_registers_its_resolver(self, harness: StoreHarness, store: Any) -> None:
+        support, billing = make_agents()
+        sid = new_id()
+        store.get_or_create(sid, support).set_active_agent(billing)
+        fresh: Any = harness.open()
+        new_support, _ = make_agents()
+        runner = Runner(starting_agent=new_support, session_store=fresh, engine=ScriptedEngine())
+        ctx = fresh.get(sid)
+        assert ctx.active_agent is new_support.handoffs[0]
+        assert {t.name for t in ctx.active_agent.get_all_tools()} >= {"refund"}
+        response = run(runner.run_async(sid, "refund 12"))
+        assert response.tool_calls_executed == ["refund"]
+
+    @requires(Capability.PERSISTENT)
+    def test_without_resolver_fallback_agent_and_one_warning_per_name(
+        self, harness: StoreHarness, store: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        ghost_name, phantom_name = new_id("Ghost"), new_id("Phantom")
+        ghost = Agent(name=ghost_name, instructions="x", tools=[check_order_status])
+        phantom = Agent(name=phantom_name, instructions="y", tools=[refund])
+        sessions = [new_id() for _ in range(3)]
+        store.get_or_create(sessions[0], ghost)
+        store.get_or_create(sessions[1], ghost)
+        store.get_or_create(sessions[2], phantom)
+        fresh: Any = harness.open()
+        caplog.set_level(logging.WARNING)
+        caplog.clear()
+        loaded = [fresh.get(sid) for sid in sessions]
+        for ctx, expected in zip(loaded, [ghost_name, ghost_name, phantom_name], strict=True):
+            assert ctx.active_agent.name == expected
+            assert ctx.active_agent not in (ghost, phantom)
+            assert ctx.active_agent.get_all_tools() == []
+        assert count_records(caplog, ghost_name, logging.WARNING) == 1
+        assert count_records(caplog, phantom_name, logging.WARNING) == 1
+        # get_or_create on an existing session also keeps the stored name
+        other: Any = harness.open()
+        support, _ = make_agents()
+        ctx = other.get_or_create(sessions[0], support)
+        assert ctx.active_agent.name == ghost_name
+        assert ctx.active_agent.get_all_tools() == []
+
+    @requires(Capability.PERSISTENT)
+    def test_resolver_returning_none_falls_back(
+        self, harness: StoreHarness, store: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        name = new_id("Retired")
+        sid = new_id()
+        store.get_or_create(sid, Agent(name=name, instructions="", tools=[refund]))
+        fresh: Any = harness.open()
+        fresh.set_agent_resolver(lambda _name: None)
+        caplog.set_level(logging.WARNING)
+        caplog.clear()
+        ctx = fresh.get(sid)
+        assert ctx.active_agent.name == name
+        assert ctx.active_agent.get_all_tools() == []
+        assert count_records(caplog, name, logging.WARNING) == 1
+
+
+# =============================================================== metadata
+
+
+class TestMetadata(StoreTestBase):
+    """Session metadata: stored at creation, changes persisted, bad values rejected."""
+
+    def test_stored_at_creation_only(self, harness: StoreHarness, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        sid = new_id()
+        meta = {"user_id": "cust_882", "channel": "whatsapp", "tags": [1, 2], "n": {"a": None}}
+        ctx = store.get_or_create(sid, agent, metadata=meta)
+        assert ctx.metadata == meta
+        assert store.get_or_create(sid, agent, metadata={"channel": "telegram"}).metadata == meta
+        assert store.get_or_create(new_id(), agent).metadata == {}
+        if harness.has(Capability.PERSISTENT):
+            assert reload(harness, sid).metadata == meta
+
+    @requires(Capability.PERSISTENT)
+    def test_mutations_persist_to_a_fresh_store(self, harness: StoreHarness, store: Any) -> None:
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""), metadata={"a": 1})
+        ctx.metadata["b"] = {"nested": [1, 2]}
+        assert reload(harness, sid).metadata == {"a": 1, "b": {"nested": [1, 2]}}
+        ctx.metadata.update({"c": "x"})
+        del ctx.metadata["a"]
+        assert reload(harness, sid).metadata == {"b": {"nested": [1, 2]}, "c": "x"}
+        ctx.metadata = {"replaced": True}
+        assert reload(harness, sid).metadata == {"replaced": True}
+
+    @requires(Capability.PERSISTENT)
+    def test_mutations_inside_turn_persist_at_lock_exit(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.metadata["step"] = 1
+                ctx.add_message(user("u1"))
+
+        run(turn())
+        again = reload(harness, sid)
+        assert again.metadata == {"step": 1}
+        assert contents(again.history) == ["u1"]
+
+    def test_non_json_metadata_rejected_and_nothing_persisted(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        agent = Agent(name="Bot", instructions="")
+        sid = new_id()
+        with pytest.raises(ValueError):
+            store.get_or_create(sid, agent, metadata={"bad": object()})
+        assert sid not in store.list_sessions()
+        assert store.get(sid) is None
+        ctx = store.get_or_create(sid, agent, metadata={"ok": 1})
+        with pytest.raises(ValueError):
+            ctx.metadata["bad"] = {1, 2}
+        with pytest.raises(ValueError):
+            ctx.metadata.update({"bad": object()})
+        with pytest.raises(ValueError):
+            ctx.metadata = {"bad": b"bytes"}
+        assert ctx.metadata == {"ok": 1}
+        ctx.add_message(user("still works"))
+        if harness.has(Capability.PERSISTENT):
+            again = reload(harness, sid)
+            assert again.metadata == {"ok": 1}
+            assert contents(again.history) == ["still works"]
+
+    def test_non_finite_numbers_are_not_json(self, harness: StoreHarness, store: Any) -> None:
+        # NaN/Infinity are not JSON (RFC 8259; PostgreSQL's json types refuse them):
+        # every backend must reject them up front, like any non-JSON value.
+        agent = Agent(name="Bot", instructions="")
+        sid = new_id()
+        with pytest.raises(ValueError):
+            store.get_or_create(sid, agent, metadata={"score": float("nan")})
+        assert sid not in store.list_sessions()
+        ctx = store.get_or_create(sid, agent, metadata={"ok": 1})
+        with pytest.raises(ValueError):
+            ctx.metadata["score"] = float("inf")
+        assert ctx.metadata == {"ok": 1}
+        if harness.has(Capability.PERSISTENT):
+            assert reload(harness, sid).metadata == {"ok": 1}
+
+
+# =============================================================== deletion
+
+
+class TestDeletion(StoreTestBase):
+    """Deletion: bool result, SessionDeletedError on live contexts, no leftovers."""
+
+    def test_delete_returns_whether_it_existed(self, store: Any) -> None:
+        sid = new_id()
+        assert store.delete(sid) is False
+        store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        assert store.delete(sid) is True
+        assert store.delete(sid) is False
+
+    def test_live_context_raises_after_delete(self, store: Any) -> None:
+        assert issubclass(SessionDeletedError, ChatflowStoreError)
+        support, billing = make_agents()
+        sid = new_id()
+        ctx = store.get_or_create(sid, support, metadata={"a": 1})
+        ctx.add_message(user("u1"))
+        assert store.delete(sid) is True
+        with pytest.raises(SessionDeletedError):
+            _ = ctx.history
+        with pytest.raises(SessionDeletedError):
+            _ = ctx.metadata
+        with pytest.raises(SessionDeletedError):
+            ctx.add_message(user("u2"))
+        with pytest.raises(SessionDeletedError):
+            ctx.set_active_agent(billing)
+        with pytest.raises(SessionDeletedError):
+            ctx.clear_history()
+        with pytest.raises(SessionDeletedError):
+            ctx.rollback_to(0)
+
+        async def turn() -> None:
+            async with ctx.lock:
+                pass
+
+        with pytest.raises(SessionDeletedError):
+            run(turn())
+
+    def test_deleted_session_is_gone_and_can_start_over(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        sid, keep = new_id(), new_id()
+        old = store.get_or_create(sid, agent, metadata={"v": 1})
+        old.add_message(user("u1"))
+        store.get_or_create(keep, agent)
+        store.delete(sid)
+        assert sid not in store.list_sessions()
+        assert keep in store.list_sessions()
+        assert store.get(sid) is None
+        new = store.get_or_create(sid, agent, metadata={"v": 2})
+        assert new is not old
+        assert new.history == []
+        assert new.metadata == {"v": 2}
+        new.add_message(user("again"))
+        assert contents(new.history) == ["again"]
+        assert store.get(sid) is new
+        with pytest.raises(SessionDeletedError):
+            _ = old.history
+
+    def test_runner_starts_over_after_delete(self, store: Any) -> None:
+        support, billing = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        sid = new_id()
+        run(runner.run_async(sid, "transfer billing", metadata={"v": 1}))
+        old = store.get(sid)
+        assert old.active_agent is billing
+        assert store.delete(sid) is True
+        response = run(runner.run_async(sid, "hello", metadata={"v": 2}))
+        assert response.active_agent_name == "Support"
+        new = store.get(sid)
+        assert new is not old
+        assert contents(new.history) == ["hello", "Support re: hello"]
+        assert new.metadata == {"v": 2}
+
+    @requires(Capability.SQL)
+    def test_delete_leaves_no_orphan_rows(self, store: Any) -> None:
+        from sqlalchemy import text
+
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        for m in [system("s"), user("u1"), model("m1")]:
+            ctx.add_message(m)
+        count = text("SELECT COUNT(*) FROM chatflow_messages WHERE session_id = :sid")
+        with store.engine.connect() as conn:
+            assert conn.execute(count, {"sid": sid}).scalar() == 3
+        store.delete(sid)
+        with store.engine.connect() as conn:
+            assert conn.execute(count, {"sid": sid}).scalar() == 0
+            orphans = conn.execute(
+                text(
+                    "SELECT COUNT(*) FROM chatflow_messages m WHERE NOT EXISTS "
+                    "(SELECT 1 FROM chatflow_sessions s WHERE s.session_id = m.session_id)"
+                )
+            ).scalar()
+            assert orphans == 0
+
+    @requires(Capability.SQL)
+    def test_foreign_key_cascade_is_enforced(self, store: Any) -> None:
+        from sqlalchemy import text
+
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        ctx.add_message(user("u1"))
+        with store.engine.begin() as conn:
+            conn.execute(
+                text("DELETE FROM chatflow_sessions WHERE session_id = :sid"), {"sid": sid}
+            )
+        with store.engine.connect() as conn:
+            left = conn.execute(
+                text("SELECT COUNT(*) FROM chatflow_messages WHERE session_id = :sid"), {"sid": sid}
+            ).scalar()
+        assert left == 0, "chatflow_messages rows survived their session (no ON DELETE CASCADE)"
+
+    @requires(Capability.PERSISTENT)
+    def test_delete_through_another_store_instance(self, harness: StoreHarness) -> None:
+        first: Any = harness.open()
+        agent = Agent(name="Bot", instructions="")
+        writer, turner = new_id(), new_id()
+        ctx = first.get_or_create(writer, agent)
+        ctx.add_message(user("u1"))
+        other_ctx = first.get_or_create(turner, agent)
+        second: Any = harness.open()
+        assert second.delete(writer) is True
+        assert second.delete(turner) is True
+        with pytest.raises(SessionDeletedError):
+            ctx.add_message(user("u2"))
+        with pytest.raises(SessionDeletedError):
+            _ = ctx.history
+
+        async def turn() -> None:
+            async with other_ctx.lock:
+                other_ctx.add_message(user("lost"))
+
+        with pytest.raises(SessionDeletedError):
+            run(turn())
+        assert first.get(writer) is None
+        assert first.get(turner) is None
+        assert writer not in first.list_sessions()
+
+
+# ================================================================== clear
+
+
+class TestClear(StoreTestBase):
+    """``clear()`` deletes every session."""
+
+    def test_clear_removes_every_session(self, harness: StoreHarness, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        ids = [new_id() for _ in range(3)]
+        contexts = [store.get_or_create(sid, agent) for sid in ids]
+        for ctx in contexts:
+            ctx.add_message(user("hello"))
+        store.clear()
+        assert store.list_sessions() == []
+        assert all(store.get(sid) is None for sid in ids)
+        for ctx in contexts:
+            with pytest.raises(SessionDeletedError):
+                ctx.add_message(user("after clear"))
+        assert store.get_or_create(ids[0], agent).history == []
+        if harness.has(Capability.PERSISTENT):
+            fresh: Any = harness.open()
+            assert fresh.list_sessions() == [ids[0]]
+
+    @requires(Capability.SQL)
+    def test_clear_leaves_no_rows(self, store: Any) -> None:
+        from sqlalchemy import text
+
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        ctx.add_message(user("hello"))
+        store.clear()
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM chatflow_sessions")).scalar() == 0
+            assert conn.execute(text("SELECT COUNT(*) FROM chatflow_messages")).scalar() == 0
+
+
+# ========================================================== list sessions
+
+
+class TestListSessions(StoreTestBase):
+    """``list_sessions()``: every session id, most recently updated first."""
+
+    def test_most_recently_updated_first(self, harness: StoreHarness, store: Any) -> None:
+        support, billing = make_agents()
+        a, b, c = (new_id(x) for x in "abc")
+        contexts = {}
+        for sid in (a, b, c):
+            contexts[sid] = store.get_or_create(sid, support)
+            time.sleep(0.02)
+        assert store.list_sessions() == [c, b, a]
+        contexts[a].add_message(user("news"))
+        time.sleep(0.02)
+        assert store.list_sessions() == [a, c, b], "a new message must make a session newest"
+        contexts[b].set_active_agent(billing)
+        time.sleep(0.02)
+        assert store.list_sessions() == [b, a, c], "a handoff must make a session newest"
+        contexts[c].metadata["x"] = 1
+        assert store.list_sessions() == [c, b, a], "a metadata change must make a session newest"
+        if harness.has(Capability.PERSISTENT):
+            fresh: Any = harness.open()
+            assert fresh.list_sessions() == [c, b, a]
+
+    def test_runner_turn_moves_session_first(self, store: Any) -> None:
+        support, _ = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        first, second = new_id(), new_id()
+        run(runner.run_async(first, "hello"))
+        time.sleep(0.02)
+        run(runner.run_async(second, "hello"))
+        time.sleep(0.02)
+        assert store.list_sessions() == [second, first]
+        run(runner.run_async(first, "order 5"))
+        assert store.list_sessions() == [first, second]
+
+
+# ================================================================== dedup
+
+
+class TestDedup(StoreTestBase):
+    """Behaviour 6: webhook dedup with a TTL; the claim is atomic across threads and processes."""
+
+    def test_default_ttl_is_192_hours(self, store: Any) -> None:
+        assert DEFAULT_DEDUP_TTL_HOURS == 192
+        assert store.dedup_ttl_hours == 192
+
+    def test_claim_semantics(self, store: Any) -> None:
+        first, second = new_id("wamid"), new_id("wamid")
+        assert store.is_message_processed(first) is False
+        assert store.record_processed_message(first) is True
+        assert store.is_message_processed(first) is True
+        assert store.record_processed_message(first) is False
+        assert store.is_message_processed(second) is False
+        store.mark_message_processed(second)
+        assert store.is_message_processed(second) is True
+        assert store.record_processed_message(second) is False
+        store.mark_message_processed(second)  # marking twice is fine
+        assert store.is_message_processed(second) is True
+
+    @requires(Capability.PERSISTENT)
+    def test_claims_visible_to_a_fresh_store(self, harness: StoreHarness, store: Any) -> None:
+        claimed, marked = new_id("wamid"), new_id("wamid")
+        assert store.record_processed_message(claimed) is True
+        store.mark_message_processed(marked)
+        fresh: Any = harness.open()
+        assert fresh.is_message_processed(claimed) is True
+        assert fresh.is_message_processed(marked) is True
+        assert fresh.record_processed_message(claimed) is False
+        assert fresh.record_processed_message(marked) is False
+
+    def test_expired_claim_can_be_claimed_again(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(dedup_ttl_hours=1e-6)  # 3.6 ms
+        mid = new_id("wamid")
+        assert store.record_processed_message(mid) is True
+        time.sleep(0.05)
+        assert store.is_message_processed(mid) is False
+        assert store.record_processed_message(mid) is True
+        marked = new_id("wamid")
+        store.mark_message_processed(marked)
+        time.sleep(0.05)
+        assert store.is_message_processed(marked) is False
+        assert store.record_processed_message(marked) is True
+
+    def test_purge_returns_number_of_expired_ids(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(dedup_ttl_hours=1e-6)
+        ids = [new_id("wamid") for _ in range(5)]
+        for mid in ids[:3]:
+            assert store.record_processed_message(mid) is True
+        for mid in ids[3:]:
+            store.mark_message_processed(mid)
+        time.sleep(0.05)
+        assert store.purge_processed_messages() == 5
+        assert store.purge_processed_messages() == 0
+        assert store.record_processed_message(ids[0]) is True
+
+    def test_purge_keeps_live_ids(self, store: Any) -> None:
+        ids = [new_id("wamid") for _ in range(3)]
+        for mid in ids:
+            store.record_processed_message(mid)
+        assert store.purge_processed_messages() == 0
+        assert all(store.is_message_processed(mid) for mid in ids)
+
+    def test_invalid_message_ids_rejected(self, store: Any) -> None:
+        for bad in ["", None, 123, b"wamid"]:
+            for method in (
+                store.is_message_processed,
+                store.mark_message_processed,
+                store.record_processed_message,
+            ):
+                with pytest.raises(ValueError):
+                    method(bad)
+        long_id = "w" * 255
+        assert store.record_processed_message(long_id) is True
+        assert store.is_message_processed(long_id) is True
+
+    def test_thread_race_claims_each_id_once(self, store: Any) -> None:
+        ids = [new_id("race") for _ in range(50)]
+        n_threads = 8
+        barrier = threading.Barrier(n_threads)
+        claimed: list[list[str]] = [[] for _ in range(n_threads)]
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            try:
+                barrier.wait(30)
+                claimed[n].extend(m for m in ids if store.record_processed_message(m))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(n_threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert not any(thread.is_alive() for thread in threads), "claim threads hung"
+        counts = Counter(m for got in claimed for m in got)
+        assert counts == Counter(ids), {m: counts[m] for m in ids if counts[m] != 1}
+
+    def test_async_race_claims_once(self, store: Any) -> None:
+        mid = new_id("race")
+
+        async def race() -> list[bool]:
+            claims = [store.arecord_processed_message(mid) for _ in range(12)]
+            return list(await asyncio.gather(*claims))
+
+        assert sorted(run(race())) == [False] * 11 + [True]
+
+    @requires(Capability.CROSS_PROCESS)
+    def test_process_race_claims_each_id_once(self, harness: StoreHarness, store: Any) -> None:
+        ids = [new_id("proc") for _ in range(200)]
+        results = run_workers(claim_worker, [(harness.spec(), ids)] * 4, timeout=90)
+        assert len(results) == 4
+        counts = Counter(m for _pid, got in results for m in got)
+        assert counts == Counter(ids), {m: counts[m] for m in ids if counts[m] != 1}
+        assert all(store.is_message_processed(m) for m in ids)
+
+
+# ============================================================= validation
+
+
+class TestValidation(StoreTestBase):
+    """Behaviour 7/8: invalid parameters raise ValueError and change nothing."""
+
+    BAD_SESSION_IDS: tuple[Any, ...] = ("", "x" * 256, 123, None, b"bytes")
+
+    def test_context_max_turns_must_be_positive(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        ctx = store.get_or_create(new_id(), agent)
+        for cls in {type(ctx), SessionContext}:
+            for bad in (0, -1):
+                with pytest.raises(ValueError):
+                    cls("sid", agent, max_turns=bad)
+        for bad in (0, -3):
+            with pytest.raises(ValueError):
+                ctx.max_turns = bad
+        assert ctx.max_turns == store.default_max_turns
+
+    def test_store_parameters_validated(self, harness: StoreHarness) -> None:
+        for kwargs in (
+            {"default_max_turns": 0},
+            {"default_max_turns": -1},
+            {"dedup_ttl_hours": 0},
+            {"dedup_ttl_hours": -5},
+        ):
+            with pytest.raises(ValueError):
+                harness.open(**kwargs)
+        ok: Any = harness.open(default_max_turns=7, dedup_ttl_hours=1)
+        assert ok.default_max_turns == 7
+        assert ok.get_or_create(new_id(), Agent(name="Bot", instructions="")).max_turns == 7
+
+    def test_bad_session_ids_rejected(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        for bad in self.BAD_SESSION_IDS:
+            with pytest.raises(ValueError):
+                store.get_or_create(bad, agent)
+            with pytest.raises(ValueError):
+                store.get(bad)
+            with pytest.raises(ValueError):
+                store.delete(bad)
+            with pytest.raises(ValueError):
+                run(store.aget_or_create(bad, agent))
+            with pytest.raises(ValueError):
+                SessionContext(bad, agent)
+        assert store.list_sessions() == []
+
+    def test_longest_session_id_round_trips(self, harness: StoreHarness, store: Any) -> None:
+        sid = "s" * 255
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        ctx.add_message(user("hi"))
+        assert store.list_sessions() == [sid]
+        assert_reloads_identically(harness, ctx)
+
+
+# ============================================================= async twins
+
+
+class TestAsyncTwins(StoreTestBase):
+    """Every ``a*`` method works like its sync twin; blocking work stays off the loop."""
+
+    def test_every_twin_exists_and_is_a_coroutine_function(self, store: Any) -> None:
+        ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
+        for name in STORE_ASYNC_TWINS:
+            assert inspect.iscoroutinefunction(getattr(store, name)), f"store.{name}"
+        for name in CONTEXT_ASYNC_TWINS:
+            assert inspect.iscoroutinefunction(getattr(ctx, name)), f"context.{name}"
+
+    def test_store_twins_match_sync_methods(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        a, b = new_id("a"), new_id("b")
+
+        async def scenario() -> None:
+            ctx = await store.aget_or_create(a, agent, {"k": 1})
+            assert ctx is store.get_or_create(a, agent)
+            assert ctx.metadata == {"k": 1}
+            assert await store.aget(a) is ctx
+            assert await store.aget(new_id()) is None
+            await asyncio.sleep(0.02)
+            await store.aget_or_create(b, agent)
+            assert await store.alist_sessions() == store.list_sessions() == [b, a]
+            mid, marked = new_id("wamid"), new_id("wamid")
+            assert await store.ais_message_processed(mid) is False
+            assert await store.arecord_processed_message(mid) is True
+            assert await store.arecord_processed_message(mid) is False
+            assert await store.ais_message_processed(mid) is True
+            await store.amark_message_processed(marked)
+            assert store.is_message_processed(marked) is True
+            assert await store.apurge_processed_messages() == 0
+            assert await store.adelete(a) is True
+            assert await store.adelete(a) is False
+            assert store.get(a) is None
+            await store.aclear()
+            assert store.list_sessions() == []
+
+        run(scenario())
+
+    def test_context_twins_match_sync_methods(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        support, billing = make_agents()
+        sync_ctx = store.get_or_create(new_id("sync"), support)
+        async_ctx = store.get_or_create(new_id("async"), support)
+        script = [system("s"), user("u1"), model("m1"), user("u2"), model("m2")]
+
+        async def scenario() -> None:
+            for m in script:
+                sync_ctx.add_message(m)
+                await async_ctx.aadd_message(m)
+            assert dump(async_ctx.history) == dump(sync_ctx.history)
+            checkpoint = len(sync_ctx.history)
+            extra = user("u3")  # prunes u1
+            sync_ctx.add_message(extra)
+            await async_ctx.aadd_message(extra)
+            sync_ctx.set_active_agent(billing)
+            await async_ctx.aset_active_agent(billing)
+            assert async_ctx.active_agent is billing
+            assert dump(async_ctx.history) == dump(sync_ctx.history)
+            sync_ctx.rollback_to(checkpoint)
+            await async_ctx.arollback_to(checkpoint)
+            assert dump(async_ctx.history) == dump(sync_ctx.history) == dump(script)
+            assert async_ctx.active_agent is sync_ctx.active_agent is support
+            for ctx in (sync_ctx, async_ctx):
+                assert_reloads_identically(harness, ctx, default_max_turns=2)
+            async with async_ctx.lock:
+                await async_ctx.aadd_message(user("in lock"))
+                await async_ctx.aset_active_agent(billing)
+            assert contents(async_ctx.history)[-1] == "in lock"
+            assert_reloads_identically(harness, async_ctx, default_max_turns=2)
+            sync_ctx.clear_history()
+            await async_ctx.aclear_history()
+            assert sync_ctx.history == async_ctx.history == []
+            for ctx in (sync_ctx, async_ctx):
+                assert_reloads_identically(harness, ctx, default_max_turns=2)
+
+        run(scenario())
+
+    @staticmethod
+    async def _exercise_async_api(store: Any) -> str:
+        """Call every async method once (with a turn); return the loop thread's name."""
+        agent = Agent(name="Bot", instructions="")
+        ctx = await store.aget_or_create(new_id(), agent)
+        await ctx.aadd_message(user("u1"))
+        await ctx.aset_active_agent(Agent(name="Other", instructions=""))
+        async with ctx.lock:
+            ctx.add_message(user("u2"))
+        await ctx.arollback_to(1)
+        await ctx.aclear_history()
+        await store.aget(ctx.session_id)
+        await store.alist_sessions()
+        await asyncio.gather(*(store.arecord_processed_message(new_id()) for _ in range(16)))
+        await store.ais_message_processed("x")
+        await store.amark_message_processed("y")
+        await store.apurge_processed_messages()
+        await store.adelete(ctx.session_id)
+        await store.aclear()
+        return threading.current_thread().name
+
+    @requires(Capability.SQL)
+    def test_async_api_never_blocks_the_loop_on_database_io(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        with record_sql() as executed:
+            loop_thread = run(self._exercise_async_api(store))
+        assert executed, "the async API executed no SQL"
+        if harness.has(Capability.EPHEMERAL):
+            return  # in-memory: no I/O to wait for, runs on the loop by design
+        blocking = [e for e in executed if e.thread == loop_thread and not e.is_async]
+        assert not blocking, f"blocking driver calls on the event loop: {blocking[:5]}"
+
+    @requires(Capability.ASYNC_THREADPOOL)
+    def test_blocking_work_runs_on_the_private_pool(self, harness: StoreHarness) -> None:
+        store: Any = harness.open()
+        threads: list[str] = []
+        works: list[str] = []
+        original = store._run_blocking
+
+        async def spy(fn: Callable[..., Any], *args: Any) -> Any:
+            def recorded(*inner: Any) -> Any:
+                threads.append(threading.current_thread().name)
+                works.append(getattr(fn, "__name__", repr(fn)))
+                return fn(*inner)
+
+            return await original(recorded, *args)
+
+        store._run_blocking = spy
+        with record_sql() as executed:
+            loop_thread = run(self._exercise_async_api(store))
+        assert threads, "no blocking work went through _run_blocking"
+        misplaced = [
+            (work, name)
+            for work, name in zip(works, threads, strict=True)
+            if name == loop_thread or not name.startswith("chatflow-io")
+        ]
+        assert not misplaced, f"_run_blocking ran work off the private pool: {misplaced}"
+        off_pool = [e for e in executed if not e.thread.startswith("chatflow-io")]
+        assert not off_pool, f"SQL executed outside the private pool: {off_pool[:5]}"
+        pool = store._pool
+        assert pool is not None
+        assert len(set(threads)) <= pool._max_workers
+        run(store.aclose())
+        assert store._pool is None
+
+    @requires(Capability.ASYNC_NATIVE, Capability.SQL)
+    def test_native_async_driver_runs_on_the_loop(self, store: Any) -> None:
+        with record_sql() as executed:
+            loop_thread = run(self._exercise_async_api(store))
+        assert executed
+        not_native = [e for e in executed if not e.is_async or e.thread != loop_thread]
+        assert not not_native, f"statements not on the loop's async driver: {not_native[:5]}"
+
+    @requires(Capability.SQL, Capability.EPHEMERAL)
+    def test_ephemeral_database_runs_on_the_loop(self, store: Any) -> None:
+        with record_sql() as executed:
+            loop_thread = run(self._exercise_async_api(store))
+        assert executed
+        assert {e.thread for e in executed} == {loop_thread}
+        assert getattr(store, "_pool", None) is None
+
+    def test_aclose_and_context_manager(self, harness: StoreHarness) -> None:
+        store: Any = harness.open()
+        ctx = run(store.aget_or_create(new_id(), Agent(name="Bot", instructions="")))
+        run(ctx.aadd_message(user("u1")))
+        run(store.aclose())
+        if harness.has(Capability.ASYNC_THREADPOOL):
+            assert store._pool is None
+        store.close()  # closing twice is harmless
+        other: Any = harness.open()
+        with other as managed:
+            assert managed is other
+            assert isinstance(managed.list_sessions(), list)
+
+    def test_deleted_session_errors_on_async_path(self, store: Any) -> None:
+        support, billing = make_agents()
+
+        async def scenario() -> None:
+            sid = new_id()
+            ctx = await store.aget_or_create(sid, support)
+            await ctx.aadd_message(user("u1"))
+            assert await store.adelete(sid) is True
+            with pytest.raises(SessionDeletedError):
+                await ctx.aadd_message(user("u2"))
+            with pytest.raises(SessionDeletedError):
+                await ctx.aset_active_agent(billing)
+            with pytest.raises(SessionDeletedError):
+                await ctx.aclear_history()
+            with pytest.raises(SessionDeletedError):
+                await ctx.arollback_to(0)
+            with pytest.raises(SessionDeletedError):
+                async with ctx.lock:
+                    pass
+            assert await store.aget(sid) is None
+            assert await store.adelete(sid) is False
+            fresh = await store.aget_or_create(sid, support)
+            assert fresh is not ctx
+            assert fresh.history == []
+
+        run(scenario())
+
+
+# ====================================================== Runner end to end
+
+
+class TestRunnerEndToEnd(StoreTestBase):
+    """The real ``chatflow_agent.Runner`` driving the store with a scripted offline engine."""
+
+    @staticmethod
+    def _check_reload(harness: StoreHarness, ctx: Any) -> None:
+        if not harness.has(Capability.PERSISTENT):
+            return
+        fresh: Any = harness.open()
+        new_support, _ = make_agents()
+        Runner(starting_agent=new_support, session_store=fresh, engine=ScriptedEngine())
+        again = fresh.get(ctx.session_id)
+        assert dump(again.history) == dump(ctx.history)
+        assert again.active_agent.name == ctx.active_agent.name
+        assert again.active_agent.get_all_tools(), "the Runner's resolver was not used"
+        assert again.metadata == ctx.metadata
+        assert_well_formed(again.history)
+
+    def test_tools_handoff_and_failed_turns(self, harness: StoreHarness, store: Any) -> None:
+        support, billing = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        sid = new_id("+1555")
+
+        first = run(runner.run_async(sid, "order 404", metadata={"channel": "web"}))
+        assert first.tool_calls_executed == ["check_order_status"]
+        assert "IN_TRANSIT" in first.content
+        assert first.active_agent_name == "Support"
+        ctx = store.get(sid)
+        assert [m.role for m in ctx.history] == [Role.USER, Role.MODEL, Role.TOOL, Role.MODEL]
+        assert ctx.metadata == {"channel": "web"}
+        self._check_reload(harness, ctx)
+
+        second = run(runner.run_async(sid, "transfer billing"))
+        assert second.active_agent_name == "Billing"
+        assert second.handoff is not None and second.handoff.target_agent_name == "Billing"
+        assert second.tool_calls_executed == ["transfer_to_billing"]
+        assert ctx.active_agent is billing
+        assert len(ctx.history) == 8
+        self._check_reload(harness, ctx)
+
+        before = dump(ctx.history)
+        with pytest.raises(RuntimeError, match="scripted engine failure"):
+            run(runner.run_async(sid, "refund 10 then fail"))
+        assert dump(ctx.history) == before
+        assert ctx.active_agent is billing
+        self._check_reload(harness, ctx)
+
+        with pytest.raises(RuntimeError, match="scripted engine failure"):
+            run(runner.run_async(sid, "transfer support then fail"))
+        assert dump(ctx.history) == before
+        assert ctx.active_agent is billing, "a failed turn must roll its handoff back"
+        self._check_reload(harness, ctx)
+
+        third = run(runner.run_async(sid, "refund 10"))
+        assert third.tool_calls_executed == ["refund"]
+        assert third.active_agent_name == "Billing"
+        assert len(ctx.history) == 12
+        assert_well_formed(ctx.history)
+        self._check_reload(harness, ctx)
+
+    def test_pruning_through_the_runner(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=2)
+        support, _ = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        sid = new_id()
+        for text in ["order 1", "order 2", "hello", "order 3"]:
+            run(runner.run_async(sid, text))
+        ctx = store.get(sid)
+        assert [m.content for m in ctx.history if m.role == Role.USER] == ["hello", "order 3"]
+        assert len(ctx.history) == 6
+        assert_well_formed(ctx.history)
+        if harness.has(Capability.PERSISTENT):
+            again = reload(harness, sid, default_max_turns=2)
+            assert dump(again.history) == dump(ctx.history)
+        # a failed turn whose messages pruned the "hello" turn restores it
+        before = dump(ctx.history)
+        with pytest.raises(RuntimeError):
+            run(runner.run_async(sid, "order 9 then fail"))
+        assert dump(ctx.history) == before
+        if harness.has(Capability.PERSISTENT):
+            again = reload(harness, sid, default_max_turns=2)
+            assert dump(again.history) == before
+
+    def test_sync_runner_run_across_event_loops(self, harness: StoreHarness, store: Any) -> None:
+        support, _ = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        sid = new_id()
+        assert "IN_TRANSIT" in runner.run(sid, "order 7").content
+        assert runner.run(sid, "hello").content.startswith("Support re: hello")
+        ctx = store.get(sid)
+        assert len(ctx.history) == 6
+        self._check_reload(harness, ctx)
+
+    @requires(Capability.PERSISTENT)
+    def test_new_runner_on_fresh_store_resumes_with_handoff_target(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        support, _ = make_agents()
+        runner = Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        sid = new_id()
+        run(runner.run_async(sid, "transfer billing"))
+        fresh: Any = harness.open()
+        new_support, new_billing = make_agents()
+        restarted = Runner(starting_agent=new_support, session_store=fresh, engine=ScriptedEngine())
+        response = run(restarted.run_async(sid, "refund 3"))
+        assert response.active_agent_name == "Billing"
+        assert response.tool_calls_executed == ["refund"]
+        assert fresh.get(sid).active_agent is new_billing
+        assert len(fresh.get(sid).history) == 8
+
+
+# ======================================================== seed document
+
+
+class TestSeedDocumentExamples(StoreTestBase):
+    """The examples of upstream's "Sessions and state" page, run against this store."""
+
+    def test_session_context_example(self, harness: StoreHarness, store: Any) -> None:
+        agent = Agent(name="Assistant", instructions="Helpful bot", model="gpt-4o")
+        session = SessionContext(
+            session_id="user-session-1001",
+            initial_agent=agent,
+            max_turns=40,
+            metadata={"user_id": "cust_882", "channel": "whatsapp"},
+        )
+        assert session.active_agent.name == "Assistant"
+        assert session.metadata["channel"] == "whatsapp"
+        stored = store.get_or_create(
+            "user-session-1001", agent, metadata={"user_id": "cust_882", "channel": "whatsapp"}
+        )
+        assert stored.active_agent.name == "Assistant"
+        assert stored.metadata["channel"] == "whatsapp"
+        if harness.has(Capability.PERSISTENT):
+            assert reload(harness, "user-session-1001").metadata == {
+                "user_id": "cust_882",
+                "channel": "whatsapp",
+            }
+
+    def test_store_and_runner_example(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="Assistant", model="gpt-4o")
+        runner = Runner(starting_agent=agent, session_store=store, engine=ScriptedEngine())
+        session = store.get_or_create(session_id="session-alpha", default_agent=agent)
+        assert session.session_id == "session-alpha"
+        assert runner.get_session("session-alpha") is session
+
+    def test_agent_resolver_example(self, harness: StoreHarness, store: Any) -> None:
+        billing = Agent(name="Billing", instructions="Billing specialist", model="gpt-4o")
+        support = Agent(name="Support", instructions="Support", handoffs=[billing], model="gpt-4o")
+        store.get_or_create("session-101", support).set_active_agent(billing)
+        if harness.has(Capability.PERSISTENT):
+            store = harness.open()
+        Runner(starting_agent=support, session_store=store, engine=ScriptedEngine())
+        store.set_agent_resolver(lambda name: billing if name == "Billing" else support)
+        session = store.get("session-101")
+        assert session.active_agent.name in ["Billing", "Support"]
+        assert session.active_agent is billing
+
+    def test_dedup_example(self, store: Any) -> None:
+        from chatflow_sqlalchemy import DEFAULT_DEDUP_TTL_HOURS as ttl
+
+        assert ttl == 192
+        msg_id = "wamid.HBgLMjAyNjEwMzAA"
+        processed = 0
+        for _delivery in range(3):  # the platform retries the webhook
+            if not store.is_message_processed(msg_id):
+                store.mark_message_processed(msg_id)
+                processed += 1
+        assert processed == 1
+
+    def test_webhook_handler_example(self, harness: StoreHarness) -> None:
+        @tool
+        def check_order_status(order_id: str) -> dict[str, str]:
+            """Check shipment tracking for an order ID."""
+            return {"order_id": order_id, "status": "IN_TRANSIT", "eta": "Tomorrow"}
+
+        agent = Agent(
+            name="OrderTrackingAgent",
+            instructions="Assist customers with order queries. Use check_order_status.",
+            tools=[check_order_status],
+            model="gemini-2.5-flash",
+        )
+        store: Any = harness.open(default_max_turns=30)
+        runner = Runner(starting_agent=agent, session_store=store, engine=ScriptedEngine())
+        printed: list[str] = []
+
+        async def handle_inbound_webhook(
+            user_phone: str, message_text: str, webhook_msg_id: str
+        ) -> str | None:
+            if store.is_message_processed(webhook_msg_id):
+                printed.append(f"Skipping duplicate webhook: {webhook_msg_id}")
+                return None
+            store.mark_message_processed(webhook_msg_id)
+            response = await runner.run_async(
+                session_id=user_phone,
+                user_message=message_text,
+                metadata={"channel": "whatsapp", "phone": user_phone},
+            )
+            return response.content
+
+        res = run(handle_inbound_webhook("+15550199", "Where is order 404?", "msg_id_001"))
+        assert res is not None and "IN_TRANSIT" in res
+        again = run(handle_inbound_webhook("+15550199", "Where is order 404?", "msg_id_001"))
+        assert again is None
+        assert printed == ["Skipping duplicate webhook: msg_id_001"]
+        session = store.get("+15550199")
+        assert session.metadata == {"channel": "whatsapp", "phone": "+15550199"}
+        assert [m.role for m in session.history] == [Role.USER, Role.MODEL, Role.TOOL, Role.MODEL]
+        assert session.max_turns == 30
+        if harness.has(Capability.PERSISTENT):
+            loaded = reload(harness, "+15550199", resolver={agent.name: agent}.get)
+            assert dump(loaded.history) == dump(session.history)
+            assert loaded.active_agent is agent
+
+
+# ======================================================= corrupt rows
+
+
+class TestCorruptRows(StoreTestBase):
+    """Behaviour 8: a corrupt stored row gets an error naming its session and row id."""
+
+    @requires(Capability.SQL, Capability.PERSISTENT)
+    def test_corrupt_message_row_is_named(self, harness: StoreHarness, store: Any) -> None:
+        from sqlalchemy import text
+
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        ctx.add_message(user("u1"))
+        ctx.add_message(model("m1"))
+        with store.engine.begin() as conn:
+            row_id = conn.execute(
+                text("SELECT MAX(id) FROM chatflow_messages WHERE session_id = :sid"),
+                {"sid": sid},
+            ).scalar()
+            conn.execute(
+                text("UPDATE chatflow_messages SET message_json = :bad WHERE id = :id"),
+                {"bad": '{"role": "nobody", "content": ', "id": row_id},
+            )
+        fresh: Any = harness.open()
+        with pytest.raises(ChatflowStoreError) as info:
+            fresh.get(sid)
+        assert sid in str(info.value)
+        assert str(row_id) in str(info.value)
+
+
+# ========================================================= cross-process
+
+
+class TestCrossProcess(StoreTestBase):
+    """Behaviours 3 and 4 across real OS processes (spawned workers)."""
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_concurrent_turns_from_processes_are_kept_whole(self, harness: StoreHarness) -> None:
+        sid = new_id()
+        n_turns, labels = 5, ["p0", "p1", "p2"]
+        spec = harness.spec()
+        run_workers(
+            turns_worker, [(spec, sid, "Support", label, n_turns) for label in labels], timeout=90
+        )
+        ctx = reload(harness, sid)
+        history = ctx.history
+        assert len(history) == 2 * n_turns * len(labels), "messages were lost"
+        per_label: dict[str, list[int]] = {label: [] for label in labels}
+        for start in range(0, len(history), 2):
+            u, m = history[start], history[start + 1]
+            assert (u.role, m.role) == (Role.USER, Role.MODEL), "turns interleaved"
+            assert u.content == m.content, f"turn {u.content} interleaved with {m.content}"
+            label, k = (u.content or "").split("-")
+            per_label[label].append(int(k))
+        assert per_label == {label: list(range(n_turns)) for label in labels}
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_process_killed_mid_turn_leaves_well_formed_history(
+        self, harness: StoreHarness
+    ) -> None:
+        locked, unlocked = new_id("locked"), new_id("unlocked")
+        exit_code = run_process(crash_worker, (harness.spec(), locked, unlocked), timeout=60)
+        assert exit_code == CRASH_EXIT_CODE, f"crash worker exited with {exit_code}"
+        after_locked = reload(harness, locked)
+        assert contents(after_locked.history) == ["turn 1", "answer 1"], (
+            "a turn killed inside session.lock must leave nothing behind"
+        )
+        # Outside a lock every message is its own write: what survives is a
+        # prefix of what was written, and it still starts with the USER message.
+        after_unlocked = reload(harness, unlocked)
+        assert_turn_shaped(after_unlocked.history)
+        assert contents(after_unlocked.history) in (["turn 1", None], ["turn 1"])
+        after_unlocked.add_message(user("turn 2"))
+        assert_turn_shaped(reload(harness, unlocked).history)

@@ -1,0 +1,268 @@
+"""Run the shipped conformance suite against every built-in backend.
+
+``store_factory`` (overriding the plugin's default) is parametrised over:
+
+============================  ==================================================
+``sqlite-file``               a temporary file: PERSISTENT, CROSS_PROCESS, SQL,
+                              ASYNC_THREADPOOL
+``sqlite-memory``             ``":memory:"`` (each store is its own database):
+                              SQL, EPHEMERAL
+``sqlite-shared-uri``         ``file:<unique>?mode=memory&cache=shared``, kept
+                              alive by an anchor connection: PERSISTENT (within
+                              this process), SQL, EPHEMERAL
+``memory``                    ``chatflow_sqlalchemy.SessionStore``: EPHEMERAL
+``postgresql``                a fresh schema per test: PERSISTENT,
+                              CROSS_PROCESS, SQL, and ASYNC_NATIVE (psycopg
+                              async) or ASYNC_THREADPOOL, as the store runs
+============================  ==================================================
+
+PostgreSQL comes from ``CHATFLOW_TEST_POSTGRES_URL``; when it is set and the
+server cannot be reached, every PostgreSQL test FAILS with the reason (it is
+never silently skipped). When it is unset, a testcontainers ``PostgresContainer``
+is started if Docker is usable; otherwise the PostgreSQL tests are skipped
+with a visible reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, make_url, text
+
+from chatflow_sqlalchemy.testing import Capability, SpecHarness, StoreHarness, StoreSpec
+
+POSTGRES_ENV = "CHATFLOW_TEST_POSTGRES_URL"
+POSTGRES_IMAGE = "postgres:16-alpine"
+
+SQLITE_TARGET = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
+POSTGRES_TARGET = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
+MEMORY_TARGET = "chatflow_sqlalchemy.memory:SessionStore"
+
+BACKENDS = [
+    "sqlite-file",
+    "sqlite-memory",
+    "sqlite-shared-uri",
+    "memory",
+    pytest.param("postgresql", marks=pytest.mark.postgres),
+]
+
+
+def _mask(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _probe_postgres(url: str) -> str | None:
+    """Return why ``url`` cannot be used, or None when a connection works."""
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
+def _docker_unusable() -> str | None:
+    """Return why Docker/testcontainers cannot start PostgreSQL, or None."""
+    try:
+        import docker
+        import testcontainers.postgres  # noqa: F401
+    except ImportError as exc:
+        return f"testcontainers is not installed ({exc})"
+    try:
+        client = docker.from_env(timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:
+        return f"Docker is not usable: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
+class PostgresUnreachable(Exception):
+    """``CHATFLOW_TEST_POSTGRES_URL`` is set but its server cannot be reached."""
+
+
+class _FailingStore:
+    """Stands in for a store that cannot be opened: any use fails the test."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def __getattr__(self, name: str) -> Any:
+        pytest.fail(self._message, pytrace=False)
+
+
+class UnreachablePostgresHarness(StoreHarness):
+    """The ``postgresql`` harness when the configured server is down.
+
+    It claims every capability, so no test is skipped, and its stores fail the
+    test as soon as the test body touches them: each PostgreSQL test is
+    reported FAILED with the reason, never skipped.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("postgresql", list(Capability))
+        self.message = message
+
+    def _open(self, **store_kwargs: Any) -> Any:
+        return _FailingStore(self.message)
+
+    def spec(self) -> StoreSpec:
+        pytest.fail(self.message, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A reachable PostgreSQL server for the whole session (env URL or a container).
+
+    Raises:
+        PostgresUnreachable: The env URL is set but the server cannot be reached.
+
+    """
+    url = os.environ.get(POSTGRES_ENV)
+    if url:
+        problem = _probe_postgres(url)
+        if problem:
+            raise PostgresUnreachable(
+                f"{POSTGRES_ENV} is set to {_mask(url)} but the server is unreachable "
+                f"({problem}). Start PostgreSQL, fix the URL, or unset {POSTGRES_ENV} "
+                "to fall back to testcontainers."
+            )
+        yield url
+        return
+    reason = _docker_unusable()
+    if reason:
+        pytest.skip(f"PostgreSQL tests skipped: {POSTGRES_ENV} is unset and {reason}")
+    from testcontainers.postgres import PostgresContainer
+
+    with PostgresContainer(POSTGRES_IMAGE, driver="psycopg") as container:
+        yield container.get_connection_url()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin(postgres_url: str) -> Iterator[Engine]:
+    """An engine used only to create and drop the per-test schemas."""
+    engine = create_engine(postgres_url, pool_size=2)
+    yield engine
+    engine.dispose()
+
+
+def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreHarness:
+    schema = f"t_{uuid.uuid4().hex}"
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+
+    def drop_schema() -> None:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+    spec = StoreSpec(
+        POSTGRES_TARGET, (url,), {"connect_args": {"options": f"-csearch_path={schema}"}}
+    )
+    return SpecHarness(
+        "postgresql",
+        spec,
+        {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
+        cleanup=drop_schema,
+    )
+
+
+@pytest.fixture(scope="session")
+def postgres_async_mode(postgres_url: str, postgres_admin: Engine) -> Capability:
+    """How the PostgreSQL store runs its async API: native driver or thread pool.
+
+    Declared from what the installed store really does (psycopg's async mode
+    when greenlet is available), so the suite checks the right guarantee.
+    """
+    harness = _postgres_harness(postgres_url, postgres_admin, Capability.ASYNC_THREADPOOL)
+    try:
+        native = bool(getattr(harness.open(), "_native_async", False))
+    finally:
+        harness.close()
+    return Capability.ASYNC_NATIVE if native else Capability.ASYNC_THREADPOOL
+
+
+def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
+    path = tmp_path / "chatflow.db"
+    return SpecHarness(
+        "sqlite-file",
+        StoreSpec(SQLITE_TARGET, (str(path),)),
+        {
+            Capability.PERSISTENT,
+            Capability.CROSS_PROCESS,
+            Capability.SQL,
+            Capability.ASYNC_THREADPOOL,
+        },
+    )
+
+
+def _sqlite_shared_uri_harness() -> StoreHarness:
+    # A named shared-cache memory database lives while one connection is open:
+    # the anchor keeps it alive between store instances, so reloads work, but
+    # only inside this process.
+    uri = f"file:chatflow_{uuid.uuid4().hex}?mode=memory&cache=shared"
+    anchor = sqlite3.connect(uri, uri=True, check_same_thread=False)
+    return SpecHarness(
+        "sqlite-shared-uri",
+        StoreSpec(SQLITE_TARGET, (uri,)),
+        {Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL},
+        cleanup=anchor.close,
+    )
+
+
+@pytest.fixture(params=BACKENDS)
+def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreHarness]:
+    """The backend under test (overrides the conformance plugin's default)."""
+    name: str = request.param
+    harness: StoreHarness
+    if name == "sqlite-file":
+        harness = _sqlite_file_harness(tmp_path)
+    elif name == "sqlite-memory":
+        harness = SpecHarness(
+            name, StoreSpec(SQLITE_TARGET, (":memory:",)), {Capability.SQL, Capability.EPHEMERAL}
+        )
+    elif name == "sqlite-shared-uri":
+        harness = _sqlite_shared_uri_harness()
+    elif name == "memory":
+        harness = SpecHarness(name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL})
+    elif name == "postgresql":
+        try:
+            url: str = request.getfixturevalue("postgres_url")
+        except PostgresUnreachable as exc:
+            yield UnreachablePostgresHarness(str(exc))
+            return
+        admin: Engine = request.getfixturevalue("postgres_admin")
+        mode: Capability = request.getfixturevalue("postgres_async_mode")
+        harness = _postgres_harness(url, admin, mode)
+    else:  # pragma: no cover
+        raise AssertionError(name)
+    yield harness
+    harness.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the suite's marker here too, so ``-p no:chatflow_sqlalchemy`` still collects."""
+    config.addinivalue_line(
+        "markers", "chatflow_requires(*capabilities): needs these store capabilities"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say where the PostgreSQL tests will run."""
+    url: Any = os.environ.get(POSTGRES_ENV)
+    where = _mask(url) if url else "testcontainers if Docker is usable, else skipped"
+    return [f"chatflow-sqlalchemy PostgreSQL tests: {where}"]
