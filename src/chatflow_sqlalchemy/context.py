@@ -264,6 +264,7 @@ class SessionContext(_UpstreamSessionContext):
         self._turn_snapshot: _Snapshot | None = None
         self._in_turn = False
         self._stale = False
+        self._verified_at = float("-inf")
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
         self._async_writer = _LoopLock()

@@ -26,13 +26,14 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -93,6 +94,14 @@ DEFAULT_DEDUP_TTL_HOURS = 192
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
+_RECENTLY_VERIFIED = 0.05
+"""Seconds during which a context checked against the database counts as current.
+
+Only backends without a cross-process turn lock use it (to skip a second
+version check right after ``get_or_create``); their writes still compare and
+swap the version, so a stale context is rebased, never merged blindly.
+"""
+
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
 
@@ -116,16 +125,19 @@ _DELETE_ALL_MESSAGES = delete(_messages).where(_messages.c.session_id == bindpar
 _DELETE_SOME_MESSAGES = _DELETE_ALL_MESSAGES.where(
     _messages.c.seq.in_(bindparam("seqs", expanding=True))
 )
-_UPDATE_SESSION = (
+_BUMP_SESSION = (
     update(_sessions)
-    .where(_sessions.c.session_id == bindparam("sid"))
+    .where(
+        _sessions.c.session_id == bindparam("sid"),
+        _sessions.c.version == bindparam("expected"),
+    )
     .values(
         version=bindparam("new_version"),
         active_agent_name=bindparam("agent_name"),
-        metadata_json=bindparam("metadata"),
         updated_at=bindparam("now"),
     )
 )
+_BUMP_SESSION_AND_METADATA = _BUMP_SESSION.values(metadata_json=bindparam("metadata"))
 _IS_PROCESSED = select(_processed.c.message_id).where(
     _processed.c.message_id == bindparam("message_id"),
     _processed.c.processed_at >= bindparam("cutoff"),
@@ -241,6 +253,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self.support.prepare_engine(engine)
         self.engine = engine
         self._engines = (engine, engine.execution_options(chatflow_write=True))
+        # Dialect statements are built once: building an upsert costs more than running it.
+        self._insert_session = self.support.insert_ignore(_sessions)
+        self._claim = self.support.claim_processed(_processed)
+        self._mark = self.support.upsert_processed(_processed)
+        self._lock_version = self.support.lock_session_row(_SELECT_VERSION)
         self._aengines: tuple[Engine, Engine] | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
@@ -445,6 +462,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 return False
             durable = ctx._durable
             if durable is not None and durable.version == version and not ctx._stale:
+                ctx._verified_at = time.monotonic()
                 return True
             stored = self._read_session(conn, ctx.session_id)
         if stored is None:
@@ -453,6 +471,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         with ctx._mutex:
             agent = self._resolve_agent(stored.agent_name, ctx.active_agent)
             self._install(ctx, stored, agent)
+            ctx._verified_at = time.monotonic()
         return True
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
@@ -503,7 +522,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             now = utcnow()
             with self._transaction(write=True) as conn:
                 conn.execute(
-                    self.support.insert_ignore(_sessions),
+                    self._insert_session,
                     {
                         "session_id": session_id,
                         "active_agent_name": default_agent.name,
@@ -570,7 +589,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         _validate_message_id(message_id)
         with self._transaction(write=True) as conn:
             conn.execute(
-                self.support.upsert_processed(_processed),
+                self._mark,
                 {"message_id": message_id, "processed_at": utcnow()},
             )
 
@@ -586,7 +605,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         now = utcnow()
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
         with self._transaction(write=True) as conn:
-            result = conn.execute(self.support.claim_processed(_processed), params)
+            result = conn.execute(self._claim, params)
             claimed = self.support.claimed(result)
         if now - self._last_purge >= _PURGE_INTERVAL:
             self._last_purge = now
@@ -619,24 +638,29 @@ class SQLAlchemySessionStore(BaseSessionStore):
             try:
                 with self._transaction(write=True) as conn:
                     self._write_changes(conn, ctx)
+                ctx._verified_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
                 raise
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
+        """Compare-and-swap the session's version, then write the message diff.
+
+        The conditional UPDATE both detects concurrent writers and takes the
+        row's write lock; only when it misses does the store read the row
+        (locked) to tell a deleted session from a moved one and rebase.
+        """
         session_id = ctx.session_id
+        now = utcnow()
+        if not self._bump_version(conn, ctx, now):
+            version = conn.execute(self._lock_version, {"session_id": session_id}).scalar()
+            if version is None:
+                raise SessionDeletedError(session_id)
+            self._rebase(conn, ctx)
+            if not self._bump_version(conn, ctx, now):
+                raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         durable = ctx._durable
         assert durable is not None
-        version = conn.execute(
-            self.support.lock_session_row(_SELECT_VERSION), {"session_id": session_id}
-        ).scalar()
-        if version is None:
-            raise SessionDeletedError(session_id)
-        if version != durable.version:
-            self._rebase(conn, ctx)
-            durable = ctx._durable
-            assert durable is not None
-        now = utcnow()
         current = set(ctx._seqs)
         gone = durable.seqs - current
         if gone:
@@ -658,23 +682,29 @@ class SQLAlchemySessionStore(BaseSessionStore):
         ]
         if new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
-        metadata_json = dump_metadata(ctx._metadata)
-        conn.execute(
-            _UPDATE_SESSION,
-            {
-                "sid": session_id,
-                "new_version": version + 1,
-                "agent_name": ctx.active_agent.name,
-                "metadata": dict(ctx._metadata),
-                "now": now,
-            },
-        )
         ctx._durable = DurableState(
-            version=version + 1,
+            version=durable.version + 1,
             seqs=current,
             agent_name=ctx.active_agent.name,
-            metadata_json=metadata_json,
+            metadata_json=dump_metadata(ctx._metadata),
         )
+
+    def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
+        """UPDATE the session row if its version is still the one ``ctx`` knows."""
+        durable = ctx._durable
+        assert durable is not None
+        params: dict[str, Any] = {
+            "sid": ctx.session_id,
+            "expected": durable.version,
+            "new_version": durable.version + 1,
+            "agent_name": ctx.active_agent.name,
+            "now": now,
+        }
+        statement = _BUMP_SESSION
+        if dump_metadata(ctx._metadata) != durable.metadata_json:
+            statement = _BUMP_SESSION_AND_METADATA
+            params["metadata"] = dict(ctx._metadata)
+        return conn.execute(statement, params).rowcount == 1
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
         """Another writer moved the session: replay our unsaved changes on its rows."""
@@ -706,6 +736,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         contended session never pins one of the I/O threads.
         """
         locking = self.support.cross_process_turn_lock
+        if not locking and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
+            return  # the Runner's get_or_create checked the version a moment ago
         delay = 0.002
         while locking and not await self._atry_turn_lock(ctx.session_id):
             await asyncio.sleep(delay)

@@ -109,7 +109,9 @@ class SQLiteDialectSupport(DialectSupport):
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
             write = conn.get_execution_options().get("chatflow_write", False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+            # Straight to the driver: a full SQLAlchemy execution here would cost
+            # more than the BEGIN itself, on every transaction.
+            _raw(conn).execute("BEGIN IMMEDIATE" if write else "BEGIN")
 
     def insert_ignore(self, table: Table) -> Insert:
         """``INSERT ... ON CONFLICT DO NOTHING``."""
