@@ -61,7 +61,7 @@ def schema_connect_args(schema: str) -> dict[str, Any]:
 def fresh_schema(url: str) -> Iterator[str]:
     """Create ``t_<uuid>``, yield its name, drop it with everything in it."""
     schema = f"t_{uuid.uuid4().hex}"
-    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))

@@ -16,29 +16,21 @@ from sqlalchemy import make_url
 
 from chatflow_sqlalchemy import DatabaseUnavailableError, PostgresSessionStore, open_store
 
+from . import pg_util
+
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
 def pg_url() -> str:
-    url = os.environ.get("CHATFLOW_TEST_POSTGRES_URL")
-    if not url:
-        pytest.skip("CHATFLOW_TEST_POSTGRES_URL is not set")
-    return url
+    return pg_util.postgres_url()
 
 
 @pytest.fixture
 def schema(pg_url: str) -> Iterator[str]:
-    import psycopg
-
-    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {name}")
-    yield name
-    _wait_for_server(dsn)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {name} CASCADE")
+    with pg_util.fresh_schema(pg_url) as name:
+        yield name
+        _wait_for_server(pg_url.replace("postgresql+psycopg://", "postgresql://"))
 
 
 def _wait_for_server(dsn: str, timeout: float = 30.0) -> None:

@@ -6,12 +6,12 @@ These prove the crash-safety and cross-process guarantees of DESIGN.md
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ import pytest
 from chatflow_agent import Role
 
 from chatflow_sqlalchemy import SQLiteSessionStore
+
+from . import pg_util
 
 WORKERS = str(Path(__file__).with_name("_workers.py"))
 
@@ -56,30 +58,13 @@ def open_spec(spec: dict[str, Any], **kwargs: Any) -> Any:
 
 @pytest.fixture
 def postgres_url() -> str:
-    url = os.environ.get("CHATFLOW_TEST_POSTGRES_URL")
-    if not url:
-        pytest.skip("CHATFLOW_TEST_POSTGRES_URL is not set")
-    return url
+    return pg_util.postgres_url()
 
 
 @pytest.fixture
 def postgres_schema_factory(postgres_url: str) -> Iterator[Any]:
-    import psycopg
-
-    dsn = postgres_url.replace("postgresql+psycopg://", "postgresql://")
-    created: list[str] = []
-
-    def make() -> str:
-        schema = f"t_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        created.append(schema)
-        return schema
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in created:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(pg_util.fresh_schema(postgres_url))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

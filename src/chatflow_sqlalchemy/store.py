@@ -513,11 +513,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         validate_session_id(session_id)
         metadata = dict(metadata or {})
         dump_metadata(metadata)
-        ctx = self._cached(session_id)
-        if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
+        ctx, stored = self._lookup(session_id)
+        if ctx is not None:
             return ctx
-        with self._transaction() as conn:
-            stored = self._read_session(conn, session_id)
         if stored is None:
             now = utcnow()
             with self._transaction(write=True) as conn:
@@ -539,14 +537,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None if the session does not exist."""
         validate_session_id(session_id)
+        ctx, stored = self._lookup(session_id)
+        if ctx is not None or stored is None:
+            return ctx
+        return self._publish(self._build_context(stored, session_id, None))
+
+    def _lookup(self, session_id: str) -> tuple[SessionContext | None, _StoredSession | None]:
+        """The live cached context (checked against the database), else the stored rows."""
         ctx = self._cached(session_id)
         if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
-            return ctx
+            return ctx, None
         with self._transaction() as conn:
-            stored = self._read_session(conn, session_id)
-        if stored is None:
-            return None
-        return self._publish(self._build_context(stored, session_id, None))
+            return None, self._read_session(conn, session_id)
 
     def delete(self, session_id: str) -> bool:
         """Delete a session and its messages; live contexts then raise SessionDeletedError."""
