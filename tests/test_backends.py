@@ -1,0 +1,71 @@
+"""What each built-in backend sets up underneath: SQLite pragmas, Postgres drift checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from sqlalchemy import text
+
+from chatflow_sqlalchemy import SQLiteSessionStore, open_store
+from chatflow_sqlalchemy.backends.sqlite import BUSY_TIMEOUT_MS
+from chatflow_sqlalchemy.cli import main
+
+from . import pg_util
+
+
+def test_sqlite_file_connections_are_configured(tmp_path: Path) -> None:
+    store = SQLiteSessionStore(tmp_path / "p.db")
+    try:
+        with store.engine.connect() as conn:
+            pragmas = {
+                name: conn.execute(text(f"PRAGMA {name}")).scalar()
+                for name in ("journal_mode", "synchronous", "busy_timeout", "foreign_keys")
+            }
+            conn.rollback()
+    finally:
+        store.close()
+    assert pragmas == {
+        "journal_mode": "wal",
+        "synchronous": 1,  # NORMAL
+        "busy_timeout": BUSY_TIMEOUT_MS,
+        "foreign_keys": 1,
+    }
+
+
+def test_sqlite_memory_enforces_foreign_keys_too() -> None:
+    store = SQLiteSessionStore(":memory:")
+    try:
+        with store.engine.connect() as conn:
+            assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+            conn.rollback()
+    finally:
+        store.close()
+
+
+def test_open_store_maps_postgres_urls_to_psycopg() -> None:
+    from chatflow_sqlalchemy.backends.postgresql import psycopg_url
+
+    assert psycopg_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+    assert psycopg_url("postgres://u@h/db").drivername == "postgresql+psycopg"
+    assert psycopg_url("postgresql+psycopg://u@h/db").drivername == "postgresql+psycopg"
+
+
+@pytest.mark.postgres
+def test_db_check_reports_drift_on_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    url = pg_util.postgres_url()
+    with pg_util.fresh_schema(url) as schema:
+        scoped = f"{url}?options={quote(f'-csearch_path={schema}')}"
+        store = open_store(scoped)
+        store.close()
+        assert main(["--url", scoped, "db", "check"]) == 0
+        engine = pg_util.schema_engine(url, schema)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("DROP INDEX ix_chatflow_sessions_updated_at"))
+        finally:
+            engine.dispose()
+        capsys.readouterr()
+        assert main(["--url", scoped, "db", "check"]) == 1
+        assert "ix_chatflow_sessions_updated_at" in capsys.readouterr().out
