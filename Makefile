@@ -1,23 +1,32 @@
 # The two quick-start commands (see README): `make demo` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PLUGIN := plugins/chatflow-sqlalchemy-mariadb
+STAMP := $(VENV)/.installed
 
-$(PY):
-	python3 -m venv $(VENV)
+# The core package and the MariaDB plugin beside it, both editable; reinstalled
+# whenever either pyproject.toml changes.
+$(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,postgres]'
+	$(PY) -m pip install --quiet -e '.[dev,postgres]' -e $(PLUGIN)
+	touch $(STAMP)
 
 .PHONY: install demo test lint
-install: $(PY)
+install: $(STAMP)
 
-demo: $(PY)
+demo: $(STAMP)
 	$(VENV)/bin/chatflow-sqlalchemy demo
 
-# Postgres tests run when CHATFLOW_TEST_POSTGRES_URL is set (and then fail loudly if the
-# server is unreachable); otherwise testcontainers is tried, else they are skipped with a reason.
-test: $(PY)
+# Everything, in one pytest run: the core suite and the MariaDB plugin's tests.
+# PostgreSQL tests run when CHATFLOW_TEST_POSTGRES_URL is set (and then fail loudly if the
+# server is unreachable); otherwise testcontainers is tried, else they are skipped with a
+# reason. MariaDB tests run when CHATFLOW_TEST_MARIADB_URL is set (same rules), else they
+# are skipped with a reason.
+test: $(STAMP)
 	$(PY) -m pytest
 
-lint: $(PY)
-	$(VENV)/bin/ruff check src tests migrations benchmarks
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests migrations benchmarks plugins
 	$(VENV)/bin/mypy src
+	cd $(PLUGIN) && $(abspath $(VENV))/bin/mypy

@@ -5,6 +5,11 @@ The baseline is upstream's own SQLite schema (``chatflow_agent.SQLiteSessionStor
 adopted in place (after checking their columns); on an empty database they are
 created. Revision 0002 then brings them to chatflow-sqlalchemy's schema.
 
+MySQL/MariaDB (never written by upstream) get the same tables in the closest
+shape they can index: VARCHAR(255) keys (TEXT cannot be a key there),
+LONGTEXT bodies, DATETIME timestamps, and the backend's table options
+(utf8mb4 with a binary collation, so ids compare exactly as elsewhere).
+
 Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
@@ -13,6 +18,9 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import context, op
+from sqlalchemy.dialects import mysql
+
+from chatflow_sqlalchemy.migrate import table_options
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -30,17 +38,31 @@ _OUR_COLUMNS = {
     "chatflow_messages": {"seq"},
 }
 
+_MYSQL = ("mysql", "mariadb")
+_KEY = sa.Text().with_variant(sa.String(255), *_MYSQL)
+_BODY = sa.Text().with_variant(mysql.LONGTEXT(), *_MYSQL)
+_STAMP = sa.TIMESTAMP().with_variant(mysql.DATETIME(), *_MYSQL)
+
+
+def _options(**kw: bool) -> dict[str, object]:
+    return {**table_options(op.get_context().dialect), **kw}
+
+
+def _text_default() -> dict[str, object]:
+    # MySQL accepts no literal default on a TEXT column (and 0002 drops it anyway).
+    return {} if op.get_context().dialect.name in _MYSQL else {"server_default": "{}"}
+
 
 def _create_sessions(**kw: bool) -> None:
     op.create_table(
         "chatflow_sessions",
-        sa.Column("session_id", sa.Text(), nullable=False),
-        sa.Column("active_agent_name", sa.Text(), nullable=False),
-        sa.Column("metadata_json", sa.Text(), nullable=False, server_default="{}"),
-        sa.Column("created_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
-        sa.Column("updated_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
+        sa.Column("session_id", _KEY, nullable=False),
+        sa.Column("active_agent_name", _KEY, nullable=False),
+        sa.Column("metadata_json", _BODY, nullable=False, **_text_default()),
+        sa.Column("created_at", _STAMP, server_default=sa.text("CURRENT_TIMESTAMP")),
+        sa.Column("updated_at", _STAMP, server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.PrimaryKeyConstraint("session_id", name="chatflow_sessions_pkey"),
-        **kw,
+        **_options(**kw),
     )
 
 
@@ -48,11 +70,11 @@ def _create_messages(**kw: bool) -> None:
     op.create_table(
         "chatflow_messages",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("session_id", sa.Text(), nullable=False),
-        sa.Column("role", sa.Text(), nullable=False),
-        sa.Column("content", sa.Text()),
-        sa.Column("message_json", sa.Text(), nullable=False),
-        sa.Column("created_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
+        sa.Column("session_id", _KEY, nullable=False),
+        sa.Column("role", _KEY, nullable=False),
+        sa.Column("content", _BODY),
+        sa.Column("message_json", _BODY, nullable=False),
+        sa.Column("created_at", _STAMP, server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.PrimaryKeyConstraint("id", name="chatflow_messages_pkey"),
         sa.ForeignKeyConstraint(
             ["session_id"],
@@ -61,7 +83,7 @@ def _create_messages(**kw: bool) -> None:
             ondelete="CASCADE",
         ),
         sqlite_autoincrement=True,
-        **kw,
+        **_options(**kw),
     )
     op.create_index(
         "idx_chatflow_messages_session", "chatflow_messages", ["session_id", "id"], **kw
@@ -71,10 +93,10 @@ def _create_messages(**kw: bool) -> None:
 def _create_processed(**kw: bool) -> None:
     op.create_table(
         "chatflow_processed_messages",
-        sa.Column("message_id", sa.Text(), nullable=False),
-        sa.Column("processed_at", sa.TIMESTAMP(), server_default=sa.text("CURRENT_TIMESTAMP")),
+        sa.Column("message_id", _KEY, nullable=False),
+        sa.Column("processed_at", _STAMP, server_default=sa.text("CURRENT_TIMESTAMP")),
         sa.PrimaryKeyConstraint("message_id", name="chatflow_processed_messages_pkey"),
-        **kw,
+        **_options(**kw),
     )
     op.create_index(
         "idx_chatflow_processed_at", "chatflow_processed_messages", ["processed_at"], **kw

@@ -9,7 +9,9 @@
 
 SQLite cannot alter columns, so its tables are rebuilt and copied (messages
 whose session no longer exists, which upstream could leave behind, are not
-copied); other dialects are altered in place.
+copied); other dialects are altered in place. MySQL/MariaDB get DATETIME(6)
+timestamps, and every altered column names its existing type and nullability
+because MySQL rewrites a column whole (``MODIFY``).
 
 Revision ID: 0002
 Revises: 0001
@@ -19,15 +21,20 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import mysql, postgresql
 
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+_MYSQL = ("mysql", "mariadb")
 _ID = sa.String(255)
-_TS = sa.DateTime(timezone=True)
+_TS = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), *_MYSQL)
+# What revision 0001 created (see there), for downgrades.
+_OLD_KEY = sa.Text().with_variant(sa.String(255), *_MYSQL)
+_OLD_BODY = sa.Text().with_variant(mysql.LONGTEXT(), *_MYSQL)
+_OLD_STAMP = sa.TIMESTAMP().with_variant(mysql.DATETIME(), *_MYSQL)
 _JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 _MSG_PK = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
@@ -111,6 +118,11 @@ def _upgrade_sqlite() -> None:
     _new_indexes()
 
 
+def _keep_auto_increment(dialect: str) -> dict[str, bool]:
+    # MySQL's MODIFY rewrites the whole column: AUTO_INCREMENT must be restated.
+    return {"autoincrement": True} if dialect in _MYSQL else {}
+
+
 def _upgrade_altering() -> None:
     dialect = op.get_bind().dialect.name
     pg = dialect == "postgresql"
@@ -135,21 +147,26 @@ def _upgrade_altering() -> None:
                 table, column, type_=_TS, nullable=False,
                 postgresql_using=f"{column} AT TIME ZONE 'UTC'",
             )
-    op.alter_column("chatflow_sessions", "session_id", type_=_ID)
-    op.alter_column("chatflow_sessions", "active_agent_name", type_=_ID)
+    op.alter_column("chatflow_sessions", "session_id", type_=_ID, existing_nullable=False)
+    op.alter_column(
+        "chatflow_sessions", "active_agent_name", type_=_ID, existing_nullable=False
+    )
     op.alter_column("chatflow_sessions", "metadata_json", server_default=None)
     op.alter_column(
-        "chatflow_sessions", "metadata_json", type_=_JSON,
+        "chatflow_sessions", "metadata_json", type_=_JSON, existing_nullable=False,
         postgresql_using="metadata_json::jsonb",
     )
     op.drop_constraint("chatflow_messages_session_id_fkey", "chatflow_messages", "foreignkey")
     op.drop_index("idx_chatflow_messages_session", "chatflow_messages")
-    op.alter_column("chatflow_messages", "id", type_=sa.BigInteger())
+    op.alter_column(
+        "chatflow_messages", "id", type_=sa.BigInteger(), existing_nullable=False,
+        **_keep_auto_increment(dialect),
+    )
     if pg:
         op.execute("ALTER SEQUENCE chatflow_messages_id_seq AS BIGINT")
-    op.alter_column("chatflow_messages", "seq", nullable=False)
-    op.alter_column("chatflow_messages", "session_id", type_=_ID)
-    op.alter_column("chatflow_messages", "role", type_=sa.String(16))
+    op.alter_column("chatflow_messages", "seq", nullable=False, existing_type=sa.BigInteger())
+    op.alter_column("chatflow_messages", "session_id", type_=_ID, existing_nullable=False)
+    op.alter_column("chatflow_messages", "role", type_=sa.String(16), existing_nullable=False)
     op.create_foreign_key(
         "fk_chatflow_messages_session_id_chatflow_sessions", "chatflow_messages",
         "chatflow_sessions", ["session_id"], ["session_id"], ondelete="CASCADE",
@@ -157,7 +174,9 @@ def _upgrade_altering() -> None:
     op.create_unique_constraint(
         "uq_chatflow_messages_session_id_seq", "chatflow_messages", ["session_id", "seq"]
     )
-    op.alter_column("chatflow_processed_messages", "message_id", type_=_ID)
+    op.alter_column(
+        "chatflow_processed_messages", "message_id", type_=_ID, existing_nullable=False
+    )
     op.drop_index("idx_chatflow_processed_at", "chatflow_processed_messages")
     if pg:
         for table in ("chatflow_sessions", "chatflow_messages", "chatflow_processed_messages"):
@@ -229,27 +248,30 @@ def _downgrade_sqlite() -> None:
 
 
 def _downgrade_altering() -> None:
-    pg = op.get_bind().dialect.name == "postgresql"
+    dialect = op.get_bind().dialect.name
+    pg = dialect == "postgresql"
+    text_default = {} if dialect in _MYSQL else {"server_default": "{}"}
     op.drop_index("ix_chatflow_sessions_updated_at", "chatflow_sessions")
     op.drop_index("ix_chatflow_processed_messages_processed_at", "chatflow_processed_messages")
     if pg:
         for table in ("chatflow_sessions", "chatflow_messages", "chatflow_processed_messages"):
             op.execute(f"ALTER TABLE {table} RENAME CONSTRAINT pk_{table} TO {table}_pkey")
-    op.drop_constraint("uq_chatflow_messages_session_id_seq", "chatflow_messages", "unique")
+    # The foreign key first: MySQL enforces it with the unique index below.
     op.drop_constraint(
         "fk_chatflow_messages_session_id_chatflow_sessions", "chatflow_messages", "foreignkey"
     )
+    op.drop_constraint("uq_chatflow_messages_session_id_seq", "chatflow_messages", "unique")
     op.drop_column("chatflow_messages", "seq")
     op.drop_column("chatflow_sessions", "version")
-    op.alter_column("chatflow_sessions", "metadata_json", type_=sa.Text(),
-                    server_default="{}", postgresql_using="metadata_json::text")
+    op.alter_column("chatflow_sessions", "metadata_json", type_=_OLD_BODY, existing_nullable=False,
+                    postgresql_using="metadata_json::text", **text_default)
     for table, columns in {
         "chatflow_sessions": ("session_id", "active_agent_name"),
         "chatflow_messages": ("session_id", "role"),
         "chatflow_processed_messages": ("message_id",),
     }.items():
         for column in columns:
-            op.alter_column(table, column, type_=sa.Text())
+            op.alter_column(table, column, type_=_OLD_KEY, existing_nullable=False)
     for table, columns in {
         "chatflow_sessions": ("created_at", "updated_at"),
         "chatflow_messages": ("created_at",),
@@ -257,18 +279,22 @@ def _downgrade_altering() -> None:
     }.items():
         for column in columns:
             op.alter_column(
-                table, column, type_=sa.TIMESTAMP(), nullable=True,
+                table, column, type_=_OLD_STAMP, nullable=True,
                 server_default=sa.text("CURRENT_TIMESTAMP"),
                 postgresql_using=f"{column} AT TIME ZONE 'UTC'",
             )
-    op.alter_column("chatflow_messages", "id", type_=sa.Integer())
+    op.alter_column(
+        "chatflow_messages", "id", type_=sa.Integer(), existing_nullable=False,
+        **_keep_auto_increment(dialect),
+    )
     if pg:
         op.execute("ALTER SEQUENCE chatflow_messages_id_seq AS INTEGER")
+    # The index first: MySQL would otherwise create one of its own for the foreign key.
+    op.create_index("idx_chatflow_messages_session", "chatflow_messages", ["session_id", "id"])
     op.create_foreign_key(
         "chatflow_messages_session_id_fkey", "chatflow_messages", "chatflow_sessions",
         ["session_id"], ["session_id"], ondelete="CASCADE",
     )
-    op.create_index("idx_chatflow_messages_session", "chatflow_messages", ["session_id", "id"])
     op.create_index("idx_chatflow_processed_at", "chatflow_processed_messages", ["processed_at"])
 
 

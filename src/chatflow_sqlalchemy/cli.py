@@ -2,12 +2,12 @@
 
 Commands::
 
-    chatflow-sqlalchemy [--url URL] db upgrade [REVISION]   # default: head
-    chatflow-sqlalchemy [--url URL] db downgrade REVISION
+    chatflow-sqlalchemy [--url URL] db upgrade [REVISION] [--chain NAME]   # default: head
+    chatflow-sqlalchemy [--url URL] db downgrade REVISION [--chain NAME]
     chatflow-sqlalchemy [--url URL] db current
-    chatflow-sqlalchemy [--url URL] db history
+    chatflow-sqlalchemy [--url URL] db history [--all | --chain NAME]
     chatflow-sqlalchemy [--url URL] db check                # exit 1 if behind or drifted
-    chatflow-sqlalchemy [--url URL] db stamp REVISION
+    chatflow-sqlalchemy [--url URL] db stamp REVISION [--chain NAME]
     chatflow-sqlalchemy [--url URL] sessions list
     chatflow-sqlalchemy [--url URL] sessions show SESSION_ID
     chatflow-sqlalchemy [--url URL] sessions delete SESSION_ID
@@ -19,9 +19,12 @@ Commands::
 The URL comes from ``--url`` (accepted before or after the command), else
 ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
 
-The ``db`` commands look at the database as it is (they never migrate it on
-open); the ``sessions`` and ``dedup`` commands open a store, which upgrades an
-old schema first. Mistakes (a bad URL, an unreachable database, a schema newer
+The ``db`` commands act on the core migration chain and on every installed
+plugin chain that applies to the database (``db upgrade`` to head, ``db
+downgrade base``, ``db current``, ``db check``); ``--chain core|NAME`` picks
+one. They look at the database as it is (they never migrate it on open);
+the ``sessions`` and ``dedup`` commands open a store, which upgrades an old
+schema first. Mistakes (a bad URL, an unreachable database, a schema newer
 than this package, an unknown revision) print one ``error:`` line and exit 2;
 a failed ``db check`` or an unknown session exits 1. Passwords are never printed.
 """
@@ -50,9 +53,8 @@ from chatflow_sqlalchemy.exceptions import (
     ChatflowStoreError,
     CorruptRowError,
     DatabaseUnavailableError,
-    SchemaAheadError,
 )
-from chatflow_sqlalchemy.registry import available_backends, open_store
+from chatflow_sqlalchemy.registry import available_backends, backend_sources, open_store
 from chatflow_sqlalchemy.store import SQLAlchemySessionStore, database_url_from_env
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -160,33 +162,47 @@ def _store(url: URL) -> Iterator[SQLAlchemySessionStore]:
         store.close()
 
 
-def _read_revision(engine: Engine) -> str | None:
+def _read_revision(engine: Engine, chain: migrate.MigrationChain | None = None) -> str | None:
     with engine.connect() as conn:
         try:
-            return migrate.current_revision(conn)
+            return migrate.current_revision(conn, chain)
         finally:
             conn.rollback()
 
 
-def _known_revisions() -> set[str]:
-    return {rev.revision for rev in migrate.history()}
+def _check_not_ahead(found: str | None, chain: migrate.MigrationChain | None = None) -> None:
+    """Raise :class:`SchemaAheadError` if ``found`` is a revision the chain does not know."""
+    migrate.check_not_ahead(found, chain)
 
 
-def _check_not_ahead(found: str | None) -> None:
-    """Raise :class:`SchemaAheadError` if ``found`` is a revision this package does not know."""
-    if found is None or found in _known_revisions():
-        return
-    expected = migrate.head_revision()
-    raise SchemaAheadError(
-        f"the database schema is at revision {found}, newer than this chatflow-sqlalchemy "
-        f"knows (expected {expected}); upgrade the package: pip install -U chatflow-sqlalchemy",
-        found=found,
-        expected=expected,
-    )
+def _chains(
+    engine: Engine, args: argparse.Namespace, *, all_for: str | None = None
+) -> list[migrate.MigrationChain]:
+    """The chains a command acts on.
+
+    ``--chain NAME`` names one; otherwise the revision ``all_for`` (``head``
+    for upgrades, ``base`` for downgrades) means every chain that applies to
+    the database, and any other revision means the core chain.
+    """
+    name = getattr(args, "chain", None)
+    if name:
+        return [migrate.find_chain(name, engine.dialect.name)]
+    if all_for is not None and getattr(args, "revision", None) == all_for:
+        return migrate.chains_for(engine.dialect.name)
+    return [migrate.core_chain()]
 
 
-def _label(revision: str | None) -> str:
-    return revision if revision is not None else "none (empty database)"
+def _prefix(url: URL, chain: migrate.MigrationChain) -> str:
+    """``<url>:`` for the core chain, ``<url>: plugin <name>:`` for a plugin's."""
+    if chain.is_core:
+        return f"{_safe_url(url)}:"
+    return f"{_safe_url(url)}: plugin {chain.name}:"
+
+
+def _label(revision: str | None, chain: migrate.MigrationChain | None = None) -> str:
+    if revision is not None:
+        return revision
+    return "none" if chain is not None and not chain.is_core else "none (empty database)"
 
 
 def _unversioned_label(engine: Engine) -> str:
@@ -232,57 +248,99 @@ def _validate_session_id(session_id: str) -> None:
 def _cmd_db_upgrade(args: argparse.Namespace, out: TextIO) -> int:
     url = _resolve_url(args)
     with _engine(url) as engine:
-        before = _read_revision(engine)
-        _check_not_ahead(before)
-        migrate.upgrade(engine, args.revision)
-        after = _read_revision(engine)
-    head = migrate.head_revision()
-    suffix = " (head)" if after == head else ""
-    if before == after:
-        print(f"{_safe_url(url)}: already at revision {_label(after)}{suffix}", file=out)
-    else:
-        print(
-            f"{_safe_url(url)}: upgraded from {_label(before)} to {_label(after)}{suffix}",
-            file=out,
-        )
+        chains = _chains(engine, args, all_for="head")
+        before = [_read_revision(engine, chain) for chain in chains]
+        for chain, found in zip(chains, before, strict=True):
+            _check_not_ahead(found, chain)
+        migrate.upgrade(engine, args.revision, getattr(args, "chain", None))
+        after = [_read_revision(engine, chain) for chain in chains]
+    for chain, old, new in zip(chains, before, after, strict=True):
+        suffix = " (head)" if new == migrate.head_revision(chain) else ""
+        if old == new:
+            print(
+                f"{_prefix(url, chain)} already at revision {_label(new, chain)}{suffix}", file=out
+            )
+        else:
+            print(
+                f"{_prefix(url, chain)} upgraded from {_label(old, chain)} to "
+                f"{_label(new, chain)}{suffix}",
+                file=out,
+            )
     return EXIT_OK
 
 
 def _cmd_db_downgrade(args: argparse.Namespace, out: TextIO) -> int:
     url = _resolve_url(args)
     with _engine(url) as engine:
-        before = _read_revision(engine)
-        _check_not_ahead(before)
-        migrate.downgrade(engine, args.revision)
-        after = _read_revision(engine)
-    if before == after:
-        print(f"{_safe_url(url)}: already at revision {_label(after)}", file=out)
-    else:
-        print(f"{_safe_url(url)}: downgraded from {_label(before)} to {_label(after)}", file=out)
+        chains = _chains(engine, args, all_for="base")
+        if len(chains) > 1:  # plugins first: their tables may refer to the core's
+            chains = [*chains[1:][::-1], chains[0]]
+        before = [_read_revision(engine, chain) for chain in chains]
+        for chain, found in zip(chains, before, strict=True):
+            _check_not_ahead(found, chain)
+        migrate.downgrade(engine, args.revision, getattr(args, "chain", None))
+        after = [_read_revision(engine, chain) for chain in chains]
+    for chain, old, new in zip(chains, before, after, strict=True):
+        if old == new:
+            print(f"{_prefix(url, chain)} already at revision {_label(new, chain)}", file=out)
+        else:
+            print(
+                f"{_prefix(url, chain)} downgraded from {_label(old, chain)} to "
+                f"{_label(new, chain)}",
+                file=out,
+            )
     return EXIT_OK
 
 
 def _cmd_db_current(args: argparse.Namespace, out: TextIO) -> int:
     url = _resolve_url(args)
     with _engine(url) as engine:
-        found = _read_revision(engine)
-        _check_not_ahead(found)
-        label = _unversioned_label(engine) if found is None else found
-    head = migrate.head_revision()
+        statuses = migrate.chain_status(engine)
+        for status in statuses:
+            _check_not_ahead(status.current, status.chain)
+        label = _unversioned_label(engine) if statuses[0].current is None else statuses[0].current
     print(f"database: {_safe_url(url)}", file=out)
-    if found == head:
-        print(f"revision: {found} (head)", file=out)
-    else:
-        print(f"revision: {label}; head is {head}", file=out)
+    behind = False
+    for status in statuses:
+        if status.chain.is_core:
+            name, shown = "revision", label
+        else:
+            name = f"plugin {status.chain.name} ({status.chain.distribution})"
+            shown = _label(status.current, status.chain)
+        if status.at_head:
+            print(f"{name}: {status.current} (head)", file=out)
+        else:
+            behind = True
+            print(f"{name}: {shown}; head is {status.head}", file=out)
+    if behind:
         print(f"run: {PROG} db upgrade", file=out)
     return EXIT_OK
 
 
-def _cmd_db_history(args: argparse.Namespace, out: TextIO) -> int:
-    for rev in reversed(migrate.history()):
+def _print_history(chain: migrate.MigrationChain, out: TextIO) -> None:
+    for rev in reversed(migrate.history(chain)):
         marker = " (head)" if rev.is_head else ""
         parent = rev.down_revision or "<base>"
         print(f"{parent} -> {rev.revision}{marker}: {rev.doc}", file=out)
+
+
+def _cmd_db_history(args: argparse.Namespace, out: TextIO) -> int:
+    name = getattr(args, "chain", None)
+    if name:
+        _print_history(migrate.find_chain(name), out)
+        return EXIT_OK
+    _print_history(migrate.core_chain(), out)
+    if not getattr(args, "all", False):
+        return EXIT_OK
+    for chain in migrate.plugin_chains():
+        dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
+        print("", file=out)
+        print(
+            f"plugin {chain.name} ({chain.distribution}; version table {chain.version_table}; "
+            f"{dialects}):",
+            file=out,
+        )
+        _print_history(chain, out)
     return EXIT_OK
 
 
@@ -290,14 +348,20 @@ def _cmd_db_check(args: argparse.Namespace, out: TextIO) -> int:
     url = _resolve_url(args)
     head = migrate.head_revision()
     with _engine(url) as engine:
-        found = _read_revision(engine)
-        _check_not_ahead(found)
-        if found != head:
+        statuses = migrate.chain_status(engine)
+        for status in statuses:
+            _check_not_ahead(status.current, status.chain)
+        behind = [status for status in statuses if not status.at_head]
+        for status in behind:
+            what = _safe_url(url) if status.chain.is_core else f"{_safe_url(url)} plugin "
+            what += "" if status.chain.is_core else status.chain.name
             print(
-                f"behind: {_safe_url(url)} is at revision {_label(found)}, the code expects "
-                f"{head}; run: {PROG} db upgrade",
+                f"behind: {what} is at revision {_label(status.current, status.chain)}, "
+                f"the code expects "
+                f"{status.head}; run: {PROG} db upgrade",
                 file=out,
             )
+        if behind:
             return EXIT_FAILED
         diffs = migrate.drift(engine)
     if diffs:
@@ -309,19 +373,27 @@ def _cmd_db_check(args: argparse.Namespace, out: TextIO) -> int:
         for diff in diffs:
             print(f"  - {diff}", file=out)
         return EXIT_FAILED
-    print(f"ok: {_safe_url(url)} is at revision {head} (head) and matches the models", file=out)
+    plugins = "".join(
+        f"; plugin {s.chain.name} at {s.current} (head)" for s in statuses if not s.chain.is_core
+    )
+    print(
+        f"ok: {_safe_url(url)} is at revision {head} (head) and matches the models{plugins}",
+        file=out,
+    )
     return EXIT_OK
 
 
 def _cmd_db_stamp(args: argparse.Namespace, out: TextIO) -> int:
     url = _resolve_url(args)
     with _engine(url) as engine:
-        before = _read_revision(engine)
-        _check_not_ahead(before)
-        migrate.stamp(engine, args.revision)
-        after = _read_revision(engine)
+        chain = _chains(engine, args)[0]
+        before = _read_revision(engine, chain)
+        _check_not_ahead(before, chain)
+        migrate.stamp(engine, args.revision, chain)
+        after = _read_revision(engine, chain)
     print(
-        f"{_safe_url(url)}: stamped revision {_label(after)} (was {_label(before)}); "
+        f"{_prefix(url, chain)} stamped revision {_label(after, chain)} "
+        f"(was {_label(before, chain)}); "
         "no migration was run",
         file=out,
     )
@@ -546,13 +618,20 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     if not backends:
         print("no backends installed", file=out)
         return EXIT_OK
-    rows: list[tuple[str, str]] = [("BACKEND", "STORE CLASS OR ERROR")]
+    sources = backend_sources()
+    rows: list[tuple[str, str, str]] = [("BACKEND", "FROM", "STORE CLASS OR ERROR")]
     for name, backend in sorted(backends.items()):
         if isinstance(backend, Exception):
             detail = f"unavailable: {_one_line(str(backend))}"
         else:
             detail = f"{backend.__module__}.{backend.__qualname__}"
-        rows.append((name, detail))
+        source = sources.get(name)
+        origin = "-"
+        if source is not None:
+            origin = " + ".join(source.distributions) if source.distributions else source.origin
+            if source.origin == "built-in":
+                origin = "built-in"
+        rows.append((name, origin, detail))
     _table(rows, out)
     return EXIT_OK
 
@@ -611,12 +690,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     db = commands.add_parser("db", help="schema migrations (never migrates on its own)")
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND")
-    sub = leaf(db_commands, "upgrade", _cmd_db_upgrade, "upgrade the schema (default: to head)")
+    chain_help = (
+        "act on one migration chain: 'core' or an installed plugin's name "
+        "(default: head/base move every chain, other revisions the core chain)"
+    )
+    sub = leaf(
+        db_commands,
+        "upgrade",
+        _cmd_db_upgrade,
+        "upgrade the schema (default: the core chain and every plugin chain to head)",
+    )
     sub.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
+    sub.add_argument("--chain", metavar="NAME", help=chain_help)
     sub = leaf(db_commands, "downgrade", _cmd_db_downgrade, "downgrade the schema to REVISION")
-    sub.add_argument("revision", help="target revision, or 'base' to drop the tables")
-    leaf(db_commands, "current", _cmd_db_current, "show the database's revision")
-    leaf(db_commands, "history", _cmd_db_history, "list the migration chain, newest first")
+    sub.add_argument(
+        "revision", help="target revision, or 'base' to drop the tables (plugins' first)"
+    )
+    sub.add_argument("--chain", metavar="NAME", help=chain_help)
+    leaf(db_commands, "current", _cmd_db_current, "show the database's revision of every chain")
+    sub = leaf(
+        db_commands, "history", _cmd_db_history, "list the migration chain, newest first"
+    )
+    sub.add_argument(
+        "--chain", metavar="NAME", help="this chain instead of the core's (a plugin's name)"
+    )
+    sub.add_argument(
+        "--all", action="store_true", help="also every installed plugin's chain"
+    )
     leaf(
         db_commands,
         "check",
@@ -625,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = leaf(db_commands, "stamp", _cmd_db_stamp, "record REVISION without running migrations")
     sub.add_argument("revision", help="revision to record")
+    sub.add_argument(
+        "--chain", metavar="NAME", help="the chain to stamp: 'core' (default) or a plugin"
+    )
 
     sessions = commands.add_parser("sessions", help="inspect, delete and export sessions")
     session_commands = sessions.add_subparsers(

@@ -11,8 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import URL, Connection, CursorResult, Engine, Select, Table
-from sqlalchemy.sql.dml import Insert
+from sqlalchemy import (
+    URL,
+    Connection,
+    CursorResult,
+    Dialect,
+    Engine,
+    Select,
+    Table,
+    bindparam,
+    delete,
+    select,
+)
+from sqlalchemy.sql.dml import Delete, Insert
 
 __all__ = ["DialectSupport"]
 
@@ -71,9 +82,34 @@ class DialectSupport:
         """Insert ``message_id`` or move its ``processed_at`` to now (``mark``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement upsert_processed()")
 
+    def purge_processed(self, table: Table, batch_size: int) -> Delete:
+        """Delete at most ``batch_size`` expired dedup rows (bind parameter ``cutoff``).
+
+        The portable form deletes the primary keys of a ``LIMIT``-ed subquery;
+        dialects that reject it (MySQL cannot ``LIMIT`` an ``IN`` subquery of
+        the table it deletes from) return their own bounded ``DELETE``.
+        """
+        expired = (
+            select(table.c.message_id)
+            .where(table.c.processed_at < bindparam("cutoff"))
+            .limit(batch_size)
+            .scalar_subquery()
+        )
+        return delete(table).where(table.c.message_id.in_(expired))
+
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """Make a session-row SELECT lock the row for the rest of the transaction."""
         return select.with_for_update()
+
+    def table_options(self, dialect: Dialect) -> dict[str, Any]:
+        """Extra ``create_table`` keyword arguments for the chatflow tables.
+
+        Migrations pass these to every table they create (e.g. MySQL's
+        ``mysql_charset`` / ``mysql_collate``, so that ids compare byte-wise
+        like on every other database). ``dialect`` may not be connected
+        (offline ``--sql`` runs). Default: none.
+        """
+        return {}
 
     def begin_migration(self, connection: Connection) -> None:
         """Prepare a connection before the migration transaction begins."""

@@ -10,54 +10,190 @@ so the chain can live beside an application's own Alembic history.
 
 Migrations run on one connection inside one transaction that first takes a
 cross-process lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
-PostgreSQL), so concurrent starts migrate once and a failure leaves nothing
-half-done. Set ``CHATFLOW_AUTO_MIGRATE=0`` to make stores refuse an old
-schema instead of upgrading it on open.
+PostgreSQL, the backend's own elsewhere), so concurrent starts migrate once
+and a failure leaves nothing half-done (where the database has transactional
+DDL). Set ``CHATFLOW_AUTO_MIGRATE=0`` to make stores refuse an old schema
+instead of upgrading it on open.
+
+Plugin chains
+-------------
+
+A plugin package may add tables of its own with an Alembic chain of its own,
+declared in the entry-point group ``chatflow_sqlalchemy.migrations`` (the
+pattern of Airflow's DB managers)::
+
+    [project.entry-points."chatflow_sqlalchemy.migrations"]
+    mariadb = "chatflow_sqlalchemy_mariadb.schema:MIGRATIONS"
+
+The target is a :class:`MigrationChain` (or a callable returning one): where
+its scripts are, its own version table, its ``MetaData`` and the dialects it
+applies to. Opening a store and ``chatflow-sqlalchemy db upgrade`` run the
+core chain first, then every installed plugin chain that applies to the
+database, under the same lock. A plugin whose tables or version table
+collide with the core's (or another plugin's) is rejected with
+:class:`MigrationPluginError` before anything runs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Iterator
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import resources
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import URL, Connection, Engine, MetaData, create_engine, inspect, make_url
+from sqlalchemy import (
+    URL,
+    Connection,
+    Dialect,
+    Engine,
+    MetaData,
+    create_engine,
+    inspect,
+    make_url,
+)
 
 from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.exceptions import SchemaAheadError, SchemaError
+from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
 
 __all__ = [
     "BASELINE_REVISION",
+    "CORE_CHAIN",
+    "MIGRATIONS_ENTRY_POINT_GROUP",
+    "RESERVED_VERSION_TABLES",
     "VERSION_TABLE",
+    "ChainStatus",
+    "MigrationChain",
+    "MigrationPluginError",
     "Revision",
+    "chain_status",
+    "chains_for",
+    "check_not_ahead",
     "configure_context",
+    "core_chain",
     "current_revision",
     "downgrade",
     "drift",
     "ensure_schema",
+    "find_chain",
     "head_revision",
     "history",
     "include_name_for",
     "make_config",
     "open_engine",
+    "plugin_chains",
     "run_locked",
     "stamp",
+    "table_options",
     "upgrade",
 ]
 
 VERSION_TABLE = "chatflow_alembic_version"
 BASELINE_REVISION = "0001"
 """The revision that describes chatflow-agent 0.3.4's own SQLite schema."""
+
+CORE_CHAIN = "core"
+"""Name of chatflow-sqlalchemy's own chain (plugin chains are named by their entry point)."""
+
+MIGRATIONS_ENTRY_POINT_GROUP = "chatflow_sqlalchemy.migrations"
+
+RESERVED_VERSION_TABLES = frozenset({VERSION_TABLE, "alembic_version"})
+"""Version tables no plugin may use: the core's, and Alembic's default (the application's)."""
+
+
+class MigrationPluginError(ChatflowStoreError):
+    """A plugin's migration chain cannot be used; the message names the plugin.
+
+    Raised when its entry point cannot be loaded, does not describe a chain,
+    or declares a table or version table that the core (or another plugin)
+    owns. Nothing is migrated when it is raised.
+    """
+
+
+@dataclass(frozen=True)
+class MigrationChain:
+    """One Alembic chain: the core's or a plugin's.
+
+    A plugin declares one in the entry-point group
+    ``chatflow_sqlalchemy.migrations``; ``name`` and ``distribution`` are
+    filled in from the entry point.
+
+    Attributes:
+        script_location: The folder holding ``versions/``: ``"package:folder"``
+            (resolved with importlib.resources, so it works from a wheel) or a
+            filesystem path. No ``env.py`` is needed: chatflow-sqlalchemy
+            runs the chain itself.
+        version_table: The chain's own version table (never
+            ``chatflow_alembic_version`` or ``alembic_version``).
+        target_metadata: The ``MetaData`` of the chain's tables: checked for
+            collisions with the core tables, and compared by ``db check``.
+        dialects: Dialect names the chain applies to (``engine.dialect.name``,
+            e.g. ``{"mysql", "mariadb"}``; kept as a frozenset); None means every
+            database.
+        name: The chain's name (the entry point's name; ``core`` for ours).
+        distribution: The distribution that provides it, for messages.
+
+    """
+
+    script_location: str
+    version_table: str
+    target_metadata: MetaData
+    dialects: AbstractSet[str] | None = None
+    name: str = ""
+    distribution: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dialects is not None and not isinstance(self.dialects, frozenset):
+            object.__setattr__(self, "dialects", frozenset(self.dialects))
+
+    @property
+    def is_core(self) -> bool:
+        """True for chatflow-sqlalchemy's own chain."""
+        return self.name == CORE_CHAIN and self.version_table == VERSION_TABLE
+
+    @property
+    def label(self) -> str:
+        """How messages name the chain."""
+        if self.is_core:
+            return "chatflow-sqlalchemy"
+        origin = f" from {self.distribution}" if self.distribution else ""
+        return f"migration plugin {self.name!r}{origin}"
+
+    def applies_to(self, dialect_name: str) -> bool:
+        """True when the chain runs on databases of ``dialect_name``."""
+        return self.dialects is None or dialect_name in self.dialects
+
+    def directory(self) -> str:
+        """The resolved folder of the chain's scripts."""
+        return _resolve_location(self.script_location)
+
+
+@dataclass(frozen=True)
+class ChainStatus:
+    """Where a database stands on one chain."""
+
+    chain: MigrationChain
+    current: str | None
+    head: str
+
+    @property
+    def at_head(self) -> bool:
+        """True when the database is at the chain's head."""
+        return self.current == self.head
 
 
 def script_location() -> str:
@@ -66,6 +202,20 @@ def script_location() -> str:
         return str(resources.files("chatflow_sqlalchemy._migrations"))
     except ModuleNotFoundError:
         return str(Path(__file__).resolve().parents[2] / "migrations")
+
+
+def _resolve_location(location: str) -> str:
+    """``package:folder`` (or ``package``) through importlib.resources, else a path."""
+    if ":" in location and not Path(location).is_absolute() and not _is_drive(location):
+        package, _, folder = location.partition(":")
+        base = resources.files(package)
+        target = base.joinpath(*[part for part in folder.split("/") if part]) if folder else base
+        return str(target)
+    return str(Path(location))
+
+
+def _is_drive(location: str) -> bool:
+    return len(location) > 1 and location[1] == ":" and location[0].isalpha()
 
 
 def make_config(connection: Connection | None = None) -> Config:
@@ -91,12 +241,17 @@ def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, An
     return include_name
 
 
-def configure_context(context: Any, connection: Connection, target_metadata: MetaData) -> None:
-    """Configure an Alembic environment context the way every run of the chain needs."""
+def configure_context(
+    context: Any,
+    connection: Connection,
+    target_metadata: MetaData,
+    version_table: str = VERSION_TABLE,
+) -> None:
+    """Configure an Alembic environment context the way every run of a chain needs."""
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        version_table=VERSION_TABLE,
+        version_table=version_table,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
         include_name=include_name_for(target_metadata),
@@ -108,6 +263,166 @@ def _support_for(dialect_name: str) -> DialectSupport:
 
     support = load_backend(dialect_name).dialect_support
     return support if support is not None else DialectSupport()
+
+
+def table_options(dialect: Dialect) -> dict[str, Any]:
+    """The backend's extra ``create_table`` options for ``dialect`` (used by migrations).
+
+    Empty when no backend is installed for it (e.g. rendering SQL offline).
+    """
+    try:
+        support = _support_for(dialect.name)
+    except ChatflowStoreError:
+        return {}
+    return support.table_options(dialect)
+
+
+# --------------------------------------------------------------------------- chains
+
+
+@functools.cache
+def core_chain() -> MigrationChain:
+    """chatflow-sqlalchemy's own chain (revisions 0001, 0002, ...)."""
+    from chatflow_sqlalchemy.models import metadata
+
+    return MigrationChain(
+        script_location=script_location(),
+        version_table=VERSION_TABLE,
+        target_metadata=metadata,
+        name=CORE_CHAIN,
+        distribution="chatflow-sqlalchemy",
+    )
+
+
+_plugin_cache: dict[tuple[str, ...], tuple[MigrationChain, ...]] = {}
+_plugin_cache_lock = threading.Lock()
+
+
+def plugin_chains(dialect_name: str | None = None) -> list[MigrationChain]:
+    """Every installed plugin chain (that applies to ``dialect_name``), validated.
+
+    Entry points are read once per ``sys.path``; loading is lazy and cheap
+    for a plugin that keeps its chain description apart from its driver.
+
+    Raises:
+        MigrationPluginError: A plugin cannot be loaded, or collides with the
+            core or another plugin (its name, distribution and table named).
+
+    """
+    key = tuple(sys.path)
+    with _plugin_cache_lock:
+        chains = _plugin_cache.get(key)
+    if chains is None:
+        chains = tuple(_discover())
+        _validate(chains)
+        with _plugin_cache_lock:
+            _plugin_cache.clear()
+            _plugin_cache[key] = chains
+    return [c for c in chains if dialect_name is None or c.applies_to(dialect_name)]
+
+
+def _discover() -> Iterator[MigrationChain]:
+    for ep in sorted(entry_points(group=MIGRATIONS_ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        origin = f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
+        where = f"migration plugin {ep.name!r} from {origin} ({ep.value})"
+        try:
+            obj: Any = ep.load()
+            if callable(obj) and not isinstance(obj, MigrationChain):
+                obj = obj()
+        except Exception as exc:
+            raise MigrationPluginError(
+                f"{where} cannot be loaded: {type(exc).__name__}: {exc}; nothing was migrated. "
+                f"Reinstall it (pip install --force-reinstall '{dist.name if dist else ep.name}') "
+                "or uninstall it"
+            ) from exc
+        if not isinstance(obj, MigrationChain):
+            raise MigrationPluginError(
+                f"{where} is a {type(obj).__name__}, not a "
+                "chatflow_sqlalchemy.migrate.MigrationChain; nothing was migrated"
+            )
+        yield replace(obj, name=ep.name, distribution=origin)
+
+
+def _validate(chains: Iterable[MigrationChain]) -> None:
+    """Reject plugin chains that would touch what the core or another plugin owns."""
+    core = core_chain()
+    owners: dict[str, str] = {table: "a chatflow-sqlalchemy core table" for table in
+                              core.target_metadata.tables}
+    owners[VERSION_TABLE] = "chatflow-sqlalchemy's version table"
+    owners["alembic_version"] = "Alembic's default version table (your application's)"
+    for chain in chains:
+        if chain.name == CORE_CHAIN:
+            raise MigrationPluginError(
+                f"{chain.label} uses the reserved name {CORE_CHAIN!r}; rename its entry point"
+            )
+        if not isinstance(chain.target_metadata, MetaData):
+            raise MigrationPluginError(f"{chain.label} declares no target_metadata (a MetaData)")
+        if chain.version_table in chain.target_metadata.tables:
+            raise MigrationPluginError(
+                f"{chain.label} uses its own table {chain.version_table!r} as its version "
+                "table; give the chain a version table of its own. Nothing was migrated"
+            )
+        claimed = [*chain.target_metadata.tables, chain.version_table]
+        for table in claimed:
+            owner = owners.get(table)
+            if owner is not None:
+                kind = "version table" if table == chain.version_table else "table"
+                raise MigrationPluginError(
+                    f"{chain.label} declares the {kind} {table!r}, which is {owner}; a plugin "
+                    "may only create tables of its own (rename it, e.g. with the plugin's name "
+                    "as prefix). Nothing was migrated; uninstall or fix the plugin"
+                )
+        for table in claimed:
+            owners[table] = f"a table of {chain.label}"
+        directory = Path(chain.directory())
+        if not (directory / "versions").is_dir():
+            raise MigrationPluginError(
+                f"{chain.label}: script_location {chain.script_location!r} resolves to "
+                f"{directory}, which has no versions/ folder"
+            )
+
+
+def chains_for(dialect_name: str) -> list[MigrationChain]:
+    """The core chain, then every plugin chain that applies to ``dialect_name``."""
+    return [core_chain(), *plugin_chains(dialect_name)]
+
+
+def find_chain(name: str, dialect_name: str | None = None) -> MigrationChain:
+    """The chain called ``name`` (``core`` or a plugin's entry-point name).
+
+    Raises:
+        MigrationPluginError: No such chain is installed (or it does not apply
+            to ``dialect_name``).
+
+    """
+    if name == CORE_CHAIN:
+        return core_chain()
+    installed = plugin_chains()
+    for chain in installed:
+        if chain.name == name:
+            if dialect_name is not None and not chain.applies_to(dialect_name):
+                raise MigrationPluginError(
+                    f"{chain.label} does not apply to {dialect_name} databases "
+                    f"(only {', '.join(sorted(chain.dialects or ()))})"
+                )
+            return chain
+    names = ", ".join([CORE_CHAIN, *(c.name for c in installed)])
+    raise MigrationPluginError(f"no migration chain named {name!r} (installed: {names})")
+
+
+@functools.lru_cache(maxsize=64)
+def _script_at(directory: str) -> ScriptDirectory:
+    config = Config()
+    config.set_main_option("script_location", directory.replace("%", "%%"))
+    return ScriptDirectory.from_config(config)
+
+
+def _script(chain: MigrationChain | None = None) -> ScriptDirectory:
+    return _script_at((chain or core_chain()).directory())
+
+
+# --------------------------------------------------------------------------- running
 
 
 @contextmanager
@@ -134,16 +449,15 @@ def _check_foreign_keys(conn: Connection) -> None:
     """
     if conn.dialect.name != "sqlite":
         return
-    from chatflow_sqlalchemy.models import metadata
-
+    tables = [t for chain in chains_for("sqlite") for t in chain.target_metadata.tables]
     problems: list[Any] = []
     existing = set(inspect(conn).get_table_names())
-    for table in metadata.tables:
+    for table in tables:
         if table in existing:
             problems += conn.exec_driver_sql(f'PRAGMA foreign_key_check("{table}")').fetchall()
     if problems:
         raise SchemaError(
-            f"migration left rows whose session does not exist: {problems[:5]}; rolled back",
+            f"migration left rows whose parent row does not exist: {problems[:5]}; rolled back",
             found=None,
             expected=head_revision(),
         )
@@ -160,6 +474,7 @@ def open_engine(url: str | URL) -> Engine:
 
         parsed = psycopg_url(parsed)
     support = _support_for(parsed.get_backend_name())
+    parsed = support.sync_url(parsed)
     engine = create_engine(parsed, **support.engine_options(parsed))
     support.prepare_engine(engine)
     return engine
@@ -178,106 +493,199 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
         engine.dispose()
 
 
-def _script() -> ScriptDirectory:
-    return ScriptDirectory.from_config(make_config())
+def _apply(conn: Connection, chain: MigrationChain, action: str, revision: str) -> None:
+    """Run ``action`` (upgrade, downgrade, stamp) of ``chain`` to ``revision`` on ``conn``."""
+    if chain.is_core:
+        config = make_config(conn)
+        if action == "upgrade":
+            command.upgrade(config, revision)
+        elif action == "downgrade":
+            command.downgrade(config, revision)
+        else:
+            command.stamp(config, revision)
+        return
+    if ":" in revision:
+        raise CommandError("Range revision not allowed")
+    script = _script(chain)
+    config = Config()
+    config.set_main_option("script_location", chain.directory().replace("%", "%%"))
+
+    def step(rev: Any, _context: Any) -> Any:
+        if action == "upgrade":
+            return script._upgrade_revs(revision, rev)
+        if action == "downgrade":
+            return script._downgrade_revs(revision, rev)
+        return script._stamp_revs((revision,), rev)
+
+    destination: Any = (revision,) if action == "stamp" else revision
+    with EnvironmentContext(config, script, fn=step, destination_rev=destination) as env:
+        configure_context(env, conn, chain.target_metadata, chain.version_table)
+        with env.begin_transaction():
+            env.run_migrations()
 
 
-def head_revision() -> str:
-    """The revision the code expects."""
-    head = _script().get_current_head()
+def head_revision(chain: MigrationChain | None = None) -> str:
+    """The revision the code expects (of the core chain, or of ``chain``)."""
+    head = _script(chain).get_current_head()
     assert head is not None
     return head
 
 
-def current_revision(conn: Connection) -> str | None:
-    """The database's revision, or None if it was never migrated."""
-    context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+def current_revision(conn: Connection, chain: MigrationChain | None = None) -> str | None:
+    """The database's revision of the core chain (or ``chain``); None if never migrated."""
+    table = (chain or core_chain()).version_table
+    context = MigrationContext.configure(conn, opts={"version_table": table})
     return context.get_current_revision()
 
 
-def _read_current(engine: Engine) -> str | None:
+def _read_current(engine: Engine, chain: MigrationChain | None = None) -> str | None:
     with engine.connect() as conn:
         try:
-            return current_revision(conn)
+            return current_revision(conn, chain)
         finally:
             conn.rollback()
 
 
-def _check_known(found: str | None, expected: str) -> None:
+def chain_status(engine: Engine) -> list[ChainStatus]:
+    """Where the database stands on the core chain and every plugin chain that applies."""
+    chains = chains_for(engine.dialect.name)
+    with engine.connect() as conn:
+        try:
+            found = [current_revision(conn, chain) for chain in chains]
+        finally:
+            conn.rollback()
+    return [
+        ChainStatus(chain, current, head_revision(chain))
+        for chain, current in zip(chains, found, strict=True)
+    ]
+
+
+def check_not_ahead(found: str | None, chain: MigrationChain | None = None) -> None:
+    """Raise :class:`SchemaAheadError` when ``found`` is a revision ``chain`` does not know.
+
+    ``chain`` defaults to the core chain; the message names the package to upgrade.
+    """
     if found is None:
         return
+    chain = chain or core_chain()
+    expected = head_revision(chain)
     try:
-        known = _script().get_revision(found)
+        known = _script(chain).get_revision(found)
     except CommandError:
         known = None
     if known is None:
+        if chain.is_core:
+            what, package = "the database schema", "chatflow-sqlalchemy"
+        else:
+            what = f"the database schema of {chain.label}"
+            package = chain.distribution.split()[0] if chain.distribution else chain.name
         raise SchemaAheadError(
-            f"the database schema is at revision {found}, newer than this chatflow-sqlalchemy "
-            f"knows (expected {expected}); upgrade the package: pip install -U chatflow-sqlalchemy",
+            f"{what} is at revision {found}, newer than this installation knows "
+            f"(expected {expected}); upgrade the package: pip install -U {package}",
             found=found,
             expected=expected,
         )
 
 
 def ensure_schema(engine: Engine, support: DialectSupport) -> None:
-    """Create or upgrade the schema to head (what opening a store does).
+    """Create or upgrade the core schema and every plugin's to head (what opening a store does).
 
     Raises:
         SchemaAheadError: The database was migrated by a newer version.
         SchemaError: It is behind and ``CHATFLOW_AUTO_MIGRATE=0`` forbids upgrading.
+        MigrationPluginError: An installed plugin chain is unusable.
 
     """
-    expected = head_revision()
-    found = _read_current(engine)
-    if found == expected:
+    behind = [status for status in chain_status(engine) if not status.at_head]
+    if not behind:
         return
-    _check_known(found, expected)
+    for status in behind:
+        check_not_ahead(status.current, status.chain)
     if os.environ.get("CHATFLOW_AUTO_MIGRATE", "1") == "0":
+        first = behind[0]
+        what = "the database schema" if first.chain.is_core else f"the {first.chain.label} schema"
         raise SchemaError(
-            f"the database schema is at revision {found or 'none'}, the code expects {expected}; "
+            f"{what} is at revision {first.current or 'none'}, the code expects {first.head}; "
             "run: chatflow-sqlalchemy db upgrade",
-            found=found,
-            expected=expected,
+            found=first.current,
+            expected=first.head,
         )
-    _run(engine, support, lambda cfg: command.upgrade(cfg, "head"))
-
-
-def _run(engine: Engine, support: DialectSupport, fn: Callable[[Config], None]) -> None:
     with locked_connection(engine, support) as conn:
-        fn(make_config(conn))
+        for status in behind:
+            _apply(conn, status.chain, "upgrade", "head")
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Upgrade to ``revision`` under the migration lock."""
-    _check_known(_read_current(engine), head_revision())
-    _run(engine, _support_for(engine.dialect.name), lambda cfg: command.upgrade(cfg, revision))
+def _run(
+    engine: Engine, steps: list[tuple[MigrationChain, str, str]]
+) -> None:
+    with locked_connection(engine, _support_for(engine.dialect.name)) as conn:
+        for chain, action, revision in steps:
+            _apply(conn, chain, action, revision)
 
 
-def downgrade(engine: Engine, revision: str) -> None:
-    """Downgrade to ``revision`` (``base`` drops the tables) under the migration lock."""
-    _check_known(_read_current(engine), head_revision())
-    _run(engine, _support_for(engine.dialect.name), lambda cfg: command.downgrade(cfg, revision))
+def _chain_named(engine: Engine, chain: str | MigrationChain | None) -> MigrationChain | None:
+    if chain is None or isinstance(chain, MigrationChain):
+        return chain
+    return find_chain(chain, engine.dialect.name)
 
 
-def stamp(engine: Engine, revision: str) -> None:
-    """Record ``revision`` as current without running migrations."""
-    _run(engine, _support_for(engine.dialect.name), lambda cfg: command.stamp(cfg, revision))
+def upgrade(
+    engine: Engine, revision: str = "head", chain: str | MigrationChain | None = None
+) -> None:
+    """Upgrade under the migration lock.
+
+    Without ``chain``: ``head`` upgrades the core chain and then every plugin
+    chain that applies; another revision upgrades the core chain only. With
+    ``chain`` (``"core"`` or a plugin's name) only that chain moves.
+    """
+    target = _chain_named(engine, chain)
+    if target is None and revision == "head":
+        chains = chains_for(engine.dialect.name)
+    else:
+        chains = [target or core_chain()]
+    for item in chains:
+        check_not_ahead(_read_current(engine, item), item)
+    _run(engine, [(item, "upgrade", revision) for item in chains])
+
+
+def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
+    """Downgrade under the migration lock.
+
+    Without ``chain``: ``base`` first takes every plugin chain to base, then
+    the core chain (dropping all tables); another revision moves the core
+    chain only. With ``chain`` only that chain moves.
+    """
+    target = _chain_named(engine, chain)
+    if target is None and revision == "base":
+        chains = [*reversed(plugin_chains(engine.dialect.name)), core_chain()]
+    else:
+        chains = [target or core_chain()]
+    for item in chains:
+        check_not_ahead(_read_current(engine, item), item)
+    _run(engine, [(item, "downgrade", revision) for item in chains])
+
+
+def stamp(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
+    """Record ``revision`` of the core chain (or ``chain``) as current without migrating."""
+    target = _chain_named(engine, chain) or core_chain()
+    _run(engine, [(target, "stamp", revision)])
 
 
 @dataclass(frozen=True)
 class Revision:
-    """One step of the migration chain."""
+    """One step of a migration chain."""
 
     revision: str
     down_revision: str | None
     doc: str
     is_head: bool
+    chain: str = field(default=CORE_CHAIN)
 
 
-def history() -> list[Revision]:
-    """The migration chain, oldest first."""
-    script = _script()
-    revisions = list(script.walk_revisions())
+def history(chain: MigrationChain | None = None) -> list[Revision]:
+    """A migration chain (the core's by default), oldest first."""
+    target = chain or core_chain()
+    revisions = list(_script(target).walk_revisions())
     revisions.reverse()
     return [
         Revision(
@@ -285,29 +693,39 @@ def history() -> list[Revision]:
             down_revision=rev.down_revision if isinstance(rev.down_revision, str) else None,
             doc=(rev.doc or "").strip(),
             is_head=rev.is_head,
+            chain=target.name,
         )
         for rev in revisions
     ]
 
 
-def drift(engine: Engine) -> list[str]:
-    """Differences between the models and the database schema (empty when in sync)."""
-    from chatflow_sqlalchemy.models import metadata
+def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
+    """Differences between the models and the database schema (empty when in sync).
 
+    Without ``chain``: the core chain and every plugin chain that applies
+    (plugin differences are prefixed with the plugin's name).
+    """
+    chains = [chain] if chain is not None else chains_for(engine.dialect.name)
+    found: list[str] = []
     with engine.connect() as conn:
         try:
-            context = MigrationContext.configure(
-                conn,
-                opts={
-                    "version_table": VERSION_TABLE,
-                    "compare_type": True,
-                    "include_name": include_name_for(metadata),
-                },
-            )
-            diffs = compare_metadata(context, metadata)
+            for item in chains:
+                context = MigrationContext.configure(
+                    conn,
+                    opts={
+                        "version_table": item.version_table,
+                        "compare_type": True,
+                        "include_name": include_name_for(item.target_metadata),
+                    },
+                )
+                prefix = "" if item.is_core or chain is not None else f"plugin {item.name}: "
+                found += [
+                    prefix + _describe_diff(diff)
+                    for diff in compare_metadata(context, item.target_metadata)
+                ]
         finally:
             conn.rollback()
-    return [_describe_diff(diff) for diff in diffs]
+    return found
 
 
 def _describe_diff(diff: Any) -> str:

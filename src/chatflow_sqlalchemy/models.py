@@ -24,7 +24,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -61,10 +61,12 @@ class UTCDateTime(TypeDecorator[datetime]):
     """A timestamp that is always timezone-aware UTC in Python.
 
     PostgreSQL stores ``timestamptz``; SQLite has no time zones, so values are
-    stored as naive UTC text and given back their UTC zone on load.
+    stored as naive UTC text and given back their UTC zone on load. MySQL and
+    MariaDB store naive UTC in ``DATETIME(6)`` (microseconds, so that
+    ``list_sessions`` orders writes made within one second).
     """
 
-    impl = DateTime(timezone=True)
+    impl = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
     cache_ok = True
     zone_aware_dialects = frozenset({"postgresql", "oracle", "mssql"})
     """Dialects whose timestamp type stores the zone; others get naive UTC."""
@@ -92,6 +94,9 @@ JSONDocument = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 MessageId = BigInteger().with_variant(Integer(), "sqlite")
 """BIGINT primary key, but INTEGER on SQLite so that it stays the rowid alias."""
+
+LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+"""Unbounded text; MySQL's ``TEXT`` stops at 64 KiB, so it gets ``LONGTEXT``."""
 
 
 class Base(DeclarativeBase):
@@ -146,8 +151,8 @@ class ChatflowMessage(Base):
     )
     seq: Mapped[int] = mapped_column(BigInteger)
     role: Mapped[str] = mapped_column(String(16))
-    content: Mapped[str | None] = mapped_column(Text, nullable=True)
-    message_json: Mapped[str] = mapped_column(Text)
+    content: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    message_json: Mapped[str] = mapped_column(LongText)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
     __table_args__ = (UniqueConstraint("session_id", "seq"),)

@@ -6,15 +6,31 @@ group ``chatflow_sqlalchemy.backends`` that third-party packages declare::
 
     [project.entry-points."chatflow_sqlalchemy.backends"]
     mysql = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
+    mariadb = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
 
-Targets are imported lazily; a backend that fails to import is reported by
-:func:`available_backends` with its error and never breaks the others.
+Rules:
+
+* :func:`register` wins over everything, also over two plugins that claim
+  the same name (it is how a user chooses between them).
+* Built-in names (``sqlite``, ``postgresql``) are served by this package; a
+  plugin claiming one is ignored with a warning.
+* Two installed distributions claiming one name is a
+  :class:`~chatflow_sqlalchemy.exceptions.DuplicateBackendError` naming both,
+  raised only when that name is used: the other backends keep working.
+* Targets are imported lazily; a backend that fails to import is reported by
+  :func:`available_backends` with its error (naming what to install) and
+  never breaks the others.
+* The exact dialect name is looked up first, then its alias
+  (``mariadb`` → ``mysql``, ``postgres`` → ``postgresql``).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import threading
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -31,26 +47,52 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BackendSource",
     "available_backends",
     "backend_name_for_url",
+    "backend_sources",
     "load_backend",
     "open_store",
     "register",
     "unregister",
 ]
 
+logger = logging.getLogger("chatflow_sqlalchemy")
+
 ENTRY_POINT_GROUP = "chatflow_sqlalchemy.backends"
+
+CORE_DISTRIBUTION = "chatflow-sqlalchemy"
 
 _BUILTINS: dict[str, tuple[str, str | None]] = {
     "sqlite": ("chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore", None),
     "postgresql": ("chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore", "postgres"),
 }
-"""name -> (import target, pip extra that provides its driver)."""
+"""name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver)."""
 
 _ALIASES = {"postgres": "postgresql", "mariadb": "mysql"}
+"""Fallbacks tried when no backend has the exact name."""
 
 _registered: dict[str, str | type[SQLAlchemySessionStore]] = {}
 _lock = threading.Lock()
+_warned_shadowed: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class BackendSource:
+    """Where a backend name comes from (for listings such as ``chatflow-sqlalchemy backends``).
+
+    Attributes:
+        name: The backend name.
+        origin: ``"register()"``, ``"built-in"`` or ``"entry point"``.
+        distributions: The distributions that declare it (two or more: a conflict).
+        target: ``"module:attr"`` of the store class, when known.
+
+    """
+
+    name: str
+    origin: str
+    distributions: tuple[str, ...]
+    target: str | None
 
 
 def register(name: str, target: str | type[SQLAlchemySessionStore]) -> None:
@@ -72,24 +114,15 @@ def unregister(name: str) -> None:
 
 
 def backend_name_for_url(url: str | URL) -> str:
-    """The backend name a URL selects: its dialect, with ``postgres`` → ``postgresql``."""
-    name = make_url(url).get_backend_name()
-    return _ALIASES.get(name, name)
+    """The backend name a URL selects: its dialect name (``mysql+pymysql://`` → ``mysql``)."""
+    return make_url(url).get_backend_name()
 
 
-def _entry_points() -> dict[str, EntryPoint]:
-    """Entry points by name; two distributions claiming one name is an error."""
-    found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        previous = found.get(ep.name)
-        if previous is not None and previous.value != ep.value:
-            raise DuplicateBackendError(
-                f"backend {ep.name!r} is registered by two distributions: "
-                f"{_dist_name(previous)} ({previous.value}) and {_dist_name(ep)} ({ep.value}); "
-                "uninstall one of them or call chatflow_sqlalchemy.register() to choose"
-            )
-        found[ep.name] = ep
-    return found
+# --------------------------------------------------------------------------- entry points
+
+
+def _normalise(dist_name: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
 def _dist_name(ep: EntryPoint) -> str:
@@ -97,58 +130,167 @@ def _dist_name(ep: EntryPoint) -> str:
     return str(dist.name) if dist is not None else "<unknown distribution>"
 
 
-def _import_target(name: str, target: str, extra: str | None) -> type[SQLAlchemySessionStore]:
+def _dist_label(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown distribution>"
+    return f"{dist.name} {dist.version}"
+
+
+def _is_core(ep: EntryPoint) -> bool:
+    return _normalise(_dist_name(ep)) == CORE_DISTRIBUTION
+
+
+def _entry_points() -> dict[str, list[EntryPoint]]:
+    """Third-party entry points by name, one per distribution (ours left out)."""
+    found: dict[str, list[EntryPoint]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if _is_core(ep) and ep.name in _BUILTINS:
+            continue  # our own declaration of a built-in
+        claims = found.setdefault(ep.name, [])
+        if all(_normalise(_dist_name(ep)) != _normalise(_dist_name(c)) for c in claims):
+            claims.append(ep)
+    return found
+
+
+def _warn_shadowed(name: str, claims: list[EntryPoint]) -> None:
+    for ep in claims:
+        key = (name, _dist_name(ep))
+        if key not in _warned_shadowed:
+            _warned_shadowed.add(key)
+            logger.warning(
+                "backend %r of %s (%s) is ignored: %r is built into chatflow-sqlalchemy; "
+                "call chatflow_sqlalchemy.register(%r, %r) to use it instead",
+                name,
+                _dist_label(ep),
+                ep.value,
+                name,
+                name,
+                ep.value,
+            )
+
+
+def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
+    if len(claims) > 1:
+        listing = " and ".join(f"{_dist_label(ep)} ({ep.value})" for ep in claims)
+        raise DuplicateBackendError(
+            f"backend {name!r} is registered by {len(claims)} distributions: {listing}; "
+            f"uninstall all but one of them, or choose one with "
+            f"chatflow_sqlalchemy.register({name!r}, 'module:StoreClass')"
+        )
+    return claims[0]
+
+
+# --------------------------------------------------------------------------- importing
+
+
+def _import_target(
+    name: str, target: str, hint: str
+) -> type[SQLAlchemySessionStore]:
     module_name, _, attr = target.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
+        for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
-    except ImportError as exc:
-        hint = (
-            f"pip install 'chatflow-sqlalchemy[{extra}]'"
-            if extra
-            else "reinstall the package that provides it"
-        )
+    except Exception as exc:  # any import-time failure of a plugin is reported the same way
         raise BackendImportError(
-            f"backend {name!r} ({target}) cannot be imported: {exc}; {hint}"
+            f"backend {name!r} ({target}) cannot be imported: "
+            f"{type(exc).__name__}: {exc}; {hint}"
         ) from exc
-    return obj  # type: ignore[no-any-return]
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_url", None)):
+        raise BackendImportError(
+            f"backend {name!r} ({target}) is not a session store class (it has no from_url); "
+            f"{hint}"
+        )
+    return obj
 
 
-def load_backend(name: str) -> type[SQLAlchemySessionStore]:
-    """Return the store class for backend ``name``.
+def _builtin_hint(extra: str | None) -> str:
+    if extra:
+        return f"install its driver: pip install 'chatflow-sqlalchemy[{extra}]'"
+    return "reinstall chatflow-sqlalchemy"
 
-    Raises:
-        BackendNotFoundError: No backend of that name is installed.
-        BackendImportError: It is installed but cannot be imported.
-        DuplicateBackendError: Two distributions claim the name.
 
-    """
-    name = _ALIASES.get(name, name)
+def _entry_point_hint(ep: EntryPoint) -> str:
+    dist = _dist_name(ep)
+    if ep.extras:
+        return f"install its driver: pip install '{dist}[{','.join(ep.extras)}]'"
+    return f"reinstall it with its dependencies: pip install --force-reinstall '{dist}'"
+
+
+def _lookup(name: str) -> type[SQLAlchemySessionStore] | None:
+    """Load backend ``name`` exactly (no alias); None when nothing provides it."""
     with _lock:
         target = _registered.get(name)
     if target is not None and not isinstance(target, str):
         return target
     if target is not None:
-        return _import_target(name, target, None)
+        return _import_target(name, target, "fix the target given to register()")
     if name in _BUILTINS:
         builtin, extra = _BUILTINS[name]
-        return _import_target(name, builtin, extra)
-    eps = _entry_points()
-    if name in eps:
-        return _import_target(name, eps[name].value, None)
-    raise BackendNotFoundError(name, installed=list(_names()))
+        shadowing = _entry_points().get(name)
+        if shadowing:
+            _warn_shadowed(name, shadowing)
+        return _import_target(name, builtin, _builtin_hint(extra))
+    claims = _entry_points().get(name)
+    if not claims:
+        return None
+    ep = _single_claim(name, claims)
+    return _import_target(name, ep.value, _entry_point_hint(ep))
+
+
+def load_backend(name: str) -> type[SQLAlchemySessionStore]:
+    """Return the store class for backend ``name`` (its alias is tried if nothing has it).
+
+    Raises:
+        BackendNotFoundError: No backend of that name is installed (lists installed ones).
+        BackendImportError: It is installed but cannot be imported (names what to install).
+        DuplicateBackendError: Two distributions claim the name (names both).
+
+    """
+    backend = _lookup(name)
+    if backend is None and name in _ALIASES:
+        backend = _lookup(_ALIASES[name])
+    if backend is None:
+        raise BackendNotFoundError(name, installed=_names())
+    return backend
 
 
 def _names() -> list[str]:
     with _lock:
         names = set(_registered)
     names.update(_BUILTINS)
-    try:
-        names.update(_entry_points())
-    except DuplicateBackendError:
-        names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    names.update(_entry_points())
     return sorted(names)
+
+
+def backend_sources() -> dict[str, BackendSource]:
+    """Where each installed backend name comes from, without importing anything."""
+    eps = _entry_points()
+    with _lock:
+        registered = dict(_registered)
+    sources: dict[str, BackendSource] = {}
+    for name in _names():
+        if name in registered:
+            target = registered[name]
+            if isinstance(target, str):
+                text = target
+            else:
+                text = f"{target.__module__}:{target.__qualname__}"
+            sources[name] = BackendSource(name, "register()", (), text)
+        elif name in _BUILTINS:
+            sources[name] = BackendSource(
+                name, "built-in", (CORE_DISTRIBUTION,), _BUILTINS[name][0]
+            )
+        else:
+            claims = eps[name]
+            sources[name] = BackendSource(
+                name,
+                "entry point",
+                tuple(_dist_label(ep) for ep in claims),
+                claims[0].value if len(claims) == 1 else None,
+            )
+    return sources
 
 
 def available_backends() -> dict[str, type[SQLAlchemySessionStore] | Exception]:
@@ -171,6 +313,7 @@ def open_store(url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
     Raises:
         BackendNotFoundError: The dialect has no installed backend (lists installed ones).
         BackendImportError: Its driver is missing (names the extra to install).
+        DuplicateBackendError: Two installed plugins claim the dialect.
 
     """
     return load_backend(backend_name_for_url(url)).from_url(url, **kwargs)

@@ -142,14 +142,6 @@ _IS_PROCESSED = select(_processed.c.message_id).where(
     _processed.c.message_id == bindparam("message_id"),
     _processed.c.processed_at >= bindparam("cutoff"),
 )
-_PURGE_PROCESSED = delete(_processed).where(
-    _processed.c.message_id.in_(
-        select(_processed.c.message_id)
-        .where(_processed.c.processed_at < bindparam("cutoff"))
-        .limit(_PURGE_BATCH)
-        .scalar_subquery()
-    )
-)
 
 
 def database_url_from_env(url: str | URL | None = None) -> str | URL:
@@ -257,6 +249,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._insert_session = self.support.insert_ignore(_sessions)
         self._claim = self.support.claim_processed(_processed)
         self._mark = self.support.upsert_processed(_processed)
+        self._purge = self.support.purge_processed(_processed, _PURGE_BATCH)
         self._lock_version = self.support.lock_session_row(_SELECT_VERSION)
         self._aengines: tuple[Engine, Engine] | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
@@ -626,7 +619,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _purge_batch(self, cutoff: Any) -> int:
         with self._transaction(write=True) as conn:
-            return int(conn.execute(_PURGE_PROCESSED, {"cutoff": cutoff}).rowcount)
+            return int(conn.execute(self._purge, {"cutoff": cutoff}).rowcount)
 
     # ------------------------------------------------------------ writes
 

@@ -1,0 +1,194 @@
+"""What MariaDB and MySQL need that the generic store cannot express portably.
+
+* **Driver**: ``mysql://`` and ``mariadb://`` URLs without a driver use PyMySQL.
+* **Sessions**: ``READ COMMITTED`` (as PostgreSQL), UTC session time zone,
+  ``utf8mb4``; the ``CLIENT_FOUND_ROWS`` flag that SQLAlchemy turns on is
+  turned off, so ``ON DUPLICATE KEY UPDATE`` reports 1 (inserted), 2 (updated)
+  or 0 (left as it was) affected rows: that is how the dedup claim is decided,
+  since MySQL has no ``RETURNING`` for it.
+* **Upserts**: ``INSERT ... ON DUPLICATE KEY UPDATE`` (never ``INSERT IGNORE``,
+  which also swallows data errors).
+* **Purge**: ``DELETE ... WHERE processed_at < :cutoff LIMIT n`` (MySQL cannot
+  ``LIMIT`` an ``IN`` subquery on the table it deletes from).
+* **Keys**: tables are ``utf8mb4`` with a binary, no-pad collation, so
+  ``"Wamid.A"``, ``"wamid.a"`` and ``"wamid.a "`` are three ids, as on every
+  other backend (MySQL's default collations would make them one).
+* **Migrations**: DDL is not transactional, so concurrent starts are
+  serialised with a named lock (``GET_LOCK``) held for the whole run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.models import UTCDateTime
+from sqlalchemy import (
+    URL,
+    Connection,
+    Dialect,
+    Engine,
+    Table,
+    bindparam,
+    delete,
+    event,
+    func,
+    text,
+)
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.sql.dml import Delete, Insert
+
+__all__ = [
+    "DEFAULT_DRIVER",
+    "MIGRATION_LOCK_TIMEOUT",
+    "MariaDBDialectSupport",
+    "id_collation",
+    "lock_name",
+    "with_driver",
+]
+
+DEFAULT_DRIVER = "pymysql"
+"""The DBAPI used when a URL names none (``mysql://`` → ``mysql+pymysql://``)."""
+
+MIGRATION_LOCK_TIMEOUT = 300
+"""Seconds a process waits for another one's migrations before giving up."""
+
+_CLIENT_FOUND_ROWS = 2
+"""``CLIENT.FOUND_ROWS`` (same value in PyMySQL and mysqlclient)."""
+
+_INIT_COMMAND = "SET time_zone = '+00:00'"
+
+
+def with_driver(url: URL) -> URL:
+    """``mysql://`` / ``mariadb://`` without a driver → the PyMySQL driver."""
+    if url.drivername in ("mysql", "mariadb"):
+        return url.set(drivername=f"{url.drivername}+{DEFAULT_DRIVER}")
+    return url
+
+
+def lock_name(kind: str, database: str | None, key: str = "") -> str:
+    """A server-wide lock name for ``kind`` in ``database`` (<= 64 characters).
+
+    Named locks are global to the server, so the database is part of the name:
+    two applications on one server never wait for each other.
+    """
+    digest = hashlib.blake2b(
+        f"{database or ''}\0{key}".encode(), digest_size=16, person=b"chatflow"
+    ).hexdigest()
+    return f"chatflow:{kind}:{digest}"
+
+
+def id_collation(dialect: Dialect) -> str:
+    """The binary collation for ids: exact bytes, trailing spaces significant.
+
+    MariaDB has ``utf8mb4_nopad_bin`` (10.2+); MySQL 8.0.17+ has
+    ``utf8mb4_0900_bin``; older servers only ``utf8mb4_bin`` (binary, but
+    it ignores trailing spaces). ``dialect`` may be unconnected (offline SQL),
+    then the portable ``utf8mb4_bin`` is used.
+    """
+    version = tuple(getattr(dialect, "server_version_info", None) or ())
+    if getattr(dialect, "is_mariadb", False) or dialect.name == "mariadb":
+        return "utf8mb4_nopad_bin"
+    if version >= (8, 0, 17):
+        return "utf8mb4_0900_bin"
+    return "utf8mb4_bin"
+
+
+class MariaDBDialectSupport(DialectSupport):
+    """MariaDB / MySQL specifics (PyMySQL or mysqlclient)."""
+
+    name = "mysql"
+    cross_process_turn_lock = True
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """A pre-pinged, recycled pool on READ COMMITTED, UTC, utf8mb4 connections."""
+        return {
+            "pool_pre_ping": True,
+            "pool_recycle": 3600,
+            "pool_size": 10,
+            "max_overflow": 10,
+            "isolation_level": "READ COMMITTED",
+            "connect_args": {"charset": "utf8mb4", "init_command": _INIT_COMMAND},
+        }
+
+    def sync_url(self, url: URL) -> URL:
+        """Name the PyMySQL driver when the URL names none."""
+        return with_driver(url)
+
+    def prepare_engine(self, engine: Engine) -> None:
+        """Turn ``CLIENT_FOUND_ROWS`` off: affected-row counts decide dedup claims."""
+
+        @event.listens_for(engine, "do_connect")
+        def _affected_rows(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
+            flags = int(cparams.get("client_flag", 0))
+            cparams["client_flag"] = flags & ~_CLIENT_FOUND_ROWS
+
+    def insert_ignore(self, table: Table) -> Insert:
+        """``INSERT ... ON DUPLICATE KEY UPDATE pk = pk``: a no-op on an existing key."""
+        keys = {column.name: column for column in table.primary_key.columns}
+        return mysql_insert(table).on_duplicate_key_update(keys)
+
+    def claim_processed(self, table: Table) -> Insert:
+        """Insert the id, or take over an expired claim; a live claim is left as it is.
+
+        Affected rows: 1 inserted, 2 an expired claim taken over, 0 a live
+        claim (see :meth:`claimed`).
+        """
+        stmt = mysql_insert(table)
+        cutoff = bindparam("cutoff", type_=UTCDateTime())
+        return stmt.on_duplicate_key_update(
+            processed_at=func.if_(
+                table.c.processed_at < cutoff,
+                stmt.inserted.processed_at,
+                table.c.processed_at,
+            )
+        )
+
+    def claimed(self, result: CursorResult[Any]) -> bool:
+        """1 (inserted) or 2 (expired claim refreshed) affected rows: the claim is ours."""
+        return result.rowcount in (1, 2)
+
+    def upsert_processed(self, table: Table) -> Insert:
+        """Insert the id or move its timestamp to now."""
+        stmt = mysql_insert(table)
+        return stmt.on_duplicate_key_update(processed_at=stmt.inserted.processed_at)
+
+    def purge_processed(self, table: Table, batch_size: int) -> Delete:
+        """``DELETE ... WHERE processed_at < :cutoff LIMIT batch_size``."""
+        return (
+            delete(table)
+            .where(table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()))
+            .with_dialect_options(mysql_limit=batch_size)
+        )
+
+    def table_options(self, dialect: Dialect) -> dict[str, Any]:
+        """``utf8mb4`` with a binary collation, so ids compare byte for byte."""
+        return {"mysql_charset": "utf8mb4", "mysql_collate": id_collation(dialect)}
+
+    def lock_migrations(self, connection: Connection) -> None:
+        """Wait (up to :data:`MIGRATION_LOCK_TIMEOUT`) for the migration lock of this database."""
+        name = lock_name("migrate", connection.engine.url.database)
+        got = connection.execute(
+            text("SELECT GET_LOCK(:name, :timeout)"),
+            {"name": name, "timeout": MIGRATION_LOCK_TIMEOUT},
+        ).scalar()
+        if got != 1:
+            raise TimeoutError(
+                f"another process has been migrating {connection.engine.url.database!r} for "
+                f"{MIGRATION_LOCK_TIMEOUT}s (named lock {name} is held); try again later"
+            )
+
+    def end_migration(self, connection: Connection) -> None:
+        """Release the migration lock (it is held per connection, not per transaction)."""
+        name = lock_name("migrate", connection.engine.url.database)
+        try:
+            cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                cursor.execute("SELECT RELEASE_LOCK(%s)", (name,))
+                cursor.fetchall()
+            finally:
+                cursor.close()
+        except Exception:  # a lost connection has released the lock already
+            connection.invalidate()

@@ -1,0 +1,168 @@
+"""``MariaDBSessionStore``: the chatflow session store on MariaDB or MySQL.
+
+Everything but the dialect hooks (:mod:`.dialect`) and the cross-process
+turn lock is the generic :class:`~chatflow_sqlalchemy.SQLAlchemySessionStore`.
+The async API runs on the store's private thread pool (PyMySQL is a sync
+driver), and ``session.lock`` also holds a server-side named lock
+(``GET_LOCK``) for the whole turn, taken on one dedicated connection per
+store so that a turn waiting on a slow model pins no pooled connection. The
+server drops a connection's named locks when the connection dies, so a
+crashed worker never leaves a session locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
+from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from sqlalchemy import URL, Engine, create_engine, make_url, select
+from sqlalchemy.pool import NullPool
+
+from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport, lock_name, with_driver
+from chatflow_sqlalchemy_mariadb.schema import info
+
+__all__ = ["MariaDBSessionStore", "NamedTurnLocks"]
+
+
+class NamedTurnLocks:
+    """Per-session named locks (``GET_LOCK(name, 0)``) on one dedicated connection.
+
+    Blocking (the driver is sync): the store calls it through
+    ``_run_blocking``. Calls are serialised because the connection is shared.
+
+    Args:
+        engine: A ``NullPool`` engine whose connections are used only for locks.
+
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._database = engine.url.database
+        self._conn: Any = None
+        self._mutex = threading.Lock()
+
+    def _cursor_call(self, sql: str, session_id: str) -> Any:
+        with self._mutex:
+            if self._conn is None:
+                self._conn = self._engine.raw_connection()
+                self._conn.driver_connection.autocommit(True)
+            try:
+                cursor = self._conn.cursor()
+                try:
+                    cursor.execute(sql, (lock_name("turn", self._database, session_id),))
+                    row = cursor.fetchone()
+                finally:
+                    cursor.close()
+            except Exception:
+                self._abandon()
+                raise
+            return row[0] if row else None
+
+    def try_acquire(self, session_id: str) -> bool:
+        """Take the session's lock if it is free; never waits."""
+        return bool(self._cursor_call("SELECT GET_LOCK(%s, 0)", session_id) == 1)
+
+    def release(self, session_id: str) -> None:
+        """Release the session's lock (a lost connection already released it)."""
+        with contextlib.suppress(Exception):
+            self._cursor_call("SELECT RELEASE_LOCK(%s)", session_id)
+
+    def _abandon(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+
+    def close(self) -> None:
+        """Close the connection; the server releases every lock it held."""
+        with self._mutex:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._engine.dispose()
+
+
+class MariaDBSessionStore(SQLAlchemySessionStore):
+    """Session store on MariaDB or MySQL, for many workers sharing sessions.
+
+    Tested on MariaDB 10.11 (needs 10.3+: ``utf8mb4_nopad_bin``, ``DATETIME(6)``,
+    JSON). MySQL 8.0.17+ is meant to work (``utf8mb4_0900_bin`` ids) but is not
+    tested by this project.
+
+    Args:
+        url: ``mysql+pymysql://user:pw@host/db`` (``mysql://`` and ``mariadb://``
+            use PyMySQL; ``mysql+mysqldb://`` uses mysqlclient if installed).
+        default_max_turns: History window of new contexts, in complete turns.
+        dedup_ttl_hours: How long a processed webhook id stays claimed.
+        **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
+            ``connect_args``, ...), over the backend's defaults.
+
+    Raises:
+        BackendImportError: The driver is not installed.
+        DatabaseUnavailableError: The server cannot be reached.
+
+    """
+
+    dialect_support = MariaDBDialectSupport()
+
+    def __init__(
+        self,
+        url: str | URL,
+        default_max_turns: int = 40,
+        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        **engine_options: Any,
+    ) -> None:
+        parsed = with_driver(make_url(url))
+        options = {**self.dialect_support.engine_options(parsed), **engine_options}
+        try:
+            engine = create_engine(parsed, **options)
+            lock_engine = create_engine(
+                parsed, poolclass=NullPool, connect_args=options.get("connect_args", {})
+            )
+        except ImportError as exc:
+            raise BackendImportError(
+                f"MariaDB/MySQL needs a driver: pip install PyMySQL ({exc})"
+            ) from exc
+        try:
+            super().__init__(
+                engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
+            )
+        except BaseException:
+            engine.dispose()
+            lock_engine.dispose()
+            raise
+        self._owns_engine = True
+        self._turn_locks = NamedTurnLocks(lock_engine)
+
+    @classmethod
+    def from_url(cls, url: str | URL, **kwargs: Any) -> MariaDBSessionStore:
+        """Open ``url`` (what ``open_store`` calls)."""
+        return cls(url, **kwargs)
+
+    async def _atry_turn_lock(self, session_id: str) -> bool:
+        try:
+            return await self._run_blocking(self._turn_locks.try_acquire, session_id)
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise DatabaseUnavailableError(
+                f"cannot take the turn lock of session {session_id!r}: {reason}"
+            ) from exc
+
+    async def _arelease_turn_lock(self, session_id: str) -> None:
+        await self._run_blocking(self._turn_locks.release, session_id)
+
+    def backend_info(self) -> dict[str, str]:
+        """What the plugin recorded when it created this schema (``chatflow_mariadb_info``)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(info.c.name, info.c.value)).all()
+        return {name: value for name, value in rows}
+
+    def close(self) -> None:
+        """Drop the turn-lock connection, the thread pool and the engine."""
+        if hasattr(self, "_turn_locks"):
+            self._turn_locks.close()
+        super().close()

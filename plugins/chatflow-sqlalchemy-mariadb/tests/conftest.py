@@ -1,0 +1,171 @@
+"""Point chatflow-sqlalchemy's shipped conformance suite at a MariaDB / MySQL server.
+
+The server comes from ``CHATFLOW_TEST_MARIADB_URL`` (e.g.
+``mysql+pymysql://root@127.0.0.1:3306/test``):
+
+* set: every test runs, in a database of its own (``CREATE DATABASE
+  t_<uuid>``, dropped afterwards); if the server cannot be reached every
+  test FAILS with the reason, it is never silently skipped;
+* unset: every test is skipped with a reason that says how to run them.
+
+This file is also the worked example of ``docs/plugin-authors.md``: the only
+thing a backend must provide to run the suite is the ``store_factory``
+fixture returning a ``StoreHarness`` with the capabilities it has.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from chatflow_sqlalchemy.testing import Capability, SpecHarness, StoreHarness, StoreSpec
+from sqlalchemy import URL, Engine, create_engine, make_url, text
+
+MARIADB_ENV = "CHATFLOW_TEST_MARIADB_URL"
+STORE_TARGET = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
+
+CAPABILITIES = {
+    Capability.PERSISTENT,  # every harness.open() reaches the same database
+    Capability.CROSS_PROCESS,  # spawned workers open it from the StoreSpec
+    Capability.SQL,  # store.engine over the chatflow tables
+    Capability.ASYNC_THREADPOOL,  # PyMySQL is sync: async work runs on the private pool
+}
+
+
+def _mask(url: str | URL) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+class MariaDBUnreachable(Exception):
+    """``CHATFLOW_TEST_MARIADB_URL`` is set but its server cannot be reached."""
+
+
+def _probe(url: URL) -> str | None:
+    """Why ``url`` cannot be used, or None when a connection works."""
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def mariadb_url() -> URL:
+    """The configured server's URL (with the PyMySQL driver); skip or fail as described above."""
+    raw = os.environ.get(MARIADB_ENV)
+    if not raw:
+        pytest.skip(
+            f"MariaDB tests skipped: set {MARIADB_ENV}=mysql+pymysql://user@host:3306/db "
+            "to run them"
+        )
+    from chatflow_sqlalchemy_mariadb.dialect import with_driver
+
+    url = with_driver(make_url(raw))
+    problem = _probe(url)
+    if problem:
+        raise MariaDBUnreachable(
+            f"{MARIADB_ENV} is set to {_mask(url)} but the server is unreachable ({problem}). "
+            f"Start MariaDB, fix the URL, or unset {MARIADB_ENV} to skip these tests."
+        )
+    return url
+
+
+@pytest.fixture(scope="session")
+def mariadb_admin(mariadb_url: URL) -> Iterator[Engine]:
+    """An engine used only to create and drop the per-test databases."""
+    engine = create_engine(mariadb_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    yield engine
+    engine.dispose()
+
+
+def fresh_database(url: URL, admin: Engine) -> tuple[URL, Callable[[], None]]:
+    """Create ``t_<uuid>``; return its URL and a callable that drops it."""
+    name = f"t_{uuid.uuid4().hex}"
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+
+    return url.set(database=name), drop
+
+
+@pytest.fixture
+def new_database(mariadb_url: URL, mariadb_admin: Engine) -> Iterator[Callable[[], URL]]:
+    """A factory of new, empty databases; each is dropped after the test."""
+    drops: list[Callable[[], None]] = []
+
+    def make() -> URL:
+        url, drop = fresh_database(mariadb_url, mariadb_admin)
+        drops.append(drop)
+        return url
+
+    try:
+        yield make
+    finally:
+        for drop in drops:
+            drop()
+
+
+@pytest.fixture
+def mariadb_database(new_database: Callable[[], URL]) -> URL:
+    """The URL of a new, empty database, dropped after the test."""
+    return new_database()
+
+
+class _FailingStore:
+    """Stands in for a store that cannot be opened: any use fails the test."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def __getattr__(self, name: str) -> Any:
+        pytest.fail(self._message, pytrace=False)
+
+
+class UnreachableHarness(StoreHarness):
+    """Claims every capability and fails each test that touches it (never a skip)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("mariadb", list(Capability))
+        self.message = message
+
+    def _open(self, **store_kwargs: Any) -> Any:
+        return _FailingStore(self.message)
+
+    def spec(self) -> StoreSpec:
+        pytest.fail(self.message, pytrace=False)
+
+
+@pytest.fixture
+def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
+    """The MariaDB backend under test (overrides the conformance plugin's default)."""
+    try:
+        url: URL = request.getfixturevalue("mariadb_url")
+    except MariaDBUnreachable as exc:
+        yield UnreachableHarness(str(exc))
+        return
+    admin: Engine = request.getfixturevalue("mariadb_admin")
+    database, drop = fresh_database(url, admin)
+    spec = StoreSpec(STORE_TARGET, (database.render_as_string(hide_password=False),))
+    harness = SpecHarness("mariadb", spec, CAPABILITIES, cleanup=drop)
+    yield harness
+    harness.close()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say where the MariaDB tests run."""
+    raw = os.environ.get(MARIADB_ENV)
+    return [f"chatflow-sqlalchemy MariaDB tests: {_mask(raw) if raw else 'skipped (unset)'}"]

@@ -1,0 +1,307 @@
+"""What the MariaDB backend adds beyond the conformance suite.
+
+Each test that needs the server gets an empty database of its own
+(``mariadb_database``, see conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Message, Role
+from chatflow_sqlalchemy import DatabaseUnavailableError, migrate, open_store
+from chatflow_sqlalchemy.cli import main
+from chatflow_sqlalchemy.models import ChatflowProcessedMessage, utcnow
+from sqlalchemy import URL, create_engine, inspect, text
+
+from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
+from chatflow_sqlalchemy_mariadb.dialect import lock_name
+from chatflow_sqlalchemy_mariadb.schema import INFO_TABLE, VERSION_TABLE
+
+pytestmark = pytest.mark.mariadb
+
+CORE_TABLES = {"chatflow_sessions", "chatflow_messages", "chatflow_processed_messages"}
+BOT = Agent(name="Bot", instructions="")
+
+
+def plain(url: URL) -> str:
+    return url.render_as_string(hide_password=False)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- no server needed
+
+
+def test_backends_lists_mysql_and_mariadb(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "backends")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    for name in ("mysql", "mariadb"):
+        assert "chatflow-sqlalchemy-mariadb" in rows[name]
+        assert "chatflow_sqlalchemy_mariadb.store.MariaDBSessionStore" in rows[name]
+    assert "sqlite" in rows and "postgresql" in rows
+
+
+def test_plugin_chain_applies_to_mysql_only() -> None:
+    assert [c.name for c in migrate.chains_for("mysql")] == ["core", "mariadb"]
+    assert [c.name for c in migrate.chains_for("mariadb")] == ["core", "mariadb"]
+    assert [c.name for c in migrate.chains_for("sqlite")] == ["core"]
+    chain = migrate.find_chain("mariadb")
+    assert chain.version_table == VERSION_TABLE
+    assert chain.distribution.startswith("chatflow-sqlalchemy-mariadb")
+
+
+def test_unreachable_server_is_one_clear_error() -> None:
+    with pytest.raises(DatabaseUnavailableError) as info:
+        open_store("mysql+pymysql://bot:sekret-pw@127.0.0.1:1/chat")
+    assert "127.0.0.1:1" in str(info.value)
+    assert "sekret-pw" not in str(info.value)
+
+
+def test_purge_statement_is_a_bounded_delete() -> None:
+    from sqlalchemy.dialects import mysql
+
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
+
+    table: Any = ChatflowProcessedMessage.__table__
+    sql = str(MariaDBDialectSupport().purge_processed(table, 1000).compile(dialect=mysql.dialect()))
+    assert "LIMIT 1000" in sql and " IN " not in sql
+
+
+# --------------------------------------------------------------------------- with a server
+
+
+def test_every_url_form_opens_the_backend(mariadb_database: URL) -> None:
+    for driver in ("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql"):
+        store = open_store(mariadb_database.set(drivername=driver))
+        try:
+            assert isinstance(store, MariaDBSessionStore)
+            assert store.engine.dialect.driver == "pymysql"
+            assert migrate.drift(store.engine) == [], driver
+        finally:
+            store.close()
+
+
+def test_schema_is_both_chains_at_head(mariadb_database: URL) -> None:
+    with MariaDBSessionStore(mariadb_database) as store:
+        statuses = {s.chain.name: s for s in migrate.chain_status(store.engine)}
+        assert set(statuses) == {"core", "mariadb"}
+        assert all(s.at_head for s in statuses.values())
+        names = set(inspect(store.engine).get_table_names())
+        assert names >= CORE_TABLES | {INFO_TABLE, VERSION_TABLE, migrate.VERSION_TABLE}
+        assert "alembic_version" not in names
+        info = store.backend_info()
+        assert info["id_collation"] == "utf8mb4_nopad_bin"
+        assert "MariaDB" in info["server_version"] or info["server_version"][0].isdigit()
+        with store.engine.connect() as conn:
+            collation = conn.execute(
+                text(
+                    "SELECT TABLE_COLLATION FROM information_schema.TABLES "
+                    "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'chatflow_sessions'"
+                )
+            ).scalar()
+        assert collation == info["id_collation"]
+
+
+def test_db_commands_run_both_chains(
+    mariadb_database: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = plain(mariadb_database)
+    code, out, err = run_cli(capsys, "--url", url, "db", "upgrade")
+    assert code == 0, err
+    assert f"upgraded from none (empty database) to {migrate.head_revision()} (head)" in out
+    assert "plugin mariadb: upgraded from none to 0001 (head)" in out
+    code, out, _ = run_cli(capsys, "--url", url, "db", "check")
+    assert code == 0, out
+    assert "plugin mariadb at 0001 (head)" in out
+    code, out, _ = run_cli(capsys, "--url", url, "db", "current")
+    assert "plugin mariadb (chatflow-sqlalchemy-mariadb" in out and "0001 (head)" in out
+    code, out, _ = run_cli(capsys, "--url", url, "db", "downgrade", "base")
+    assert code == 0, out
+    engine = migrate.open_engine(url)
+    try:
+        assert not set(inspect(engine).get_table_names()) & (CORE_TABLES | {INFO_TABLE})
+        migrate.upgrade(engine)
+        assert migrate.drift(engine) == []
+        migrate.downgrade(engine, migrate.BASELINE_REVISION)
+        migrate.upgrade(engine)
+        assert migrate.drift(engine) == []
+    finally:
+        engine.dispose()
+
+
+def test_ids_compare_exactly(mariadb_database: URL) -> None:
+    with MariaDBSessionStore(mariadb_database) as store:
+        ids = ["Abc", "abc", "abc ", "ABC"]
+        for sid in ids:
+            store.get_or_create(sid, BOT).add_message(Message(role=Role.USER, content=repr(sid)))
+        assert sorted(store.list_sessions()) == sorted(ids)
+        for sid in ids:
+            ctx = store.get(sid)
+            assert ctx is not None and ctx.history[0].content == repr(sid)
+        assert store.record_processed_message("wamid.HBgA") is True
+        assert store.record_processed_message("wamid.hbga") is True
+        assert store.record_processed_message("wamid.HBgA ") is True
+        assert store.record_processed_message("wamid.HBgA") is False
+
+
+def test_long_and_unicode_messages_round_trip(mariadb_database: URL) -> None:
+    big = "🎉 olá, 你好 — " + "x" * 300_000  # beyond MySQL's 64 KiB TEXT
+    with MariaDBSessionStore(mariadb_database) as store:
+        ctx = store.get_or_create("unicode", BOT, metadata={"name": "José 🎉"})
+        ctx.add_message(Message(role=Role.USER, content=big))
+    with MariaDBSessionStore(mariadb_database) as fresh:
+        again = fresh.get("unicode")
+        assert again is not None
+        assert again.history[0].content == big
+        assert again.metadata == {"name": "José 🎉"}
+
+
+def test_purge_deletes_every_expired_id_in_batches(mariadb_database: URL) -> None:
+    with MariaDBSessionStore(mariadb_database, dedup_ttl_hours=1) as store:
+        old = utcnow() - timedelta(hours=2)
+        rows = [{"message_id": f"old-{n}", "processed_at": old} for n in range(2500)]
+        with store.engine.begin() as conn:
+            conn.execute(ChatflowProcessedMessage.__table__.insert(), rows)
+        store.record_processed_message("fresh")
+        assert store.purge_processed_messages() == 2500
+        assert store.is_message_processed("fresh")
+        assert store.purge_processed_messages() == 0
+
+
+def test_turn_lock_is_a_named_lock_held_for_the_whole_turn(mariadb_database: URL) -> None:
+    database = mariadb_database.database
+    name = lock_name("turn", database, "locked")
+    probe = create_engine(mariadb_database)
+
+    def holder() -> Any:
+        with probe.connect() as conn:
+            return conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": name}).scalar()
+
+    async def scenario(store: Any, other: Any) -> None:
+        ctx = store.get_or_create("locked", BOT)
+        async with ctx.lock:
+            assert holder() is not None, "the turn holds the named lock"
+            assert await other._atry_turn_lock("locked") is False
+            assert await other._atry_turn_lock("unlocked") is True
+            await other._arelease_turn_lock("unlocked")
+            ctx.add_message(Message(role=Role.USER, content="in turn"))
+        assert holder() is None, "the lock is released when the turn ends"
+        assert await other._atry_turn_lock("locked") is True
+        await other._arelease_turn_lock("locked")
+
+    try:
+        with MariaDBSessionStore(mariadb_database) as store, MariaDBSessionStore(
+            mariadb_database
+        ) as other:
+            asyncio.run(scenario(store, other))
+    finally:
+        probe.dispose()
+
+
+def test_turn_locks_are_per_database(new_database: Callable[[], URL]) -> None:
+    async def scenario(a: Any, b: Any) -> None:
+        assert await a._atry_turn_lock("same-id") is True
+        assert await b._atry_turn_lock("same-id") is True, "another database is not blocked"
+        await a._arelease_turn_lock("same-id")
+        await b._arelease_turn_lock("same-id")
+
+    with MariaDBSessionStore(new_database()) as a, MariaDBSessionStore(new_database()) as b:
+        asyncio.run(scenario(a, b))
+
+
+def test_migrations_wait_for_the_migration_lock(mariadb_database: URL) -> None:
+    name = lock_name("migrate", mariadb_database.database)
+    blocker = create_engine(mariadb_database)
+    opened: list[Any] = []
+    try:
+        with blocker.connect() as conn:
+            assert conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": name}).scalar() == 1
+            thread = threading.Thread(
+                target=lambda: opened.append(MariaDBSessionStore(mariadb_database)), daemon=True
+            )
+            thread.start()
+            time.sleep(1.0)
+            assert thread.is_alive() and not opened, "it must wait for the other migrator"
+            conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": name})
+            thread.join(60)
+        assert opened, "it migrated once the lock was free"
+        assert migrate.drift(opened[0].engine) == []
+    finally:
+        for store in opened:
+            store.close()
+        blocker.dispose()
+
+
+_STARTER = r"""
+import json, logging, os, sys, time
+
+ran = []
+
+
+class Capture(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("Running "):
+            ran.append(record.getMessage())
+
+
+log = logging.getLogger("alembic.runtime.migration")
+log.setLevel(logging.INFO)
+log.addHandler(Capture())
+from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
+
+print("READY", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[2]):
+    if time.monotonic() > deadline:
+        sys.exit("never told to go")
+    time.sleep(0.001)
+MariaDBSessionStore(sys.argv[1]).close()
+print(json.dumps(ran), flush=True)
+"""
+
+
+def test_processes_starting_at_once_migrate_once(mariadb_database: URL, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STARTER, plain(mariadb_database), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "READY", proc.communicate()[1]
+        go.touch()
+        ran = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            ran.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    steps = [line for lines in ran for line in lines]
+    assert len(steps) == 3, f"core 0001, 0002 and the plugin's 0001, once in all: {steps}"
+    assert sum(1 for lines in ran if lines) == 1
