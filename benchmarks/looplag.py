@@ -57,7 +57,7 @@ async def measure(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     use_async = hasattr(sessions[0], "aadd_message")
     _handshake()
-    stop, lags = asyncio.Event(), []
+    stop, lags = asyncio.Event(), list[float]()
     ticker = asyncio.create_task(_ticker(stop, lags))
     began = time.perf_counter()
     await asyncio.gather(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import Any
 
@@ -21,7 +22,7 @@ DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 def pg_url_from_env(url: str | None = None) -> str:
-    """``url``, else ``$CHATFLOW_BENCH_POSTGRES_URL`` / ``$CHATFLOW_TEST_POSTGRES_URL``, else local."""
+    """``url``, else ``$CHATFLOW_BENCH_POSTGRES_URL``, ``$CHATFLOW_TEST_POSTGRES_URL``, local."""
     return (
         url
         or os.environ.get("CHATFLOW_BENCH_POSTGRES_URL")
@@ -42,19 +43,27 @@ def schema_connect_args(schema: str) -> dict[str, Any]:
     return {"options": f"-csearch_path={schema}"}
 
 
-def _execute(url: str, sql: str) -> Any:
+def _execute(url: str, sql: str, patience: float = 30.0) -> Any:
+    """Run one statement; wait out a server that is restarting (tests may restart it)."""
     import psycopg
 
-    with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=3) as conn:
-        cursor = conn.execute(sql)
-        row = cursor.fetchone() if cursor.description else None
-        return row[0] if row else None
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with psycopg.connect(libpq_url(url), autocommit=True, connect_timeout=3) as conn:
+                cursor = conn.execute(sql)
+                row = cursor.fetchone() if cursor.description else None
+                return row[0] if row else None
+        except psycopg.OperationalError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def pg_available(url: str) -> str | None:
     """None when the server answers, else why not."""
     try:
-        _execute(url, "SELECT 1")
+        _execute(url, "SELECT 1", patience=5.0)
     except Exception as exc:
         return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     return None

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,9 +195,35 @@ def _verify(case: CaseResult, results: list[dict[str, Any]], target: Target,
     return problems + verify_windows(windows, case.mode, turns, case.workers)
 
 
+UNAVAILABLE = ("connection refused", "shutting down", "starting up", "server closed the connection",
+               "cannot reach", "terminating connection", "connection failed")
+"""Worker errors that mean the server went away (e.g. a test suite restarting it), not a bug."""
+
+
+def _unavailable(case: CaseResult) -> bool:
+    return any(m in p.lower() for p in case.problems if p.startswith("worker error")
+               for m in UNAVAILABLE)
+
+
 def run_case(store: str, mode: str, workers: int, sessions: int, turns: int, env: Env,
-             label: str, profile: str | None = None) -> CaseResult:
-    """Run ``store`` in ``mode`` with ``workers`` processes; summarise and verify."""
+             label: str, profile: str | None = None, attempts: int = 3) -> CaseResult:
+    """Run ``store`` in ``mode`` with ``workers`` processes; summarise and verify.
+
+    A case whose workers lost the database server (a restart by something else
+    on the machine) is run again from scratch, up to ``attempts`` times; every
+    other failure stands.
+    """
+    for attempt in range(attempts):
+        case = _run_case_once(store, mode, workers, sessions, turns, env,
+                              f"{label}-a{attempt}", profile)
+        if not _unavailable(case):
+            break
+        time.sleep(2.0)
+    return case
+
+
+def _run_case_once(store: str, mode: str, workers: int, sessions: int, turns: int, env: Env,
+                   label: str, profile: str | None) -> CaseResult:
     case = CaseResult(store, mode, workers, turns)
     target = scratch_target(store, env, label)
     try:

@@ -27,8 +27,8 @@ __all__ = [
     "build_items",
     "build_messages",
     "expected_turns",
-    "message_tag",
     "item_tag",
+    "message_tag",
     "plan_for",
     "session_ids",
     "verify_windows",
@@ -119,7 +119,8 @@ def message_tag(message: Message) -> Tag:
     if message.role == Role.USER:
         return ("U", *_split_tag(message.content or ""))
     if message.role == Role.TOOL:
-        return ("R", *_split_tag(message.tool_results[0].tool_call_id))  # type: ignore[index]
+        results = message.tool_results or []
+        return ("R", *_split_tag(results[0].tool_call_id))
     if message.tool_calls:
         return ("C", *_split_tag(message.tool_calls[0].id))
     return ("A", *_split_tag(message.content or ""))
@@ -182,7 +183,9 @@ def _check_whole(session_id: str, tags: list[Tag]) -> tuple[list[int], str | Non
     return turns, None
 
 
-def _check_order(session_id: str, mode: str, turns: list[int], total: int, workers: int) -> str | None:
+def _check_order(
+    session_id: str, mode: str, turns: list[int], total: int, workers: int
+) -> str | None:
     if mode in ("single", "disjoint"):
         want = list(range(total - len(turns), total))
         return None if turns == want else f"{session_id}: turns {turns} != newest {want}"

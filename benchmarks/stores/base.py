@@ -51,6 +51,7 @@ class Adapter(abc.ABC):
     @classmethod
     def prepare(cls, target: Target) -> None:
         """Create the schema before workers start (run once, in the parent)."""
+        return None
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -70,3 +71,4 @@ class Adapter(abc.ABC):
 
     async def close(self) -> None:
         """Release connections and pools."""
+        return None
