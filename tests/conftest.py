@@ -35,7 +35,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 
-from chatflow_sqlalchemy.testing import Capability, SpecHarness, StoreHarness, StoreSpec
+from chatflow_sqlalchemy.testing import (
+    Capability,
+    SpecHarness,
+    StoreHarness,
+    StoreSpec,
+    UnreachableHarness,
+)
 
 POSTGRES_ENV = "CHATFLOW_TEST_POSTGRES_URL"
 POSTGRES_IMAGE = "postgres:16-alpine"
@@ -91,38 +97,6 @@ def _docker_unusable() -> str | None:
 
 class PostgresUnreachable(Exception):
     """``CHATFLOW_TEST_POSTGRES_URL`` is set but its server cannot be reached."""
-
-
-class _FailingStore:
-    """Stands in for a store that cannot be opened: any use fails the test."""
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-    def __getattr__(self, name: str) -> Any:
-        pytest.fail(self._message, pytrace=False)
-
-
-class UnreachablePostgresHarness(StoreHarness):
-    """The ``postgresql`` harness when the configured server is down.
-
-    It claims every capability, so no test is skipped, and its stores fail the
-    test as soon as the test body touches them: each PostgreSQL test is
-    reported FAILED with the reason, never skipped.
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__("postgresql", list(Capability))
-        self.message = message
-
-    def _open(self, **store_kwargs: Any) -> Any:
-        return _FailingStore(self.message)
-
-    def spec(self) -> StoreSpec:
-        pytest.fail(self.message, pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -243,7 +217,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         try:
             url: str = request.getfixturevalue("postgres_url")
         except PostgresUnreachable as exc:
-            yield UnreachablePostgresHarness(str(exc))
+            yield UnreachableHarness("postgresql", str(exc))
             return
         admin: Engine = request.getfixturevalue("postgres_admin")
         mode: Capability = request.getfixturevalue("postgres_async_mode")

@@ -18,10 +18,15 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
-from chatflow_sqlalchemy.testing import Capability, SpecHarness, StoreHarness, StoreSpec
+from chatflow_sqlalchemy.testing import (
+    Capability,
+    SpecHarness,
+    StoreHarness,
+    StoreSpec,
+    UnreachableHarness,
+)
 from sqlalchemy import URL, Engine, create_engine, make_url, text
 
 MARIADB_ENV = "CHATFLOW_TEST_MARIADB_URL"
@@ -122,40 +127,13 @@ def mariadb_database(new_database: Callable[[], URL]) -> URL:
     return new_database()
 
 
-class _FailingStore:
-    """Stands in for a store that cannot be opened: any use fails the test."""
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-    def __getattr__(self, name: str) -> Any:
-        pytest.fail(self._message, pytrace=False)
-
-
-class UnreachableHarness(StoreHarness):
-    """Claims every capability and fails each test that touches it (never a skip)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("mariadb", list(Capability))
-        self.message = message
-
-    def _open(self, **store_kwargs: Any) -> Any:
-        return _FailingStore(self.message)
-
-    def spec(self) -> StoreSpec:
-        pytest.fail(self.message, pytrace=False)
-
-
 @pytest.fixture
 def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
     """The MariaDB backend under test (overrides the conformance plugin's default)."""
     try:
         url: URL = request.getfixturevalue("mariadb_url")
     except MariaDBUnreachable as exc:
-        yield UnreachableHarness(str(exc))
+        yield UnreachableHarness("mariadb", str(exc))
         return
     admin: Engine = request.getfixturevalue("mariadb_admin")
     database, drop = fresh_database(url, admin)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         SpecHarness,
         StoreHarness,
         StoreSpec,
+        UnreachableHarness,
         missing_capabilities,
         requires,
     )
@@ -37,6 +38,7 @@ __all__ = [
     "SpecHarness",
     "StoreHarness",
     "StoreSpec",
+    "UnreachableHarness",
     "missing_capabilities",
     "requires",
 ]

@@ -54,6 +54,7 @@ __all__ = [
     "SpecHarness",
     "StoreHarness",
     "StoreSpec",
+    "UnreachableHarness",
     "claim_worker",
     "crash_worker",
     "missing_capabilities",
@@ -269,6 +270,43 @@ class StoreHarness(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {sorted(self.capabilities)}>"
+
+
+class _FailingStore:
+    """Stands in for a store that cannot be opened: any use fails the test."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def __getattr__(self, name: str) -> Any:
+        import pytest
+
+        pytest.fail(self._message, pytrace=False)
+
+
+class UnreachableHarness(StoreHarness):
+    """The harness to return when the configured database server cannot be reached.
+
+    It claims every capability, so no test is skipped, and its stores fail the
+    test as soon as the test body touches them: each test of the backend is
+    reported FAILED with ``message``, never silently skipped (a fixture that
+    raised would show as an ERROR instead).
+    """
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(name, list(Capability))
+        self.message = message
+
+    def _open(self, **store_kwargs: Any) -> Any:
+        return _FailingStore(self.message)
+
+    def spec(self) -> StoreSpec:
+        import pytest
+
+        pytest.fail(self.message, pytrace=False)
 
 
 class SpecHarness(StoreHarness):
