@@ -3,8 +3,9 @@
 Every query lives here, written once against SQLAlchemy Core; backends only
 contribute a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`. The async
 API runs the same sync code through :meth:`SQLAlchemySessionStore._run_blocking`
-(a private thread pool for on-disk databases, directly on the loop for
-in-memory SQLite), so there is no second copy of the SQL.
+(a private thread pool for on-disk SQLite, directly on the loop for in-memory
+SQLite, in greenlets on an AsyncEngine for PostgreSQL and ``sqlite+aiosqlite``),
+so there is no second copy of the SQL.
 
 Write path, per logical operation one transaction:
 
@@ -12,10 +13,11 @@ Write path, per logical operation one transaction:
 * inside it (one Runner turn) the turn's messages, prunes, handoff and
   metadata are written in one transaction when the lock is released.
 
-Each write reads the session's ``version`` under the write lock (row lock on
-PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite). If another process wrote since
-this context loaded, the context is rebased on the fresh rows and its new
-messages are appended after them as whole turns, never interleaved.
+Each write starts with a compare-and-swap of the session's ``version``
+(``UPDATE ... WHERE version = :known``), under the database's write lock (row
+lock on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite). If another process wrote
+since this context loaded, the context is rebased on the fresh rows and its
+new messages are appended after them as whole turns, never interleaved.
 """
 
 from __future__ import annotations
