@@ -740,12 +740,28 @@ class SQLAlchemySessionStore(BaseSessionStore):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.005)  # a freed lock is noticed within 5 ms
         try:
+            if locking and await self._alocked_version_matches(ctx):
+                return
             if not await self._run_blocking(self._refresh, ctx):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
             if locking:
                 await self._arelease_turn_lock(ctx.session_id)
             raise
+
+    async def _alocked_version_matches(self, ctx: SessionContext) -> bool:
+        """True if the version read with the turn lock held equals the one ``ctx`` knows."""
+        known, version = await self._alocked_version(ctx.session_id)
+        if not known:
+            return False
+        if version is None:
+            self._forget(ctx.session_id)
+            raise SessionDeletedError(ctx.session_id)
+        durable = ctx._durable
+        if durable is None or durable.version != version or ctx._stale:
+            return False
+        ctx._verified_at = time.monotonic()
+        return True
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
         """After a turn: write it in one transaction, then let other processes in."""
@@ -766,6 +782,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
     async def _arelease_turn_lock(self, session_id: str) -> None:
         """Release what :meth:`_atry_turn_lock` took."""
         raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
+
+    async def _alocked_version(self, session_id: str) -> tuple[bool, int | None]:
+        """Optional: ``(True, version or None)`` read cheaply while the turn lock is held.
+
+        ``(False, None)`` (the default) makes the turn start with a full
+        version check in a pooled transaction instead.
+        """
+        return False, None
 
     # ------------------------------------------------------------ lifecycle
 

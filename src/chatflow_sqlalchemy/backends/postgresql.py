@@ -89,26 +89,39 @@ class AdvisoryTurnLocks:
             with contextlib.suppress(Exception):
                 conn.pgconn.finish()
 
-    async def _call(self, sql: str, session_id: str) -> bool:
+    async def _call(self, sql: str, param: object) -> Any:
         async with self._bind_to_running_loop():
             if self._conn is None or self._conn.closed:
                 self._conn = await self._connect()
             try:
-                cursor = await self._conn.execute(sql, (session_lock_key(session_id),))
+                cursor = await self._conn.execute(sql, (param,))
                 row = await cursor.fetchone()
             except Exception:
                 self._abandon()
                 raise
-            return bool(row and row[0])
+            return row[0] if row else None
 
     async def try_acquire(self, session_id: str) -> bool:
         """Take the session's lock if it is free; never waits."""
-        return await self._call("SELECT pg_try_advisory_lock(%s)", session_id)
+        return bool(
+            await self._call("SELECT pg_try_advisory_lock(%s)", session_lock_key(session_id))
+        )
 
     async def release(self, session_id: str) -> None:
         """Release the session's lock (a lost connection already released it)."""
         with contextlib.suppress(Exception):
-            await self._call("SELECT pg_advisory_unlock(%s)", session_id)
+            await self._call("SELECT pg_advisory_unlock(%s)", session_lock_key(session_id))
+
+    async def version(self, session_id: str) -> int | None:
+        """The session's committed version, read on the lock connection (autocommit).
+
+        Read after the lock is taken, it reflects every turn committed before;
+        one round trip instead of a pooled transaction.
+        """
+        value = await self._call(
+            "SELECT version FROM chatflow_sessions WHERE session_id = %s", session_id
+        )
+        return None if value is None else int(value)
 
     async def aclose(self) -> None:
         """Close the connection, releasing every lock it holds."""
@@ -229,6 +242,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
 
     async def _arelease_turn_lock(self, session_id: str) -> None:
         await self._turn_locks.release(session_id)
+
+    async def _alocked_version(self, session_id: str) -> tuple[bool, int | None]:
+        with self._guard():
+            return True, await self._turn_locks.version(session_id)
 
     async def aclose(self) -> None:
         """Close the turn-lock connection, then the pools."""
