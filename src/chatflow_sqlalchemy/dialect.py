@@ -45,6 +45,10 @@ class DialectSupport:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
         return {"pool_pre_ping": True}
 
+    def autocommit_options(self) -> dict[str, Any]:
+        """Execution options under which one statement runs without BEGIN/COMMIT."""
+        return {"isolation_level": "AUTOCOMMIT"}
+
     def sync_url(self, url: URL) -> URL:
         """The URL for the store's sync engine (e.g. an async driver mapped to a sync one)."""
         return url

@@ -246,14 +246,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._owns_engine = False
         self.support.prepare_engine(engine)
         self.engine = engine
-        self._engines = (engine, engine.execution_options(chatflow_write=True))
+        self._engines = self._engine_modes(engine)
         # Dialect statements are built once: building an upsert costs more than running it.
         self._insert_session = self.support.insert_ignore(_sessions)
         self._claim = self.support.claim_processed(_processed)
         self._mark = self.support.upsert_processed(_processed)
         self._purge = self.support.purge_processed(_processed, _PURGE_BATCH)
         self._lock_version = self.support.lock_session_row(_SELECT_VERSION)
-        self._aengines: tuple[Engine, Engine] | None = None
+        self._aengines: tuple[Engine, Engine, Engine] | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
@@ -310,8 +310,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             raise
 
     @contextmanager
-    def _transaction(self, *, write: bool = False) -> Iterator[Connection]:
+    def _transaction(self, *, write: bool = False, single: bool = False) -> Iterator[Connection]:
         """One transaction; ``write`` takes the database's write lock up front.
+
+        ``single`` is for one statement that is atomic on its own: it runs in
+        the driver's autocommit mode, without BEGIN/COMMIT round trips.
 
         Inside :meth:`_run_blocking` on a native-async store this code runs in
         a greenlet and uses the AsyncEngine's sync facade, so the very same
@@ -320,8 +323,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._check_open()
         engines = self._aengines if self._native_async and in_greenlet() else self._engines
         assert engines is not None
-        with self._guard(), engines[write].begin() as conn:
+        with self._guard(), engines[2 if single else int(write)].begin() as conn:
             yield conn
+
+    def _engine_modes(self, engine: Engine) -> tuple[Engine, Engine, Engine]:
+        """The engine as used for reads, for writes, and for single autocommit statements."""
+        return (
+            engine,
+            engine.execution_options(chatflow_write=True),
+            engine.execution_options(**self.support.autocommit_options()),
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -363,7 +374,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 self._aengine = self._make_async_engine()
                 facade = self._aengine.sync_engine
                 self.support.prepare_engine(facade)
-                self._aengines = (facade, facade.execution_options(chatflow_write=True))
+                self._aengines = self._engine_modes(facade)
             self._aloop = loop
             engine = self._aengine
         if stale:
@@ -450,15 +461,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _refresh(self, ctx: SessionContext) -> bool:
         """Catch ``ctx`` up with the database; False if its session is gone."""
-        with self._transaction() as conn:
+        with self._transaction(single=True) as conn:
             version = conn.execute(_SELECT_VERSION, {"session_id": ctx.session_id}).scalar()
-            if version is None:
-                self._forget(ctx.session_id)
-                return False
-            durable = ctx._durable
-            if durable is not None and durable.version == version and not ctx._stale:
-                ctx._verified_at = time.monotonic()
-                return True
+        if version is None:
+            self._forget(ctx.session_id)
+            return False
+        durable = ctx._durable
+        if durable is not None and durable.version == version and not ctx._stale:
+            ctx._verified_at = time.monotonic()
+            return True
+        with self._transaction() as conn:  # one snapshot of the row and its messages
             stored = self._read_session(conn, ctx.session_id)
         if stored is None:
             self._forget(ctx.session_id)
@@ -577,7 +589,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """True if ``message_id`` was claimed within the dedup TTL."""
         _validate_message_id(message_id)
         cutoff = utcnow() - self._dedup_ttl
-        with self._transaction() as conn:
+        with self._transaction(single=True) as conn:
             row = conn.execute(_IS_PROCESSED, {"message_id": message_id, "cutoff": cutoff})
             return row.first() is not None
 
@@ -601,7 +613,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         _validate_message_id(message_id)
         now = utcnow()
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
-        with self._transaction(write=True) as conn:
+        with self._transaction(single=True) as conn:  # one statement decides, atomically
             result = conn.execute(self._claim, params)
             claimed = self.support.claimed(result)
         if now - self._last_purge >= _PURGE_INTERVAL:

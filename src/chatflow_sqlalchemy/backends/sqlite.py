@@ -68,6 +68,10 @@ class SQLiteDialectSupport(DialectSupport):
             return {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
         return {"connect_args": {"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}}
 
+    def autocommit_options(self) -> dict[str, Any]:
+        """The connection already runs in autocommit mode; the begin hook skips BEGIN."""
+        return {"chatflow_autocommit": True}
+
     def is_ephemeral(self, url: URL) -> bool:
         """See :func:`is_ephemeral_sqlite`."""
         return is_ephemeral_sqlite(url)
@@ -108,7 +112,10 @@ class SQLiteDialectSupport(DialectSupport):
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
-            write = conn.get_execution_options().get("chatflow_write", False)
+            options = conn.get_execution_options()
+            if options.get("chatflow_autocommit"):
+                return  # one self-contained statement: SQLite makes it atomic by itself
+            write = options.get("chatflow_write", False)
             # Straight to the driver: a full SQLAlchemy execution here would cost
             # more than the BEGIN itself, on every transaction.
             _raw(conn).execute("BEGIN IMMEDIATE" if write else "BEGIN")
