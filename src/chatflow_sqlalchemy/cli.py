@@ -246,49 +246,43 @@ def _validate_session_id(session_id: str) -> None:
 
 
 def _cmd_db_upgrade(args: argparse.Namespace, out: TextIO) -> int:
-    url = _resolve_url(args)
-    with _engine(url) as engine:
-        chains = _chains(engine, args, all_for="head")
-        before = [_read_revision(engine, chain) for chain in chains]
-        for chain, found in zip(chains, before, strict=True):
-            _check_not_ahead(found, chain)
-        migrate.upgrade(engine, args.revision, getattr(args, "chain", None))
-        after = [_read_revision(engine, chain) for chain in chains]
-    for chain, old, new in zip(chains, before, after, strict=True):
-        suffix = " (head)" if new == migrate.head_revision(chain) else ""
-        if old == new:
-            print(
-                f"{_prefix(url, chain)} already at revision {_label(new, chain)}{suffix}", file=out
-            )
-        else:
-            print(
-                f"{_prefix(url, chain)} upgraded from {_label(old, chain)} to "
-                f"{_label(new, chain)}{suffix}",
-                file=out,
-            )
-    return EXIT_OK
+    return _move_chains(args, out, "upgraded", migrate.upgrade, plugins_first=False)
 
 
 def _cmd_db_downgrade(args: argparse.Namespace, out: TextIO) -> int:
+    return _move_chains(args, out, "downgraded", migrate.downgrade, plugins_first=True)
+
+
+def _move_chains(
+    args: argparse.Namespace,
+    out: TextIO,
+    verb: str,
+    move: Callable[[Engine, str, str | None], None],
+    *,
+    plugins_first: bool,
+) -> int:
+    """Upgrade or downgrade, then report how each chain moved.
+
+    Going down, plugin chains move first: their tables may refer to the core's.
+    """
     url = _resolve_url(args)
     with _engine(url) as engine:
-        chains = _chains(engine, args, all_for="base")
-        if len(chains) > 1:  # plugins first: their tables may refer to the core's
+        chains = _chains(engine, args, all_for="base" if plugins_first else "head")
+        if plugins_first and len(chains) > 1:
             chains = [*chains[1:][::-1], chains[0]]
         before = [_read_revision(engine, chain) for chain in chains]
         for chain, found in zip(chains, before, strict=True):
             _check_not_ahead(found, chain)
-        migrate.downgrade(engine, args.revision, getattr(args, "chain", None))
+        move(engine, args.revision, getattr(args, "chain", None))
         after = [_read_revision(engine, chain) for chain in chains]
     for chain, old, new in zip(chains, before, after, strict=True):
+        at_head = not plugins_first and new == migrate.head_revision(chain)
+        suffix = " (head)" if at_head else ""
         if old == new:
-            print(f"{_prefix(url, chain)} already at revision {_label(new, chain)}", file=out)
+            moved = f"already at revision {_label(new, chain)}{suffix}"
         else:
-            print(
-                f"{_prefix(url, chain)} downgraded from {_label(old, chain)} to "
-                f"{_label(new, chain)}",
-                file=out,
-            )
+            moved = f"{verb} from {_label(old, chain)} to {_label(new, chain)}{suffix}"
+        print(f"{_prefix(url, chain)} {moved}", file=out)
     return EXIT_OK
 
 
