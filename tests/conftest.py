@@ -41,6 +41,7 @@ from chatflow_sqlalchemy.testing import (
     StoreHarness,
     StoreSpec,
     UnreachableHarness,
+    database_problem,
 )
 
 POSTGRES_ENV = "CHATFLOW_TEST_POSTGRES_URL"
@@ -61,20 +62,6 @@ BACKENDS = [
 
 def _mask(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
-
-
-def _probe_postgres(url: str) -> str | None:
-    """Return why ``url`` cannot be used, or None when a connection works."""
-    try:
-        engine = create_engine(url, connect_args={"connect_timeout": 5})
-        try:
-            with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-        finally:
-            engine.dispose()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-    return None
 
 
 def _docker_unusable() -> str | None:
@@ -109,7 +96,7 @@ def postgres_url() -> Iterator[str]:
     """
     url = os.environ.get(POSTGRES_ENV)
     if url:
-        problem = _probe_postgres(url)
+        problem = database_problem(url)
         if problem:
             raise PostgresUnreachable(
                 f"{POSTGRES_ENV} is set to {_mask(url)} but the server is unreachable "

@@ -20,20 +20,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from chatflow_sqlalchemy.testing import database_problem
+
 ENV_VAR = "CHATFLOW_TEST_POSTGRES_URL"
 
 
 @functools.cache
 def _check_reachable(url: str) -> str | None:
-    engine = sa.create_engine(url, connect_args={"connect_timeout": 5})
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-    except Exception as exc:
-        return str(exc).strip().splitlines()[0]
-    finally:
-        engine.dispose()
-    return None
+    return database_problem(url)
 
 
 def postgres_url() -> str:

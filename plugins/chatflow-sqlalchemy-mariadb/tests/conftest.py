@@ -26,6 +26,7 @@ from chatflow_sqlalchemy.testing import (
     StoreHarness,
     StoreSpec,
     UnreachableHarness,
+    database_problem,
 )
 from sqlalchemy import URL, Engine, create_engine, make_url, text
 
@@ -48,20 +49,6 @@ class MariaDBUnreachable(Exception):
     """``CHATFLOW_TEST_MARIADB_URL`` is set but its server cannot be reached."""
 
 
-def _probe(url: URL) -> str | None:
-    """Why ``url`` cannot be used, or None when a connection works."""
-    try:
-        engine = create_engine(url, connect_args={"connect_timeout": 5})
-        try:
-            with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-        finally:
-            engine.dispose()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-    return None
-
-
 @pytest.fixture(scope="session")
 def mariadb_url() -> URL:
     """The configured server's URL (with the PyMySQL driver); skip or fail as described above."""
@@ -74,7 +61,7 @@ def mariadb_url() -> URL:
     from chatflow_sqlalchemy_mariadb.dialect import with_driver
 
     url = with_driver(make_url(raw))
-    problem = _probe(url)
+    problem = database_problem(url)
     if problem:
         raise MariaDBUnreachable(
             f"{MARIADB_ENV} is set to {_mask(url)} but the server is unreachable ({problem}). "

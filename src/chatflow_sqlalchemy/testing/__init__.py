@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         StoreHarness,
         StoreSpec,
         UnreachableHarness,
+        database_problem,
         missing_capabilities,
         requires,
     )
@@ -39,6 +40,7 @@ __all__ = [
     "StoreHarness",
     "StoreSpec",
     "UnreachableHarness",
+    "database_problem",
     "missing_capabilities",
     "requires",
 ]

@@ -57,6 +57,7 @@ __all__ = [
     "UnreachableHarness",
     "claim_worker",
     "crash_worker",
+    "database_problem",
     "missing_capabilities",
     "requires",
     "run_process",
@@ -270,6 +271,26 @@ class StoreHarness(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {sorted(self.capabilities)}>"
+
+
+def database_problem(url: Any) -> str | None:
+    """Why the database at ``url`` cannot be used right now, or None when it answers.
+
+    For conftest files: a configured server that does not answer should fail
+    the backend's tests with this reason (see :class:`UnreachableHarness`).
+    """
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return None
 
 
 class _FailingStore:
