@@ -68,6 +68,7 @@ from chatflow_sqlalchemy.context import (
 )
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import (
+    BackendImportError,
     CorruptRowError,
     DatabaseUnavailableError,
     SessionDeletedError,
@@ -272,6 +273,40 @@ class SQLAlchemySessionStore(BaseSessionStore):
             raise
 
     # ------------------------------------------------------------ plumbing
+
+    def _open_owned(
+        self,
+        url: URL,
+        engine_options: dict[str, Any],
+        *,
+        install_hint: str,
+        default_max_turns: int,
+        dedup_ttl_hours: float,
+        also_dispose: tuple[Engine, ...] = (),
+    ) -> Engine:
+        """For server backends: create the engine, open the store on it, and own it.
+
+        A missing driver becomes :class:`BackendImportError` naming ``install_hint``;
+        if opening fails (unreachable server, schema ahead) the engine and
+        ``also_dispose`` are disposed before the error propagates.
+        """
+        try:
+            engine = create_engine(url, **engine_options)
+        except ImportError as exc:
+            raise BackendImportError(f"{install_hint} ({exc})") from exc
+        try:
+            SQLAlchemySessionStore.__init__(
+                self,
+                engine=engine,
+                default_max_turns=default_max_turns,
+                dedup_ttl_hours=dedup_ttl_hours,
+            )
+        except BaseException:
+            for owned in (engine, *also_dispose):
+                owned.dispose()
+            raise
+        self._owns_engine = True
+        return engine
 
     @classmethod
     def _support_for(cls, dialect_name: str) -> DialectSupport:

@@ -198,28 +198,17 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         **engine_options: Any,
     ) -> None:
-        from sqlalchemy import create_engine
-
         parsed = psycopg_url(url)
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
         self._pg_url = parsed
         self._pg_options = options
-        try:
-            engine = create_engine(parsed, **options)
-        except ImportError as exc:
-            from chatflow_sqlalchemy.exceptions import BackendImportError
-
-            raise BackendImportError(
-                f"PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]' ({exc})"
-            ) from exc
-        try:
-            super().__init__(
-                engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
-            )
-        except BaseException:
-            engine.dispose()
-            raise
-        self._owns_engine = True
+        self._open_owned(
+            parsed,
+            options,
+            install_hint="PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'",
+            default_max_turns=default_max_turns,
+            dedup_ttl_hours=dedup_ttl_hours,
+        )
         self._turn_locks = AdvisoryTurnLocks(self._connect_lock_connection)
 
     async def _connect_lock_connection(self) -> psycopg.AsyncConnection[Any]:

@@ -118,24 +118,21 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
     ) -> None:
         parsed = with_driver(make_url(url))
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
+        hint = "MariaDB/MySQL needs a driver: pip install PyMySQL"
         try:
-            engine = create_engine(parsed, **options)
             lock_engine = create_engine(
                 parsed, poolclass=NullPool, connect_args=options.get("connect_args", {})
             )
         except ImportError as exc:
-            raise BackendImportError(
-                f"MariaDB/MySQL needs a driver: pip install PyMySQL ({exc})"
-            ) from exc
-        try:
-            super().__init__(
-                engine=engine, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours
-            )
-        except BaseException:
-            engine.dispose()
-            lock_engine.dispose()
-            raise
-        self._owns_engine = True
+            raise BackendImportError(f"{hint} ({exc})") from exc
+        self._open_owned(
+            parsed,
+            options,
+            install_hint=hint,
+            default_max_turns=default_max_turns,
+            dedup_ttl_hours=dedup_ttl_hours,
+            also_dispose=(lock_engine,),
+        )
         self._turn_locks = NamedTurnLocks(lock_engine)
 
     @classmethod
