@@ -35,11 +35,17 @@ class DialectSupport:
         name: The SQLAlchemy dialect name this support handles.
         cross_process_turn_lock: True when ``session.lock`` also excludes other
             processes for the whole turn (not only the final write).
+        driver_statements: True when the per-turn statements may run on the
+            DBAPI cursor (see :mod:`chatflow_sqlalchemy.driver`).
 
     """
 
     name: str = "generic"
     cross_process_turn_lock: bool = False
+    driver_statements: bool = False
+    """Run the per-turn statements on the DBAPI cursor (``driver.py``) instead of
+    through a SQLAlchemy ``Connection``. Needs a claim that reports success with
+    ``RETURNING`` and a driver whose ``rowcount`` counts matched rows."""
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
@@ -48,6 +54,17 @@ class DialectSupport:
     def autocommit_options(self) -> dict[str, Any]:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
         return {"isolation_level": "AUTOCOMMIT"}
+
+    def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
+        """Switch a pooled DBAPI connection into (``on``) or back out of autocommit mode.
+
+        Used around one self-contained statement run on the driver; the
+        default goes through the dialect, as ``isolation_level="AUTOCOMMIT"`` does.
+        """
+        if on:
+            dialect.set_isolation_level(dbapi_connection, "AUTOCOMMIT")
+        else:
+            dialect.reset_isolation_level(dbapi_connection)
 
     def sync_url(self, url: URL) -> URL:
         """The URL for the store's sync engine (e.g. an async driver mapped to a sync one)."""

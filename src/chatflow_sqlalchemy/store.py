@@ -44,6 +44,7 @@ from pydantic import ValidationError
 from sqlalchemy import (
     URL,
     Connection,
+    Dialect,
     Engine,
     Table,
     bindparam,
@@ -67,6 +68,7 @@ from chatflow_sqlalchemy.context import (
     validate_session_id,
 )
 from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.driver import DriverStatement, translate_driver_errors
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
     CorruptRowError,
@@ -128,6 +130,8 @@ _DELETE_ALL_MESSAGES = delete(_messages).where(_messages.c.session_id == bindpar
 _DELETE_SOME_MESSAGES = _DELETE_ALL_MESSAGES.where(
     _messages.c.seq.in_(bindparam("seqs", expanding=True))
 )
+_DELETE_ONE_MESSAGE = _DELETE_ALL_MESSAGES.where(_messages.c.seq == bindparam("seq"))
+_MESSAGE_COLUMNS = ("session_id", "seq", "role", "content", "message_json", "created_at")
 _BUMP_SESSION = (
     update(_sessions)
     .where(
@@ -172,6 +176,19 @@ def _validate_ttl(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"dedup_ttl_hours must be a positive number, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class _HotStatements:
+    """The statements every turn runs, compiled once for one dialect (see ``driver.py``)."""
+
+    claim: DriverStatement
+    version: DriverStatement
+    is_processed: DriverStatement
+    bump: DriverStatement
+    bump_metadata: DriverStatement
+    delete_message: DriverStatement
+    insert_messages: DriverStatement
 
 
 @dataclass
@@ -254,7 +271,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._mark = self.support.upsert_processed(_processed)
         self._purge = self.support.purge_processed(_processed, _PURGE_BATCH)
         self._lock_version = self.support.lock_session_row(_SELECT_VERSION)
+        self._hot = self._hot_statements(engine.dialect)
         self._aengines: tuple[Engine, Engine, Engine] | None = None
+        self._ahot: _HotStatements | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
@@ -373,6 +392,74 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if self._closed:
             raise RuntimeError("this session store is closed; open a new one")
 
+    def _hot_statements(self, dialect: Dialect) -> _HotStatements | None:
+        """The per-turn statements compiled for ``dialect`` (None: run them in Core)."""
+        if not self.support.driver_statements:
+            return None
+
+        def build(statement: Any, columns: tuple[str, ...] | None = None) -> DriverStatement:
+            return DriverStatement(statement, dialect, columns)
+
+        return _HotStatements(
+            claim=build(self._claim),
+            version=build(_SELECT_VERSION),
+            is_processed=build(_IS_PROCESSED),
+            bump=build(_BUMP_SESSION),
+            bump_metadata=build(_BUMP_SESSION_AND_METADATA),
+            delete_message=build(_DELETE_ONE_MESSAGE),
+            insert_messages=build(_INSERT_MESSAGES, _MESSAGE_COLUMNS),
+        )
+
+    def _hot_here(self) -> _HotStatements | None:
+        """The per-turn statements for the engine this thread or greenlet uses."""
+        return self._ahot if self._native_async and in_greenlet() else self._hot
+
+    def _first_row(self, statement: DriverStatement, params: dict[str, Any]) -> Any:
+        """Run one self-contained statement on the driver, in autocommit; return its first row.
+
+        The connection comes from the same pool (pre-ping, recycling and
+        invalidation apply); no SQLAlchemy ``Connection`` or transaction is
+        built around it, as one statement is atomic on its own.
+        """
+        self._check_open()
+        native = self._native_async and in_greenlet()
+        engine = self._aengines[0] if native and self._aengines else self.engine
+        dialect, support = engine.dialect, self.support
+        with self._guard():
+            raw = engine.raw_connection()
+            try:
+                dbapi_connection = raw.dbapi_connection
+                support.driver_autocommit(dialect, dbapi_connection, True)
+                with translate_driver_errors(dialect, dbapi_connection, statement, raw.invalidate):
+                    cursor = statement.execute(raw.cursor(), params)
+                    row = cursor.fetchone()
+                    cursor.close()
+                    support.driver_autocommit(dialect, dbapi_connection, False)
+                return row
+            finally:
+                raw.close()
+
+    def _run_in(
+        self,
+        conn: Connection,
+        statement: DriverStatement,
+        params: dict[str, Any] | list[dict[str, Any]],
+    ) -> int:
+        """Run a per-turn statement inside ``conn``'s transaction on its DBAPI cursor.
+
+        A list of parameter sets runs as one ``executemany``. Returns the rowcount.
+        """
+        dbapi_connection = conn.connection.dbapi_connection
+        with translate_driver_errors(conn.dialect, dbapi_connection, statement, conn.invalidate):
+            cursor = conn.connection.cursor()
+            if isinstance(params, list):
+                statement.executemany(cursor, params)
+            else:
+                statement.execute(cursor, params)
+            count = int(cursor.rowcount)
+            cursor.close()
+        return count
+
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop.
 
@@ -410,6 +497,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 facade = self._aengine.sync_engine
                 self.support.prepare_engine(facade)
                 self._aengines = self._engine_modes(facade)
+                self._ahot = self._hot_statements(facade.dialect)
             self._aloop = loop
             engine = self._aengine
         if stale:
@@ -496,8 +584,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _refresh(self, ctx: SessionContext) -> bool:
         """Catch ``ctx`` up with the database; False if its session is gone."""
-        with self._transaction(single=True) as conn:
-            version = conn.execute(_SELECT_VERSION, {"session_id": ctx.session_id}).scalar()
+        version = self._read_version(ctx.session_id)
         if version is None:
             self._forget(ctx.session_id)
             return False
@@ -515,6 +602,17 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._install(ctx, stored, agent)
             ctx._verified_at = time.monotonic()
         return True
+
+    def _read_version(self, session_id: str) -> int | None:
+        """The session's committed version (one autocommit statement), None if it is gone."""
+        params = {"session_id": session_id}
+        hot = self._hot_here()
+        if hot is not None:
+            row = self._first_row(hot.version, params)
+            return None if row is None else int(row[0])
+        with self._transaction(single=True) as conn:
+            value = conn.execute(_SELECT_VERSION, params).scalar()
+        return None if value is None else int(value)
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
@@ -623,10 +721,12 @@ class SQLAlchemySessionStore(BaseSessionStore):
     def is_message_processed(self, message_id: str) -> bool:
         """True if ``message_id`` was claimed within the dedup TTL."""
         _validate_message_id(message_id)
-        cutoff = utcnow() - self._dedup_ttl
+        params = {"message_id": message_id, "cutoff": utcnow() - self._dedup_ttl}
+        hot = self._hot_here()
+        if hot is not None:
+            return self._first_row(hot.is_processed, params) is not None
         with self._transaction(single=True) as conn:
-            row = conn.execute(_IS_PROCESSED, {"message_id": message_id, "cutoff": cutoff})
-            return row.first() is not None
+            return conn.execute(_IS_PROCESSED, params).first() is not None
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now (check-then-mark; prefer the atomic claim)."""
@@ -648,9 +748,12 @@ class SQLAlchemySessionStore(BaseSessionStore):
         _validate_message_id(message_id)
         now = utcnow()
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
-        with self._transaction(single=True) as conn:  # one statement decides, atomically
-            result = conn.execute(self._claim, params)
-            claimed = self.support.claimed(result)
+        hot = self._hot_here()
+        if hot is not None:  # one statement decides, atomically
+            claimed = self._first_row(hot.claim, params) is not None
+        else:
+            with self._transaction(single=True) as conn:
+                claimed = self.support.claimed(conn.execute(self._claim, params))
         if now - self._last_purge >= _PURGE_INTERVAL:
             self._last_purge = now
             self._purge_batch(now - self._dedup_ttl)
@@ -707,12 +810,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
         assert durable is not None
         current = set(ctx._seqs)
         gone = durable.seqs - current
-        if gone:
-            if current:
-                params = {"session_id": session_id, "seqs": sorted(gone)}
-                conn.execute(_DELETE_SOME_MESSAGES, params)
-            else:
-                conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
+        hot = self._hot_here()
+        if gone and not current:
+            conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
+        elif gone and hot is not None:
+            rows = [{"session_id": session_id, "seq": seq} for seq in sorted(gone)]
+            self._run_in(conn, hot.delete_message, rows)
+        elif gone:
+            conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
         new_rows = [
             {
                 "session_id": session_id,
@@ -724,7 +829,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
             }
             for seq, message in ctx._pending_messages()
         ]
-        if new_rows:
+        if new_rows and hot is not None:
+            self._run_in(conn, hot.insert_messages, new_rows)
+        elif new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
         ctx._durable = DurableState(
             version=durable.version + 1,
@@ -744,10 +851,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
             "agent_name": ctx.active_agent.name,
             "now": now,
         }
-        statement = _BUMP_SESSION
-        if dump_metadata(ctx._metadata) != durable.metadata_json:
-            statement = _BUMP_SESSION_AND_METADATA
+        with_metadata = dump_metadata(ctx._metadata) != durable.metadata_json
+        if with_metadata:
             params["metadata"] = dict(ctx._metadata)
+        hot = self._hot_here()
+        if hot is not None:
+            return self._run_in(conn, hot.bump_metadata if with_metadata else hot.bump, params) == 1
+        statement = _BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION
         return conn.execute(statement, params).rowcount == 1
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:

@@ -143,6 +143,7 @@ class PostgresDialectSupport(DialectSupport):
 
     name = "postgresql"
     cross_process_turn_lock = True
+    driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pre-pinged pool, so connections killed by a server restart are replaced."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import URL, Connection, Engine, event, make_url
+from sqlalchemy import URL, Connection, Dialect, Engine, event, make_url
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
@@ -61,6 +61,7 @@ class SQLiteDialectSupport(DialectSupport):
 
     name = "sqlite"
     cross_process_turn_lock = False
+    driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A shared single connection in memory; a small pool of connections on disk."""
@@ -71,6 +72,9 @@ class SQLiteDialectSupport(DialectSupport):
     def autocommit_options(self) -> dict[str, Any]:
         """The connection already runs in autocommit mode; the begin hook skips BEGIN."""
         return {"chatflow_autocommit": True}
+
+    def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
+        """Nothing to switch: pysqlite runs in autocommit mode and BEGIN is ours to send."""
 
     def is_ephemeral(self, url: URL) -> bool:
         """See :func:`is_ephemeral_sqlite`."""
