@@ -11,7 +11,13 @@ from benchmarks.stores.chatflow import (
     UpstreamMemory,
     UpstreamSQLite,
 )
-from benchmarks.stores.floors import RawMemory, RawPostgres, RawSQLite, RawSQLiteMemory
+from benchmarks.stores.floors import (
+    RawMemory,
+    RawPostgres,
+    RawSQLite,
+    RawSQLiteHop,
+    RawSQLiteMemory,
+)
 from benchmarks.stores.openai import (
     OpenAISQLAlchemyPostgres,
     OpenAISQLAlchemySQLite,
@@ -24,6 +30,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     cls.name: cls
     for cls in (
         RawSQLite,
+        RawSQLiteHop,
         OursSQLite,
         UpstreamSQLite,
         OpenAISQLite,

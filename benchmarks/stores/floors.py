@@ -6,6 +6,9 @@ the four messages (serialised with ``Message.model_dump_json`` like every
 chatflow store), and the window prune as one ``DELETE``. The driver's own
 I/O runs directly on the event loop: no thread hop, no ORM, no pool. The
 window the Runner reads is kept in memory, as a store's context would.
+
+``raw-sqlite-hop`` is not a floor: the SQLite floor plus the one thread hop
+per turn that the 0.4.0rc1 contract imposes on on-disk stores.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sqlite3
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -25,10 +29,12 @@ from benchmarks.pg import libpq_url, schema_connect_args
 from benchmarks.stores.base import Adapter, Target
 from benchmarks.workload import Tag, TurnRef, build_messages, message_tag
 
-__all__ = ["RawMemory", "RawPostgres", "RawSQLite", "RawSQLiteMemory"]
+__all__ = ["RawMemory", "RawPostgres", "RawSQLite", "RawSQLiteHop", "RawSQLiteMemory"]
 
 TTL = timedelta(hours=192)
 PRUNE_OFFSET = MAX_TURNS - 1
+BLOCKING_IO_WORKERS = 4
+"""Threads of ``raw-sqlite-hop``'s private pool (``_BLOCKING_IO_WORKERS`` of the store)."""
 
 SQLITE_DDL = (
     """CREATE TABLE IF NOT EXISTS sessions (
@@ -120,8 +126,9 @@ class RawSQLite(Adapter):
         cls._connect(target.path or "").close()
 
     @staticmethod
-    def _connect(database: str) -> sqlite3.Connection:
-        conn = sqlite3.connect(database, isolation_level=None, timeout=30)
+    def _connect(database: str, check_same_thread: bool = True) -> sqlite3.Connection:
+        conn = sqlite3.connect(database, isolation_level=None, timeout=30,
+                               check_same_thread=check_same_thread)
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA busy_timeout = 30000")
         if database != ":memory:":
@@ -178,6 +185,44 @@ class RawSQLite(Adapter):
     async def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
+
+class RawSQLiteHop(RawSQLite):
+    """The SQLite floor with each turn's transaction run on a private pool of 4 threads.
+
+    Not a floor: what the 0.4.0rc1 contract (on-disk stores dispatch their
+    blocking I/O with ``run_in_executor`` to ``_BLOCKING_IO_WORKERS = 4``
+    threads) costs on top of ``raw-sqlite``, which runs the same SQL on the
+    loop. The one connection is shared by the pool's threads: safe because a
+    process runs one turn at a time, as every store under test here does.
+    """
+
+    name = "raw-sqlite-hop"
+    floor = False
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.pool: ThreadPoolExecutor | None = None
+
+    async def open(self) -> None:
+        self.conn = self._connect(self.database or self.target.path or "",
+                                  check_same_thread=False)
+        self.pool = ThreadPoolExecutor(max_workers=BLOCKING_IO_WORKERS,
+                                       thread_name_prefix="raw-sqlite-hop")
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        loop = asyncio.get_running_loop()
+        async with self.windows.locks[ref.session_id]:
+            _checkpoint = len(self.windows.turns[ref.session_id])
+            if not await loop.run_in_executor(self.pool, self._write, ref, payload):
+                return False
+            self.windows.turns[ref.session_id].append(payload)
+        return True
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        await super().close()
 
 
 class RawSQLiteMemory(RawSQLite):
