@@ -121,3 +121,53 @@ def test_missing_database_is_a_clear_error(pg_url: str) -> None:
         PostgresSessionStore(url.render_as_string(hide_password=False))
     assert url.database in str(caught.value)
     assert "pw-x1" not in str(caught.value)
+
+
+def _terminate_backends(dsn: str, application_name: str) -> int:
+    """Kill every server connection opened under ``application_name``."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        rows = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchall()
+    return len(rows)
+
+
+def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
+    pg_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections idle past IDLE_PING_SECONDS are checked on checkout; busy ones are not."""
+    from chatflow_sqlalchemy import dialect
+
+    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.2)
+    app = f"idle-ping-{schema[-12:]}"
+    options = {"connect_args": {"options": f"-csearch_path={schema}", "application_name": app}}
+    store = PostgresSessionStore(pg_url, **options)
+    pings: list[int] = []
+    original = store.engine.dialect.do_ping
+
+    def counting_ping(dbapi_connection: object) -> bool:
+        pings.append(1)
+        return original(dbapi_connection)
+
+    monkeypatch.setattr(store.engine.dialect, "do_ping", counting_ping)
+    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        session = store.get_or_create("idle", Agent(name="Bot", instructions=""))
+        session.add_message(Message(role=Role.USER, content="one"))
+        assert store.record_processed_message("idle-1")
+        assert pings == []  # connections used moments ago are not pinged
+        assert _terminate_backends(dsn, app) >= 1
+        time.sleep(0.3)
+        session.add_message(Message(role=Role.MODEL, content="two"))
+        assert store.record_processed_message("idle-2")
+        assert pings, "an idle connection was used without a ping"
+    finally:
+        store.close()
+    with PostgresSessionStore(pg_url, **options) as fresh:
+        reloaded = fresh.get("idle")
+        assert reloaded is not None
+        assert [m.content for m in reloaded.history] == ["one", "two"]
+        assert fresh.is_message_processed("idle-2")

@@ -9,6 +9,7 @@ are serialised across processes.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sqlalchemy import (
@@ -21,11 +22,16 @@ from sqlalchemy import (
     Table,
     bindparam,
     delete,
+    event,
     select,
 )
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
 
-__all__ = ["DialectSupport"]
+__all__ = ["IDLE_PING_SECONDS", "DialectSupport", "ping_when_idle"]
+
+IDLE_PING_SECONDS = 1.0
+"""A pooled connection idle for longer than this is checked before it is used again."""
 
 
 class DialectSupport:
@@ -140,3 +146,34 @@ class DialectSupport:
 
     def end_migration(self, connection: Connection) -> None:
         """Undo :meth:`begin_migration` after the migration transaction ended."""
+
+
+def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
+    """Check pooled connections before use, only those idle for over ``idle_seconds``.
+
+    ``idle_seconds`` defaults to :data:`IDLE_PING_SECONDS`.
+    ``pool_pre_ping`` costs a round trip on every checkout, several per turn.
+    A connection that was fine moments ago is almost always still fine, and a
+    server restart or failover takes longer than a second, so every
+    connection that sat through it is pinged and, if dead, replaced before
+    use (a :class:`~sqlalchemy.exc.DisconnectionError` from the checkout
+    event makes the pool open a fresh one). A connection lost within the
+    window fails one operation with a disconnect error, which invalidates it.
+    """
+    dialect = engine.dialect
+    window = IDLE_PING_SECONDS if idle_seconds is None else idle_seconds
+
+    @event.listens_for(engine, "checkin")
+    def _idle_from(dbapi_connection: Any, record: Any) -> None:
+        if record is not None:
+            record.info["chatflow_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get("chatflow_idle_since")
+        if since is None or time.monotonic() - since < window:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as exc:
+            raise sa_exc.DisconnectionError(f"pooled connection failed its ping: {exc}") from exc

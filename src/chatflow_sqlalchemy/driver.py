@@ -35,6 +35,7 @@ class DriverStatement:
         statement: The Core statement (named ``bindparam`` keys are its parameters).
         dialect: The dialect of the connections it will run on.
         column_keys: For an ``INSERT`` without ``values()``, the columns to bind.
+        many: Compile for :meth:`executemany`.
 
     """
 
@@ -44,12 +45,16 @@ class DriverStatement:
         self,
         statement: ClauseElement,
         dialect: Dialect,
+        *,
         column_keys: Sequence[str] | None = None,
+        many: bool = False,
     ) -> None:
         compiled = cast(
             SQLCompiler,
             statement.compile(
-                dialect=dialect, column_keys=list(column_keys) if column_keys else None
+                dialect=dialect,
+                column_keys=list(column_keys) if column_keys else None,
+                for_executemany=many,  # e.g. no implicit RETURNING of an INSERT's key
             ),
         )
         self.sql: str = compiled.string

@@ -398,7 +398,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return None
 
         def build(statement: Any, columns: tuple[str, ...] | None = None) -> DriverStatement:
-            return DriverStatement(statement, dialect, columns)
+            return DriverStatement(statement, dialect, column_keys=columns, many=bool(columns))
 
         return _HotStatements(
             claim=build(self._claim),
@@ -406,7 +406,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             is_processed=build(_IS_PROCESSED),
             bump=build(_BUMP_SESSION),
             bump_metadata=build(_BUMP_SESSION_AND_METADATA),
-            delete_message=build(_DELETE_ONE_MESSAGE),
+            delete_message=DriverStatement(_DELETE_ONE_MESSAGE, dialect, many=True),
             insert_messages=build(_INSERT_MESSAGES, _MESSAGE_COLUMNS),
         )
 

@@ -16,13 +16,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
-from sqlalchemy import URL, Connection, bindparam, make_url, text
+from sqlalchemy import URL, Connection, Engine, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
@@ -146,8 +146,16 @@ class PostgresDialectSupport(DialectSupport):
     driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
-        """A pre-pinged pool, so connections killed by a server restart are replaced."""
-        return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 10}
+        """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`)."""
+        return {"pool_size": 10, "max_overflow": 10}
+
+    def prepare_engine(self, engine: Engine) -> None:
+        """Ping connections idle for over a second, so a restarted server is survived.
+
+        Not every checkout (``pool_pre_ping``): that is a round trip per
+        statement group, several per turn. See :func:`ping_when_idle`.
+        """
+        ping_when_idle(engine)
 
     def async_url(self, url: URL) -> URL | None:
         """Async work runs natively on psycopg 3's async driver (no thread hop)."""
