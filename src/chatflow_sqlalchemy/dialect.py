@@ -10,6 +10,7 @@ are serialised across processes.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -27,6 +28,12 @@ from sqlalchemy import (
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
+
+from chatflow_sqlalchemy.driver import (
+    DriverStatement,
+    pool_distrusted_since,
+    run_driver_statement,
+)
 
 __all__ = ["IDLE_PING_SECONDS", "DialectSupport", "ping_when_idle"]
 
@@ -60,6 +67,24 @@ class DialectSupport:
     def autocommit_options(self) -> dict[str, Any]:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
         return {"isolation_level": "AUTOCOMMIT"}
+
+    pipelined_writes: bool = False
+    """True when :meth:`run_pipelined` sends its statements in one round trip."""
+
+    def run_pipelined(
+        self, connection: Connection, steps: Sequence[tuple[DriverStatement, Any]]
+    ) -> list[int]:
+        """Run driver statements in ``connection``'s transaction; return each one's rowcount.
+
+        A step's parameters are a mapping (one execution) or a list of them
+        (``executemany``). The default runs them one after the other; backends
+        whose driver pipelines (psycopg) send them together and set
+        :attr:`pipelined_writes`.
+        """
+        counts = []
+        for statement, params in steps:
+            counts.append(run_driver_statement(connection, statement, params))
+        return counts
 
     def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
         """Switch a pooled DBAPI connection into (``on``) or back out of autocommit mode.
@@ -158,7 +183,8 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     connection that sat through it is pinged and, if dead, replaced before
     use (a :class:`~sqlalchemy.exc.DisconnectionError` from the checkout
     event makes the pool open a fresh one). A connection lost within the
-    window fails one operation with a disconnect error, which invalidates it.
+    window fails one operation with a disconnect error, which invalidates it
+    and has every other pooled connection pinged before its next use.
     """
     dialect = engine.dialect
     window = IDLE_PING_SECONDS if idle_seconds is None else idle_seconds
@@ -171,7 +197,9 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     @event.listens_for(engine, "checkout")
     def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         since = record.info.get("chatflow_idle_since")
-        if since is None or time.monotonic() - since < window:
+        if since is None:
+            return  # a new connection
+        if time.monotonic() - since < window and since > pool_distrusted_since(engine.pool):
             return
         try:
             dialect.do_ping(dbapi_connection)

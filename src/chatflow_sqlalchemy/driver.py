@@ -12,17 +12,25 @@ runs through SQLAlchemy as usual.
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import Dialect
+from sqlalchemy import Connection, Dialect, Engine, Pool
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 
-__all__ = ["DriverStatement", "translate_driver_errors"]
+__all__ = [
+    "DriverStatement",
+    "distrust_pool",
+    "pool_distrusted_since",
+    "run_driver_statement",
+    "translate_driver_errors",
+]
 
 _Slot = tuple[str, Callable[[Any], Any] | None, bool, Any]
 """(parameter key, bind processor, required, value when not required)."""
@@ -94,19 +102,40 @@ def _convert(value: Any, process: Callable[[Any], Any] | None) -> Any:
     return value if process is None else process(value)
 
 
+_DISTRUSTED_SINCE: weakref.WeakKeyDictionary[Pool, float] = weakref.WeakKeyDictionary()
+
+
+def distrust_pool(pool: Pool) -> None:
+    """After a lost connection, have every connection now in ``pool`` pinged before reuse.
+
+    Core invalidates the whole pool when a statement finds the connection
+    gone (the server probably restarted); this is the same for statements
+    run on the driver, through :func:`pool_distrusted_since`, which the idle
+    ping of :func:`~chatflow_sqlalchemy.dialect.ping_when_idle` consults.
+    """
+    _DISTRUSTED_SINCE[pool] = time.monotonic()
+
+
+def pool_distrusted_since(pool: Pool) -> float:
+    """When a connection of ``pool`` was last found lost (``time.monotonic()``), or 0."""
+    return _DISTRUSTED_SINCE.get(pool, 0.0)
+
+
 @contextmanager
 def translate_driver_errors(
-    dialect: Dialect,
+    engine: Engine,
     dbapi_connection: Any,
     statement: DriverStatement,
     invalidate: Callable[[BaseException], None],
 ) -> Iterator[None]:
     """Raise DBAPI errors as SQLAlchemy's ``DBAPIError`` subclasses, as ``execute`` would.
 
-    A lost connection is invalidated (``invalidate``) so the pool replaces it,
-    and the error says so (``connection_invalidated``), which the store turns
-    into :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`.
+    A lost connection is invalidated (``invalidate``) and the rest of the
+    pool distrusted (:func:`distrust_pool`), and the error says so
+    (``connection_invalidated``), which the store turns into
+    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`.
     """
+    dialect = engine.dialect
     dbapi = dialect.loaded_dbapi
     try:
         yield
@@ -114,6 +143,7 @@ def translate_driver_errors(
         lost = dialect.is_disconnect(exc, dbapi_connection, None)
         if lost:
             invalidate(exc)
+            distrust_pool(engine.pool)
         raise sa_exc.DBAPIError.instance(
             statement.sql,
             None,
@@ -122,3 +152,26 @@ def translate_driver_errors(
             connection_invalidated=lost,
             dialect=dialect,
         ) from exc
+
+
+def run_driver_statement(
+    connection: Connection,
+    statement: DriverStatement,
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+) -> int:
+    """Run ``statement`` inside ``connection``'s transaction, on its DBAPI cursor.
+
+    A list of parameter sets runs as one ``executemany``. Returns the rowcount.
+    """
+    dbapi_connection = connection.connection.dbapi_connection
+    with translate_driver_errors(
+        connection.engine, dbapi_connection, statement, connection.invalidate
+    ):
+        cursor = connection.connection.cursor()
+        if isinstance(params, Mapping):
+            statement.execute(cursor, params)
+        else:
+            statement.executemany(cursor, params)
+        count = int(cursor.rowcount)
+        cursor.close()
+    return count

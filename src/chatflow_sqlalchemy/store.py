@@ -37,7 +37,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast, overload
 
 from chatflow_agent import Agent, BaseSessionStore, Message, Role
 from pydantic import ValidationError
@@ -46,6 +46,7 @@ from sqlalchemy import (
     Connection,
     Dialect,
     Engine,
+    Executable,
     Table,
     bindparam,
     case,
@@ -68,7 +69,11 @@ from chatflow_sqlalchemy.context import (
     validate_session_id,
 )
 from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.driver import DriverStatement, translate_driver_errors
+from chatflow_sqlalchemy.driver import (
+    DriverStatement,
+    run_driver_statement,
+    translate_driver_errors,
+)
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
     CorruptRowError,
@@ -176,6 +181,10 @@ def _validate_ttl(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"dedup_ttl_hours must be a positive number, got {value!r}")
     return float(value)
+
+
+class _VersionMoved(Exception):
+    """A pipelined write found the session moved; it is redone step by step."""
 
 
 @dataclass(frozen=True)
@@ -424,41 +433,24 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._check_open()
         native = self._native_async and in_greenlet()
         engine = self._aengines[0] if native and self._aengines else self.engine
-        dialect, support = engine.dialect, self.support
+        support = self.support
         with self._guard():
             raw = engine.raw_connection()
             try:
                 dbapi_connection = raw.dbapi_connection
-                support.driver_autocommit(dialect, dbapi_connection, True)
-                with translate_driver_errors(dialect, dbapi_connection, statement, raw.invalidate):
-                    cursor = statement.execute(raw.cursor(), params)
-                    row = cursor.fetchone()
-                    cursor.close()
-                    support.driver_autocommit(dialect, dbapi_connection, False)
+                support.driver_autocommit(engine.dialect, dbapi_connection, True)
+                try:
+                    lost = raw.invalidate
+                    with translate_driver_errors(engine, dbapi_connection, statement, lost):
+                        cursor = statement.execute(raw.cursor(), params)
+                        row = cursor.fetchone()
+                        cursor.close()
+                finally:
+                    if raw.is_valid:  # never hand a connection back in autocommit
+                        support.driver_autocommit(engine.dialect, dbapi_connection, False)
                 return row
             finally:
                 raw.close()
-
-    def _run_in(
-        self,
-        conn: Connection,
-        statement: DriverStatement,
-        params: dict[str, Any] | list[dict[str, Any]],
-    ) -> int:
-        """Run a per-turn statement inside ``conn``'s transaction on its DBAPI cursor.
-
-        A list of parameter sets runs as one ``executemany``. Returns the rowcount.
-        """
-        dbapi_connection = conn.connection.dbapi_connection
-        with translate_driver_errors(conn.dialect, dbapi_connection, statement, conn.invalidate):
-            cursor = conn.connection.cursor()
-            if isinstance(params, list):
-                statement.executemany(cursor, params)
-            else:
-                statement.execute(cursor, params)
-            count = int(cursor.rowcount)
-            cursor.close()
-        return count
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop.
@@ -783,12 +775,45 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if ctx._durable is None or not _has_changes(ctx):
                 return
             try:
-                with self._transaction(write=True) as conn:
-                    self._write_changes(conn, ctx)
+                self._write_context(ctx)
                 ctx._verified_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
                 raise
+
+    def _write_context(self, ctx: SessionContext) -> None:
+        """One write transaction; pipelined in one round trip where the backend can."""
+        hot = self._hot_here()
+        if hot is not None and self.support.pipelined_writes and ctx._seqs:
+            try:
+                with self._transaction(write=True) as conn:
+                    self._write_pipelined(conn, ctx, hot)
+                return
+            except (_VersionMoved, sa_exc.IntegrityError):
+                # Rolled back: the session moved (or was deleted, so the inserts
+                # broke its foreign key); the step-by-step write tells which.
+                pass
+        with self._transaction(write=True) as conn:
+            self._write_changes(conn, ctx)
+
+    def _write_pipelined(self, conn: Connection, ctx: SessionContext, hot: _HotStatements) -> None:
+        """Send the compare-and-swap and the message writes together, then check the swap.
+
+        If the swap missed (another writer moved the session) the statements
+        sent after it must not stand: :class:`_VersionMoved` rolls the
+        transaction back and the caller redoes the write step by step.
+        """
+        now = utcnow()
+        gone, new_rows = self._message_diff(ctx, now)
+        steps: list[tuple[DriverStatement, Any]] = [self._bump_statement(ctx, now, hot)]
+        if gone:
+            deletes = [{"session_id": ctx.session_id, "seq": seq} for seq in sorted(gone)]
+            steps.append((hot.delete_message, deletes))
+        if new_rows:
+            steps.append((hot.insert_messages, new_rows))
+        if self.support.run_pipelined(conn, steps)[0] != 1:
+            raise _VersionMoved
+        self._mark_written(ctx)
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
         """Compare-and-swap the session's version, then write the message diff.
@@ -806,21 +831,31 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._rebase(conn, ctx)
             if not self._bump_version(conn, ctx, now):
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
-        durable = ctx._durable
-        assert durable is not None
-        current = set(ctx._seqs)
-        gone = durable.seqs - current
+        gone, new_rows = self._message_diff(ctx, now)
         hot = self._hot_here()
-        if gone and not current:
+        if gone and not ctx._seqs:
             conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone and hot is not None:
             rows = [{"session_id": session_id, "seq": seq} for seq in sorted(gone)]
-            self._run_in(conn, hot.delete_message, rows)
+            run_driver_statement(conn, hot.delete_message, rows)
         elif gone:
             conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
+        if new_rows and hot is not None:
+            run_driver_statement(conn, hot.insert_messages, new_rows)
+        elif new_rows:
+            conn.execute(_INSERT_MESSAGES, new_rows)
+        self._mark_written(ctx)
+
+    def _message_diff(
+        self, ctx: SessionContext, now: datetime
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        """The seqs of rows to delete and the rows to insert since ``ctx`` was last written."""
+        durable = ctx._durable
+        assert durable is not None
+        gone = durable.seqs.difference(ctx._seqs)
         new_rows = [
             {
-                "session_id": session_id,
+                "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
                 "content": message.content,
@@ -829,19 +864,42 @@ class SQLAlchemySessionStore(BaseSessionStore):
             }
             for seq, message in ctx._pending_messages()
         ]
-        if new_rows and hot is not None:
-            self._run_in(conn, hot.insert_messages, new_rows)
-        elif new_rows:
-            conn.execute(_INSERT_MESSAGES, new_rows)
+        return gone, new_rows
+
+    @staticmethod
+    def _mark_written(ctx: SessionContext) -> None:
+        durable = ctx._durable
+        assert durable is not None
         ctx._durable = DurableState(
             version=durable.version + 1,
-            seqs=current,
+            seqs=set(ctx._seqs),
             agent_name=ctx.active_agent.name,
             metadata_json=dump_metadata(ctx._metadata),
         )
 
     def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
         """UPDATE the session row if its version is still the one ``ctx`` knows."""
+        hot = self._hot_here()
+        if hot is not None:
+            statement, params = self._bump_statement(ctx, now, hot)
+            return run_driver_statement(conn, statement, params) == 1
+        core, params = self._bump_statement(ctx, now, None)
+        return conn.execute(core, params).rowcount == 1
+
+    @overload
+    def _bump_statement(
+        self, ctx: SessionContext, now: datetime, hot: _HotStatements
+    ) -> tuple[DriverStatement, dict[str, Any]]: ...
+
+    @overload
+    def _bump_statement(
+        self, ctx: SessionContext, now: datetime, hot: None
+    ) -> tuple[Executable, dict[str, Any]]: ...
+
+    def _bump_statement(
+        self, ctx: SessionContext, now: datetime, hot: _HotStatements | None
+    ) -> tuple[Any, dict[str, Any]]:
+        """The compare-and-swap UPDATE of the session row (with metadata if it changed)."""
         durable = ctx._durable
         assert durable is not None
         params: dict[str, Any] = {
@@ -854,11 +912,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         with_metadata = dump_metadata(ctx._metadata) != durable.metadata_json
         if with_metadata:
             params["metadata"] = dict(ctx._metadata)
-        hot = self._hot_here()
         if hot is not None:
-            return self._run_in(conn, hot.bump_metadata if with_metadata else hot.bump, params) == 1
-        statement = _BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION
-        return conn.execute(statement, params).rowcount == 1
+            return (hot.bump_metadata if with_metadata else hot.bump), params
+        return (_BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION), params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
         """Another writer moved the session: replay our unsaved changes on its rows."""
@@ -893,11 +949,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if not locking and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
             return  # the Runner's get_or_create checked the version a moment ago
         delay = 0.002
-        while locking and not await self._atry_turn_lock(ctx.session_id):
+        locked_version: tuple[bool, int | None] = (False, None)
+        while locking:
+            acquired, locked_version = await self._atry_turn_lock_reading_version(ctx.session_id)
+            if acquired:
+                break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.005)  # a freed lock is noticed within 5 ms
         try:
-            if locking and await self._alocked_version_matches(ctx):
+            if locking and self._locked_version_matches(ctx, *locked_version):
                 return
             if not await self._run_blocking(self._refresh, ctx):
                 raise SessionDeletedError(ctx.session_id)
@@ -906,9 +966,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 await self._arelease_turn_lock(ctx.session_id)
             raise
 
-    async def _alocked_version_matches(self, ctx: SessionContext) -> bool:
+    def _locked_version_matches(
+        self, ctx: SessionContext, known: bool, version: int | None
+    ) -> bool:
         """True if the version read with the turn lock held equals the one ``ctx`` knows."""
-        known, version = await self._alocked_version(ctx.session_id)
         if not known:
             return False
         if version is None:
@@ -939,6 +1000,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
     async def _arelease_turn_lock(self, session_id: str) -> None:
         """Release what :meth:`_atry_turn_lock` took."""
         raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
+
+    async def _atry_turn_lock_reading_version(
+        self, session_id: str
+    ) -> tuple[bool, tuple[bool, int | None]]:
+        """Try the turn lock and, if taken, read the version: ``(taken, (known, version))``.
+
+        The default makes two calls; a backend that can send both at once
+        (PostgreSQL pipelines them on its lock connection) overrides it.
+        """
+        if not await self._atry_turn_lock(session_id):
+            return False, (False, None)
+        return True, await self._alocked_version(session_id)
 
     async def _alocked_version(self, session_id: str) -> tuple[bool, int | None]:
         """Optional: ``(True, version or None)`` read cheaply while the turn lock is held.

@@ -1,0 +1,348 @@
+"""The driver path (``driver.py``): per-turn statements run on the DBAPI cursor.
+
+They must send what SQLAlchemy would send, raise what it would raise, recover
+from lost connections as it would, and write values that read back unchanged;
+a dialect without driver statements must still work through Core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, suppress
+from dataclasses import fields
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, cast
+
+import psycopg
+import pytest
+from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
+from sqlalchemy import Table, event, make_url, select
+from sqlalchemy import exc as sa_exc
+
+from chatflow_sqlalchemy import (
+    DatabaseUnavailableError,
+    PostgresSessionStore,
+    SQLAlchemySessionStore,
+    SQLiteSessionStore,
+)
+from chatflow_sqlalchemy import store as store_module
+from chatflow_sqlalchemy.backends.sqlite import SQLiteDialectSupport
+from chatflow_sqlalchemy.driver import translate_driver_errors
+from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowProcessedMessage, ChatflowSession
+
+from . import pg_util
+
+Opener = Callable[[], SQLAlchemySessionStore]
+
+TRIAGE = Agent(name="Triage", instructions="")
+BILLING = Agent(name="Billing", instructions="")
+NOW = datetime(2024, 5, 17, 14, 3, 9, 123456, tzinfo=timezone(timedelta(hours=2)))  # not UTC
+CART = {"items": [1, 2.5, None, True], "note": "olá ✓"}
+HOT = [field.name for field in fields(store_module._HotStatements)]
+
+
+def _pg_store(url: str, schema: str, **options: Any) -> PostgresSessionStore:
+    """A store in ``schema``; its connections are named after it (to find them to kill)."""
+    connect_args = {**pg_util.schema_connect_args(schema), "application_name": schema}
+    return PostgresSessionStore(url, connect_args=connect_args, **options)
+
+
+@pytest.fixture
+def pg_url() -> str:
+    return pg_util.postgres_url()
+
+
+@pytest.fixture
+def pg_schema(pg_url: str) -> Iterator[str]:
+    with pg_util.fresh_schema(pg_url) as schema:
+        yield schema
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Opens a new store instance on one database per call; closes them all after."""
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            def open_one() -> SQLAlchemySessionStore:
+                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db"))
+        else:
+            url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
+
+            def open_one() -> SQLAlchemySessionStore:
+                return stack.enter_context(_pg_store(url, schema))
+        yield open_one
+
+
+def _message_row(seq: int, content: str | None) -> dict[str, Any]:
+    message_json = Message(role=Role.USER, content=content).model_dump_json()
+    return {"session_id": "s", "seq": seq, "role": "user", "content": content,
+            "message_json": message_json, "created_at": NOW}
+
+
+def _cases(store: SQLAlchemySessionStore) -> dict[str, tuple[Any, Any]]:
+    """Each hot statement's Core statement and parameters (a list runs as executemany).
+
+    A hot statement added to the store without a case here fails its parity test.
+    """
+    cutoff, st = NOW - timedelta(hours=192), store_module
+    bump = {"sid": "s", "expected": 0, "new_version": 1, "agent_name": "Billing", "now": NOW}
+    return {
+        "claim": (store._claim, {"message_id": "m-1", "processed_at": NOW, "cutoff": cutoff}),
+        "version": (st._SELECT_VERSION, {"session_id": "s"}),
+        "is_processed": (st._IS_PROCESSED, {"message_id": "m-1", "cutoff": cutoff}),
+        "bump": (st._BUMP_SESSION, bump),
+        "bump_metadata": (st._BUMP_SESSION_AND_METADATA, {**bump, "metadata": {"cart": CART}}),
+        "delete_message": (st._DELETE_ONE_MESSAGE, [{"session_id": "s", "seq": s} for s in (1, 2)]),
+        "insert_messages": (st._INSERT_MESSAGES, [_message_row(1, "oi"), _message_row(2, None)]),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """Comparable DBAPI parameters: psycopg's Json wrappers unwrapped, datetimes with zone."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, datetime):
+        return value, value.tzinfo
+    if hasattr(value, "obj") and hasattr(value, "dumps"):
+        return type(value).__name__, _plain(value.obj), value.dumps
+    return value
+
+
+@pytest.mark.parametrize("name", HOT)
+def test_driver_statement_sends_what_sqlalchemy_sends(opener: Opener, name: str) -> None:
+    """Same SQL and DBAPI parameters as SQLAlchemy executing the Core statement, same dialect."""
+    store = opener()
+    store.get_or_create("s", TRIAGE)
+    statement, params = _cases(store)[name]
+    sent: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, sql: str, parameters: Any, *_: Any) -> None:
+        sent.append((sql, parameters))
+
+    event.listen(store.engine, "before_cursor_execute", capture)
+    try:
+        with store.engine.connect() as conn:
+            conn.execute(statement, params)
+            conn.rollback()
+    finally:
+        event.remove(store.engine, "before_cursor_execute", capture)
+    assert store._hot is not None and sent
+    driver = getattr(store._hot, name)
+    mine = ([driver.parameters(row) for row in params] if isinstance(params, list)
+            else driver.parameters(params))
+    assert driver.sql == sent[-1][0]
+    assert _plain(mine) == _plain(sent[-1][1])
+
+
+def _write_turns(store: SQLAlchemySessionStore) -> list[Message]:
+    """A turn outside the lock, then a pruning one inside it (handoff, metadata); its messages."""
+    session = store.get_or_create("chat", TRIAGE, metadata={"lang": "pt-BR"})
+    session.add_message(Message(role=Role.USER, content="oi"))
+    session.add_message(Message(role=Role.MODEL, content="olá"))
+    session.max_turns = 1  # the next turn prunes the first one (its rows are deleted)
+    turn = [
+        Message(role=Role.USER, content="meu pedido?", timestamp=NOW),
+        Message(role=Role.MODEL, tool_calls=[ToolCall(id="c1", name="lookup", args={"n": 7})]),
+        Message(role=Role.TOOL, tool_results=[ToolResult(tool_call_id="c1", name="lookup",
+                                                         content={"status": "paid"})]),
+        Message(role=Role.MODEL, content="pago ✓"),
+    ]
+
+    async def run() -> None:
+        async with session.lock:
+            for message in turn:
+                session.add_message(message)
+            session.metadata["cart"] = CART
+            session.set_active_agent(BILLING)
+
+    asyncio.run(run())
+    session.metadata["stage"] = "paid"  # outside the lock: a metadata-only write
+    return turn
+
+
+def _check_reloaded(store: SQLAlchemySessionStore, turn: list[Message]) -> None:
+    store.set_agent_resolver({"Billing": BILLING}.get)
+    reloaded = store.get("chat")
+    assert reloaded is not None
+    assert [m.model_dump_json() for m in reloaded.history] == [m.model_dump_json() for m in turn]
+    assert reloaded.active_agent.name == "Billing"
+    assert reloaded.metadata == {"lang": "pt-BR", "cart": CART, "stage": "paid"}
+    assert store.is_message_processed("wamid-1")
+    assert not store.record_processed_message("wamid-1")
+
+
+def test_turn_round_trips_through_a_fresh_store(opener: Opener) -> None:
+    """What the driver path writes reads back identically: messages, NULL, agent, JSON, UTC."""
+    store = opener()
+    assert store._hot is not None
+    core_sql: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: core_sql.append(args[2]))
+    before = datetime.now(timezone.utc)
+    turn = _write_turns(store)
+    assert store.record_processed_message("wamid-1")
+    after = datetime.now(timezone.utc)
+    hot = store._hot
+    driver_sql = {hot.claim.sql, hot.bump.sql, hot.bump_metadata.sql, hot.insert_messages.sql}
+    assert not driver_sql & set(core_sql), "the writes went through Core, not the driver"
+
+    fresh = opener()
+    _check_reloaded(fresh, turn)
+    sessions, messages, processed = (cast(Table, model.__table__) for model in (
+        ChatflowSession, ChatflowMessage, ChatflowProcessedMessage))
+    with fresh.engine.connect() as conn:
+        row = conn.execute(select(sessions)).one()
+        rows = conn.execute(select(messages).order_by(messages.c.seq)).all()
+        claimed = conn.execute(select(processed.c.processed_at)).scalar_one()
+    assert row.metadata_json == {"lang": "pt-BR", "cart": CART, "stage": "paid"}
+    assert [r.seq for r in rows] == [3, 4, 5, 6]  # the pruned turn's rows are gone
+    assert [r.content for r in rows] == [m.content for m in turn]  # None stays NULL
+    for stamp in [row.created_at, row.updated_at, claimed, *(r.created_at for r in rows)]:
+        assert stamp.utcoffset() == timedelta(0)
+        assert before <= stamp <= after
+
+
+def test_stale_context_write_rebases(opener: Opener) -> None:
+    """A context another store wrote behind: its write misses the CAS and rebases; it must not
+    collide with the other writer's rows (seq) and fail."""
+    mine, theirs = opener().get_or_create("s", TRIAGE), opener().get_or_create("s", TRIAGE)
+    theirs.add_message(Message(role=Role.USER, content="theirs"))
+    mine.add_message(Message(role=Role.USER, content="mine"))
+    reloaded = opener().get("s")
+    assert reloaded is not None and [m.content for m in reloaded.history] == ["theirs", "mine"]
+
+
+def test_integrity_error_is_the_one_sqlalchemy_raises(opener: Opener) -> None:
+    """A constraint violation on the driver: SQLAlchemy's IntegrityError, ``.orig`` the driver's."""
+    store = opener()
+    store.get_or_create("s", TRIAGE)
+    assert store._hot is not None
+    insert, rows = store._hot.insert_messages, [_message_row(1, "oi")]
+    with store.engine.begin() as conn:
+        conn.execute(store_module._INSERT_MESSAGES, rows)
+    with pytest.raises(sa_exc.DBAPIError) as core, store.engine.begin() as conn:
+        conn.execute(store_module._INSERT_MESSAGES, rows)
+    with pytest.raises(sa_exc.DBAPIError) as driver, store.engine.begin() as conn:
+        pooled = conn.connection
+        with translate_driver_errors(conn.engine, pooled.dbapi_connection, insert,
+                                     conn.invalidate):
+            insert.executemany(pooled.cursor(), rows)
+    assert type(driver.value) is type(core.value) is sa_exc.IntegrityError
+    assert type(driver.value.orig) is type(core.value.orig)
+    assert isinstance(driver.value.orig, store.engine.dialect.loaded_dbapi.IntegrityError)
+    assert driver.value.__cause__ is driver.value.orig
+    assert driver.value.statement == insert.sql and not driver.value.connection_invalidated
+    reloaded = opener().get("s")  # one row, and the store's connections are still good
+    assert reloaded is not None and [m.content for m in reloaded.history] == ["oi"]
+
+
+def _admin(pg_url: str) -> psycopg.Connection[Any]:
+    """A psycopg connection outside the store's pool, to kill the store's backends."""
+    dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return psycopg.connect(dsn, autocommit=True)
+
+
+def _terminate(admin: psycopg.Connection[Any], schema: str, pid: int | None = None) -> int:
+    """pg_terminate_backend the store's backends (or only ``pid``), waiting for them to exit."""
+    row = admin.execute(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000)) FROM pg_stat_activity"
+        " WHERE application_name = %s AND (%s::int IS NULL OR pid = %s::int)",
+        (schema, pid, pid),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _driver_call(store: SQLAlchemySessionStore, path: str) -> Callable[[str], object]:
+    if path == "claim":  # one autocommit statement on a raw pooled connection
+        return store.record_processed_message
+    session = store.get_or_create("s", TRIAGE)  # a write transaction of driver statements
+    return lambda text: session.add_message(Message(role=Role.USER, content=text))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("path", ["claim", "write"])
+def test_killed_pool_fails_at_most_one_driver_call(pg_url: str, pg_schema: str, path: str) -> None:
+    """A restart kills every pooled connection: one driver-path call may fail with
+    DatabaseUnavailableError, the next succeeds (as after a disconnect in Core)."""
+    with _pg_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
+        call = _driver_call(store, path)
+        held = [store.engine.connect() for _ in range(3)]  # three pooled connections
+        for conn in held:
+            conn.close()
+        assert _terminate(admin, pg_schema) >= 3
+        with suppress(DatabaseUnavailableError):
+            call("first")
+        call("second")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("path", ["claim", "write"])
+def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, path: str) -> None:
+    """Backend killed between checkout and statement: DatabaseUnavailableError from an
+    invalidated OperationalError, nothing written, the next call on a new connection."""
+    with _pg_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
+        call, armed = _driver_call(store, path), [True]
+
+        def kill_on_checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+            if armed:
+                armed.clear()
+                _terminate(admin, pg_schema, dbapi_connection.info.backend_pid)
+
+        event.listen(store.engine, "checkout", kill_on_checkout)
+        with pytest.raises(DatabaseUnavailableError) as caught:
+            call("lost")
+        cause = caught.value.__cause__
+        assert isinstance(cause, sa_exc.OperationalError) and cause.connection_invalidated
+        assert isinstance(cause.orig, psycopg.OperationalError)
+        call("kept")
+    with _pg_store(pg_url, pg_schema) as fresh:
+        if path == "claim":
+            assert not fresh.is_message_processed("lost") and fresh.is_message_processed("kept")
+        else:
+            assert [m.content for m in fresh.get("s").history] == ["kept"]  # type: ignore[union-attr]
+
+
+@pytest.mark.postgres
+def test_driver_error_leaves_no_autocommit_connection(pg_url: str, pg_schema: str) -> None:
+    """A failed autocommit driver statement must not put its connection back in autocommit:
+    the next write transaction on it must still roll back as a whole."""
+    with _pg_store(pg_url, pg_schema, pool_size=1, max_overflow=0) as store:
+        session = store.get_or_create("s", TRIAGE)
+        with pytest.raises(sa_exc.DataError) as caught:  # psycopg refuses NUL in text
+            store.record_processed_message("wamid\x00evil")
+        assert isinstance(caught.value.orig, psycopg.DataError)
+        with pytest.raises(sa_exc.DataError):  # the CAS bump is sent, then the insert fails
+            session.add_message(Message(role=Role.USER, content="nul \x00 inside"))
+    engine = pg_util.schema_engine(pg_url, pg_schema)
+    try:
+        with engine.connect() as conn:
+            versions = conn.execute(select(cast(Table, ChatflowSession.__table__).c.version))
+            assert list(versions.scalars()) == [0], "half a failed write transaction committed"
+    finally:
+        engine.dispose()
+
+
+class _CoreOnlySupport(SQLiteDialectSupport):
+    driver_statements = False
+
+
+class _CoreOnlySQLiteStore(SQLiteSessionStore):
+    dialect_support = _CoreOnlySupport()
+
+
+def test_dialect_without_driver_statements_runs_through_core(tmp_path: Path) -> None:
+    """driver_statements=False: no hot statements; turn, claim and check all run in Core."""
+    core_sql: list[str] = []
+    with _CoreOnlySQLiteStore(tmp_path / "x.db") as store:
+        assert store._hot is None
+        event.listen(store.engine, "before_cursor_execute", lambda *args: core_sql.append(args[2]))
+        turn = _write_turns(store)
+        assert store.record_processed_message("wamid-1")
+        assert store.is_message_processed("wamid-1")
+    assert any(sql.startswith("UPDATE chatflow_sessions") for sql in core_sql)
+    assert any(sql.startswith("INSERT INTO chatflow_processed_messages") for sql in core_sql)
+    with SQLiteSessionStore(tmp_path / "x.db") as fresh:  # a driver-path store reads it back
+        _check_reloaded(fresh, turn)
