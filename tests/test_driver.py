@@ -309,18 +309,21 @@ def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, pa
 def test_driver_error_leaves_no_autocommit_connection(pg_url: str, pg_schema: str) -> None:
     """A failed autocommit driver statement must not put its connection back in autocommit:
     the next write transaction on it must still roll back as a whole."""
-    with _pg_store(pg_url, pg_schema, pool_size=1, max_overflow=0) as store:
-        session = store.get_or_create("s", TRIAGE)
-        with pytest.raises(sa_exc.DataError) as caught:  # psycopg refuses NUL in text
-            store.record_processed_message("wamid\x00evil")
-        assert isinstance(caught.value.orig, psycopg.DataError)
-        with pytest.raises(sa_exc.DataError):  # the CAS bump is sent, then the insert fails
-            session.add_message(Message(role=Role.USER, content="nul \x00 inside"))
     engine = pg_util.schema_engine(pg_url, pg_schema)
+    versions = select(cast(Table, ChatflowSession.__table__).c.version)
     try:
+        with _pg_store(pg_url, pg_schema, pool_size=1, max_overflow=0) as store:
+            session = store.get_or_create("s", TRIAGE)
+            with engine.connect() as conn:
+                before = list(conn.execute(versions).scalars())
+            with pytest.raises(sa_exc.DataError) as caught:  # psycopg refuses NUL in text
+                store.record_processed_message("wamid\x00evil")
+            assert isinstance(caught.value.orig, psycopg.DataError)
+            with pytest.raises(sa_exc.DataError):  # the CAS bump is sent, then the insert fails
+                session.add_message(Message(role=Role.USER, content="nul \x00 inside"))
         with engine.connect() as conn:
-            versions = conn.execute(select(cast(Table, ChatflowSession.__table__).c.version))
-            assert list(versions.scalars()) == [0], "half a failed write transaction committed"
+            after = list(conn.execute(versions).scalars())
+        assert after == before, "half a failed write transaction committed"
     finally:
         engine.dispose()
 

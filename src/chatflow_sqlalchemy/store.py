@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -111,6 +112,9 @@ Only backends without a cross-process turn lock use it (to skip a second
 version check right after ``get_or_create``); their writes still compare and
 swap the version, so a stale context is rebased, never merged blindly.
 """
+
+_FIRST_VERSION_BITS = 52
+"""New sessions start at a random version below 2**52 (still exact as a float in JSON)."""
 
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
@@ -657,7 +661,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                         "session_id": session_id,
                         "active_agent_name": default_agent.name,
                         "metadata_json": metadata,
-                        "version": 0,
+                        "version": _first_version(),
                         "created_at": now,
                         "updated_at": now,
                     },
@@ -1131,6 +1135,17 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
 def _greenlet_available() -> bool:
     """SQLAlchemy's asyncio layer needs greenlet (shipped with the postgres extra)."""
     return importlib.util.find_spec("greenlet") is not None
+
+
+def _first_version() -> int:
+    """A random starting version for a new session row.
+
+    Contexts trust a session whose version equals the one they know. Were
+    every session to start at 0, one deleted and re-created elsewhere would,
+    after as many writes, show a cached context the version it expects
+    (ABA) and be taken for the old one.
+    """
+    return secrets.randbits(_FIRST_VERSION_BITS)
 
 
 def _has_changes(ctx: SessionContext) -> bool:

@@ -986,6 +986,25 @@ class TestDeletion(StoreTestBase):
         assert left == 0, "chatflow_messages rows survived their session (no ON DELETE CASCADE)"
 
     @requires(Capability.PERSISTENT)
+    def test_recreated_session_is_not_taken_for_the_deleted_one(
+        self, harness: StoreHarness
+    ) -> None:
+        """Delete + re-create elsewhere must not look unchanged to a cached context (ABA)."""
+        first: Any = harness.open()
+        second: Any = harness.open()
+        agent = Agent(name="Bot", instructions="")
+        sid = new_id()
+        first.get_or_create(sid, agent).add_message(user("old"))
+        assert second.delete(sid) is True
+        second.get_or_create(sid, agent).add_message(user("new"))
+        again = first.get_or_create(sid, agent)
+        assert [m.content for m in again.history] == ["new"]
+        again.add_message(Message(role=Role.MODEL, content="reply"))
+        reread = harness.open().get(sid)
+        assert reread is not None
+        assert [m.content for m in reread.history] == ["new", "reply"]
+
+    @requires(Capability.PERSISTENT)
     def test_delete_through_another_store_instance(self, harness: StoreHarness) -> None:
         first: Any = harness.open()
         agent = Agent(name="Bot", instructions="")
