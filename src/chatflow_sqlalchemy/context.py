@@ -26,7 +26,7 @@ import json
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -104,6 +104,8 @@ class DurableState:
     seqs: set[int]
     agent_name: str
     metadata_json: str
+    texts: dict[int, str] = field(default_factory=dict)
+    """``message_json`` of each stored row by seq: a reload parses only rows that changed."""
 
 
 class _TrackedDict(dict[str, Any]):

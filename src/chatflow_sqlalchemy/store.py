@@ -213,6 +213,7 @@ class _StoredSession:
     metadata: dict[str, Any]
     messages: list[Message]
     seqs: list[int]
+    texts: list[str]
 
 
 class SQLAlchemySessionStore(BaseSessionStore):
@@ -574,6 +575,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             seqs=set(stored.seqs),
             agent_name=stored.agent_name,
             metadata_json=dump_metadata(stored.metadata),
+            texts=dict(zip(stored.seqs, stored.texts, strict=True)),
         )
         messages, seqs = _repair_window(stored.messages, stored.seqs)
         ctx._load(messages, seqs, agent, stored.metadata, durable)
@@ -588,8 +590,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if durable is not None and durable.version == version and not ctx._stale:
             ctx._verified_at = time.monotonic()
             return True
+        with ctx._mutex:
+            known = _known_rows(ctx)
         with self._transaction() as conn:  # one snapshot of the row and its messages
-            stored = self._read_session(conn, ctx.session_id)
+            stored = self._read_session(conn, ctx.session_id, known)
         if stored is None:
             self._forget(ctx.session_id)
             return False
@@ -610,23 +614,38 @@ class SQLAlchemySessionStore(BaseSessionStore):
             value = conn.execute(_SELECT_VERSION, params).scalar()
         return None if value is None else int(value)
 
-    def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
+    def _read_session(
+        self,
+        conn: Connection,
+        session_id: str,
+        known: dict[int, tuple[str, Message]] | None = None,
+    ) -> _StoredSession | None:
+        """Read the session row and its window in ``conn``'s snapshot.
+
+        ``known`` holds rows the caller already has parsed (seq -> stored text,
+        message): a row whose text is unchanged is reused instead of parsed
+        again, so catching up after another writer costs the rows it wrote.
+        """
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
         if row is None:
             return None
         metadata = row.metadata_json
         if not isinstance(metadata, dict):
             raise CorruptRowError(session_id, "-", "metadata_json is not a JSON object")
+        known = known or {}
         messages: list[Message] = []
         seqs: list[int] = []
+        texts: list[str] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
-            try:
-                messages.append(Message.model_validate_json(msg_row.message_json))
-            except (ValidationError, ValueError, TypeError) as exc:
-                reason = str(exc).splitlines()[0]
-                raise CorruptRowError(session_id, msg_row.id, reason) from exc
-            seqs.append(msg_row.seq)
-        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs)
+            text, seq = msg_row.message_json, msg_row.seq
+            cached = known.get(seq)
+            if cached is not None and cached[0] == text:
+                messages.append(cached[1])
+            else:
+                messages.append(_parse_message(session_id, msg_row.id, text))
+            seqs.append(seq)
+            texts.append(text)
+        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs, texts)
 
     # ------------------------------------------------------------ store API
 
@@ -817,7 +836,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             steps.append((hot.insert_messages, new_rows))
         if self.support.run_pipelined(conn, steps)[0] != 1:
             raise _VersionMoved
-        self._mark_written(ctx)
+        self._mark_written(ctx, new_rows)
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
         """Compare-and-swap the session's version, then write the message diff.
@@ -848,7 +867,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             run_driver_statement(conn, hot.insert_messages, new_rows)
         elif new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
-        self._mark_written(ctx)
+        self._mark_written(ctx, new_rows)
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -871,14 +890,19 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return gone, new_rows
 
     @staticmethod
-    def _mark_written(ctx: SessionContext) -> None:
+    def _mark_written(ctx: SessionContext, new_rows: list[dict[str, Any]]) -> None:
+        """Record what the database now holds: ``ctx`` as it is, one version up."""
         durable = ctx._durable
         assert durable is not None
+        current = set(ctx._seqs)
+        texts = {seq: text for seq, text in durable.texts.items() if seq in current}
+        texts.update((row["seq"], row["message_json"]) for row in new_rows)
         ctx._durable = DurableState(
             version=durable.version + 1,
-            seqs=set(ctx._seqs),
+            seqs=current,
             agent_name=ctx.active_agent.name,
             metadata_json=dump_metadata(ctx._metadata),
+            texts=texts,
         )
 
     def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
@@ -928,7 +952,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
         our_metadata = dict(ctx._metadata)
         metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
-        stored = self._read_session(conn, ctx.session_id)
+        stored = self._read_session(conn, ctx.session_id, _known_rows(ctx))
         if stored is None:
             raise SessionDeletedError(ctx.session_id)
         agent = our_agent or self._resolve_agent(stored.agent_name, ctx.active_agent)
@@ -1135,6 +1159,26 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
 def _greenlet_available() -> bool:
     """SQLAlchemy's asyncio layer needs greenlet (shipped with the postgres extra)."""
     return importlib.util.find_spec("greenlet") is not None
+
+
+def _known_rows(ctx: SessionContext) -> dict[int, tuple[str, Message]]:
+    """The rows ``ctx`` holds parsed, as stored: seq -> (message_json, message)."""
+    durable = ctx._durable
+    if durable is None or len(ctx._seqs) != len(ctx._history):
+        return {}  # not indexed yet (history was just assigned): nothing to reuse
+    texts = durable.texts
+    return {
+        seq: (texts[seq], message)
+        for seq, message in zip(ctx._seqs, ctx._history, strict=True)
+        if seq in texts
+    }
+
+
+def _parse_message(session_id: str, row_id: object, text: str) -> Message:
+    try:
+        return Message.model_validate_json(text)
+    except (ValidationError, ValueError, TypeError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
 
 
 def _first_version() -> int:
