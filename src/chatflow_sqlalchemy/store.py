@@ -836,7 +836,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             steps.append((hot.insert_messages, new_rows))
         if self.support.run_pipelined(conn, steps)[0] != 1:
             raise _VersionMoved
-        self._mark_written(ctx, new_rows)
+        self._mark_written(ctx, gone, new_rows)
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
         """Compare-and-swap the session's version, then write the message diff.
@@ -867,7 +867,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             run_driver_statement(conn, hot.insert_messages, new_rows)
         elif new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
-        self._mark_written(ctx, new_rows)
+        self._mark_written(ctx, gone, new_rows)
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -890,16 +890,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return gone, new_rows
 
     @staticmethod
-    def _mark_written(ctx: SessionContext, new_rows: list[dict[str, Any]]) -> None:
+    def _mark_written(ctx: SessionContext, gone: set[int], new_rows: list[dict[str, Any]]) -> None:
         """Record what the database now holds: ``ctx`` as it is, one version up."""
         durable = ctx._durable
         assert durable is not None
-        current = set(ctx._seqs)
-        texts = {seq: text for seq, text in durable.texts.items() if seq in current}
-        texts.update((row["seq"], row["message_json"]) for row in new_rows)
+        texts = durable.texts.copy()
+        for seq in gone:
+            texts.pop(seq, None)
+        for row in new_rows:
+            texts[row["seq"]] = row["message_json"]
         ctx._durable = DurableState(
             version=durable.version + 1,
-            seqs=current,
+            seqs=set(texts),
             agent_name=ctx.active_agent.name,
             metadata_json=dump_metadata(ctx._metadata),
             texts=texts,
@@ -1197,7 +1199,7 @@ def _has_changes(ctx: SessionContext) -> bool:
     assert durable is not None
     if ctx.active_agent.name != durable.agent_name or len(ctx._seqs) != len(durable.seqs):
         return True
-    if any(seq not in durable.seqs for seq in ctx._seqs):
+    if any(seq not in durable.seqs for seq in reversed(ctx._seqs)):  # new ones are last
         return True
     return dump_metadata(ctx._metadata) != durable.metadata_json
 
