@@ -29,7 +29,7 @@ from chatflow_sqlalchemy import (
 )
 from chatflow_sqlalchemy import store as store_module
 from chatflow_sqlalchemy.backends.sqlite import SQLiteDialectSupport
-from chatflow_sqlalchemy.driver import translate_driver_errors
+from chatflow_sqlalchemy.driver import DriverConnection, translate_driver_errors
 from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowProcessedMessage, ChatflowSession
 
 from . import pg_util
@@ -226,10 +226,9 @@ def test_integrity_error_is_the_one_sqlalchemy_raises(opener: Opener) -> None:
     with pytest.raises(sa_exc.DBAPIError) as core, store.engine.begin() as conn:
         conn.execute(store_module._INSERT_MESSAGES, rows)
     with pytest.raises(sa_exc.DBAPIError) as driver, store.engine.begin() as conn:
-        pooled = conn.connection
-        with translate_driver_errors(conn.engine, pooled.dbapi_connection, insert,
-                                     conn.invalidate):
-            insert.executemany(pooled.cursor(), rows)
+        under = DriverConnection.under(conn)
+        with translate_driver_errors(under, insert.sql):
+            insert.executemany(under.cursor(), rows)
     assert type(driver.value) is type(core.value) is sa_exc.IntegrityError
     assert type(driver.value.orig) is type(core.value.orig)
     assert isinstance(driver.value.orig, store.engine.dialect.loaded_dbapi.IntegrityError)

@@ -17,6 +17,7 @@ from benchmarks.stores.floors import (
     RawSQLite,
     RawSQLiteHop,
     RawSQLiteMemory,
+    RawSQLiteOurs,
 )
 from benchmarks.stores.openai import (
     OpenAISQLAlchemyPostgres,
@@ -31,6 +32,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     for cls in (
         RawSQLite,
         RawSQLiteHop,
+        RawSQLiteOurs,
         OursSQLite,
         UpstreamSQLite,
         OpenAISQLite,

@@ -29,7 +29,14 @@ from benchmarks.pg import libpq_url, schema_connect_args
 from benchmarks.stores.base import Adapter, Target
 from benchmarks.workload import Tag, TurnRef, build_messages, message_tag
 
-__all__ = ["RawMemory", "RawPostgres", "RawSQLite", "RawSQLiteHop", "RawSQLiteMemory"]
+__all__ = [
+    "RawMemory",
+    "RawPostgres",
+    "RawSQLite",
+    "RawSQLiteHop",
+    "RawSQLiteMemory",
+    "RawSQLiteOurs",
+]
 
 TTL = timedelta(hours=192)
 PRUNE_OFFSET = MAX_TURNS - 1
@@ -223,6 +230,140 @@ class RawSQLiteHop(RawSQLite):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         await super().close()
+
+
+class RawSQLiteOurs(Adapter):
+    """This project's statements and transactions on raw ``sqlite3``, with the thread hop.
+
+    Not a floor: what ``ours-sqlite`` would cost with no SQLAlchemy and no
+    Python bookkeeping. On the store's own schema (created by its migrations),
+    per turn: the claim as its own autocommit statement, the version check
+    as another, then on a private pool thread one ``BEGIN IMMEDIATE``
+    transaction with the compare-and-swap of the session's version, the
+    pruned rows' ``DELETE`` by seq and the four-row ``INSERT``. The gap from
+    ``raw-sqlite-hop`` to here is what the store's structure (three
+    transactions instead of one) costs; from here to ``ours-sqlite``, what its
+    Python and SQLAlchemy layers cost.
+    """
+
+    name = "raw-sqlite-ours"
+    backend = "sqlite-file"
+    multiprocess = False
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.windows = _Windows()
+        self.conn: sqlite3.Connection | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.state: dict[str, tuple[int, int]] = {}  # session -> (version, next seq)
+
+    @classmethod
+    def prepare(cls, target: Target) -> None:
+        from chatflow_sqlalchemy import SQLiteSessionStore
+
+        SQLiteSessionStore(target.path or "", default_max_turns=MAX_TURNS).close()
+
+    async def open(self) -> None:
+        conn = sqlite3.connect(self.target.path or "", isolation_level=None, timeout=30,
+                               check_same_thread=False)
+        for pragma in ("foreign_keys = ON", "busy_timeout = 30000", "journal_mode = WAL",
+                       "synchronous = NORMAL"):
+            conn.execute(f"PRAGMA {pragma}")
+        self.conn = conn
+        self.pool = ThreadPoolExecutor(max_workers=BLOCKING_IO_WORKERS,
+                                       thread_name_prefix="raw-sqlite-ours")
+
+    def payload(self, ref: TurnRef) -> list[Message]:
+        return build_messages(ref.session_id, ref.turn)
+
+    def _claim_and_check(self, ref: TurnRef) -> bool:
+        conn = self.conn
+        assert conn is not None
+        now = datetime.now(timezone.utc)
+        stamp, cutoff = now.isoformat(), (now - TTL).isoformat()
+        if not conn.execute(OURS_SQL["claim"], (ref.webhook_id, stamp, cutoff)).fetchall():
+            return False
+        row = conn.execute(OURS_SQL["version"], (ref.session_id,)).fetchone()
+        if row is None:
+            conn.execute(OURS_SQL["create"], (ref.session_id, "Support", stamp, stamp))
+            self.state[ref.session_id] = (0, 1)
+        return True
+
+    def _write(self, ref: TurnRef, payload: list[Message], pruned: list[int]) -> None:
+        conn = self.conn
+        assert conn is not None
+        sid = ref.session_id
+        version, seq = self.state[sid]
+        stamp = datetime.now(timezone.utc).isoformat()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            bumped = conn.execute(OURS_SQL["bump"], (version + 1, stamp, sid, version))
+            if bumped.rowcount != 1:
+                raise RuntimeError(f"{sid}: version moved (one process owns its sessions)")
+            conn.executemany(OURS_SQL["delete"], [(sid, old) for old in pruned])
+            conn.executemany(OURS_SQL["insert"], [
+                (sid, seq + i, m.role.value, m.content, m.model_dump_json(), stamp)
+                for i, m in enumerate(payload)
+            ])
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self.state[sid] = (version + 1, seq + len(payload))
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        if not self._claim_and_check(ref):
+            return False
+        loop = asyncio.get_running_loop()
+        async with self.windows.locks[ref.session_id]:
+            window = self.windows.turns[ref.session_id]
+            _checkpoint = len(window)
+            first = self.state[ref.session_id][1] - len(window) * len(payload)
+            pruned = list(range(first, first + len(payload))) if len(window) == MAX_TURNS else []
+            await loop.run_in_executor(self.pool, self._write, ref, payload, pruned)
+            window.append(payload)
+        return True
+
+    async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
+        assert self.conn is not None
+        return {
+            sid: [
+                message_tag(Message.model_validate_json(row[0]))
+                for row in self.conn.execute(OURS_SQL["read"], (sid,))
+            ]
+            for sid in session_ids
+        }
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.conn is not None:
+            self.conn.close()
+
+
+OURS_SQL = {
+    "claim": (
+        "INSERT INTO chatflow_processed_messages (message_id, processed_at) VALUES (?, ?) "
+        "ON CONFLICT (message_id) DO UPDATE SET processed_at = excluded.processed_at "
+        "WHERE chatflow_processed_messages.processed_at < ? RETURNING message_id"
+    ),
+    "version": "SELECT version FROM chatflow_sessions WHERE session_id = ?",
+    "create": (
+        "INSERT INTO chatflow_sessions (session_id, active_agent_name, metadata_json, version, "
+        "created_at, updated_at) VALUES (?, ?, '{}', 0, ?, ?) ON CONFLICT DO NOTHING"
+    ),
+    "bump": (
+        "UPDATE chatflow_sessions SET version = ?, updated_at = ? "
+        "WHERE session_id = ? AND version = ?"
+    ),
+    "delete": "DELETE FROM chatflow_messages WHERE session_id = ? AND seq = ?",
+    "insert": (
+        "INSERT INTO chatflow_messages (session_id, seq, role, content, message_json, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?)"
+    ),
+    "read": "SELECT message_json FROM chatflow_messages WHERE session_id = ? ORDER BY seq",
+}
+"""The SQL ``ours-sqlite`` sends per turn (as its dialect compiles it), by hand."""
 
 
 class RawSQLiteMemory(RawSQLite):

@@ -30,6 +30,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
 
 from chatflow_sqlalchemy.driver import (
+    DriverConnection,
     DriverStatement,
     pool_distrusted_since,
     run_driver_statement,
@@ -72,19 +73,30 @@ class DialectSupport:
     """True when :meth:`run_pipelined` sends its statements in one round trip."""
 
     def run_pipelined(
-        self, connection: Connection, steps: Sequence[tuple[DriverStatement, Any]]
+        self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]
     ) -> list[int]:
-        """Run driver statements in ``connection``'s transaction; return each one's rowcount.
+        """Run a write's driver statements in one transaction; return each one's rowcount.
 
-        A step's parameters are a mapping (one execution) or a list of them
-        (``executemany``). The default runs them one after the other; backends
-        whose driver pipelines (psycopg) send them together and set
-        :attr:`pipelined_writes`.
+        The first step is the compare-and-swap of the session row; a step's
+        parameters are a mapping (one execution) or a list of them
+        (``executemany``). The default runs them one after the other and
+        stops when the swap matched nothing (the caller then rolls back).
+        Backends whose driver pipelines (psycopg) send them all together and
+        set :attr:`pipelined_writes`.
         """
-        counts = []
+        counts: list[int] = []
         for statement, params in steps:
             counts.append(run_driver_statement(connection, statement, params))
+            if counts[0] != 1:
+                break
         return counts
+
+    def driver_begin(self, dbapi_connection: Any) -> None:
+        """Start a write transaction on a pooled DBAPI connection (driver path).
+
+        The default does nothing: PEP 249 drivers begin implicitly with the
+        first statement.
+        """
 
     def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
         """Switch a pooled DBAPI connection into (``on``) or back out of autocommit mode.

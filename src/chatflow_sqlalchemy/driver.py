@@ -18,19 +18,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import Connection, Dialect, Engine, Pool
+from sqlalchemy import Connection, Dialect, Engine, Pool, PoolProxiedConnection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 
 __all__ = [
+    "DriverConnection",
     "DriverStatement",
     "distrust_pool",
     "pool_distrusted_since",
     "run_driver_statement",
     "translate_driver_errors",
 ]
+
+_UNSET = object()
 
 _Slot = tuple[str, Callable[[Any], Any] | None, bool, Any]
 """(parameter key, bind processor, required, value when not required)."""
@@ -73,21 +76,39 @@ class DriverStatement:
 
     def parameters(self, params: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         """The DBAPI parameters for ``params`` (keyed like the Core statement's)."""
-        values = [
-            _convert(params[key] if required else params.get(key, value), process)
-            for key, process, required, value in self._slots
-        ]
-        return tuple(values) if self._names is None else dict(zip(self._names, values, strict=True))
+        converted: tuple[Any, ...] | dict[str, Any] = self._rows([params])[0]
+        return converted
 
     def execute(self, cursor: Any, params: Mapping[str, Any]) -> Any:
         """Execute once on a DBAPI cursor; return the cursor."""
-        cursor.execute(self.sql, self.parameters(params))
+        cursor.execute(self.sql, self._rows([params])[0])
         return cursor
 
     def executemany(self, cursor: Any, rows: Sequence[Mapping[str, Any]]) -> Any:
         """Execute once per row on a DBAPI cursor (one ``executemany``)."""
-        cursor.executemany(self.sql, [self.parameters(row) for row in rows])
+        cursor.executemany(self.sql, self._rows(rows))
         return cursor
+
+    def _rows(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        # A value repeated across rows (the write's one timestamp) is converted once.
+        slots, names = self._slots, self._names
+        last_in: list[Any] = [_UNSET] * len(slots)
+        last_out: list[Any] = [None] * len(slots)
+        converted: list[Any] = []
+        for params in rows:
+            values = []
+            for index, (key, process, required, default) in enumerate(slots):
+                value = params[key] if required else params.get(key, default)
+                if process is not None:
+                    if value is not last_in[index]:
+                        last_in[index], last_out[index] = value, process(value)
+                    value = last_out[index]
+                values.append(value)
+            if names is None:
+                converted.append(tuple(values))
+            else:
+                converted.append(dict(zip(names, values, strict=True)))
+        return converted
 
     def __repr__(self) -> str:
         return f"<DriverStatement {self.sql!r}>"
@@ -96,10 +117,6 @@ class DriverStatement:
 def _slot(bind: BindParameter[Any], dialect: Dialect) -> _Slot:
     process = bind.type.dialect_impl(dialect).bind_processor(dialect)
     return bind.key, process, bool(bind.required), bind.effective_value
-
-
-def _convert(value: Any, process: Callable[[Any], Any] | None) -> Any:
-    return value if process is None else process(value)
 
 
 _DISTRUSTED_SINCE: weakref.WeakKeyDictionary[Pool, float] = weakref.WeakKeyDictionary()
@@ -121,53 +138,98 @@ def pool_distrusted_since(pool: Pool) -> float:
     return _DISTRUSTED_SINCE.get(pool, 0.0)
 
 
+class DriverConnection:
+    """A pooled DBAPI connection as the driver path uses it, with its engine.
+
+    Either checked out on its own (:meth:`checkout`, for the store's
+    per-turn work: no SQLAlchemy ``Connection`` around it) or the one under
+    a SQLAlchemy ``Connection`` (:meth:`under`, inside its transaction).
+    """
+
+    __slots__ = ("_invalidate", "engine", "pooled")
+
+    def __init__(
+        self,
+        engine: Engine,
+        pooled: PoolProxiedConnection,
+        invalidate: Callable[[BaseException], None],
+    ) -> None:
+        self.engine = engine
+        self.pooled = pooled
+        self._invalidate = invalidate
+
+    @classmethod
+    def checkout(cls, engine: Engine) -> DriverConnection:
+        """Check a connection out of ``engine``'s pool (close it with :meth:`close`)."""
+        pooled = engine.raw_connection()
+        return cls(engine, pooled, pooled.invalidate)
+
+    @classmethod
+    def under(cls, connection: Connection) -> DriverConnection:
+        """The DBAPI connection of a SQLAlchemy ``Connection`` (which stays in charge)."""
+        return cls(connection.engine, connection.connection, connection.invalidate)
+
+    @property
+    def dbapi_connection(self) -> Any:
+        """The DBAPI connection (SQLAlchemy's adapter on async drivers)."""
+        return self.pooled.dbapi_connection
+
+    @property
+    def driver_connection(self) -> Any:
+        """The driver's own connection object (e.g. a psycopg ``AsyncConnection``)."""
+        return self.pooled.driver_connection
+
+    @property
+    def is_valid(self) -> bool:
+        """False once the connection was found lost and invalidated."""
+        return bool(self.pooled.is_valid)
+
+    def cursor(self) -> Any:
+        """A new DBAPI cursor."""
+        return self.pooled.cursor()
+
+    def invalidate(self, exc: BaseException) -> None:
+        """Discard the connection (it was lost) and distrust the rest of its pool."""
+        self._invalidate(exc)
+        distrust_pool(self.engine.pool)
+
+    def close(self) -> None:
+        """Return a :meth:`checkout` connection to the pool."""
+        self.pooled.close()
+
+
 @contextmanager
-def translate_driver_errors(
-    engine: Engine,
-    dbapi_connection: Any,
-    statement: DriverStatement,
-    invalidate: Callable[[BaseException], None],
-) -> Iterator[None]:
+def translate_driver_errors(connection: DriverConnection, sql: str) -> Iterator[None]:
     """Raise DBAPI errors as SQLAlchemy's ``DBAPIError`` subclasses, as ``execute`` would.
 
-    A lost connection is invalidated (``invalidate``) and the rest of the
-    pool distrusted (:func:`distrust_pool`), and the error says so
-    (``connection_invalidated``), which the store turns into
-    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`.
+    A lost connection is invalidated (and the rest of the pool distrusted),
+    and the error says so (``connection_invalidated``), which the store turns
+    into :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`.
     """
-    dialect = engine.dialect
+    dialect = connection.engine.dialect
     dbapi = dialect.loaded_dbapi
     try:
         yield
     except dbapi.Error as exc:
-        lost = dialect.is_disconnect(exc, dbapi_connection, None)
+        lost = dialect.is_disconnect(exc, connection.dbapi_connection, None)
         if lost:
-            invalidate(exc)
-            distrust_pool(engine.pool)
+            connection.invalidate(exc)
         raise sa_exc.DBAPIError.instance(
-            statement.sql,
-            None,
-            exc,
-            dbapi.Error,
-            connection_invalidated=lost,
-            dialect=dialect,
+            sql, None, exc, dbapi.Error, connection_invalidated=lost, dialect=dialect
         ) from exc
 
 
 def run_driver_statement(
-    connection: Connection,
+    connection: DriverConnection,
     statement: DriverStatement,
     params: Mapping[str, Any] | Sequence[Mapping[str, Any]],
 ) -> int:
-    """Run ``statement`` inside ``connection``'s transaction, on its DBAPI cursor.
+    """Run ``statement`` in the connection's current transaction; return the rowcount.
 
-    A list of parameter sets runs as one ``executemany``. Returns the rowcount.
+    A list of parameter sets runs as one ``executemany``.
     """
-    dbapi_connection = connection.connection.dbapi_connection
-    with translate_driver_errors(
-        connection.engine, dbapi_connection, statement, connection.invalidate
-    ):
-        cursor = connection.connection.cursor()
+    with translate_driver_errors(connection, statement.sql):
+        cursor = connection.cursor()
         if isinstance(params, Mapping):
             statement.execute(cursor, params)
         else:

@@ -34,7 +34,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -71,6 +71,7 @@ from chatflow_sqlalchemy.context import (
 )
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.driver import (
+    DriverConnection,
     DriverStatement,
     run_driver_statement,
     translate_driver_errors,
@@ -428,34 +429,56 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """The per-turn statements for the engine this thread or greenlet uses."""
         return self._ahot if self._native_async and in_greenlet() else self._hot
 
-    def _first_row(self, statement: DriverStatement, params: dict[str, Any]) -> Any:
-        """Run one self-contained statement on the driver, in autocommit; return its first row.
+    @contextmanager
+    def _driver_connection(self) -> Iterator[DriverConnection]:
+        """A pooled connection for the driver path, on the engine this thread or greenlet uses.
 
-        The connection comes from the same pool (pre-ping, recycling and
-        invalidation apply); no SQLAlchemy ``Connection`` or transaction is
-        built around it, as one statement is atomic on its own.
+        It comes from the same pool as everything else (idle pings,
+        recycling and invalidation apply); no SQLAlchemy ``Connection`` is
+        built around it.
         """
         self._check_open()
         native = self._native_async and in_greenlet()
         engine = self._aengines[0] if native and self._aengines else self.engine
-        support = self.support
         with self._guard():
-            raw = engine.raw_connection()
+            connection = DriverConnection.checkout(engine)
             try:
-                dbapi_connection = raw.dbapi_connection
-                support.driver_autocommit(engine.dialect, dbapi_connection, True)
-                try:
-                    lost = raw.invalidate
-                    with translate_driver_errors(engine, dbapi_connection, statement, lost):
-                        cursor = statement.execute(raw.cursor(), params)
-                        row = cursor.fetchone()
-                        cursor.close()
-                finally:
-                    if raw.is_valid:  # never hand a connection back in autocommit
-                        support.driver_autocommit(engine.dialect, dbapi_connection, False)
-                return row
+                yield connection
             finally:
-                raw.close()
+                connection.close()
+
+    def _first_row(self, statement: DriverStatement, params: dict[str, Any]) -> Any:
+        """Run one self-contained statement on the driver, in autocommit; return its first row."""
+        support = self.support
+        with self._driver_connection() as connection:
+            dialect, dbapi_connection = connection.engine.dialect, connection.dbapi_connection
+            support.driver_autocommit(dialect, dbapi_connection, True)
+            try:
+                with translate_driver_errors(connection, statement.sql):
+                    cursor = statement.execute(connection.cursor(), params)
+                    row = cursor.fetchone()
+                    cursor.close()
+            finally:
+                if connection.is_valid:  # never hand a connection back in autocommit
+                    support.driver_autocommit(dialect, dbapi_connection, False)
+            return row
+
+    @contextmanager
+    def _driver_write(self) -> Iterator[DriverConnection]:
+        """One write transaction on the driver path: committed if the block returns."""
+        with self._driver_connection() as connection:
+            dbapi_connection = connection.dbapi_connection
+            try:
+                with translate_driver_errors(connection, "BEGIN"):
+                    self.support.driver_begin(dbapi_connection)
+                yield connection
+                with translate_driver_errors(connection, "COMMIT"):
+                    dbapi_connection.commit()
+            except BaseException:
+                if connection.is_valid:
+                    with suppress(Exception):  # the original error is the one to raise
+                        dbapi_connection.rollback()
+                raise
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop.
@@ -805,12 +828,12 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 raise
 
     def _write_context(self, ctx: SessionContext) -> None:
-        """One write transaction; pipelined in one round trip where the backend can."""
+        """One write transaction: on the driver path, else (or if it fails) step by step."""
         hot = self._hot_here()
-        if hot is not None and self.support.pipelined_writes and ctx._seqs:
+        if hot is not None and ctx._seqs:
             try:
-                with self._transaction(write=True) as conn:
-                    self._write_pipelined(conn, ctx, hot)
+                with self._driver_write() as connection:
+                    self._write_on_driver(connection, ctx, hot)
                 return
             except (_VersionMoved, sa_exc.IntegrityError):
                 # Rolled back: the session moved (or was deleted, so the inserts
@@ -819,12 +842,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
         with self._transaction(write=True) as conn:
             self._write_changes(conn, ctx)
 
-    def _write_pipelined(self, conn: Connection, ctx: SessionContext, hot: _HotStatements) -> None:
-        """Send the compare-and-swap and the message writes together, then check the swap.
+    def _write_on_driver(
+        self, connection: DriverConnection, ctx: SessionContext, hot: _HotStatements
+    ) -> None:
+        """Compare-and-swap, delete and insert through :meth:`DialectSupport.run_pipelined`.
 
-        If the swap missed (another writer moved the session) the statements
-        sent after it must not stand: :class:`_VersionMoved` rolls the
-        transaction back and the caller redoes the write step by step.
+        Backends that pipeline send all three together, so the swap is checked
+        last: if it missed (another writer moved the session) the statements
+        after it must not stand, and :class:`_VersionMoved` rolls the
+        transaction back for the caller to redo the write step by step.
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
@@ -834,7 +860,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             steps.append((hot.delete_message, deletes))
         if new_rows:
             steps.append((hot.insert_messages, new_rows))
-        if self.support.run_pipelined(conn, steps)[0] != 1:
+        if self.support.run_pipelined(connection, steps)[0] != 1:
             raise _VersionMoved
         self._mark_written(ctx, gone, new_rows)
 
@@ -860,11 +886,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone and hot is not None:
             rows = [{"session_id": session_id, "seq": seq} for seq in sorted(gone)]
-            run_driver_statement(conn, hot.delete_message, rows)
+            run_driver_statement(DriverConnection.under(conn), hot.delete_message, rows)
         elif gone:
             conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
         if new_rows and hot is not None:
-            run_driver_statement(conn, hot.insert_messages, new_rows)
+            run_driver_statement(DriverConnection.under(conn), hot.insert_messages, new_rows)
         elif new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
         self._mark_written(ctx, gone, new_rows)
@@ -912,7 +938,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         hot = self._hot_here()
         if hot is not None:
             statement, params = self._bump_statement(ctx, now, hot)
-            return run_driver_statement(conn, statement, params) == 1
+            return run_driver_statement(DriverConnection.under(conn), statement, params) == 1
         core, params = self._bump_statement(ctx, now, None)
         return conn.execute(core, params).rowcount == 1
 

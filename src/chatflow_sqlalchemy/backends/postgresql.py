@@ -24,7 +24,11 @@ from sqlalchemy.sql.schema import Table
 from sqlalchemy.util.concurrency import await_
 
 from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
-from chatflow_sqlalchemy.driver import DriverStatement, translate_driver_errors
+from chatflow_sqlalchemy.driver import (
+    DriverConnection,
+    DriverStatement,
+    translate_driver_errors,
+)
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
@@ -214,7 +218,7 @@ class PostgresDialectSupport(DialectSupport):
         )
 
     def run_pipelined(
-        self, connection: Connection, steps: Sequence[tuple[DriverStatement, Any]]
+        self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]
     ) -> list[int]:
         """Send every step in one psycopg pipeline: one round trip instead of one each.
 
@@ -222,13 +226,8 @@ class PostgresDialectSupport(DialectSupport):
         async one (SQLAlchemy's adapter has no pipeline, so the psycopg
         connection under it is used directly, in the same transaction).
         """
-        driver = connection.connection.driver_connection
-        with translate_driver_errors(
-            connection.engine,
-            connection.connection.dbapi_connection,
-            steps[0][0],
-            connection.invalidate,
-        ):
+        driver = connection.driver_connection
+        with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
             if isinstance(driver, psycopg.AsyncConnection):
                 return await_(_apipelined(driver, steps))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)

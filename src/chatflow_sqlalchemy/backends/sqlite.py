@@ -76,6 +76,10 @@ class SQLiteDialectSupport(DialectSupport):
     def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
         """Nothing to switch: pysqlite runs in autocommit mode and BEGIN is ours to send."""
 
+    def driver_begin(self, dbapi_connection: Any) -> None:
+        """``BEGIN IMMEDIATE``: take the write lock up front, as the Core path does."""
+        dbapi_connection.execute("BEGIN IMMEDIATE")
+
     def is_ephemeral(self, url: URL) -> bool:
         """See :func:`is_ephemeral_sqlite`."""
         return is_ephemeral_sqlite(url)
