@@ -690,7 +690,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         validate_session_id(session_id)
         metadata = dict(metadata or {})
-        dump_metadata(metadata)
+        if metadata:
+            dump_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
         ctx, stored = self._lookup(session_id)
         if ctx is not None:
             return ctx
