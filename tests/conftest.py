@@ -215,6 +215,49 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
     harness.close()
 
 
+@pytest.fixture
+def pg_url() -> str:
+    """The PostgreSQL URL for tests that open their own stores (see ``pg_util``)."""
+    from . import pg_util
+
+    return pg_util.postgres_url()
+
+
+@pytest.fixture
+def pg_schema(pg_url: str) -> Iterator[str]:
+    """A fresh schema on that server, dropped after the test."""
+    from . import pg_util
+
+    with pg_util.fresh_schema(pg_url) as schema:
+        yield schema
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """Opens a new store instance on one database per call (think: one process each).
+
+    For tests of the SQL stores' internals across the two built-in databases;
+    every instance is closed after the test.
+    """
+    from contextlib import ExitStack
+
+    from chatflow_sqlalchemy import SQLiteSessionStore
+
+    from . import pg_util
+
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            def open_one() -> Any:
+                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db"))
+        else:
+            url = pg_util.postgres_url()
+            schema = stack.enter_context(pg_util.fresh_schema(url))
+
+            def open_one() -> Any:
+                return stack.enter_context(pg_util.schema_store(url, schema))
+        yield open_one
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Register the suite's marker here too, so ``-p no:chatflow_sqlalchemy`` still collects."""
     config.addinivalue_line(

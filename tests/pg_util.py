@@ -80,3 +80,12 @@ def schema_engine(url: str, schema: str) -> sa.Engine:
     engine = sa.create_engine(url, **options)
     support.prepare_engine(engine)
     return engine
+
+
+def schema_store(url: str, schema: str, **options: Any) -> Any:
+    """A PostgresSessionStore in ``schema``; its connections carry the schema as
+    ``application_name``, so a test can find them in ``pg_stat_activity``."""
+    from chatflow_sqlalchemy import PostgresSessionStore
+
+    connect_args = {**schema_connect_args(schema), "application_name": schema}
+    return PostgresSessionStore(url, connect_args=connect_args, **options)

@@ -8,45 +8,22 @@ mistaken for the old row).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from pathlib import Path
+from collections.abc import Callable
 
-import pytest
 from chatflow_agent import Agent, Message, Role
 
-from chatflow_sqlalchemy import PostgresSessionStore, SQLAlchemySessionStore, SQLiteSessionStore
-
-from . import pg_util
+from chatflow_sqlalchemy import SQLAlchemySessionStore
 
 Opener = Callable[[], SQLAlchemySessionStore]
 BOT = Agent(name="Bot", instructions="")
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens a new store instance on one database per call (think: one process each)."""
-    with ExitStack() as stack:
-        if request.param == "sqlite":
-            def open_one() -> SQLAlchemySessionStore:
-                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db"))
-        else:
-            url = pg_util.postgres_url()
-            schema = stack.enter_context(pg_util.fresh_schema(url))
-
-            def open_one() -> SQLAlchemySessionStore:
-                return stack.enter_context(
-                    PostgresSessionStore(url, connect_args=pg_util.schema_connect_args(schema))
-                )
-        yield open_one
 
 
 def _text(role: Role, content: str) -> Message:
     return Message(role=role, content=content)
 
 
-def test_catch_up_reuses_the_messages_it_holds(opener: Opener) -> None:
-    mine, theirs = opener(), opener()
+def test_catch_up_reuses_the_messages_it_holds(store_opener: Opener) -> None:
+    mine, theirs = store_opener(), store_opener()
     ctx = mine.get_or_create("s", BOT)
     for turn in range(5):
         ctx.add_message(_text(Role.USER, f"u{turn}"))
@@ -60,29 +37,29 @@ def test_catch_up_reuses_the_messages_it_holds(opener: Opener) -> None:
     assert [m.content for m in ctx.history][-1] == "from the other process"
     assert all(a is b for a, b in zip(ctx.history[:10], held, strict=True)), "re-parsed"
     ctx.add_message(_text(Role.MODEL, "answer"))
-    reread = opener().get("s")
+    reread = store_opener().get("s")
     assert reread is not None
     assert [m.content for m in reread.history] == [m.content for m in ctx.history]
 
 
-def test_a_reused_seq_with_new_text_is_parsed_not_reused(opener: Opener) -> None:
-    mine = opener()
+def test_a_reused_seq_with_new_text_is_parsed_not_reused(store_opener: Opener) -> None:
+    mine = store_opener()
     ctx = mine.get_or_create("s", BOT)
     ctx.add_message(_text(Role.USER, "old question"))
     ctx.add_message(_text(Role.MODEL, "old answer"))
-    clearer = opener().get_or_create("s", BOT)
+    clearer = store_opener().get_or_create("s", BOT)
     clearer.clear_history()  # every row gone: a fresh loader starts its seqs over
-    fresh = opener().get_or_create("s", BOT)
+    fresh = store_opener().get_or_create("s", BOT)
     fresh.add_message(_text(Role.USER, "new question"))
 
     caught_up = mine.get_or_create("s", BOT)
     assert [m.content for m in caught_up.history] == ["new question"]
 
 
-def test_catch_up_inside_a_turn_rebases_on_the_other_writers_rows(opener: Opener) -> None:
+def test_catch_up_inside_a_turn_rebases_on_the_other_writers_rows(store_opener: Opener) -> None:
     import asyncio
 
-    mine, theirs = opener(), opener()
+    mine, theirs = store_opener(), store_opener()
     ctx = mine.get_or_create("s", BOT)
     ctx.add_message(_text(Role.USER, "u0"))
     ctx.add_message(_text(Role.MODEL, "m0"))
@@ -94,7 +71,7 @@ def test_catch_up_inside_a_turn_rebases_on_the_other_writers_rows(opener: Opener
             ctx.add_message(_text(Role.MODEL, "m1"))
 
     asyncio.run(turn())
-    reread = opener().get("s")
+    reread = store_opener().get("s")
     assert reread is not None
     contents = [m.content for m in reread.history]
     assert contents[:2] == ["u0", "m0"] and "theirs" in contents

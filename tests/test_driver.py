@@ -8,8 +8,8 @@ a dialect without driver statements must still work through Core.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import fields
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -23,7 +23,6 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import (
     DatabaseUnavailableError,
-    PostgresSessionStore,
     SQLAlchemySessionStore,
     SQLiteSessionStore,
 )
@@ -41,38 +40,6 @@ BILLING = Agent(name="Billing", instructions="")
 NOW = datetime(2024, 5, 17, 14, 3, 9, 123456, tzinfo=timezone(timedelta(hours=2)))  # not UTC
 CART = {"items": [1, 2.5, None, True], "note": "olá ✓"}
 HOT = [field.name for field in fields(store_module._HotStatements)]
-
-
-def _pg_store(url: str, schema: str, **options: Any) -> PostgresSessionStore:
-    """A store in ``schema``; its connections are named after it (to find them to kill)."""
-    connect_args = {**pg_util.schema_connect_args(schema), "application_name": schema}
-    return PostgresSessionStore(url, connect_args=connect_args, **options)
-
-
-@pytest.fixture
-def pg_url() -> str:
-    return pg_util.postgres_url()
-
-
-@pytest.fixture
-def pg_schema(pg_url: str) -> Iterator[str]:
-    with pg_util.fresh_schema(pg_url) as schema:
-        yield schema
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens a new store instance on one database per call; closes them all after."""
-    with ExitStack() as stack:
-        if request.param == "sqlite":
-            def open_one() -> SQLAlchemySessionStore:
-                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db"))
-        else:
-            url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
-
-            def open_one() -> SQLAlchemySessionStore:
-                return stack.enter_context(_pg_store(url, schema))
-        yield open_one
 
 
 def _message_row(seq: int, content: str | None) -> dict[str, Any]:
@@ -113,9 +80,9 @@ def _plain(value: Any) -> Any:
 
 
 @pytest.mark.parametrize("name", HOT)
-def test_driver_statement_sends_what_sqlalchemy_sends(opener: Opener, name: str) -> None:
+def test_driver_statement_sends_what_sqlalchemy_sends(store_opener: Opener, name: str) -> None:
     """Same SQL and DBAPI parameters as SQLAlchemy executing the Core statement, same dialect."""
-    store = opener()
+    store = store_opener()
     store.get_or_create("s", TRIAGE)
     statement, params = _cases(store)[name]
     sent: list[tuple[str, Any]] = []
@@ -175,9 +142,9 @@ def _check_reloaded(store: SQLAlchemySessionStore, turn: list[Message]) -> None:
     assert not store.record_processed_message("wamid-1")
 
 
-def test_turn_round_trips_through_a_fresh_store(opener: Opener) -> None:
+def test_turn_round_trips_through_a_fresh_store(store_opener: Opener) -> None:
     """What the driver path writes reads back identically: messages, NULL, agent, JSON, UTC."""
-    store = opener()
+    store = store_opener()
     assert store._hot is not None
     core_sql: list[str] = []
     event.listen(store.engine, "before_cursor_execute", lambda *args: core_sql.append(args[2]))
@@ -189,7 +156,7 @@ def test_turn_round_trips_through_a_fresh_store(opener: Opener) -> None:
     driver_sql = {hot.claim.sql, hot.bump.sql, hot.bump_metadata.sql, hot.insert_messages.sql}
     assert not driver_sql & set(core_sql), "the writes went through Core, not the driver"
 
-    fresh = opener()
+    fresh = store_opener()
     _check_reloaded(fresh, turn)
     sessions, messages, processed = (cast(Table, model.__table__) for model in (
         ChatflowSession, ChatflowMessage, ChatflowProcessedMessage))
@@ -205,19 +172,20 @@ def test_turn_round_trips_through_a_fresh_store(opener: Opener) -> None:
         assert before <= stamp <= after
 
 
-def test_stale_context_write_rebases(opener: Opener) -> None:
+def test_stale_context_write_rebases(store_opener: Opener) -> None:
     """A context another store wrote behind: its write misses the CAS and rebases; it must not
     collide with the other writer's rows (seq) and fail."""
-    mine, theirs = opener().get_or_create("s", TRIAGE), opener().get_or_create("s", TRIAGE)
+    mine = store_opener().get_or_create("s", TRIAGE)
+    theirs = store_opener().get_or_create("s", TRIAGE)
     theirs.add_message(Message(role=Role.USER, content="theirs"))
     mine.add_message(Message(role=Role.USER, content="mine"))
-    reloaded = opener().get("s")
+    reloaded = store_opener().get("s")
     assert reloaded is not None and [m.content for m in reloaded.history] == ["theirs", "mine"]
 
 
-def test_integrity_error_is_the_one_sqlalchemy_raises(opener: Opener) -> None:
+def test_integrity_error_is_the_one_sqlalchemy_raises(store_opener: Opener) -> None:
     """A constraint violation on the driver: SQLAlchemy's IntegrityError, ``.orig`` the driver's."""
-    store = opener()
+    store = store_opener()
     store.get_or_create("s", TRIAGE)
     assert store._hot is not None
     insert, rows = store._hot.insert_messages, [_message_row(1, "oi")]
@@ -234,7 +202,7 @@ def test_integrity_error_is_the_one_sqlalchemy_raises(opener: Opener) -> None:
     assert isinstance(driver.value.orig, store.engine.dialect.loaded_dbapi.IntegrityError)
     assert driver.value.__cause__ is driver.value.orig
     assert driver.value.statement == insert.sql and not driver.value.connection_invalidated
-    reloaded = opener().get("s")  # one row, and the store's connections are still good
+    reloaded = store_opener().get("s")  # one row, and the store's connections are still good
     assert reloaded is not None and [m.content for m in reloaded.history] == ["oi"]
 
 
@@ -266,7 +234,7 @@ def _driver_call(store: SQLAlchemySessionStore, path: str) -> Callable[[str], ob
 def test_killed_pool_fails_at_most_one_driver_call(pg_url: str, pg_schema: str, path: str) -> None:
     """A restart kills every pooled connection: one driver-path call may fail with
     DatabaseUnavailableError, the next succeeds (as after a disconnect in Core)."""
-    with _pg_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
+    with pg_util.schema_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
         call = _driver_call(store, path)
         held = [store.engine.connect() for _ in range(3)]  # three pooled connections
         for conn in held:
@@ -282,7 +250,7 @@ def test_killed_pool_fails_at_most_one_driver_call(pg_url: str, pg_schema: str, 
 def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, path: str) -> None:
     """Backend killed between checkout and statement: DatabaseUnavailableError from an
     invalidated OperationalError, nothing written, the next call on a new connection."""
-    with _pg_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
+    with pg_util.schema_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
         call, armed = _driver_call(store, path), [True]
 
         def kill_on_checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
@@ -297,7 +265,7 @@ def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, pa
         assert isinstance(cause, sa_exc.OperationalError) and cause.connection_invalidated
         assert isinstance(cause.orig, psycopg.OperationalError)
         call("kept")
-    with _pg_store(pg_url, pg_schema) as fresh:
+    with pg_util.schema_store(pg_url, pg_schema) as fresh:
         if path == "claim":
             assert not fresh.is_message_processed("lost") and fresh.is_message_processed("kept")
         else:
@@ -311,7 +279,7 @@ def test_driver_error_leaves_no_autocommit_connection(pg_url: str, pg_schema: st
     engine = pg_util.schema_engine(pg_url, pg_schema)
     versions = select(cast(Table, ChatflowSession.__table__).c.version)
     try:
-        with _pg_store(pg_url, pg_schema, pool_size=1, max_overflow=0) as store:
+        with pg_util.schema_store(pg_url, pg_schema, pool_size=1, max_overflow=0) as store:
             session = store.get_or_create("s", TRIAGE)
             with engine.connect() as conn:
                 before = list(conn.execute(versions).scalars())

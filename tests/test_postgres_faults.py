@@ -16,21 +16,14 @@ from sqlalchemy import make_url
 
 from chatflow_sqlalchemy import DatabaseUnavailableError, PostgresSessionStore, open_store
 
-from . import pg_util
-
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def pg_url() -> str:
-    return pg_util.postgres_url()
-
-
-@pytest.fixture
-def schema(pg_url: str) -> Iterator[str]:
-    with pg_util.fresh_schema(pg_url) as name:
-        yield name
-        _wait_for_server(pg_url.replace("postgresql+psycopg://", "postgresql://"))
+def schema(pg_url: str, pg_schema: str) -> Iterator[str]:
+    """``pg_schema``, but the server is back up before it is dropped."""
+    yield pg_schema
+    _wait_for_server(pg_url.replace("postgresql+psycopg://", "postgresql://"))
 
 
 def _wait_for_server(dsn: str, timeout: float = 30.0) -> None:

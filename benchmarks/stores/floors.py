@@ -107,6 +107,16 @@ class _Windows:
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
+def _read_tags(
+    conn: sqlite3.Connection, sql: str, session_ids: Sequence[str]
+) -> dict[str, list[Tag]]:
+    """Every session's stored messages, in order, as tags (``sql`` selects message_json)."""
+    return {
+        sid: [message_tag(Message.model_validate_json(row[0])) for row in conn.execute(sql, (sid,))]
+        for sid in session_ids
+    }
+
+
 def _rows(session_id: str, payload: list[Message], now: Any) -> list[tuple[Any, ...]]:
     return [
         (session_id, m.role.value, m.content, m.model_dump_json(), now) for m in payload
@@ -181,13 +191,7 @@ class RawSQLite(Adapter):
 
     async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
         assert self.conn is not None
-        return {
-            sid: [
-                message_tag(Message.model_validate_json(row[0]))
-                for row in self.conn.execute(self.sql["read"], (sid,))
-            ]
-            for sid in session_ids
-        }
+        return _read_tags(self.conn, self.sql["read"], session_ids)
 
     async def close(self) -> None:
         if self.conn is not None:
@@ -326,13 +330,7 @@ class RawSQLiteOurs(Adapter):
 
     async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
         assert self.conn is not None
-        return {
-            sid: [
-                message_tag(Message.model_validate_json(row[0]))
-                for row in self.conn.execute(OURS_SQL["read"], (sid,))
-            ]
-            for sid in session_ids
-        }
+        return _read_tags(self.conn, OURS_SQL["read"], session_ids)
 
     async def close(self) -> None:
         if self.pool is not None:
