@@ -69,9 +69,6 @@ class DialectSupport:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
         return {"isolation_level": "AUTOCOMMIT"}
 
-    pipelined_writes: bool = False
-    """True when :meth:`run_pipelined` sends its statements in one round trip."""
-
     def run_pipelined(
         self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]
     ) -> list[int]:
@@ -81,8 +78,7 @@ class DialectSupport:
         parameters are a mapping (one execution) or a list of them
         (``executemany``). The default runs them one after the other and
         stops when the swap matched nothing (the caller then rolls back).
-        Backends whose driver pipelines (psycopg) send them all together and
-        set :attr:`pipelined_writes`.
+        Backends whose driver pipelines (psycopg) send them all together.
         """
         counts: list[int] = []
         for statement, params in steps:

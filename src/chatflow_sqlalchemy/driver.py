@@ -76,21 +76,24 @@ class DriverStatement:
 
     def parameters(self, params: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         """The DBAPI parameters for ``params`` (keyed like the Core statement's)."""
-        converted: tuple[Any, ...] | dict[str, Any] = self._rows([params])[0]
+        converted: tuple[Any, ...] | dict[str, Any] = self.parameter_rows([params])[0]
         return converted
 
     def execute(self, cursor: Any, params: Mapping[str, Any]) -> Any:
         """Execute once on a DBAPI cursor; return the cursor."""
-        cursor.execute(self.sql, self._rows([params])[0])
+        cursor.execute(self.sql, self.parameter_rows([params])[0])
         return cursor
 
     def executemany(self, cursor: Any, rows: Sequence[Mapping[str, Any]]) -> Any:
         """Execute once per row on a DBAPI cursor (one ``executemany``)."""
-        cursor.executemany(self.sql, self._rows(rows))
+        cursor.executemany(self.sql, self.parameter_rows(rows))
         return cursor
 
-    def _rows(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
-        # A value repeated across rows (the write's one timestamp) is converted once.
+    def parameter_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """The DBAPI parameters of each row, for ``executemany``.
+
+        A value repeated across rows (a write's one timestamp) is converted once.
+        """
         slots, names = self._slots, self._names
         last_in: list[Any] = [_UNSET] * len(slots)
         last_out: list[Any] = [None] * len(slots)

@@ -146,17 +146,6 @@ class AdvisoryTurnLocks:
         with contextlib.suppress(Exception):
             await self._call("SELECT pg_advisory_unlock(%s)", session_lock_key(session_id))
 
-    async def version(self, session_id: str) -> int | None:
-        """The session's committed version, read on the lock connection (autocommit).
-
-        Read after the lock is taken, it reflects every turn committed before;
-        one round trip instead of a pooled transaction.
-        """
-        value = await self._call(
-            "SELECT version FROM chatflow_sessions WHERE session_id = %s", session_id
-        )
-        return None if value is None else int(value)
-
     async def aclose(self) -> None:
         """Close the connection, releasing every lock it holds."""
         conn, self._conn = self._conn, None
@@ -178,7 +167,6 @@ class PostgresDialectSupport(DialectSupport):
     name = "postgresql"
     cross_process_turn_lock = True
     driver_statements = True
-    pipelined_writes = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`)."""
@@ -254,7 +242,7 @@ def _pipelined(
             if isinstance(params, Mapping):
                 cursor.execute(statement.sql, statement.parameters(params))
             else:
-                cursor.executemany(statement.sql, [statement.parameters(p) for p in params])
+                cursor.executemany(statement.sql, statement.parameter_rows(params))
             cursors.append(cursor)
     return [cursor.rowcount for cursor in cursors]
 
@@ -269,9 +257,7 @@ async def _apipelined(
             if isinstance(params, Mapping):
                 await cursor.execute(statement.sql, statement.parameters(params))
             else:
-                await cursor.executemany(
-                    statement.sql, [statement.parameters(p) for p in params]
-                )
+                await cursor.executemany(statement.sql, statement.parameter_rows(params))
             cursors.append(cursor)
     return [cursor.rowcount for cursor in cursors]
 
@@ -336,10 +322,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
 
     async def _arelease_turn_lock(self, session_id: str) -> None:
         await self._turn_locks.release(session_id)
-
-    async def _alocked_version(self, session_id: str) -> tuple[bool, int | None]:
-        with self._guard():
-            return True, await self._turn_locks.version(session_id)
 
     async def aclose(self) -> None:
         """Close the turn-lock connection, then the pools."""
