@@ -104,8 +104,9 @@ class DurableState:
     seqs: set[int]
     agent_name: str
     metadata_json: str
-    texts: dict[int, str] = field(default_factory=dict)
-    """``message_json`` of each stored row by seq: a reload parses only rows that changed."""
+    digests: dict[int, bytes] = field(default_factory=dict)
+    """A digest of each stored row's ``message_json`` by seq: a reload parses only rows
+    whose digest changed (digests, not the texts, so a context's memory does not double)."""
 
 
 class _TrackedDict(dict[str, Any]):

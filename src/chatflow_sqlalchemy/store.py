@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -214,7 +215,7 @@ class _StoredSession:
     metadata: dict[str, Any]
     messages: list[Message]
     seqs: list[int]
-    texts: list[str]
+    digests: list[bytes]
 
 
 class SQLAlchemySessionStore(BaseSessionStore):
@@ -598,7 +599,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             seqs=set(stored.seqs),
             agent_name=stored.agent_name,
             metadata_json=dump_metadata(stored.metadata),
-            texts=dict(zip(stored.seqs, stored.texts, strict=True)),
+            digests=dict(zip(stored.seqs, stored.digests, strict=True)),
         )
         messages, seqs = _repair_window(stored.messages, stored.seqs)
         ctx._load(messages, seqs, agent, stored.metadata, durable)
@@ -641,13 +642,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self,
         conn: Connection,
         session_id: str,
-        known: dict[int, tuple[str, Message]] | None = None,
+        known: dict[int, tuple[bytes, Message]] | None = None,
     ) -> _StoredSession | None:
         """Read the session row and its window in ``conn``'s snapshot.
 
-        ``known`` holds rows the caller already has parsed (seq -> stored text,
-        message): a row whose text is unchanged is reused instead of parsed
-        again, so catching up after another writer costs the rows it wrote.
+        ``known`` holds rows the caller already has parsed (seq -> digest of the
+        stored text, message): a row whose text is unchanged is reused instead
+        of parsed again, so catching up after another writer costs the rows it
+        wrote.
         """
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
         if row is None:
@@ -658,17 +660,20 @@ class SQLAlchemySessionStore(BaseSessionStore):
         known = known or {}
         messages: list[Message] = []
         seqs: list[int] = []
-        texts: list[str] = []
+        digests: list[bytes] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
             text, seq = msg_row.message_json, msg_row.seq
+            digest = _digest(text)
             cached = known.get(seq)
-            if cached is not None and cached[0] == text:
+            if cached is not None and cached[0] == digest:
                 messages.append(cached[1])
             else:
                 messages.append(_parse_message(session_id, msg_row.id, text))
             seqs.append(seq)
-            texts.append(text)
-        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs, texts)
+            digests.append(digest)
+        return _StoredSession(
+            row.version, row.active_agent_name, metadata, messages, seqs, digests
+        )
 
     # ------------------------------------------------------------ store API
 
@@ -921,17 +926,17 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """Record what the database now holds: ``ctx`` as it is, one version up."""
         durable = ctx._durable
         assert durable is not None
-        texts = durable.texts.copy()
+        digests = durable.digests.copy()
         for seq in gone:
-            texts.pop(seq, None)
+            digests.pop(seq, None)
         for row in new_rows:
-            texts[row["seq"]] = row["message_json"]
+            digests[row["seq"]] = _digest(row["message_json"])
         ctx._durable = DurableState(
             version=durable.version + 1,
-            seqs=set(texts),
+            seqs=set(digests),
             agent_name=ctx.active_agent.name,
             metadata_json=dump_metadata(ctx._metadata),
-            texts=texts,
+            digests=digests,
         )
 
     def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
@@ -1190,17 +1195,22 @@ def _greenlet_available() -> bool:
     return importlib.util.find_spec("greenlet") is not None
 
 
-def _known_rows(ctx: SessionContext) -> dict[int, tuple[str, Message]]:
-    """The rows ``ctx`` holds parsed, as stored: seq -> (message_json, message)."""
+def _known_rows(ctx: SessionContext) -> dict[int, tuple[bytes, Message]]:
+    """The rows ``ctx`` holds parsed, as stored: seq -> (digest of message_json, message)."""
     durable = ctx._durable
     if durable is None or len(ctx._seqs) != len(ctx._history):
         return {}  # not indexed yet (history was just assigned): nothing to reuse
-    texts = durable.texts
+    digests = durable.digests
     return {
-        seq: (texts[seq], message)
+        seq: (digests[seq], message)
         for seq, message in zip(ctx._seqs, ctx._history, strict=True)
-        if seq in texts
+        if seq in digests
     }
+
+
+def _digest(text: str) -> bytes:
+    """128-bit BLAKE2b of a stored message text: equal digests mean equal rows."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _parse_message(session_id: str, row_id: object, text: str) -> Message:
