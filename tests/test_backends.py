@@ -69,3 +69,29 @@ def test_db_check_reports_drift_on_postgres(capsys: pytest.CaptureFixture[str]) 
         capsys.readouterr()
         assert main(["--url", scoped, "db", "check"]) == 1
         assert "ix_chatflow_sessions_updated_at" in capsys.readouterr().out
+
+
+def test_an_autocommit_engine_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """A turn is one transaction: an engine that autocommits every statement cannot hold it."""
+    from sqlalchemy import create_engine
+
+    from chatflow_sqlalchemy import SQLAlchemySessionStore
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'a.db'}")
+    try:
+        with pytest.raises(ValueError, match="without it"):
+            SQLAlchemySessionStore(engine=engine.execution_options(isolation_level="AUTOCOMMIT"))
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_store_refuses_isolation_level_autocommit(pg_url: str, pg_schema: str) -> None:
+    from chatflow_sqlalchemy import PostgresSessionStore
+
+    with pytest.raises(ValueError, match="autocommit"):
+        PostgresSessionStore(
+            pg_url,
+            isolation_level="AUTOCOMMIT",
+            connect_args=pg_util.schema_connect_args(pg_schema),
+        )

@@ -26,7 +26,7 @@ import json
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -104,9 +104,6 @@ class DurableState:
     seqs: set[int]
     agent_name: str
     metadata_json: str
-    digests: dict[int, bytes] = field(default_factory=dict)
-    """A digest of each stored row's ``message_json`` by seq: a reload parses only rows
-    whose digest changed (digests, not the texts, so a context's memory does not double)."""
 
 
 class _TrackedDict(dict[str, Any]):

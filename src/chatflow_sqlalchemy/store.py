@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import importlib.util
 import logging
 import os
@@ -215,7 +214,6 @@ class _StoredSession:
     metadata: dict[str, Any]
     messages: list[Message]
     seqs: list[int]
-    digests: list[bytes]
 
 
 class SQLAlchemySessionStore(BaseSessionStore):
@@ -363,6 +361,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         from chatflow_sqlalchemy.migrate import ensure_schema
 
         with self._guard():
+            _require_transactions(self.engine)
             ensure_schema(self.engine, self.support)
 
     @contextmanager
@@ -599,7 +598,6 @@ class SQLAlchemySessionStore(BaseSessionStore):
             seqs=set(stored.seqs),
             agent_name=stored.agent_name,
             metadata_json=dump_metadata(stored.metadata),
-            digests=dict(zip(stored.seqs, stored.digests, strict=True)),
         )
         messages, seqs = _repair_window(stored.messages, stored.seqs)
         ctx._load(messages, seqs, agent, stored.metadata, durable)
@@ -614,10 +612,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if durable is not None and durable.version == version and not ctx._stale:
             ctx._verified_at = time.monotonic()
             return True
-        with ctx._mutex:
-            known = _known_rows(ctx)
         with self._transaction() as conn:  # one snapshot of the row and its messages
-            stored = self._read_session(conn, ctx.session_id, known)
+            stored = self._read_session(conn, ctx.session_id)
         if stored is None:
             self._forget(ctx.session_id)
             return False
@@ -638,42 +634,19 @@ class SQLAlchemySessionStore(BaseSessionStore):
             value = conn.execute(_SELECT_VERSION, params).scalar()
         return None if value is None else int(value)
 
-    def _read_session(
-        self,
-        conn: Connection,
-        session_id: str,
-        known: dict[int, tuple[bytes, Message]] | None = None,
-    ) -> _StoredSession | None:
-        """Read the session row and its window in ``conn``'s snapshot.
-
-        ``known`` holds rows the caller already has parsed (seq -> digest of the
-        stored text, message): a row whose text is unchanged is reused instead
-        of parsed again, so catching up after another writer costs the rows it
-        wrote.
-        """
+    def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
         if row is None:
             return None
         metadata = row.metadata_json
         if not isinstance(metadata, dict):
             raise CorruptRowError(session_id, "-", "metadata_json is not a JSON object")
-        known = known or {}
         messages: list[Message] = []
         seqs: list[int] = []
-        digests: list[bytes] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
-            text, seq = msg_row.message_json, msg_row.seq
-            digest = _digest(text)
-            cached = known.get(seq)
-            if cached is not None and cached[0] == digest:
-                messages.append(cached[1])
-            else:
-                messages.append(_parse_message(session_id, msg_row.id, text))
-            seqs.append(seq)
-            digests.append(digest)
-        return _StoredSession(
-            row.version, row.active_agent_name, metadata, messages, seqs, digests
-        )
+            messages.append(_parse_message(session_id, msg_row.id, msg_row.message_json))
+            seqs.append(msg_row.seq)
+        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs)
 
     # ------------------------------------------------------------ store API
 
@@ -926,17 +899,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """Record what the database now holds: ``ctx`` as it is, one version up."""
         durable = ctx._durable
         assert durable is not None
-        digests = durable.digests.copy()
-        for seq in gone:
-            digests.pop(seq, None)
-        for row in new_rows:
-            digests[row["seq"]] = _digest(row["message_json"])
+        seqs = durable.seqs - gone
+        seqs.update(row["seq"] for row in new_rows)
         ctx._durable = DurableState(
             version=durable.version + 1,
-            seqs=set(digests),
+            seqs=seqs,
             agent_name=ctx.active_agent.name,
             metadata_json=dump_metadata(ctx._metadata),
-            digests=digests,
         )
 
     def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
@@ -986,7 +955,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
         our_metadata = dict(ctx._metadata)
         metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
-        stored = self._read_session(conn, ctx.session_id, _known_rows(ctx))
+        stored = self._read_session(conn, ctx.session_id)
         if stored is None:
             raise SessionDeletedError(ctx.session_id)
         agent = our_agent or self._resolve_agent(stored.agent_name, ctx.active_agent)
@@ -1195,29 +1164,30 @@ def _greenlet_available() -> bool:
     return importlib.util.find_spec("greenlet") is not None
 
 
-def _known_rows(ctx: SessionContext) -> dict[int, tuple[bytes, Message]]:
-    """The rows ``ctx`` holds parsed, as stored: seq -> (digest of message_json, message)."""
-    durable = ctx._durable
-    if durable is None or len(ctx._seqs) != len(ctx._history):
-        return {}  # not indexed yet (history was just assigned): nothing to reuse
-    digests = durable.digests
-    return {
-        seq: (digests[seq], message)
-        for seq, message in zip(ctx._seqs, ctx._history, strict=True)
-        if seq in digests
-    }
-
-
-def _digest(text: str) -> bytes:
-    """128-bit BLAKE2b of a stored message text: equal digests mean equal rows."""
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
 def _parse_message(session_id: str, row_id: object, text: str) -> Message:
     try:
         return Message.model_validate_json(text)
     except (ValidationError, ValueError, TypeError) as exc:
         raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _require_transactions(engine: Engine) -> None:
+    """Refuse an engine whose connections run in autocommit mode.
+
+    A turn is written in one transaction, so that a crash or a lost race
+    never leaves half a turn; in autocommit every statement would commit on
+    its own. (Single self-contained statements already run in autocommit.)
+    """
+    autocommit = engine.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    if not autocommit:
+        with engine.connect() as conn:
+            autocommit = getattr(conn.connection.dbapi_connection, "autocommit", None) is True
+    if autocommit:
+        raise ValueError(
+            "the engine's connections run in autocommit mode (isolation_level='AUTOCOMMIT'), "
+            "so a turn could not be written atomically: open the store without it (the store "
+            "runs single statements in autocommit by itself)"
+        )
 
 
 def _first_version() -> int:
