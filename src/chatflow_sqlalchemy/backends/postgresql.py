@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import psycopg
-from sqlalchemy import URL, Connection, Engine, bindparam, make_url, text
+from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
@@ -53,6 +53,18 @@ def psycopg_url(url: str | URL) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+_R = TypeVar("_R")
+
+_PENDING: set[asyncio.Future[Any]] = set()
+"""Lock calls that outlive a cancelled caller (strong references until they finish)."""
+
+
+def _keep(future: asyncio.Future[_R]) -> asyncio.Future[_R]:
+    _PENDING.add(future)
+    future.add_done_callback(_PENDING.discard)
+    return future
 
 
 def session_lock_key(session_id: str) -> int:
@@ -109,9 +121,8 @@ class AdvisoryTurnLocks:
 
     async def try_acquire(self, session_id: str) -> bool:
         """Take the session's lock if it is free; never waits."""
-        return bool(
-            await self._call("SELECT pg_try_advisory_lock(%s)", session_lock_key(session_id))
-        )
+        call = self._call("SELECT pg_try_advisory_lock(%s)", session_lock_key(session_id))
+        return bool(await self._taking(session_id, call, lambda taken: bool(taken)))
 
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
         """Try the lock and read the session's version in one round trip (a pipeline).
@@ -120,6 +131,32 @@ class AdvisoryTurnLocks:
         so the version is read after the lock was taken and reflects every
         turn committed before. It is meaningless when the lock was not taken.
         """
+        call = self._lock_and_read_version(session_id)
+        return await self._taking(session_id, call, lambda result: result[0])
+
+    async def _taking(
+        self, session_id: str, call: Awaitable[_R], taken: Callable[[_R], bool]
+    ) -> _R:
+        """Await a lock-taking call, finishing it even if the caller is cancelled meanwhile.
+
+        A lock the abandoned call took is given back; otherwise the session
+        would stay locked for every process until this connection closes.
+        """
+        task = _keep(asyncio.ensure_future(call))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda done: self._give_back(session_id, done, taken))
+            raise
+
+    def _give_back(
+        self, session_id: str, done: asyncio.Future[Any], taken: Callable[[Any], bool]
+    ) -> None:
+        if done.cancelled() or done.exception() is not None or not taken(done.result()):
+            return
+        _keep(asyncio.ensure_future(self.release(session_id)))
+
+    async def _lock_and_read_version(self, session_id: str) -> tuple[bool, int | None]:
         async with self._bind_to_running_loop():
             if self._conn is None or self._conn.closed:
                 self._conn = await self._connect()
@@ -142,9 +179,13 @@ class AdvisoryTurnLocks:
         return acquired, (None if row is None else int(row[0]))
 
     async def release(self, session_id: str) -> None:
-        """Release the session's lock (a lost connection already released it)."""
+        """Release the session's lock (a lost connection already released it).
+
+        Shielded: a caller cancelled meanwhile does not stop the unlock.
+        """
+        call = self._call("SELECT pg_advisory_unlock(%s)", session_lock_key(session_id))
         with contextlib.suppress(Exception):
-            await self._call("SELECT pg_advisory_unlock(%s)", session_lock_key(session_id))
+            await asyncio.shield(_keep(asyncio.ensure_future(call)))
 
     async def aclose(self) -> None:
         """Close the connection, releasing every lock it holds."""
@@ -204,6 +245,16 @@ class PostgresDialectSupport(DialectSupport):
             index_elements=[table.c.message_id],
             set_={"processed_at": stmt.excluded.processed_at},
         )
+
+    def lock_session_row(self, select: Select[Any]) -> Select[Any]:
+        """``FOR NO KEY UPDATE``: excludes other writers of the row, not foreign-key checks.
+
+        A writer whose pipelined compare-and-swap missed has already sent its
+        inserts, whose foreign-key check takes ``KEY SHARE`` on the session
+        row; under ``FOR UPDATE`` that check and the rebasing writer's insert
+        of the same seq would wait on each other (a deadlock).
+        """
+        return select.with_for_update(key_share=True)
 
     def run_pipelined(
         self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]

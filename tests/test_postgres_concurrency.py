@@ -1,0 +1,141 @@
+"""PostgreSQL: a stale writer's pipelined write meets a writer rebasing under its row lock.
+
+A writer whose compare-and-swap missed has already sent its inserts (one
+pipeline); their foreign-key check takes ``KEY SHARE`` on the session row.
+The rebasing writer holds that row with the store's ``lock_session_row``
+lock and inserts the same seq. With ``FOR UPDATE`` the two wait on each
+other and PostgreSQL kills one (the turn is lost); the store's lock must let
+the stale writer finish, roll back and rebase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from chatflow_agent import Agent, Message, Role
+from sqlalchemy import make_url
+
+from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
+from chatflow_sqlalchemy.store import _SELECT_VERSION
+
+from . import pg_util
+
+pytestmark = pytest.mark.postgres
+BOT = Agent(name="Bot", instructions="")
+
+
+def _locking_select(dialect: Any) -> str:
+    """The store's row-locking version read, as it sends it (psycopg placeholders)."""
+    statement = PostgresDialectSupport().lock_session_row(_SELECT_VERSION)
+    return str(statement.compile(dialect=dialect))
+
+
+@pytest.mark.parametrize("deadlock_timeout_ms", [50, 1000])
+def test_stale_pipelined_write_and_rebasing_writer_both_succeed(
+    pg_url: str, pg_schema: str, deadlock_timeout_ms: int
+) -> None:
+    a = pg_util.schema_store(pg_url, pg_schema)
+    b = pg_util.schema_store(pg_url, pg_schema)
+    c = pg_util.schema_store(pg_url, pg_schema)
+    dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        a.get_or_create("s", BOT).add_message(Message(role=Role.USER, content="q1"))
+        stale = b.get("s")
+        assert stale is not None
+        c.get("s").metadata["k"] = 1  # the version moves; no row is added  # type: ignore[union-attr]
+        rebasing = psycopg.connect(dsn, options=f"-csearch_path={pg_schema}")
+        rebasing.execute(f"SET deadlock_timeout = '{deadlock_timeout_ms}ms'")
+        rebasing.execute(_locking_select(b.engine.dialect), {"session_id": "s"})
+        rebasing.execute(
+            "UPDATE chatflow_sessions SET version = version + 1 WHERE session_id = 's'"
+        )
+        outcome: dict[str, str] = {}
+
+        def stale_write() -> None:
+            try:
+                stale.add_message(Message(role=Role.USER, content="from the stale writer"))
+                outcome["stale"] = "ok"
+            except Exception as exc:  # the assertion below names it
+                outcome["stale"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+        thread = threading.Thread(target=stale_write)
+        thread.start()
+        time.sleep(0.4)  # its swap missed and its insert of seq 2 is in flight
+        json = Message(role=Role.USER, content="rebased").model_dump_json()
+        try:
+            rebasing.execute(
+                "INSERT INTO chatflow_messages (session_id, seq, role, content, message_json, "
+                "created_at) VALUES ('s', 2, 'user', 'rebased', %s, now())",
+                (json,),
+            )
+            rebasing.commit()
+            outcome["rebasing"] = "ok"
+        except psycopg.Error as exc:
+            rebasing.rollback()
+            outcome["rebasing"] = type(exc).__name__
+        thread.join(30)
+        rebasing.close()
+        assert outcome == {"stale": "ok", "rebasing": "ok"}
+        with pg_util.schema_store(pg_url, pg_schema) as fresh:
+            history = fresh.get("s")
+            assert history is not None
+            assert [m.content for m in history.history] == [
+                "q1", "rebased", "from the stale writer",
+            ]
+    finally:
+        for store in (a, b, c):
+            store.close()
+
+
+def _advisory_lock_held(admin: psycopg.Connection[Any], session_id: str) -> bool:
+    from chatflow_sqlalchemy.backends.postgresql import session_lock_key
+
+    key = session_lock_key(session_id) & 0xFFFFFFFFFFFFFFFF
+    row = admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid = %s AND objid = %s",
+        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Cancelling a task inside ``async with session.lock`` (a timeout, a shutdown) must not
+    leave the session's advisory lock held: every other process would wait on it forever."""
+    import asyncio
+    import random
+
+    dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    rng = random.Random(5)
+
+    async def scenario(admin: psycopg.Connection[Any]) -> int:
+        store = pg_util.schema_store(pg_url, pg_schema)
+        try:
+            session = await store.aget_or_create("s", BOT)
+            for index in range(150):
+                async def turn(index: int = index) -> None:
+                    async with session.lock:
+                        session.add_message(Message(role=Role.USER, content=f"q{index}"))
+
+                task = asyncio.create_task(turn())
+                await asyncio.sleep(rng.uniform(0, 0.002))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await asyncio.sleep(0.01)  # let a given-back lock's unlock run
+                if _advisory_lock_held(admin, "s"):
+                    return index
+            return -1
+        finally:
+            await store.aclose()
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        leaked_at = asyncio.run(scenario(admin))
+    assert leaked_at == -1, f"the turn lock stayed held after cancellation #{leaked_at + 1}"
