@@ -316,3 +316,30 @@ def test_dialect_without_driver_statements_runs_through_core(tmp_path: Path) -> 
     assert any(sql.startswith("INSERT INTO chatflow_processed_messages") for sql in core_sql)
     with SQLiteSessionStore(tmp_path / "x.db") as fresh:  # a driver-path store reads it back
         _check_reloaded(fresh, turn)
+
+
+@pytest.mark.parametrize("call", ["claim", "is_processed", "version_check", "write"])
+def test_a_connection_that_cannot_be_opened_is_database_unavailable(
+    tmp_path: Path, call: str
+) -> None:
+    """The driver path opens connections itself; a failure there is the store's clear error."""
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    store = SQLiteSessionStore(folder / "x.db")
+    try:
+        ctx = store.get_or_create("s", TRIAGE)
+        ctx.add_message(Message(role=Role.USER, content="before"))
+        store.engine.dispose()  # nothing pooled: the next call opens a connection
+        for child in folder.iterdir():
+            child.unlink()
+        folder.rmdir()
+        calls: dict[str, Callable[[], object]] = {
+            "claim": lambda: store.record_processed_message("m"),
+            "is_processed": lambda: store.is_message_processed("m"),
+            "version_check": lambda: store.get_or_create("s", TRIAGE),
+            "write": lambda: ctx.add_message(Message(role=Role.USER, content="after")),
+        }
+        with pytest.raises(DatabaseUnavailableError, match="unable to open database"):
+            calls[call]()
+    finally:
+        store.close()

@@ -163,8 +163,19 @@ class DriverConnection:
 
     @classmethod
     def checkout(cls, engine: Engine) -> DriverConnection:
-        """Check a connection out of ``engine``'s pool (close it with :meth:`close`)."""
-        pooled = engine.raw_connection()
+        """Check a connection out of ``engine``'s pool (close it with :meth:`close`).
+
+        A connection that cannot be opened raises SQLAlchemy's ``DBAPIError``
+        subclass, as ``engine.connect()`` would (``raw_connection`` lets the
+        driver's own error through).
+        """
+        dbapi = engine.dialect.loaded_dbapi
+        try:
+            pooled = engine.raw_connection()
+        except dbapi.Error as exc:
+            raise sa_exc.DBAPIError.instance(
+                None, None, exc, dbapi.Error, dialect=engine.dialect
+            ) from exc
         return cls(engine, pooled, pooled.invalidate)
 
     @classmethod
