@@ -10,6 +10,7 @@ are serialised across processes.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = ["IDLE_PING_SECONDS", "DialectSupport", "ping_when_idle"]
 
 IDLE_PING_SECONDS = 1.0
 """A pooled connection idle for longer than this is checked before it is used again."""
+
+_PINGED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 class DialectSupport:
@@ -194,6 +197,9 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     window fails one operation with a disconnect error, which invalidates it
     and has every other pooled connection pinged before its next use.
     """
+    if engine in _PINGED_ENGINES:
+        return  # one more store on the same engine: its listeners are already there
+    _PINGED_ENGINES.add(engine)
     dialect = engine.dialect
     window = IDLE_PING_SECONDS if idle_seconds is None else idle_seconds
 
