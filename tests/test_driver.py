@@ -193,10 +193,16 @@ def test_integrity_error_is_the_one_sqlalchemy_raises(store_opener: Opener) -> N
         conn.execute(store_module._INSERT_MESSAGES, rows)
     with pytest.raises(sa_exc.DBAPIError) as core, store.engine.begin() as conn:
         conn.execute(store_module._INSERT_MESSAGES, rows)
-    with pytest.raises(sa_exc.DBAPIError) as driver, store.engine.begin() as conn:
-        under = DriverConnection.under(conn)
-        with translate_driver_errors(under, insert.sql):
-            insert.executemany(under.cursor(), rows)
+    connection = DriverConnection.checkout(store.engine)
+    try:
+        with (
+            pytest.raises(sa_exc.DBAPIError) as driver,
+            translate_driver_errors(connection, insert.sql),
+        ):
+            insert.executemany(connection.cursor(), rows)
+    finally:
+        connection.dbapi_connection.rollback()
+        connection.close()
     assert type(driver.value) is type(core.value) is sa_exc.IntegrityError
     assert type(driver.value.orig) is type(core.value.orig)
     assert isinstance(driver.value.orig, store.engine.dialect.loaded_dbapi.IntegrityError)

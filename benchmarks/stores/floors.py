@@ -123,7 +123,24 @@ def _rows(session_id: str, payload: list[Message], now: Any) -> list[tuple[Any, 
     ]
 
 
-class RawSQLite(Adapter):
+class _TransactionPerTurn(Adapter):
+    """A floor: one driver transaction per turn (``_write``), run on the loop."""
+
+    windows: _Windows
+
+    def _write(self, ref: TurnRef, payload: list[Message]) -> bool:
+        raise NotImplementedError
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        async with self.windows.locks[ref.session_id]:
+            _checkpoint = len(self.windows.turns[ref.session_id])
+            if not self._write(ref, payload):
+                return False
+            self.windows.turns[ref.session_id].append(payload)
+        return True
+
+
+class RawSQLite(_TransactionPerTurn):
     """stdlib ``sqlite3``: WAL, ``synchronous=NORMAL``, ``BEGIN IMMEDIATE`` per turn."""
 
     name = "raw-sqlite"
@@ -179,14 +196,6 @@ class RawSQLite(Adapter):
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        return True
-
-    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
-        async with self.windows.locks[ref.session_id]:
-            _checkpoint = len(self.windows.turns[ref.session_id])
-            if not self._write(ref, payload):
-                return False
-            self.windows.turns[ref.session_id].append(payload)
         return True
 
     async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
@@ -374,7 +383,7 @@ class RawSQLiteMemory(RawSQLite):
     database = ":memory:"
 
 
-class RawPostgres(Adapter):
+class RawPostgres(_TransactionPerTurn):
     """``psycopg`` 3, one connection: claim, then upsert + insert + prune pipelined, commit."""
 
     name = "raw-pg"
@@ -426,14 +435,6 @@ class RawPostgres(Adapter):
         except BaseException:
             conn.rollback()
             raise
-        return True
-
-    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
-        async with self.windows.locks[ref.session_id]:
-            _checkpoint = len(self.windows.turns[ref.session_id])
-            if not self._write(ref, payload):
-                return False
-            self.windows.turns[ref.session_id].append(payload)
         return True
 
     async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:

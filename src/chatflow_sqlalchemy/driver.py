@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import Connection, Dialect, Engine, Pool, PoolProxiedConnection
+from sqlalchemy import Dialect, Engine, Pool, PoolProxiedConnection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -142,11 +142,9 @@ def pool_distrusted_since(pool: Pool) -> float:
 
 
 class DriverConnection:
-    """A pooled DBAPI connection as the driver path uses it, with its engine.
+    """A pooled DBAPI connection checked out for the driver path, with its engine.
 
-    Either checked out on its own (:meth:`checkout`, for the store's
-    per-turn work: no SQLAlchemy ``Connection`` around it) or the one under
-    a SQLAlchemy ``Connection`` (:meth:`under`, inside its transaction).
+    No SQLAlchemy ``Connection`` is built around it (:meth:`checkout`).
     """
 
     __slots__ = ("_invalidate", "engine", "pooled")
@@ -177,11 +175,6 @@ class DriverConnection:
                 None, None, exc, dbapi.Error, dialect=engine.dialect
             ) from exc
         return cls(engine, pooled, pooled.invalidate)
-
-    @classmethod
-    def under(cls, connection: Connection) -> DriverConnection:
-        """The DBAPI connection of a SQLAlchemy ``Connection`` (which stays in charge)."""
-        return cls(connection.engine, connection.connection, connection.invalidate)
 
     @property
     def dbapi_connection(self) -> Any:

@@ -643,9 +643,7 @@ def upgrade(
         chains = chains_for(engine.dialect.name)
     else:
         chains = [target or core_chain()]
-    for item in chains:
-        check_not_ahead(_read_current(engine, item), item)
-    _run(engine, [(item, "upgrade", revision) for item in chains])
+    _move(engine, chains, "upgrade", revision)
 
 
 def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
@@ -660,9 +658,14 @@ def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None 
         chains = [*reversed(plugin_chains(engine.dialect.name)), core_chain()]
     else:
         chains = [target or core_chain()]
+    _move(engine, chains, "downgrade", revision)
+
+
+def _move(engine: Engine, chains: list[MigrationChain], direction: str, revision: str) -> None:
+    """Refuse if any chain's database is ahead of the code, then move them all in one run."""
     for item in chains:
         check_not_ahead(_read_current(engine, item), item)
-    _run(engine, [(item, "downgrade", revision) for item in chains])
+    _run(engine, [(item, direction, revision) for item in chains])
 
 
 def stamp(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:

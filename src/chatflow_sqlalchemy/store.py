@@ -38,7 +38,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar, cast, overload
+from typing import Any, ClassVar, TypeVar, cast
 
 from chatflow_agent import Agent, BaseSessionStore, Message, Role
 from pydantic import ValidationError
@@ -73,7 +73,6 @@ from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
     DriverStatement,
-    run_driver_statement,
     translate_driver_errors,
 )
 from chatflow_sqlalchemy.exceptions import (
@@ -412,17 +411,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if not self.support.driver_statements:
             return None
 
-        def build(statement: Any, columns: tuple[str, ...] | None = None) -> DriverStatement:
-            return DriverStatement(statement, dialect, column_keys=columns, many=bool(columns))
-
         return _HotStatements(
-            claim=build(self._claim),
-            version=build(_SELECT_VERSION),
-            is_processed=build(_IS_PROCESSED),
-            bump=build(_BUMP_SESSION),
-            bump_metadata=build(_BUMP_SESSION_AND_METADATA),
+            claim=DriverStatement(self._claim, dialect),
+            version=DriverStatement(_SELECT_VERSION, dialect),
+            is_processed=DriverStatement(_IS_PROCESSED, dialect),
+            bump=DriverStatement(_BUMP_SESSION, dialect),
+            bump_metadata=DriverStatement(_BUMP_SESSION_AND_METADATA, dialect),
             delete_message=DriverStatement(_DELETE_ONE_MESSAGE, dialect, many=True),
-            insert_messages=build(_INSERT_MESSAGES, _MESSAGE_COLUMNS),
+            insert_messages=DriverStatement(
+                _INSERT_MESSAGES, dialect, column_keys=_MESSAGE_COLUMNS, many=True
+            ),
         )
 
     def _hot_here(self) -> _HotStatements | None:
@@ -625,14 +623,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _read_version(self, session_id: str) -> int | None:
         """The session's committed version (one autocommit statement), None if it is gone."""
-        params = {"session_id": session_id}
+        row = self._single_row(_SELECT_VERSION, "version", {"session_id": session_id})
+        return None if row is None else int(row[0])
+
+    def _single_row(self, core: Executable, hot_name: str, params: dict[str, Any]) -> Any:
+        """First row of one self-contained read, on the driver path if the backend has one."""
         hot = self._hot_here()
         if hot is not None:
-            row = self._first_row(hot.version, params)
-            return None if row is None else int(row[0])
+            return self._first_row(getattr(hot, hot_name), params)
         with self._transaction(single=True) as conn:
-            value = conn.execute(_SELECT_VERSION, params).scalar()
-        return None if value is None else int(value)
+            return conn.execute(core, params).first()
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
@@ -739,11 +739,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """True if ``message_id`` was claimed within the dedup TTL."""
         _validate_message_id(message_id)
         params = {"message_id": message_id, "cutoff": utcnow() - self._dedup_ttl}
-        hot = self._hot_here()
-        if hot is not None:
-            return self._first_row(hot.is_processed, params) is not None
-        with self._transaction(single=True) as conn:
-            return conn.execute(_IS_PROCESSED, params).first() is not None
+        return self._single_row(_IS_PROCESSED, "is_processed", params) is not None
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now (check-then-mark; prefer the atomic claim)."""
@@ -833,7 +829,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
-        steps: list[tuple[DriverStatement, Any]] = [self._bump_statement(ctx, now, hot)]
+        with_metadata, params = self._bump_params(ctx, now)
+        bump = hot.bump_metadata if with_metadata else hot.bump
+        steps: list[tuple[DriverStatement, Any]] = [(bump, params)]
         if gone:
             deletes = [{"session_id": ctx.session_id, "seq": seq} for seq in sorted(gone)]
             steps.append((hot.delete_message, deletes))
@@ -844,11 +842,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._mark_written(ctx, gone, new_rows)
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
-        """Compare-and-swap the session's version, then write the message diff.
+        """Compare-and-swap the session's version, then write the message diff (Core).
 
-        The conditional UPDATE both detects concurrent writers and takes the
-        row's write lock; only when it misses does the store read the row
-        (locked) to tell a deleted session from a moved one and rebase.
+        The step-by-step write: after the driver-path write found the session
+        moved, for a cleared history, and on backends without driver
+        statements. The conditional UPDATE both detects concurrent writers and
+        takes the row's write lock; only when it misses does the store read the
+        row (locked) to tell a deleted session from a moved one and rebase.
         """
         session_id = ctx.session_id
         now = utcnow()
@@ -860,17 +860,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if not self._bump_version(conn, ctx, now):
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         gone, new_rows = self._message_diff(ctx, now)
-        hot = self._hot_here()
         if gone and not ctx._seqs:
             conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
-        elif gone and hot is not None:
-            rows = [{"session_id": session_id, "seq": seq} for seq in sorted(gone)]
-            run_driver_statement(DriverConnection.under(conn), hot.delete_message, rows)
         elif gone:
             conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
-        if new_rows and hot is not None:
-            run_driver_statement(DriverConnection.under(conn), hot.insert_messages, new_rows)
-        elif new_rows:
+        if new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
         self._mark_written(ctx, gone, new_rows)
 
@@ -910,27 +904,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
         """UPDATE the session row if its version is still the one ``ctx`` knows."""
-        hot = self._hot_here()
-        if hot is not None:
-            statement, params = self._bump_statement(ctx, now, hot)
-            return run_driver_statement(DriverConnection.under(conn), statement, params) == 1
-        core, params = self._bump_statement(ctx, now, None)
-        return conn.execute(core, params).rowcount == 1
+        with_metadata, params = self._bump_params(ctx, now)
+        statement = _BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION
+        return conn.execute(statement, params).rowcount == 1
 
-    @overload
-    def _bump_statement(
-        self, ctx: SessionContext, now: datetime, hot: _HotStatements
-    ) -> tuple[DriverStatement, dict[str, Any]]: ...
-
-    @overload
-    def _bump_statement(
-        self, ctx: SessionContext, now: datetime, hot: None
-    ) -> tuple[Executable, dict[str, Any]]: ...
-
-    def _bump_statement(
-        self, ctx: SessionContext, now: datetime, hot: _HotStatements | None
-    ) -> tuple[Any, dict[str, Any]]:
-        """The compare-and-swap UPDATE of the session row (with metadata if it changed)."""
+    @staticmethod
+    def _bump_params(ctx: SessionContext, now: datetime) -> tuple[bool, dict[str, Any]]:
+        """Parameters of the compare-and-swap UPDATE; True first if metadata changed too."""
         durable = ctx._durable
         assert durable is not None
         params: dict[str, Any] = {
@@ -943,9 +923,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         with_metadata = dump_metadata(ctx._metadata) != durable.metadata_json
         if with_metadata:
             params["metadata"] = dict(ctx._metadata)
-        if hot is not None:
-            return (hot.bump_metadata if with_metadata else hot.bump), params
-        return (_BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION), params
+        return with_metadata, params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
         """Another writer moved the session: replay our unsaved changes on its rows."""
@@ -1024,7 +1002,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """Try to take the cross-process lock of a session's turn; never waits.
 
         Only called when ``support.cross_process_turn_lock`` is set; backends
-        that set it override this and :meth:`_arelease_turn_lock`.
+        that set it override this (or :meth:`_atry_turn_lock_reading_version`)
+        and :meth:`_arelease_turn_lock`.
         """
         raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
 

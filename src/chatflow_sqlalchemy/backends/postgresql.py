@@ -119,11 +119,6 @@ class AdvisoryTurnLocks:
                 raise
             return row[0] if row else None
 
-    async def try_acquire(self, session_id: str) -> bool:
-        """Take the session's lock if it is free; never waits."""
-        call = self._call("SELECT pg_try_advisory_lock(%s)", session_lock_key(session_id))
-        return bool(await self._taking(session_id, call, lambda taken: bool(taken)))
-
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
         """Try the lock and read the session's version in one round trip (a pipeline).
 
@@ -131,28 +126,18 @@ class AdvisoryTurnLocks:
         so the version is read after the lock was taken and reflects every
         turn committed before. It is meaningless when the lock was not taken.
         """
-        call = self._lock_and_read_version(session_id)
-        return await self._taking(session_id, call, lambda result: result[0])
-
-    async def _taking(
-        self, session_id: str, call: Awaitable[_R], taken: Callable[[_R], bool]
-    ) -> _R:
-        """Await a lock-taking call, finishing it even if the caller is cancelled meanwhile.
-
-        A lock the abandoned call took is given back; otherwise the session
-        would stay locked for every process until this connection closes.
-        """
-        task = _keep(asyncio.ensure_future(call))
+        task = _keep(asyncio.ensure_future(self._lock_and_read_version(session_id)))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda done: self._give_back(session_id, done, taken))
+            # The caller gave up, but the call goes on: a lock it takes must be given
+            # back, or the session stays locked for every process until this
+            # connection closes.
+            task.add_done_callback(lambda done: self._give_back(session_id, done))
             raise
 
-    def _give_back(
-        self, session_id: str, done: asyncio.Future[Any], taken: Callable[[Any], bool]
-    ) -> None:
-        if done.cancelled() or done.exception() is not None or not taken(done.result()):
+    def _give_back(self, session_id: str, done: asyncio.Future[tuple[bool, int | None]]) -> None:
+        if done.cancelled() or done.exception() is not None or not done.result()[0]:
             return
         _keep(asyncio.ensure_future(self.release(session_id)))
 
@@ -353,13 +338,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
 
     def _make_async_engine(self) -> AsyncEngine:
         return create_async_engine(self._pg_url, **self._pg_options)
-
-    async def _atry_turn_lock(self, session_id: str) -> bool:
-        with self._guard():
-            try:
-                return await self._turn_locks.try_acquire(session_id)
-            except psycopg.OperationalError as exc:
-                raise _lock_unavailable(session_id, exc) from exc
 
     async def _atry_turn_lock_reading_version(
         self, session_id: str
