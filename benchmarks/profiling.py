@@ -11,8 +11,9 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from chatflow_sqlalchemy.iopool import IOPool
 
 __all__ = ["Profiler", "top_entries"]
 
@@ -23,7 +24,7 @@ class Profiler:
     def __init__(self, store: Any = None) -> None:
         self.main = cProfile.Profile()
         self.threads: list[cProfile.Profile] = []
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: IOPool | None = None
         if store is not None and hasattr(store, "_io_pool"):
             self._hook_pool(store)
 
@@ -34,9 +35,7 @@ class Profiler:
 
     def _hook_pool(self, store: Any) -> None:
         workers = int(getattr(store, "_blocking_io_workers", 4))
-        self.pool = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="chatflow-io", initializer=self._start_thread
-        )
+        self.pool = IOPool(workers, "chatflow-io", initializer=self._start_thread)
         pool = self.pool
         store._io_pool = lambda: pool
 

@@ -23,7 +23,6 @@ new messages are appended after them as whole turns, never interleaved.
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 import logging
 import os
@@ -33,7 +32,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -81,6 +79,7 @@ from chatflow_sqlalchemy.exceptions import (
     DatabaseUnavailableError,
     SessionDeletedError,
 )
+from chatflow_sqlalchemy.iopool import IOPool
 from chatflow_sqlalchemy.models import (
     SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
@@ -260,7 +259,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         )
         self._recent: OrderedDict[str, SessionContext] = OrderedDict()
         self._cache_lock = threading.RLock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: IOPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
         self._last_purge = utcnow()
@@ -490,8 +489,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if self._native_async:
             await self._async_engine_for_loop()
             return await greenlet_spawn(fn, *args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io_pool(), functools.partial(fn, *args))
+        return await self._io_pool().run(fn, *args)
 
     def _make_async_engine(self) -> AsyncEngine:
         """Create the AsyncEngine of a native-async store (backends may add options)."""
@@ -522,13 +520,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             await engine.dispose()
         return engine
 
-    def _io_pool(self) -> ThreadPoolExecutor:
+    def _io_pool(self) -> IOPool:
         with self._pool_lock:
             self._check_open()
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self._blocking_io_workers, thread_name_prefix="chatflow-io"
-                )
+                self._pool = IOPool(self._blocking_io_workers, thread_name_prefix="chatflow-io")
             return self._pool
 
     # ------------------------------------------------------------ contexts

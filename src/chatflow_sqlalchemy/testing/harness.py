@@ -99,7 +99,7 @@ class Capability(str, enum.Enum):
     ASYNC_THREADPOOL = "async_threadpool"
     """The async API runs blocking work on the store's private thread pool.
 
-    The store has ``_run_blocking`` and ``_pool`` (a ``ThreadPoolExecutor``
+    The store has ``_run_blocking`` and ``_pool`` (an :class:`~chatflow_sqlalchemy.iopool.IOPool`
     whose threads are named ``chatflow-io*``); database work started from the
     ``a*`` methods never runs on the event-loop thread.
     """
