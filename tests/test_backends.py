@@ -85,6 +85,26 @@ def test_an_autocommit_engine_is_refused_with_the_fix(tmp_path: Path) -> None:
         engine.dispose()
 
 
+def test_two_stores_share_one_sqlite_engine(tmp_path: Path) -> None:
+    """The engine is prepared once: a second store must not add a second BEGIN hook."""
+    from chatflow_agent import Agent, Message, Role
+    from sqlalchemy import create_engine
+
+    from chatflow_sqlalchemy import SQLAlchemySessionStore
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'shared.db'}")
+    agent = Agent(name="Bot", instructions="")
+    try:
+        with SQLAlchemySessionStore(engine=engine) as one, \
+                SQLAlchemySessionStore(engine=engine) as two:
+            one.get_or_create("a", agent).add_message(Message(role=Role.USER, content="1"))
+            two.get_or_create("b", agent).add_message(Message(role=Role.USER, content="2"))
+            assert one.record_processed_message("m") and not two.record_processed_message("m")
+            assert sorted(two.list_sessions()) == ["a", "b"]
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.postgres
 def test_postgres_store_refuses_isolation_level_autocommit(pg_url: str, pg_schema: str) -> None:
     from chatflow_sqlalchemy import PostgresSessionStore

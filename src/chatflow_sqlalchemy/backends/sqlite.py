@@ -10,6 +10,7 @@ upgrade), a single shared connection for in-memory databases, and the
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ _BLOCKING_IO_WORKERS = 4
 
 BUSY_TIMEOUT_MS = 30_000
 """How long a writer waits for another connection's write lock before failing."""
+
+_PREPARED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def is_ephemeral_sqlite(url: URL) -> bool:
@@ -100,7 +103,14 @@ class SQLiteDialectSupport(DialectSupport):
         return None
 
     def prepare_engine(self, engine: Engine) -> None:
-        """Set pragmas on each connection and take transaction control from pysqlite."""
+        """Set pragmas on each connection and take transaction control from pysqlite.
+
+        Once per engine: a second store on the same engine must not add a
+        second ``BEGIN``.
+        """
+        if engine in _PREPARED_ENGINES:
+            return
+        _PREPARED_ENGINES.add(engine)
         ephemeral = is_ephemeral_sqlite(engine.url)
 
         @event.listens_for(engine, "connect")
