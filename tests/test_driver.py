@@ -8,6 +8,10 @@ a dialect without driver statements must still work through Core.
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import time
+import warnings
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import fields
@@ -18,14 +22,16 @@ from typing import Any, cast
 import psycopg
 import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
-from sqlalchemy import Table, event, make_url, select
+from sqlalchemy import Engine, Table, create_engine, event, make_url, select
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import (
     DatabaseUnavailableError,
+    SessionDeletedError,
     SQLAlchemySessionStore,
     SQLiteSessionStore,
 )
+from chatflow_sqlalchemy import driver as driver_module
 from chatflow_sqlalchemy import store as store_module
 from chatflow_sqlalchemy.backends.sqlite import SQLiteDialectSupport
 from chatflow_sqlalchemy.driver import DriverConnection, translate_driver_errors
@@ -349,3 +355,105 @@ def test_a_connection_that_cannot_be_opened_is_database_unavailable(
             calls[call]()
     finally:
         store.close()
+
+
+def _count_checkouts(engine: Engine) -> list[object]:
+    """Every pool checkout on ``engine`` from now on appends to the returned list."""
+    checkouts: list[object] = []
+    event.listen(engine, "checkout", lambda dbapi_conn, *_: checkouts.append(dbapi_conn))
+    return checkouts
+
+
+def test_back_to_back_units_reuse_a_kept_connection(store_opener: Opener) -> None:
+    """Claims and writes in quick succession skip the pool: no checkout after the first."""
+    store = store_opener()
+    session = store.get_or_create("s", TRIAGE)
+    store.record_processed_message("warm-up")
+    checkouts = _count_checkouts(store.engine)
+    for index in range(5):
+        assert store.record_processed_message(f"m-{index}")
+        session.add_message(Message(role=Role.USER, content=f"turn {index}"))
+        assert store.is_message_processed(f"m-{index}")
+    assert checkouts == []
+    assert [m.content for m in store_opener().get("s").history] == [  # type: ignore[union-attr]
+        f"turn {index}" for index in range(5)
+    ]
+
+
+def test_a_connection_idle_past_the_ping_window_goes_back_through_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After IDLE_PING_SECONDS unused, a kept connection is checked out again (pings apply)."""
+    from chatflow_sqlalchemy import dialect
+
+    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.05)
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        store.record_processed_message("warm-up")
+        checkouts = _count_checkouts(store.engine)
+        store.record_processed_message("soon")
+        assert checkouts == []
+        time.sleep(0.1)
+        store.record_processed_message("later")
+        assert len(checkouts) == 1
+
+
+def test_kept_connections_of_a_disposed_pool_are_not_reused(tmp_path: Path) -> None:
+    """engine.dispose() replaces the pool: what was kept from the old one is retired."""
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        store.record_processed_message("warm-up")
+        (old,) = [kept.dbapi_connection for kept in store._kept._kept]
+        store.engine.dispose()
+        checkouts = _count_checkouts(store.engine)
+        store.record_processed_message("after")
+        assert len(checkouts) == 1 and checkouts[0] is not old
+
+
+def test_a_failed_unit_does_not_keep_its_connection(store_opener: Opener) -> None:
+    """The write that found its session deleted hands its connection back to the pool."""
+    store, other = store_opener(), store_opener()
+    session = store.get_or_create("s", TRIAGE)
+    store.record_processed_message("warm-up")
+    assert len(store._kept._kept) == 1
+    assert other.delete("s")
+    with pytest.raises(SessionDeletedError):
+        session.add_message(Message(role=Role.USER, content="too late"))
+    assert store._kept._kept == []
+
+
+def test_close_and_collection_return_kept_connections_to_the_pool(tmp_path: Path) -> None:
+    """On a caller's engine nothing stays checked out once the store is closed or dropped."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    try:
+        store = SQLAlchemySessionStore(engine=engine)
+        store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
+        assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
+        store.close()
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        dropped = SQLAlchemySessionStore(engine=engine)
+        dropped.record_processed_message("m")
+        assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # SQLAlchemy warns about collected checkouts
+            del dropped
+            gc.collect()
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_never_uses_the_parents_kept_connections(tmp_path: Path) -> None:
+    """The child must not run statements on (or close) connections the parent still uses."""
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        store.record_processed_message("parent")
+        (parents,) = store._kept._kept
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            inherited = any(kept is parents for kept in driver_module._INHERITED)
+            fine = not store._kept._kept and inherited
+            fine = fine and store.record_processed_message("child")
+            os._exit(0 if fine else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert store.is_message_processed("child")
+        assert store._kept._kept[0] is parents

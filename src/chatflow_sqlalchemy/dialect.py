@@ -31,6 +31,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
 
 from chatflow_sqlalchemy.driver import (
+    LAST_USED_KEY,
     DriverConnection,
     DriverStatement,
     pool_distrusted_since,
@@ -206,7 +207,8 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     @event.listens_for(engine, "checkin")
     def _idle_from(dbapi_connection: Any, record: Any) -> None:
         if record is not None:
-            record.info["chatflow_idle_since"] = time.monotonic()
+            # A connection kept aside by KeptConnections was idle since its last use.
+            record.info["chatflow_idle_since"] = record.info.pop(LAST_USED_KEY, time.monotonic())
 
     @event.listens_for(engine, "checkout")
     def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:

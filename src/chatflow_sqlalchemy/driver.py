@@ -12,6 +12,7 @@ runs through SQLAlchemy as usual.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,9 +26,12 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 
 __all__ = [
+    "LAST_USED_KEY",
     "DriverConnection",
     "DriverStatement",
+    "KeptConnections",
     "distrust_pool",
+    "driver_error",
     "pool_distrusted_since",
     "run_driver_statement",
     "translate_driver_errors",
@@ -147,7 +151,7 @@ class DriverConnection:
     No SQLAlchemy ``Connection`` is built around it (:meth:`checkout`).
     """
 
-    __slots__ = ("_invalidate", "engine", "pooled")
+    __slots__ = ("_invalidate", "engine", "pool", "pooled", "taken_at", "used_at")
 
     def __init__(
         self,
@@ -158,6 +162,8 @@ class DriverConnection:
         self.engine = engine
         self.pooled = pooled
         self._invalidate = invalidate
+        self.pool = engine.pool
+        self.taken_at = self.used_at = time.monotonic()
 
     @classmethod
     def checkout(cls, engine: Engine) -> DriverConnection:
@@ -205,25 +211,30 @@ class DriverConnection:
         self.pooled.close()
 
 
-@contextmanager
-def translate_driver_errors(connection: DriverConnection, sql: str) -> Iterator[None]:
-    """Raise DBAPI errors as SQLAlchemy's ``DBAPIError`` subclasses, as ``execute`` would.
+def driver_error(connection: DriverConnection, exc: Exception, sql: str) -> sa_exc.StatementError:
+    """The SQLAlchemy ``DBAPIError`` subclass for the DBAPI error ``exc``, as ``execute`` raises.
 
-    A lost connection is invalidated (and the rest of the pool distrusted),
+    A lost connection is invalidated (and the rest of its pool distrusted),
     and the error says so (``connection_invalidated``), which the store turns
     into :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`.
     """
     dialect = connection.engine.dialect
-    dbapi = dialect.loaded_dbapi
+    lost = dialect.is_disconnect(cast(Any, exc), connection.dbapi_connection, None)
+    if lost:
+        connection.invalidate(exc)
+    return sa_exc.DBAPIError.instance(
+        sql, None, exc, dialect.loaded_dbapi.Error,
+        connection_invalidated=lost, dialect=dialect,
+    )
+
+
+@contextmanager
+def translate_driver_errors(connection: DriverConnection, sql: str) -> Iterator[None]:
+    """Raise DBAPI errors inside the block as :func:`driver_error` describes."""
     try:
         yield
-    except dbapi.Error as exc:
-        lost = dialect.is_disconnect(exc, connection.dbapi_connection, None)
-        if lost:
-            connection.invalidate(exc)
-        raise sa_exc.DBAPIError.instance(
-            sql, None, exc, dbapi.Error, connection_invalidated=lost, dialect=dialect
-        ) from exc
+    except connection.engine.dialect.loaded_dbapi.Error as exc:
+        raise driver_error(connection, exc, sql) from exc
 
 
 def run_driver_statement(
@@ -235,7 +246,7 @@ def run_driver_statement(
 
     A list of parameter sets runs as one ``executemany``.
     """
-    with translate_driver_errors(connection, statement.sql):
+    try:
         cursor = connection.cursor()
         if isinstance(params, Mapping):
             statement.execute(cursor, params)
@@ -243,4 +254,111 @@ def run_driver_statement(
             statement.executemany(cursor, params)
         count = int(cursor.rowcount)
         cursor.close()
+    except connection.engine.dialect.loaded_dbapi.Error as exc:
+        raise driver_error(connection, exc, statement.sql) from exc
     return count
+
+
+LAST_USED_KEY = "chatflow_last_used"
+"""Connection-record ``info`` key: when a connection back from :class:`KeptConnections`
+was last used (``time.monotonic()``), so the idle ping counts its time aside as idle."""
+
+
+class KeptConnections:
+    """Driver connections of one engine kept checked out between units of work, briefly.
+
+    Taking a connection out of SQLAlchemy's pool and putting it back
+    (events, reset on return, bookkeeping) costs ~6 us, more than SQLite's
+    own work for a one-row statement, and a turn runs three driver units.
+    Up to ``keep`` connections given back in good order wait here instead.
+    One unused for ``max_idle`` seconds, taken from the pool over ``max_age``
+    seconds ago, belonging to a replaced pool (``engine.dispose()``) or not
+    used since its pool's last lost connection goes back through the pool,
+    so pings, recycling and invalidation apply as before. A connection that
+    failed, or whose unit raised, is never given back (the caller closes it).
+    """
+
+    def __init__(
+        self, engine: Engine, *, keep: int, max_idle: float, max_age: float = 30.0
+    ) -> None:
+        self._engine = engine
+        self._keep = keep
+        self._max_idle = max_idle
+        self._max_age = max_age
+        self._kept: list[DriverConnection] = []
+        self._closed = False
+        # A store nobody closed still hands its connections back (no SQLAlchemy
+        # warning about a connection garbage-collected while checked out).
+        self._finalizer = weakref.finalize(self, _retire_all, self._kept)
+        _ALL_KEPT.add(self)
+
+    def take(self) -> DriverConnection:
+        """A kept connection still fresh, else one checked out of the pool."""
+        now = time.monotonic()
+        while self._kept:
+            try:
+                connection = self._kept.pop()
+            except IndexError:  # another thread took the last one
+                break
+            if self._fresh(connection, now):
+                return connection
+            _retire(connection)
+        return DriverConnection.checkout(self._engine)
+
+    def _fresh(self, connection: DriverConnection, now: float) -> bool:
+        return (
+            connection.pool is self._engine.pool
+            and now - connection.used_at < self._max_idle
+            and now - connection.taken_at < self._max_age
+            and connection.used_at > pool_distrusted_since(connection.pool)
+            and connection.is_valid
+        )
+
+    def give_back(self, connection: DriverConnection) -> None:
+        """Keep a connection whose unit of work succeeded (outside any transaction)."""
+        connection.used_at = time.monotonic()
+        if self._closed or len(self._kept) >= self._keep:
+            _retire(connection)
+        else:
+            self._kept.append(connection)
+
+    def close(self) -> None:
+        """Return every kept connection to the pool; later ones go straight back too."""
+        self._closed = True
+        self._finalizer()
+
+
+def _retire_all(kept: list[DriverConnection]) -> None:
+    while kept:
+        try:
+            connection = kept.pop()
+        except IndexError:  # another thread took the last one
+            break
+        _retire(connection)
+
+
+def _retire(connection: DriverConnection) -> None:
+    """Back to the pool, telling the idle ping when the connection was last used."""
+    if connection.is_valid:
+        connection.pooled.info[LAST_USED_KEY] = connection.used_at
+    connection.close()
+
+
+_ALL_KEPT: weakref.WeakSet[KeptConnections] = weakref.WeakSet()
+_INHERITED: list[DriverConnection] = []
+
+
+def _drop_inherited_connections() -> None:
+    """In a forked child: forget the parent's kept connections without touching them.
+
+    Closing them here would reset or terminate sessions the parent still
+    uses (SQLAlchemy's pool documents the same rule, ``engine.dispose(close=False)``);
+    they are held, unused, so that collecting them cannot close them either.
+    """
+    for kept in list(_ALL_KEPT):
+        _INHERITED.extend(kept._kept)
+        kept._kept.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_connections)

@@ -60,6 +60,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.util.concurrency import greenlet_spawn, in_greenlet
 
+from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy.context import (
     DurableState,
     SessionContext,
@@ -71,6 +72,8 @@ from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
     DriverStatement,
+    KeptConnections,
+    driver_error,
     translate_driver_errors,
 )
 from chatflow_sqlalchemy.exceptions import (
@@ -114,6 +117,10 @@ swap the version, so a stale context is rebased, never merged blindly.
 
 _FIRST_VERSION_BITS = 52
 """New sessions start at a random version below 2**52 (still exact as a float in JSON)."""
+
+_KEPT_CONNECTIONS = 2
+"""Driver connections a store keeps aside between units: a turn's sync calls on the
+loop thread and its write on a pool thread take turns with two."""
 
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
@@ -289,6 +296,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
+        # In-memory SQLite has one shared connection: nothing to keep aside. A kept
+        # connection goes back through the pool when the idle ping would check it.
+        self._kept = KeptConnections(
+            engine,
+            keep=0 if self._ephemeral else _KEPT_CONNECTIONS,
+            max_idle=_dialect.IDLE_PING_SECONDS,
+        )
         self._native_async = (
             not self._ephemeral
             and self.support.async_url(self.url) is not None
@@ -426,44 +440,62 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """The per-turn statements for the engine this thread or greenlet uses."""
         return self._ahot if self._native_async and in_greenlet() else self._hot
 
-    @contextmanager
-    def _driver_connection(self) -> Iterator[DriverConnection]:
+    def _take_driver_connection(self) -> DriverConnection:
         """A pooled connection for the driver path, on the engine this thread or greenlet uses.
 
         It comes from the same pool as everything else (idle pings,
-        recycling and invalidation apply); no SQLAlchemy ``Connection`` is
-        built around it.
+        recycling and invalidation apply; no SQLAlchemy ``Connection`` is
+        built around it). On the sync engine recently used ones are kept
+        aside between units (:class:`~chatflow_sqlalchemy.driver.KeptConnections`).
         """
         self._check_open()
-        native = self._native_async and in_greenlet()
-        engine = self._aengines[0] if native and self._aengines else self.engine
-        with self._guard():
-            connection = DriverConnection.checkout(engine)
-            try:
-                yield connection
-            finally:
-                connection.close()
+        if self._native_async and in_greenlet():
+            assert self._aengines is not None
+            return DriverConnection.checkout(self._aengines[0])
+        return self._kept.take()
+
+    def _give_back(self, connection: DriverConnection) -> None:
+        """After a unit that succeeded: keep the connection for the next one, or pool it."""
+        if connection.engine is self.engine:
+            self._kept.give_back(connection)
+        else:
+            connection.close()
 
     def _first_row(self, statement: DriverStatement, params: dict[str, Any]) -> Any:
         """Run one self-contained statement on the driver, in autocommit; return its first row."""
-        support = self.support
-        with self._driver_connection() as connection:
-            dialect, dbapi_connection = connection.engine.dialect, connection.dbapi_connection
-            support.driver_autocommit(dialect, dbapi_connection, True)
+        with self._guard():
+            connection = self._take_driver_connection()
             try:
-                with translate_driver_errors(connection, statement.sql):
-                    cursor = statement.execute(connection.cursor(), params)
-                    row = cursor.fetchone()
-                    cursor.close()
-            finally:
-                if connection.is_valid:  # never hand a connection back in autocommit
-                    support.driver_autocommit(dialect, dbapi_connection, False)
+                row = self._autocommit_first_row(connection, statement, params)
+            except BaseException:
+                connection.close()
+                raise
+            self._give_back(connection)
             return row
+
+    def _autocommit_first_row(
+        self, connection: DriverConnection, statement: DriverStatement, params: dict[str, Any]
+    ) -> Any:
+        support, dialect = self.support, connection.engine.dialect
+        dbapi_connection = connection.dbapi_connection
+        support.driver_autocommit(dialect, dbapi_connection, True)
+        try:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(statement.sql, statement.parameters(params))
+            row = cursor.fetchone()
+            cursor.close()
+        except dialect.loaded_dbapi.Error as exc:
+            raise driver_error(connection, exc, statement.sql) from exc
+        finally:
+            if connection.is_valid:  # never hand a connection back in autocommit
+                support.driver_autocommit(dialect, dbapi_connection, False)
+        return row
 
     @contextmanager
     def _driver_write(self) -> Iterator[DriverConnection]:
         """One write transaction on the driver path: committed if the block returns."""
-        with self._driver_connection() as connection:
+        with self._guard():
+            connection = self._take_driver_connection()
             dbapi_connection = connection.dbapi_connection
             try:
                 with translate_driver_errors(connection, "BEGIN"):
@@ -475,7 +507,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 if connection.is_valid:
                     with suppress(Exception):  # the original error is the one to raise
                         dbapi_connection.rollback()
+                connection.close()
                 raise
+            self._give_back(connection)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop.
@@ -1038,6 +1072,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._kept.close()
         if self._aengine is not None:
             _dispose_from_sync_code(self._aengine)
         if self._owns_engine:
