@@ -457,3 +457,31 @@ def test_a_forked_child_never_uses_the_parents_kept_connections(tmp_path: Path) 
         assert os.waitstatus_to_exitcode(status) == 0
         assert store.is_message_processed("child")
         assert store._kept._kept[0] is parents
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        NOW,
+        NOW.replace(microsecond=0),
+        datetime(999, 1, 2, 23, 4, 5, 6, tzinfo=timezone(timedelta(hours=-3))),  # next day in UTC
+        datetime(2024, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc),
+        datetime.now(timezone.utc),
+    ],
+)
+def test_sqlite_timestamps_are_the_text_sqlalchemy_writes(value: datetime) -> None:
+    """UTCDateTime's one-step SQLite processor equals process_bind_param then DATETIME."""
+    from sqlalchemy.dialects import sqlite
+    from sqlalchemy.types import TypeDecorator
+
+    from chatflow_sqlalchemy.models import UTCDateTime
+
+    dialect = sqlite.dialect()
+    column_type = UTCDateTime().dialect_impl(dialect)
+    fast = column_type.bind_processor(dialect)
+    composed = TypeDecorator.bind_processor(column_type, dialect)  # SQLAlchemy's own chain
+    assert fast is not None and composed is not None
+    assert fast(value) == composed(value)
+    assert fast(None) is None
+    with pytest.raises(ValueError, match="timezone-aware"):
+        fast(value.replace(tzinfo=None))

@@ -8,6 +8,7 @@ correctness, each explained on its model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -82,11 +83,33 @@ class UTCDateTime(TypeDecorator[datetime]):
             return value
         return value.replace(tzinfo=None)
 
+    def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
+        """On SQLite, one function for what ``process_bind_param`` and ``DATETIME`` do in turn.
+
+        Every turn binds several timestamps; the composed pair costs ~2.3 us a
+        value, this ~1 us. It writes exactly SQLAlchemy's SQLite text
+        (``YYYY-MM-DD HH:MM:SS.ffffff``), which tests compare value by value.
+        """
+        if dialect.name == "sqlite":
+            return _sqlite_utc_text
+        return super().bind_processor(dialect)
+
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         """Attach UTC to the naive values SQLite gives back."""
         if value is not None and value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
         return value
+
+
+def _sqlite_utc_text(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        raise ValueError("UTCDateTime needs a timezone-aware datetime (use utcnow())")
+    if value.tzinfo is not timezone.utc:
+        value = value.astimezone(timezone.utc)
+    text = value.isoformat(" ")[:-6]  # without its "+00:00"
+    return text if value.microsecond else f"{text}.000000"  # isoformat drops zero micros
 
 
 JSONDocument = JSON().with_variant(postgresql.JSONB(), "postgresql")
