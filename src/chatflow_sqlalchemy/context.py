@@ -28,16 +28,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from chatflow_agent import Agent, Message, Role
 from chatflow_agent import SessionContext as _UpstreamSessionContext
 
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.models import SESSION_ID_MAX_LENGTH
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 __all__ = ["SessionContext", "TurnLock", "validate_max_turns", "validate_session_id"]
 
@@ -618,12 +615,11 @@ class SessionContext(_UpstreamSessionContext):
     def _replace_metadata(self, metadata: dict[str, Any]) -> None:
         self._metadata = _TrackedDict(self, metadata)
 
-    def _pending_messages(self) -> Iterator[tuple[int, Message]]:
-        """Messages in memory that the database does not hold yet."""
+    def _pending_messages(self) -> list[tuple[int, Message]]:
+        """Messages in memory that the database does not hold yet, with their seqs."""
         durable = self._durable.seqs if self._durable is not None else set()
-        for seq, message in zip(self._seqs, self._history, strict=True):
-            if seq not in durable:
-                yield seq, message
+        pairs = zip(self._seqs, self._history, strict=True)
+        return [(seq, message) for seq, message in pairs if seq not in durable]
 
     def __repr__(self) -> str:
         return (

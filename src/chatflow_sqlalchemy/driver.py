@@ -80,12 +80,17 @@ class DriverStatement:
 
     def parameters(self, params: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         """The DBAPI parameters for ``params`` (keyed like the Core statement's)."""
-        converted: tuple[Any, ...] | dict[str, Any] = self.parameter_rows([params])[0]
-        return converted
+        values = []
+        for key, process, required, default in self._slots:
+            value = params[key] if required else params.get(key, default)
+            values.append(value if process is None else process(value))
+        if self._names is None:
+            return tuple(values)
+        return dict(zip(self._names, values, strict=True))
 
     def execute(self, cursor: Any, params: Mapping[str, Any]) -> Any:
         """Execute once on a DBAPI cursor; return the cursor."""
-        cursor.execute(self.sql, self.parameter_rows([params])[0])
+        cursor.execute(self.sql, self.parameters(params))
         return cursor
 
     def executemany(self, cursor: Any, rows: Sequence[Mapping[str, Any]]) -> Any:

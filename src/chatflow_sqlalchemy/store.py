@@ -859,8 +859,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
-        with_metadata, params = self._bump_params(ctx, now)
-        bump = hot.bump_metadata if with_metadata else hot.bump
+        metadata_json, params = self._bump_params(ctx, now)
+        bump = hot.bump if metadata_json is None else hot.bump_metadata
         steps: list[tuple[DriverStatement, Any]] = [(bump, params)]
         if gone:
             deletes = [{"session_id": ctx.session_id, "seq": seq} for seq in sorted(gone)]
@@ -869,7 +869,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             steps.append((hot.insert_messages, new_rows))
         if self.support.run_pipelined(connection, steps)[0] != 1:
             raise _VersionMoved
-        self._mark_written(ctx, gone, new_rows)
+        self._mark_written(ctx, gone, new_rows, metadata_json)
 
     def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
         """Compare-and-swap the session's version, then write the message diff (Core).
@@ -882,12 +882,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         session_id = ctx.session_id
         now = utcnow()
-        if not self._bump_version(conn, ctx, now):
+        bumped, metadata_json = self._bump_version(conn, ctx, now)
+        if not bumped:
             version = conn.execute(self._lock_version, {"session_id": session_id}).scalar()
             if version is None:
                 raise SessionDeletedError(session_id)
             self._rebase(conn, ctx)
-            if not self._bump_version(conn, ctx, now):
+            bumped, metadata_json = self._bump_version(conn, ctx, now)
+            if not bumped:
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         gone, new_rows = self._message_diff(ctx, now)
         if gone and not ctx._seqs:
@@ -896,7 +898,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
         if new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
-        self._mark_written(ctx, gone, new_rows)
+        self._mark_written(ctx, gone, new_rows, metadata_json)
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -919,8 +921,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return gone, new_rows
 
     @staticmethod
-    def _mark_written(ctx: SessionContext, gone: set[int], new_rows: list[dict[str, Any]]) -> None:
-        """Record what the database now holds: ``ctx`` as it is, one version up."""
+    def _mark_written(
+        ctx: SessionContext,
+        gone: set[int],
+        new_rows: list[dict[str, Any]],
+        metadata_json: str | None,
+    ) -> None:
+        """Record what the database now holds: ``ctx`` as it is, one version up.
+
+        ``metadata_json`` is the metadata just written, None if it was unchanged.
+        """
         durable = ctx._durable
         assert durable is not None
         seqs = durable.seqs - gone
@@ -929,18 +939,23 @@ class SQLAlchemySessionStore(BaseSessionStore):
             version=durable.version + 1,
             seqs=seqs,
             agent_name=ctx.active_agent.name,
-            metadata_json=dump_metadata(ctx._metadata),
+            metadata_json=durable.metadata_json if metadata_json is None else metadata_json,
         )
 
-    def _bump_version(self, conn: Connection, ctx: SessionContext, now: datetime) -> bool:
-        """UPDATE the session row if its version is still the one ``ctx`` knows."""
-        with_metadata, params = self._bump_params(ctx, now)
-        statement = _BUMP_SESSION_AND_METADATA if with_metadata else _BUMP_SESSION
-        return conn.execute(statement, params).rowcount == 1
+    def _bump_version(
+        self, conn: Connection, ctx: SessionContext, now: datetime
+    ) -> tuple[bool, str | None]:
+        """UPDATE the session row if its version is still the one ``ctx`` knows.
+
+        Returns whether it did, and the metadata JSON it wrote (None: unchanged).
+        """
+        metadata_json, params = self._bump_params(ctx, now)
+        statement = _BUMP_SESSION if metadata_json is None else _BUMP_SESSION_AND_METADATA
+        return conn.execute(statement, params).rowcount == 1, metadata_json
 
     @staticmethod
-    def _bump_params(ctx: SessionContext, now: datetime) -> tuple[bool, dict[str, Any]]:
-        """Parameters of the compare-and-swap UPDATE; True first if metadata changed too."""
+    def _bump_params(ctx: SessionContext, now: datetime) -> tuple[str | None, dict[str, Any]]:
+        """Parameters of the compare-and-swap UPDATE, after the metadata's JSON if it changed."""
         durable = ctx._durable
         assert durable is not None
         params: dict[str, Any] = {
@@ -950,10 +965,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             "agent_name": ctx.active_agent.name,
             "now": now,
         }
-        with_metadata = dump_metadata(ctx._metadata) != durable.metadata_json
-        if with_metadata:
-            params["metadata"] = dict(ctx._metadata)
-        return with_metadata, params
+        metadata_json = dump_metadata(ctx._metadata)
+        if metadata_json == durable.metadata_json:
+            return None, params
+        params["metadata"] = dict(ctx._metadata)
+        return metadata_json, params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
         """Another writer moved the session: replay our unsaved changes on its rows."""
