@@ -32,7 +32,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -74,7 +74,6 @@ from chatflow_sqlalchemy.driver import (
     DriverStatement,
     KeptConnections,
     driver_error,
-    translate_driver_errors,
 )
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
@@ -169,6 +168,39 @@ _IS_PROCESSED = select(_processed.c.message_id).where(
 def database_url_from_env(url: str | URL | None = None) -> str | URL:
     """Return ``url``, else ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``."""
     return url or os.environ.get("CHATFLOW_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+class _Guard:
+    """What :meth:`SQLAlchemySessionStore._guard` returns; holds no per-use state.
+
+    A class rather than a ``@contextmanager`` generator: three guarded units
+    run every turn, and a generator context manager costs several times more.
+    """
+
+    __slots__ = ("_serial", "_url")
+
+    def __init__(self, serial: threading.RLock | None, url: URL) -> None:
+        self._serial = serial
+        self._url = url
+
+    def __enter__(self) -> None:
+        if self._serial is not None:
+            self._serial.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._serial is not None:
+            self._serial.release()
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) and (
+            exc.connection_invalidated or _is_connect_error(exc)
+        ):
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+            message = f"cannot reach {_describe(self._url)}: {reason}"
+            raise DatabaseUnavailableError(message) from exc
 
 
 def _describe(url: URL) -> str:
@@ -296,6 +328,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
+        self._guarded = _Guard(self._serial, self.url)
         # In-memory SQLite has one shared connection: nothing to keep aside. A kept
         # connection goes back through the pool when the idle ping would check it.
         self._kept = KeptConnections(
@@ -376,19 +409,12 @@ class SQLAlchemySessionStore(BaseSessionStore):
             _require_transactions(self.engine)
             ensure_schema(self.engine, self.support)
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """Turn driver connection failures into one clear, password-free error."""
-        try:
-            with self._serial or nullcontext():
-                yield
-        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
-            if exc.connection_invalidated or _is_connect_error(exc):
-                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-                raise DatabaseUnavailableError(
-                    f"cannot reach {_describe(self.url)}: {reason}"
-                ) from exc
-            raise
+    def _guard(self) -> _Guard:
+        """``with self._guard():``: connection failures become one clear, password-free error.
+
+        It also serialises the users of a single shared connection (in-memory SQLite).
+        """
+        return self._guarded
 
     @contextmanager
     def _transaction(self, *, write: bool = False, single: bool = False) -> Iterator[Connection]:
@@ -491,18 +517,22 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 support.driver_autocommit(dialect, dbapi_connection, False)
         return row
 
-    @contextmanager
-    def _driver_write(self) -> Iterator[DriverConnection]:
-        """One write transaction on the driver path: committed if the block returns."""
+    def _driver_write(self, write: Callable[[DriverConnection], None]) -> None:
+        """Run ``write`` in one write transaction on the driver path, committed if it returns."""
         with self._guard():
             connection = self._take_driver_connection()
             dbapi_connection = connection.dbapi_connection
+            driver_errors = connection.engine.dialect.loaded_dbapi.Error
             try:
-                with translate_driver_errors(connection, "BEGIN"):
+                try:
                     self.support.driver_begin(dbapi_connection)
-                yield connection
-                with translate_driver_errors(connection, "COMMIT"):
+                except driver_errors as exc:
+                    raise driver_error(connection, exc, "BEGIN") from exc
+                write(connection)
+                try:
                     dbapi_connection.commit()
+                except driver_errors as exc:
+                    raise driver_error(connection, exc, "COMMIT") from exc
             except BaseException:
                 if connection.is_valid:
                     with suppress(Exception):  # the original error is the one to raise
@@ -837,8 +867,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         hot = self._hot_here()
         if hot is not None and ctx._seqs:
             try:
-                with self._driver_write() as connection:
-                    self._write_on_driver(connection, ctx, hot)
+                self._driver_write(lambda connection: self._write_on_driver(connection, ctx, hot))
                 return
             except (_VersionMoved, sa_exc.IntegrityError):
                 # Rolled back: the session moved (or was deleted, so the inserts
