@@ -485,3 +485,56 @@ def test_sqlite_timestamps_are_the_text_sqlalchemy_writes(value: datetime) -> No
     assert fast(None) is None
     with pytest.raises(ValueError, match="timezone-aware"):
         fast(value.replace(tzinfo=None))
+
+
+def test_kept_connections_never_starve_a_small_pool(tmp_path: Path) -> None:
+    """pool_size=1, no overflow: nothing is kept, every unit still gets the connection."""
+    engine = create_engine(
+        f"sqlite:///{tmp_path / 'x.db'}", pool_size=1, max_overflow=0, pool_timeout=2
+    )
+    try:
+        with SQLAlchemySessionStore(engine=engine) as store:
+            assert store.record_processed_message("m")
+            session = store.get_or_create("s", TRIAGE)  # a Core read after a driver unit
+            session.add_message(Message(role=Role.USER, content="hi"))
+            assert store._kept._kept == []
+            assert [m.content for m in store.get("s").history] == ["hi"]  # type: ignore[union-attr]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_small_postgres_pool_is_not_starved(pg_url: str, pg_schema: str) -> None:
+    with pg_util.schema_store(pg_url, pg_schema, pool_size=1, max_overflow=0,
+                              pool_timeout=2) as store:
+        assert store.record_processed_message("m")
+        store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
+        assert store.is_message_processed("m")
+
+
+def test_pool_pre_ping_engines_keep_nothing(tmp_path: Path) -> None:
+    """pool_pre_ping asks for a ping on every use: no connection skips the checkout."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}", pool_pre_ping=True)
+    try:
+        with SQLAlchemySessionStore(engine=engine) as store:
+            store.record_processed_message("warm-up")
+            checkouts = _count_checkouts(engine)
+            store.record_processed_message("again")
+            assert store._kept._kept == [] and len(checkouts) == 1
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_lost_connection_found_by_core_retires_kept_ones(pg_url: str, pg_schema: str) -> None:
+    """Core finds the server gone: the next driver unit must not reuse a dead kept one."""
+    with pg_util.schema_store(pg_url, pg_schema) as store, _admin(pg_url) as admin:
+        held = [store.engine.connect() for _ in range(3)]
+        for conn in held:
+            conn.close()
+        store.record_processed_message("warm-up")
+        assert store._kept._kept
+        assert _terminate(admin, pg_schema) >= 3
+        with suppress(DatabaseUnavailableError):
+            store.purge_processed_messages()  # Core: fails once, invalidates
+        assert store.record_processed_message("after")  # a driver unit, on a live connection

@@ -13,14 +13,16 @@ runs through SQLAlchemy as usual.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import Dialect, Engine, Pool, PoolProxiedConnection
+from sqlalchemy import Dialect, Engine, ExceptionContext, Pool, PoolProxiedConnection, event
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
@@ -275,12 +277,19 @@ class KeptConnections:
     Taking a connection out of SQLAlchemy's pool and putting it back
     (events, reset on return, bookkeeping) costs ~6 us, more than SQLite's
     own work for a one-row statement, and a turn runs three driver units.
-    Up to ``keep`` connections given back in good order wait here instead.
-    One unused for ``max_idle`` seconds, taken from the pool over ``max_age``
-    seconds ago, belonging to a replaced pool (``engine.dispose()``) or not
-    used since its pool's last lost connection goes back through the pool,
-    so pings, recycling and invalidation apply as before. A connection that
-    failed, or whose unit raised, is never given back (the caller closes it).
+    Up to ``keep`` connections given back in good order wait here instead,
+    and only while the pool keeps a free slot for everything else (a
+    ``QueuePool`` with fewer than ``pool_size`` connections out, without
+    ``pool_pre_ping``, which asks for a ping on every use).
+
+    A connection goes back through the pool, so that pings, recycling and
+    invalidation apply as before, when its last unit started ``max_idle``
+    seconds ago or more, when it left the pool ``max_age`` seconds ago (or
+    ``pool_recycle``, if shorter), when its pool was replaced
+    (``engine.dispose()``) or when a lost connection was found on its pool
+    since its last unit (by the driver path or by Core). For that short
+    while it skips the pool's checkout and checkin events. A connection
+    whose unit failed is never given back (the caller closes it).
     """
 
     def __init__(
@@ -291,7 +300,10 @@ class KeptConnections:
         self._max_idle = max_idle
         self._max_age = max_age
         self._kept: list[DriverConnection] = []
+        self._lock = threading.Lock()  # give_back's check-then-keep against close()
         self._closed = False
+        if keep:
+            _distrust_on_core_disconnects(engine)
         # A store nobody closed still hands its connections back (no SQLAlchemy
         # warning about a connection garbage-collected while checked out).
         self._finalizer = weakref.finalize(self, _retire_all, self._kept)
@@ -306,31 +318,68 @@ class KeptConnections:
             except IndexError:  # another thread took the last one
                 break
             if self._fresh(connection, now):
+                connection.used_at = now
                 return connection
             _retire(connection)
         return DriverConnection.checkout(self._engine)
 
     def _fresh(self, connection: DriverConnection, now: float) -> bool:
+        pool = connection.pool
+        recycle = getattr(pool, "_recycle", -1)
+        max_age = min(self._max_age, recycle) if recycle > 0 else self._max_age
         return (
-            connection.pool is self._engine.pool
+            pool is self._engine.pool
             and now - connection.used_at < self._max_idle
-            and now - connection.taken_at < self._max_age
-            and connection.used_at > pool_distrusted_since(connection.pool)
+            and now - connection.taken_at < max_age
+            and connection.used_at > pool_distrusted_since(pool)
             and connection.is_valid
         )
 
     def give_back(self, connection: DriverConnection) -> None:
         """Keep a connection whose unit of work succeeded (outside any transaction)."""
-        connection.used_at = time.monotonic()
-        if self._closed or len(self._kept) >= self._keep:
-            _retire(connection)
-        else:
-            self._kept.append(connection)
+        with self._lock:
+            if (
+                not self._closed
+                and len(self._kept) < self._keep
+                and _has_room_to_keep(connection.pool)
+            ):
+                self._kept.append(connection)
+                return
+        _retire(connection)
 
     def close(self) -> None:
         """Return every kept connection to the pool; later ones go straight back too."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._finalizer()
+
+
+def _has_room_to_keep(pool: Pool) -> bool:
+    """True if one more connection may stay out of ``pool`` without starving its users."""
+    return (
+        isinstance(pool, QueuePool)
+        and not getattr(pool, "_pre_ping", False)
+        and pool.checkedout() < pool.size()  # this connection is among those out
+    )
+
+
+_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _distrust_on_core_disconnects(engine: Engine) -> None:
+    """A lost connection found by a Core statement distrusts the pool too.
+
+    Core then invalidates the pool's connections as they are checked out;
+    kept connections are not checked out, so they consult the distrust time.
+    """
+    if engine in _WATCHED_ENGINES:
+        return
+    _WATCHED_ENGINES.add(engine)
+
+    @event.listens_for(engine, "handle_error")
+    def _distrust(context: ExceptionContext) -> None:
+        if context.is_disconnect:
+            distrust_pool(engine.pool)
 
 
 def _retire_all(kept: list[DriverConnection]) -> None:
@@ -363,6 +412,7 @@ def _drop_inherited_connections() -> None:
     for kept in list(_ALL_KEPT):
         _INHERITED.extend(kept._kept)
         kept._kept.clear()
+        kept._lock = threading.Lock()  # a parent thread may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):
