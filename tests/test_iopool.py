@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -139,3 +141,82 @@ def test_interpreter_exit_waits_for_a_call_in_flight(tmp_path: object) -> None:
 def test_max_workers_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_workers must be positive"):
         IOPool(0, "iopool-bad")
+
+
+async def test_shutdown_without_waiting_stops_every_thread() -> None:
+    """wait=False: threads started up to the shutdown all get their stop signal."""
+    pool = IOPool(3, "iopool-nowait")
+    gate = threading.Event()
+    calls = [asyncio.ensure_future(pool.run(gate.wait, 5)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    pool.shutdown(wait=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        await pool.run(print)
+    gate.set()
+    assert await asyncio.gather(*calls) == [True, True, True]
+    deadline = time.monotonic() + 5
+    while _pool_threads("iopool-nowait") and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert not _pool_threads("iopool-nowait")
+
+
+async def test_a_failed_call_leaves_no_reference_cycle() -> None:
+    """The exception's traceback must not keep the call (and what it holds) alive."""
+
+    class Payload:
+        pass
+
+    payload = Payload()
+    ref = weakref.ref(payload)
+
+    def fail(held: Payload) -> None:
+        raise ValueError("boom")
+
+    pool = IOPool(1, "iopool-cycle")
+    gc.disable()
+    try:
+        try:  # not pytest.raises: its ExceptionInfo would keep the traceback alive
+            await pool.run(fail, payload)
+        except ValueError as exc:
+            assert str(exc) == "boom"
+        else:
+            raise AssertionError("the call's exception was not raised")
+        del payload
+        await pool.run(int)  # the one thread has let go of the failed call by now
+        assert ref() is None, "the failed call is only reachable through a cycle"
+    finally:
+        gc.enable()
+        pool.shutdown()
+
+
+async def test_a_failing_initializer_is_logged_and_the_thread_still_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("profiler unavailable")
+
+    pool = IOPool(1, "iopool-init", initializer=broken)
+    try:
+        assert await asyncio.wait_for(pool.run(lambda: 42), timeout=5) == 42
+    finally:
+        pool.shutdown()
+    assert "initializer failed" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_fresh_threads() -> None:
+    """The parent's threads do not exist in a child: its first call must not hang."""
+    pool = IOPool(2, "iopool-fork")
+    try:
+        assert asyncio.run(pool.run(lambda: 1)) == 1
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            signal.alarm(10)  # a hang kills the child, and the test fails
+            ok = asyncio.run(pool.run(lambda: 2)) == 2
+            pool.shutdown()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert asyncio.run(pool.run(lambda: 3)) == 3
+    finally:
+        pool.shutdown()

@@ -19,6 +19,8 @@ write in flight completes instead of being cut off.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import queue
 import threading
 import weakref
@@ -30,11 +32,13 @@ __all__ = ["IOPool"]
 
 _T = TypeVar("_T")
 
+logger = logging.getLogger("chatflow_sqlalchemy")
+
 
 class _Job(Generic[_T]):
     """One call to run on a pool thread, and the loop future awaiting its outcome."""
 
-    __slots__ = ("args", "cancelled", "fn", "future", "loop")
+    __slots__ = ("args", "fn", "future", "loop")
 
     def __init__(
         self,
@@ -47,19 +51,22 @@ class _Job(Generic[_T]):
         self.future = future
         self.fn = fn
         self.args = args
-        self.cancelled = False
 
     def run(self) -> None:
         """Call ``fn`` (unless its awaiter gave up first) and hand the outcome to the loop."""
-        if self.cancelled:
+        if self.future.cancelled():  # a read of the future's state, safe from any thread
             return
+        loop, future = self.loop, self.future
         try:
             outcome: Any = self.fn(*self.args)
             succeeded = True
         except BaseException as exc:  # the awaiter re-raises it, as run_in_executor does
             outcome, succeeded = exc, False
+            # The traceback holds this frame: drop what would make a cycle through it.
+            self = None  # type: ignore[assignment]
         with suppress(RuntimeError):  # raised if the loop is closed: nobody waits any more
-            self.loop.call_soon_threadsafe(_settle, self.future, succeeded, outcome)
+            loop.call_soon_threadsafe(_settle, future, succeeded, outcome)
+        del outcome, future
 
 
 _Jobs = queue.SimpleQueue[_Job[Any] | None]
@@ -103,6 +110,7 @@ class IOPool:
         # Threads hold no reference to the pool: a pool nobody closed stops its
         # threads when it is collected, or at interpreter exit (finalize's atexit).
         self._stop = weakref.finalize(self, _stop_threads, self._jobs, self._threads, self._lock)
+        _ALL_POOLS.add(self)
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on a pool thread and return (or raise) its outcome.
@@ -117,13 +125,14 @@ class IOPool:
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
-        job = _Job(loop, future, fn, args)
-        self._submit(job)
+        self._submit(_Job(loop, future, fn, args))
+        # A failed call's traceback holds this frame: it must not also hold the call's
+        # arguments, nor (through the future) the exception itself, in a cycle.
+        del fn, args
         try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.cancelled = True
-            raise
+            return await future  # cancelling the awaiter cancels it: a queued call is skipped
+        finally:
+            del future
 
     def _submit(self, job: _Job[Any]) -> None:
         with self._lock:
@@ -152,10 +161,21 @@ class IOPool:
         if wait:
             self._stop()
             return
-        with self._lock:
+        with self._lock:  # no thread may start between the refusal and the count
+            self._stop.detach()
             threads = list(self._threads)
-        self._stop.detach()
         _signal_stop(self._jobs, threads)
+
+    def _reset_after_fork(self) -> None:
+        """In a forked child: the parent's threads do not exist here; start afresh."""
+        if not self._stop.alive:
+            return  # shut down before the fork: stays shut down
+        self._stop.detach()
+        self._jobs = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads = []
+        self._lock = threading.Lock()
+        self._stop = weakref.finalize(self, _stop_threads, self._jobs, self._threads, self._lock)
 
 
 def _serve(
@@ -164,7 +184,10 @@ def _serve(
     initializer: Callable[[], object] | None,
 ) -> None:
     if initializer is not None:
-        initializer()
+        try:
+            initializer()
+        except Exception:  # the thread still serves: its callers must not wait forever
+            logger.exception("the I/O pool's thread initializer failed")
     while (job := jobs.get()) is not None:
         job.run()
         del job  # drop the finished call's arguments and outcome before waiting
@@ -188,3 +211,15 @@ def _stop_threads(
     for thread in stopping:
         if thread is not current:
             thread.join()
+
+
+_ALL_POOLS: weakref.WeakSet[IOPool] = weakref.WeakSet()
+
+
+def _reset_pools_after_fork() -> None:
+    for pool in list(_ALL_POOLS):
+        pool._reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pools_after_fork)
