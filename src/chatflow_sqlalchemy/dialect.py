@@ -10,7 +10,6 @@ are serialised across processes.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from chatflow_sqlalchemy.driver import (
     LAST_USED_KEY,
     DriverConnection,
     DriverStatement,
+    first_time_on,
     pool_distrusted_since,
     run_driver_statement,
 )
@@ -42,9 +42,6 @@ __all__ = ["IDLE_PING_SECONDS", "DialectSupport", "ping_when_idle"]
 
 IDLE_PING_SECONDS = 1.0
 """A pooled connection idle for longer than this is checked before it is used again."""
-
-_PINGED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
-
 
 class DialectSupport:
     """Per-dialect hooks; subclass it in a backend and override what differs.
@@ -198,9 +195,8 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     window fails one operation with a disconnect error, which invalidates it
     and has every other pooled connection pinged before its next use.
     """
-    if engine in _PINGED_ENGINES:
+    if not first_time_on(engine, "idle ping"):
         return  # one more store on the same engine: its listeners are already there
-    _PINGED_ENGINES.add(engine)
     dialect = engine.dialect
     window = IDLE_PING_SECONDS if idle_seconds is None else idle_seconds
 

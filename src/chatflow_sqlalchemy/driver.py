@@ -34,6 +34,7 @@ __all__ = [
     "KeptConnections",
     "distrust_pool",
     "driver_error",
+    "first_time_on",
     "pool_distrusted_since",
     "run_driver_statement",
     "translate_driver_errors",
@@ -363,7 +364,20 @@ def _has_room_to_keep(pool: Pool) -> bool:
     )
 
 
-_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+_SET_UP: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
+def first_time_on(engine: Engine, what: str) -> bool:
+    """True only the first time ``what`` is set up on ``engine``.
+
+    Several stores may share one engine; the listeners each of them would
+    install (pragmas and BEGIN, idle pings, disconnect watch) must be added once.
+    """
+    done = _SET_UP.setdefault(engine, set())
+    if what in done:
+        return False
+    done.add(what)
+    return True
 
 
 def _distrust_on_core_disconnects(engine: Engine) -> None:
@@ -372,9 +386,8 @@ def _distrust_on_core_disconnects(engine: Engine) -> None:
     Core then invalidates the pool's connections as they are checked out;
     kept connections are not checked out, so they consult the distrust time.
     """
-    if engine in _WATCHED_ENGINES:
+    if not first_time_on(engine, "distrust on disconnect"):
         return
-    _WATCHED_ENGINES.add(engine)
 
     @event.listens_for(engine, "handle_error")
     def _distrust(context: ExceptionContext) -> None:

@@ -10,7 +10,6 @@ upgrade), a single shared connection for in-memory databases, and the
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.driver import first_time_on
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 __all__ = [
@@ -36,8 +36,6 @@ _BLOCKING_IO_WORKERS = 4
 
 BUSY_TIMEOUT_MS = 30_000
 """How long a writer waits for another connection's write lock before failing."""
-
-_PREPARED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def is_ephemeral_sqlite(url: URL) -> bool:
@@ -108,9 +106,8 @@ class SQLiteDialectSupport(DialectSupport):
         Once per engine: a second store on the same engine must not add a
         second ``BEGIN``.
         """
-        if engine in _PREPARED_ENGINES:
+        if not first_time_on(engine, "sqlite pragmas and BEGIN"):
             return
-        _PREPARED_ENGINES.add(engine)
         ephemeral = is_ephemeral_sqlite(engine.url)
 
         @event.listens_for(engine, "connect")
