@@ -429,11 +429,14 @@ def test_unreachable_database_hides_the_password(
     assert "127.0.0.1" in line
 
 
-def test_missing_driver_names_the_extra_like_python_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "argv", [["db", "current"], ["db", "upgrade"], ["db", "check"], ["sessions", "list"]]
+)
+def test_missing_driver_names_the_extra_like_python_does(tmp_path: Path, argv: list[str]) -> None:
     code = (
         "import sys; sys.modules['psycopg'] = None\n"
         "from chatflow_sqlalchemy.cli import main\n"
-        f"sys.exit(main(['--url', {PG_URL_WITH_PASSWORD!r}, 'sessions', 'list']))\n"
+        f"sys.exit(main(['--url', {PG_URL_WITH_PASSWORD!r}, *{argv!r}]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path

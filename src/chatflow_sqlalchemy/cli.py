@@ -1250,9 +1250,9 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
             if problems:
                 if not skip_corrupt:
                     raise CliError(
-                        f"{problems[0]}; nothing was exported: pass --skip-corrupt to export "
-                        f"the other sessions, or see: {PROG} sessions show "
-                        f"{clean(record.session_id)}",
+                        f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
+                        f"other sessions, or see: {PROG} sessions show "
+                        f"{clean(repr(record.session_id))}",
                         EXIT_FAILED,
                     )
                 skipped.extend(problems)
@@ -1286,8 +1286,10 @@ def sessions_export(
     """Export sessions as JSON lines (read-only): one object per session.
 
     Each line: {"session_id", "active_agent_name", "metadata", "messages"}.
-    A session with a corrupt row fails the export unless --skip-corrupt.
-    With --json, the summary after writing FILE is a JSON document.
+    A session with a corrupt row stops the export (FILE is then left as it
+    was) unless --skip-corrupt, which names each bad row on stderr and
+    exports the other sessions. With --json, the summary after writing FILE
+    is a JSON document.
     """
     with _reading(url) as (_parsed, engine):
         if output in (None, "-"):
