@@ -655,6 +655,14 @@ def test_sessions_show_points_at_corrupt_rows(db: Path, capsys: pytest.CaptureFi
     assert SESSION in line
     assert str(row_id) in line
     assert "--skip-corrupt" in line
+    # Into a file: the file is left as it was, with no partial file beside it.
+    target = db.parent / "kept.jsonl"
+    target.write_text("previous export\n")
+    code, out, err = run(capsys, "--url", url_of(db), "sessions", "export", "-o", str(target))
+    assert code == 1
+    assert str(row_id) in assert_one_error_line(err)
+    assert target.read_text() == "previous export\n"
+    assert not list(db.parent.glob(".*.partial"))
 
 
 def test_export_skip_corrupt_reports_bad_rows_and_exports_the_rest(

@@ -32,6 +32,27 @@ that would remove ids still inside the default dedup window) ask first; with
 ``--yes`` they do not ask, and without a terminal on stdin they refuse unless
 ``--yes`` is given.
 
+``--json`` prints one JSON document (times are ISO 8601 with offset)::
+
+    sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
+                                   "created_at", "updated_at"}]}
+    sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
+                     "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
+                     "messages": [{"id", "role", "created_at", "message": {...} | null,
+                                   "corrupt": null | {"reason", "raw"}}]}
+    sessions export JSON lines {"session_id", "active_agent_name", "metadata",
+                    "messages"}; with --output and --json the summary is
+                    {"exported", "output", "skipped": [line, ...]}
+    db current      {"database", "at_head", "chains": [{"chain", "distribution",
+                     "current", "head", "at_head", "description"}]}
+    db check        the same plus {"ok", "drift": [text, ...]}
+    db history      {"chains": [{"chain", "distribution", "version_table",
+                     "revisions": [{"revision", "down_revision", "is_head", "doc"}]}]}
+    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "processed_at",
+                     "expires_at", "expired"}]}
+    dedup count     {"ttl_hours", "total", "expired", "live"}
+    backends        {"backends": [{"name", "from", "available", "detail"}]}
+
 Exit codes:
     0: success.
     1: the command ran and failed: ``db check`` found the schema behind or
