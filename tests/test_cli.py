@@ -1026,6 +1026,7 @@ def pg_url() -> Iterator[str]:
     if not base:
         pytest.skip("CHATFLOW_TEST_POSTGRES_URL is not set")
     from sqlalchemy import create_engine, make_url, text
+    from sqlalchemy.exc import OperationalError
 
     name = f"cli_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
@@ -1038,8 +1039,11 @@ def pg_url() -> Iterator[str]:
     try:
         yield make_url(base).set(database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        except OperationalError:  # the shared server is restarting: leave the scratch db
+            pass
         admin.dispose()
 
 

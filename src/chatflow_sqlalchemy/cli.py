@@ -95,7 +95,17 @@ if TYPE_CHECKING:
 
     from chatflow_sqlalchemy import migrate as migrate_module
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "cli", "main"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "UPSTREAM_LABEL",
+    "CliError",
+    "clean",
+    "cli",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -212,7 +222,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str | No
     console.print(table)
 
 
-ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
+_ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
 
 
 # --------------------------------------------------------------------------- URLs, errors
@@ -765,6 +775,8 @@ def db_check(as_json: bool, url: str | None) -> int:
     for status in behind:
         what = _safe_url(parsed) + ("" if status.chain.is_core else f" plugin {status.chain.name}")
         shown = _label(status.current, status.chain, upstream=upstream and status.chain.is_core)
+        if status.current is not None:
+            shown = f"revision {shown}"
         click.echo(
             f"behind: {what} is at {shown}, the code expects {status.head}; {UPGRADE_HINT}"
         )
@@ -817,7 +829,7 @@ def db_stamp(revision: str, chain_name: str | None, url: str | None) -> None:
 
 
 @dataclass
-class MessageRow:
+class _MessageRow:
     """One stored message row, decoded if it can be."""
 
     row_id: int
@@ -829,7 +841,7 @@ class MessageRow:
 
 
 @dataclass
-class SessionRecord:
+class _SessionRecord:
     """One session as stored: its row, its metadata (or why it is unreadable), its messages."""
 
     session_id: str
@@ -839,7 +851,7 @@ class SessionRecord:
     metadata: dict[str, Any] | None
     metadata_raw: str | None
     metadata_error: str | None
-    rows: list[MessageRow] = field(default_factory=list)
+    rows: list[_MessageRow] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
@@ -873,11 +885,11 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
     return value, text, None
 
 
-def _decode_message(row_id: int, role: str, created: datetime | None, raw: Any) -> MessageRow:
+def _decode_message(row_id: int, role: str, created: datetime | None, raw: Any) -> _MessageRow:
     from chatflow_agent import Message
 
     text = raw if isinstance(raw, str) else str(raw)
-    row = MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text)
+    row = _MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text)
     try:
         row.message = Message.model_validate_json(text)
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -917,9 +929,9 @@ def _messages_query(session_id: str) -> Any:
     )
 
 
-def _record(conn: Connection, row: Any) -> SessionRecord:
+def _record(conn: Connection, row: Any) -> _SessionRecord:
     metadata, raw, error = _decode_metadata(row.metadata_text)
-    record = SessionRecord(
+    record = _SessionRecord(
         session_id=row.session_id,
         agent=row.active_agent_name,
         created_at=row.created_at,
@@ -933,7 +945,7 @@ def _record(conn: Connection, row: Any) -> SessionRecord:
     return record
 
 
-def _read_session(conn: Connection, session_id: str) -> SessionRecord | None:
+def _read_session(conn: Connection, session_id: str) -> _SessionRecord | None:
     row = conn.execute(_session_query([session_id])).first()
     return None if row is None else _record(conn, row)
 
@@ -1055,7 +1067,7 @@ def _message_parts(message: Message) -> list[_Line]:
     return parts or [_Line(role, "(empty)")]
 
 
-def _row_parts(row: MessageRow) -> list[_Line]:
+def _row_parts(row: _MessageRow) -> list[_Line]:
     if row.message is not None:
         return _message_parts(row.message)
     return [
@@ -1067,10 +1079,10 @@ def _row_parts(row: MessageRow) -> list[_Line]:
     ]
 
 
-_Group = tuple[str, list[tuple[MessageRow, list[_Line]]]]
+_Group = tuple[str, list[tuple[_MessageRow, list[_Line]]]]
 
 
-def _group_turns(rows: Sequence[MessageRow]) -> list[_Group]:
+def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
     """SYSTEM messages first, then one group per user turn."""
     system = [(row, _row_parts(row)) for row in rows if row.role == "system"]
     groups: list[_Group] = [("System", system)] if system else []
@@ -1091,7 +1103,7 @@ def _group_turns(rows: Sequence[MessageRow]) -> list[_Group]:
     return groups
 
 
-def _metadata_text(record: SessionRecord) -> str | None:
+def _metadata_text(record: _SessionRecord) -> str | None:
     if record.metadata_error is not None:
         return clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
     if record.metadata:
@@ -1099,7 +1111,7 @@ def _metadata_text(record: SessionRecord) -> str | None:
     return None
 
 
-def _show_plain(record: SessionRecord, groups: list[_Group], turns: int) -> None:
+def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
     click.echo(f"session: {clean(record.session_id)}")
     click.echo(f"active agent: {clean(record.agent)}")
     click.echo(f"created: {_format_time(record.created_at)}")
@@ -1121,7 +1133,7 @@ def _show_plain(record: SessionRecord, groups: list[_Group], turns: int) -> None
                     click.echo(f"{' ' * len(label)}{line}")
 
 
-def _show_rich(console: Console, record: SessionRecord, groups: list[_Group], turns: int) -> None:
+def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], turns: int) -> None:
     from rich.rule import Rule
     from rich.table import Table
     from rich.text import Text
@@ -1148,13 +1160,13 @@ def _show_rich(console: Console, record: SessionRecord, groups: list[_Group], tu
         for row, parts in entries:
             stamp = _format_time(row.created_at)
             for part in parts:
-                role = Text(f"[{part.role}]", style=ROLE_STYLES.get(part.role, "bold"))
+                role = Text(f"[{part.role}]", style=_ROLE_STYLES.get(part.role, "bold"))
                 style = "bold red" if part.corrupt else ""
                 body.add_row(Text(stamp), role, Text(part.text, style=style))
         console.print(body)
 
 
-def _message_json(row: MessageRow) -> Any:
+def _message_json(row: _MessageRow) -> Any:
     return {
         "id": row.row_id,
         "role": row.role,
@@ -1248,7 +1260,7 @@ def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
     click.echo(f"deleted session {clean(repr(session_id))}")
 
 
-def _export_record(record: SessionRecord) -> dict[str, Any]:
+def _export_record(record: _SessionRecord) -> dict[str, Any]:
     assert record.metadata is not None
     return {
         "session_id": record.session_id,
