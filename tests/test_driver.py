@@ -380,19 +380,34 @@ def test_back_to_back_units_reuse_a_kept_connection(store_opener: Opener) -> Non
     ]
 
 
+class SteppedClock:
+    """Stands in for the ``time`` module of ``dialect``/``driver``: time moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def test_a_connection_idle_past_the_ping_window_goes_back_through_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After IDLE_PING_SECONDS unused, a kept connection is checked out again (pings apply)."""
+    """After IDLE_PING_SECONDS unused, a kept connection is checked out again (pings apply).
+
+    The idle time is a stepped clock, not a sleep: a loaded machine cannot make "soon" late.
+    """
     from chatflow_sqlalchemy import dialect
 
-    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.05)
+    clock = SteppedClock()
+    monkeypatch.setattr(dialect, "time", clock)
+    monkeypatch.setattr(driver_module, "time", clock)
     with SQLiteSessionStore(tmp_path / "x.db") as store:
         store.record_processed_message("warm-up")
         checkouts = _count_checkouts(store.engine)
         store.record_processed_message("soon")
         assert checkouts == []
-        time.sleep(0.1)
+        clock.now += 2 * dialect.IDLE_PING_SECONDS
         store.record_processed_message("later")
         assert len(checkouts) == 1
 

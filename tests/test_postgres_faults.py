@@ -132,9 +132,17 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
     pg_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Connections idle past IDLE_PING_SECONDS are checked on checkout; busy ones are not."""
-    from chatflow_sqlalchemy import dialect
+    from chatflow_sqlalchemy import dialect, driver
 
-    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.2)
+    class SteppedClock:  # idle time moves only when told: no race with a loaded machine
+        now = time.monotonic()
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = SteppedClock()
+    monkeypatch.setattr(dialect, "time", clock)
+    monkeypatch.setattr(driver, "time", clock)
     app = f"idle-ping-{schema[-12:]}"
     options = {"connect_args": {"options": f"-csearch_path={schema}", "application_name": app}}
     store = PostgresSessionStore(pg_url, **options)
@@ -153,7 +161,8 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
         assert store.record_processed_message("idle-1")
         assert pings == []  # connections used moments ago are not pinged
         assert _terminate_backends(dsn, app) >= 1
-        time.sleep(0.3)
+        time.sleep(0.3)  # let the server finish closing them
+        clock.now += 2 * dialect.IDLE_PING_SECONDS
         session.add_message(Message(role=Role.MODEL, content="two"))
         assert store.record_processed_message("idle-2")
         assert pings, "an idle connection was used without a ping"
