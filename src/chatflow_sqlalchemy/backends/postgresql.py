@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
+import math
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -38,6 +41,7 @@ __all__ = [
     "AdvisoryTurnLocks",
     "PostgresDialectSupport",
     "PostgresSessionStore",
+    "jsonb_dumps",
     "psycopg_url",
     "session_lock_key",
 ]
@@ -53,6 +57,55 @@ def psycopg_url(url: str | URL) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+def jsonb_dumps(value: Any) -> str:
+    """``json.dumps`` for ``jsonb``, writing integral floats so they read back as floats.
+
+    ``jsonb`` keeps numbers as ``numeric``, which prints ``4.417402109863705e+16``
+    back as ``44174021098637050``: an int to every JSON reader. Python writes
+    every float from 1e16 up in exponent form; those are written out in full
+    with a trailing ``.0`` instead (``numeric`` keeps that scale), which reads
+    back as the same float. Everything else is exactly ``json.dumps``.
+    """
+    floats: list[float] = []
+    _collect_exponent_integral_floats(value, floats)
+    if not floats:
+        return json.dumps(value)
+    marker = f"chatflow-float-{uuid.uuid4().hex}-"
+    numbers: dict[str, str] = {}
+
+    def replace(item: Any) -> Any:
+        if isinstance(item, float) and _exponent_integral(item):
+            key = f"{marker}{len(numbers)}"
+            numbers[json.dumps(key)] = f"{int(item)}.0"
+            return key
+        if isinstance(item, dict):
+            return {k: replace(v) for k, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [replace(v) for v in item]
+        return item
+
+    text = json.dumps(replace(value))
+    for placeholder, number in numbers.items():
+        text = text.replace(placeholder, number)
+    return text
+
+
+def _exponent_integral(number: float) -> bool:
+    return math.isfinite(number) and number.is_integer() and "e" in float.__repr__(number)
+
+
+def _collect_exponent_integral_floats(value: Any, found: list[float]) -> None:
+    if isinstance(value, float):
+        if _exponent_integral(value):
+            found.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_exponent_integral_floats(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_exponent_integral_floats(item, found)
 
 
 _R = TypeVar("_R")
@@ -195,8 +248,12 @@ class PostgresDialectSupport(DialectSupport):
     driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
-        """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`)."""
-        return {"pool_size": 10, "max_overflow": 10}
+        """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`).
+
+        ``json_serializer`` keeps metadata floats floats through ``jsonb``
+        (see :func:`jsonb_dumps`).
+        """
+        return {"pool_size": 10, "max_overflow": 10, "json_serializer": jsonb_dumps}
 
     def prepare_engine(self, engine: Engine) -> None:
         """Ping connections idle for over a second, so a restarted server is survived.
