@@ -228,6 +228,7 @@ class AdvisoryTurnLocks:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._held: dict[str, _Held] = {}
+        self._distrusted: set[str] = set()
 
     def _bind_to_running_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,6 +241,7 @@ class AdvisoryTurnLocks:
     def _abandon_all(self) -> None:
         idle, self._idle = self._idle, []
         held, self._held = self._held, {}
+        self._distrusted.clear()
         for conn in idle:
             _finish(conn)
         for lock in held.values():
@@ -355,6 +357,10 @@ class AdvisoryTurnLocks:
         if held is None:
             return
         held.stop.set()
+        if session_id in self._distrusted:
+            self._distrusted.discard(session_id)
+            _finish(held.conn)  # no round trip into a frozen network: closing releases too
+            return
         with contextlib.suppress(Exception):
             await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
 
@@ -372,6 +378,15 @@ class AdvisoryTurnLocks:
     def held(self) -> list[str]:
         """Sessions whose lock this process holds now."""
         return list(self._held)
+
+    def distrust(self) -> None:
+        """Release the locks held now by closing their connections, not by ``ROLLBACK``.
+
+        For when the network looks frozen: a ``ROLLBACK`` would wait for an
+        answer first; a closed connection's lock is freed by the server at
+        once, or at the latest when its lease ends.
+        """
+        self._distrusted.update(self._held)
 
     async def aclose(self) -> None:
         """Close every lock connection, releasing every lock."""
@@ -494,12 +509,12 @@ async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
 
 
 def _lock_unavailable(
-    session_id: str, exc: BaseException, reason: str | None = None
+    session_id: str, url: URL, exc: BaseException, reason: str | None = None
 ) -> DatabaseUnavailableError:
     if reason is None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     return DatabaseUnavailableError(
-        f"cannot take the turn lock of session {session_id!r}: {reason}"
+        f"cannot take the turn lock of session {session_id!r} on {_describe(url)}: {reason}"
     )
 
 
@@ -613,6 +628,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         try:
             return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
         except asyncio.TimeoutError as exc:
+            self._turn_locks.distrust()
             raise DatabaseUnavailableError(
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
@@ -625,10 +641,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             try:
                 acquired, version = await self._turn_locks.try_acquire_reading_version(session_id)
             except psycopg.OperationalError as exc:
-                raise _lock_unavailable(session_id, exc) from exc
+                raise _lock_unavailable(session_id, self.url, exc) from exc
             except asyncio.TimeoutError as exc:
-                reason = f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s"
-                raise _lock_unavailable(session_id, exc, reason) from exc
+                reason = f"no answer within {self.operation_timeout:g} s"
+                raise _lock_unavailable(session_id, self.url, exc, reason) from exc
         return acquired, (True, version)
 
     async def _arelease_turn_lock(self, session_id: str) -> None:
