@@ -13,8 +13,10 @@ Modes:
 * ``PASS``: bytes are relayed unchanged.
 * ``DELAY``: every chunk waits ``delay_ms`` before it is relayed, each way.
 * ``BLACK_HOLE``: connections are accepted and kept open, nothing is relayed
-  either way (what is received is read and dropped). New connections are
-  accepted too and never reach the server. Note the proxy's kernel still
+  either way (what is received is read and dropped), not even a close: a
+  side that closes its socket is not seen to do so by the other until the
+  mode changes, as in a network partition. New connections are accepted
+  too and never reach the server. Note the proxy's kernel still
   acknowledges every segment, so the client's TCP keepalives and
   ``tcp_user_timeout`` never fire; only application-level or server-side
   bounds end the wait.
@@ -134,6 +136,7 @@ class _Link:
         threading.Thread(target=self._run, name="faultproxy-link", daemon=True).start()
 
     def _run(self) -> None:
+        self.client.settimeout(_POLL)
         try:
             while self.proxy.mode is Mode.BLACK_HOLE and not self.closed.is_set():
                 self._drain(self.client)  # a black-holed newcomer never reaches the server
@@ -144,26 +147,30 @@ class _Link:
             self.close()
             return
         self.server.settimeout(_POLL)
-        self.client.settimeout(_POLL)
         back = threading.Thread(target=self._server_to_client, name="faultproxy-s2c", daemon=True)
         back.start()
         self._client_to_server()
         back.join()
 
     def _drain(self, sock: socket.socket) -> bytes | None:
-        """Read what is there (dropped by the caller if it wants); None at EOF/error."""
-        sock.settimeout(_POLL)
+        """Read what is there (dropped by the caller if it wants); None at EOF/error.
+
+        At EOF the link is closed, except in a black hole: there the other side
+        must not learn it (a partition carries no FIN either), so the link stays
+        open until the mode changes.
+        """
         try:
             data = sock.recv(65536)
         except TimeoutError:
             return b""
         except OSError:
-            self.close()
-            return None
-        if not data:
-            self.close()
-            return None
-        return data
+            data = b""
+        if data:
+            return data
+        while self.proxy.mode is Mode.BLACK_HOLE and not self.closed.is_set():
+            time.sleep(_POLL)
+        self.close()
+        return None
 
     def _client_to_server(self) -> None:
         parser = _FrontendParser()

@@ -278,7 +278,7 @@ def test_network_freeze_mid_turn_fails_with_database_unavailable(
     """Item 7: a freeze (the proxy black-holes every byte, as a hung middlebox would; the
     client's kernel keeps getting ACKs, so TCP timeouts cannot fire) fails the async
     operation with DatabaseUnavailableError once operation_timeout runs out."""
-    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0)
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
     store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
     store.get_or_create("s", BOT).add_message(_user("before the freeze"))
 
@@ -316,8 +316,10 @@ def test_turn_lock_of_a_worker_cut_off_by_a_partition_is_released(
     Worker B, connected directly, gets the lock once A's lease runs out
     (turn_lock_lease_seconds after A's last heartbeat), writes its turn, and A's late
     write is rebased after it, never interleaved."""
-    monkeypatch.setattr(PostgresSessionStore, "turn_lock_lease_seconds", 2.0)
-    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 3.0)
+    monkeypatch.setattr(PostgresSessionStore, "turn_lock_lease_seconds", 2.0, raising=False)
+    # A's own calls (its heartbeat) wait longer than the hang guard: only the server-side
+    # lease can free the lock in time (the proxy never lets the server see A's socket close).
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 10 * HANG_GUARD, raising=False)
     a = pg_util.schema_store(proxy.url(fault_url), fault_schema)
     b = pg_util.schema_store(fault_url, fault_schema)
     a.get_or_create("s", BOT).add_message(_user("first"))

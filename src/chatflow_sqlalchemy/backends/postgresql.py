@@ -178,6 +178,16 @@ def session_lock_key(session_id: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+_LOCK_AND_READ_VERSION = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; "
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true); "
+    "SELECT pg_try_advisory_xact_lock(%s); "
+    "SELECT version FROM chatflow_sessions WHERE session_id = %s"
+)
+"""A turn lock's first round trip; each statement reads its own snapshot, so the version
+is read after the lock was taken."""
+
+
 class _Held:
     """A turn lock being held: its connection (in a transaction) and its heartbeat."""
 
@@ -263,7 +273,7 @@ class AdvisoryTurnLocks:
             self._idle.append(conn)
 
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
-        """Try the lock and read the session's version in one round trip (a pipeline).
+        """Try the lock and read the session's version in one round trip.
 
         The server runs the statements in order, each in its own snapshot
         (``READ COMMITTED``), so the version is read after the lock was taken
@@ -309,21 +319,23 @@ class AdvisoryTurnLocks:
     async def _lock_in_transaction(
         self, conn: psycopg.AsyncConnection[Any], session_id: str
     ) -> tuple[bool, int | None]:
-        """BEGIN, the lease, the lock, the version; a lock not taken ends the transaction."""
+        """BEGIN, the lease, the lock, the version; a lock not taken ends the transaction.
+
+        One simple-protocol query of four statements (one round trip), bound
+        client-side. Not a psycopg pipeline: a pipeline's trailing flush
+        leaves the server without its idle-in-transaction timer, and the
+        lease would never run out.
+        """
         lease_ms = str(max(1, round(self.lease_seconds * 1000)))
-        async with conn.pipeline():
-            await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-            await conn.execute(
-                "SELECT set_config('idle_in_transaction_session_timeout', %s, true)", (lease_ms,)
-            )
-            lock = await conn.execute(
-                "SELECT pg_try_advisory_xact_lock(%s)", (session_lock_key(session_id),)
-            )
-            version = await conn.execute(
-                "SELECT version FROM chatflow_sessions WHERE session_id = %s", (session_id,)
-            )
-        taken = await lock.fetchone()
-        row = await version.fetchone()
+        cursor = psycopg.AsyncClientCursor(conn)
+        params = (lease_ms, session_lock_key(session_id), session_id)
+        await cursor.execute(_LOCK_AND_READ_VERSION, params)
+        results: list[Any] = []
+        while True:
+            results.append(await cursor.fetchone() if cursor.description else None)
+            if not cursor.nextset():
+                break
+        taken, row = results[2], results[3]
         if not (taken and taken[0]):
             await conn.execute("ROLLBACK")
             return False, None
