@@ -63,6 +63,8 @@ def validate_session_id(session_id: object) -> str:
         raise ValueError(
             f"session_id is {len(session_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
         )
+    if "\x00" in session_id:
+        raise ValueError("session_id must not contain the NUL character ('\\x00')")
     return session_id
 
 

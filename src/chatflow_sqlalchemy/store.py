@@ -222,6 +222,8 @@ def _validate_message_id(message_id: object) -> str:
         raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
     if len(message_id) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
+        raise ValueError("message_id must not contain the NUL character ('\\x00')")
     return message_id
 
 

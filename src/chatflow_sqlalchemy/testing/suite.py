@@ -1870,6 +1870,19 @@ class TestExactRoundTrip(StoreTestBase):
         content = history[2].tool_results[0].content  # type: ignore[index]
         assert _same_json_values(content, {"values": [1.5, float("nan")], "big": 1e300})
 
+    def test_ids_with_nul_are_refused_up_front(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        with pytest.raises(ValueError, match="NUL"):
+            store.get_or_create("s\x00", agent)
+        for method in (
+            store.record_processed_message,
+            store.is_message_processed,
+            store.mark_message_processed,
+        ):
+            with pytest.raises(ValueError, match="NUL"):
+                method("wamid\x00")
+        assert store.list_sessions() == []
+
     def test_nul_in_user_text_is_stored(self, harness: StoreHarness, store: Any) -> None:
         sid = new_id()
         ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
