@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import select
 import socket
 import struct
 import threading
@@ -54,7 +55,10 @@ _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 _CANCEL_REQUEST = 80877102
 _POLL = 0.05
-"""Seconds a pump waits on its socket before looking at the proxy's state again."""
+"""Seconds a pump waits on its socket before looking at the proxy's state again.
+
+Sockets stay in blocking mode and reads wait in ``select()``: toggling a
+socket's timeout while the other pump uses it makes reads fail spuriously."""
 
 
 class Mode(str, enum.Enum):
@@ -136,17 +140,16 @@ class _Link:
         threading.Thread(target=self._run, name="faultproxy-link", daemon=True).start()
 
     def _run(self) -> None:
-        self.client.settimeout(_POLL)
         try:
             while self.proxy.mode is Mode.BLACK_HOLE and not self.closed.is_set():
                 self._drain(self.client)  # a black-holed newcomer never reaches the server
             if self.closed.is_set():
                 return
             self.server = socket.create_connection(self.proxy.upstream, timeout=10)
+            self.server.settimeout(None)  # blocking sockets; reads wait in select()
         except OSError:
             self.close()
             return
-        self.server.settimeout(_POLL)
         back = threading.Thread(target=self._server_to_client, name="faultproxy-s2c", daemon=True)
         back.start()
         self._client_to_server()
@@ -160,10 +163,11 @@ class _Link:
         open until the mode changes.
         """
         try:
+            ready, _, _ = select.select([sock], [], [], _POLL)
+            if not ready:
+                return b""
             data = sock.recv(65536)
-        except TimeoutError:
-            return b""
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed by the other pump meanwhile
             data = b""
         if data:
             return data
@@ -236,15 +240,11 @@ class _Link:
     def _send(self, sock: socket.socket, data: bytes) -> bool:
         if not data:
             return True
-        sock.settimeout(None)
         try:
             sock.sendall(data)
         except OSError:
             self.close()
             return False
-        finally:
-            if not self.closed.is_set():
-                sock.settimeout(_POLL)
         return True
 
     def close(self) -> None:
@@ -361,6 +361,7 @@ class FaultProxy:
                 continue
             except OSError:
                 return
+            client.settimeout(None)
             link = _Link(self, client)
             with self._lock:
                 self._links.add(link)
