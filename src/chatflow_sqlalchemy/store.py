@@ -64,6 +64,7 @@ from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy.context import (
     DurableState,
     SessionContext,
+    dump_message,
     dump_metadata,
     validate_max_turns,
     validate_session_id,
@@ -93,6 +94,7 @@ from chatflow_sqlalchemy.models import (
 __all__ = [
     "DEFAULT_DATABASE_URL",
     "DEFAULT_DEDUP_TTL_HOURS",
+    "MAX_DEDUP_TTL_HOURS",
     "SQLAlchemySessionStore",
     "database_url_from_env",
 ]
@@ -103,6 +105,10 @@ logger = logging.getLogger("chatflow_sqlalchemy")
 
 DEFAULT_DEDUP_TTL_HOURS = 192
 """Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+MAX_DEDUP_TTL_HOURS = 876_000
+"""Longest accepted dedup window: 100 years. Every database can store a cutoff that
+far back, which ``now - ttl`` must be."""
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
@@ -216,12 +222,26 @@ def _validate_message_id(message_id: object) -> str:
         raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
     if len(message_id) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
+        raise ValueError("message_id must not contain the NUL character ('\\x00')")
     return message_id
 
 
 def _validate_ttl(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"dedup_ttl_hours must be a positive number, got {value!r}")
+    """``dedup_ttl_hours`` as a float, if within ``0 < value <= MAX_DEDUP_TTL_HOURS``.
+
+    Checked when a store is built: a window reaching back before year 1 (or
+    an infinite or NaN one) would only fail at the first claim.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_DEDUP_TTL_HOURS
+    ):
+        raise ValueError(
+            f"dedup_ttl_hours must be a number of hours with 0 < dedup_ttl_hours <= "
+            f"{MAX_DEDUP_TTL_HOURS} (100 years), got {value!r}"
+        )
     return float(value)
 
 
@@ -695,12 +715,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return conn.execute(core, params).first()
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
-        row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+        row = _fetch_session_row(conn, session_id)
         if row is None:
             return None
         metadata = row.metadata_json
         if not isinstance(metadata, dict):
-            raise CorruptRowError(session_id, "-", "metadata_json is not a JSON object")
+            kind = type(metadata).__name__
+            raise CorruptRowError(
+                session_id, None, f"metadata_json is not a JSON object (found {kind})",
+                table="chatflow_sessions",
+            )
         messages: list[Message] = []
         seqs: list[int] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
@@ -941,8 +965,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
-                "content": message.content,
-                "message_json": message.model_dump_json(),
+                "content": _content_column(message.content),
+                "message_json": dump_message(message),
                 "created_at": now,
             }
             for seq, message in ctx._pending_messages()
@@ -1224,6 +1248,31 @@ def _parse_message(session_id: str, row_id: object, text: str) -> Message:
         return Message.model_validate_json(text)
     except (ValidationError, ValueError, TypeError) as exc:
         raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _content_column(content: str | None) -> str | None:
+    """The text for the ``content`` column: a readable copy of ``message_json``'s content.
+
+    PostgreSQL text cannot hold NUL, so NUL becomes U+FFFD in this copy (on
+    every backend, alike); the message itself is read back from
+    ``message_json``, where JSON escapes it, so it round-trips exactly.
+    """
+    if content is not None and "\x00" in content:
+        return content.replace("\x00", "\ufffd")
+    return content
+
+
+def _fetch_session_row(conn: Connection, session_id: str) -> Any:
+    """The session's row; metadata that is not valid JSON is a :class:`CorruptRowError`.
+
+    Databases with a JSON type validate on write; SQLite stores text, which
+    a hand edit or a damaged file can leave undecodable.
+    """
+    try:
+        return conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
 
 
 def _require_transactions(engine: Engine) -> None:
