@@ -13,15 +13,13 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
-from sqlalchemy.util.concurrency import await_
 
 from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
 from chatflow_sqlalchemy.driver import (
@@ -32,6 +30,9 @@ from chatflow_sqlalchemy.driver import (
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+
+if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = [
     "MIGRATION_LOCK_KEY",
@@ -248,12 +249,14 @@ class PostgresDialectSupport(DialectSupport):
 
         Works on the sync driver and, inside the store's greenlets, on the
         async one (SQLAlchemy's adapter has no pipeline, so the psycopg
-        connection under it is used directly, in the same transaction).
+        connection under it is used directly, in the same transaction,
+        through the documented ``AdaptedConnection.run_async``).
         """
         driver = connection.driver_connection
         with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
             if isinstance(driver, psycopg.AsyncConnection):
-                return await_(_apipelined(driver, steps))
+                adapted = connection.dbapi_connection
+                return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
 
     def lock_migrations(self, connection: Connection) -> None:
@@ -337,6 +340,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
 
     def _make_async_engine(self) -> AsyncEngine:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         return create_async_engine(self._pg_url, **self._pg_options)
 
     async def _atry_turn_lock_reading_version(
