@@ -270,13 +270,20 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: An existing engine to use (the store does not dispose it).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: Create or upgrade the schema on open (True), or refuse
+            a missing or old schema with
+            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
+            nothing (False). None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
+            (``0/false/no/off`` turn it off; unset means on).
 
     The schema is created or upgraded on open (under a cross-process lock); a
     database migrated by a newer version raises
-    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`.
+    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`. What was
+    migrated is logged at INFO on the ``chatflow_sqlalchemy`` logger.
 
     Raises:
-        ValueError: For invalid parameters.
+        ValueError: For invalid parameters (or an unreadable ``CHATFLOW_AUTO_MIGRATE``).
+        SchemaError: The schema is missing or behind and auto-migration is off.
         BackendNotFoundError: When no backend handles the URL's dialect.
         DatabaseUnavailableError: When the database cannot be reached.
 
@@ -295,7 +302,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: Engine | None = None,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        auto_migrate: bool | None = None,
     ) -> None:
+        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+
+        self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
@@ -388,6 +399,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         install_hint: str,
         default_max_turns: int,
         dedup_ttl_hours: float,
+        auto_migrate: bool | None = None,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -406,6 +418,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 engine=engine,
                 default_max_turns=default_max_turns,
                 dedup_ttl_hours=dedup_ttl_hours,
+                auto_migrate=auto_migrate,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -431,11 +444,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return cls(url, **kwargs)
 
     def _open_schema(self) -> None:
-        from chatflow_sqlalchemy.migrate import ensure_schema
+        from chatflow_sqlalchemy.migrate import ensure_schema, require_existing_database
 
         with self._guard():
+            if not self.auto_migrate:  # connecting would create a missing SQLite file
+                require_existing_database(self.engine)
             _require_transactions(self.engine)
-            ensure_schema(self.engine, self.support)
+            ensure_schema(self.engine, self.support, auto_migrate=self.auto_migrate)
 
     def _guard(self) -> _Guard:
         """``with self._guard():``: connection failures become one clear, password-free error.

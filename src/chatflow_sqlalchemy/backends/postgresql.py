@@ -308,6 +308,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
 
     """
@@ -319,6 +321,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: str | URL,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
         **engine_options: Any,
     ) -> None:
         parsed = psycopg_url(url)
@@ -331,6 +335,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             install_hint="PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'",
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
         )
         self._turn_locks = AdvisoryTurnLocks(self._connect_lock_connection)
 

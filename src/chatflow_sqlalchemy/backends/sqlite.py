@@ -190,6 +190,9 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it, and then creates no file or directory; None (the
+            default) reads ``CHATFLOW_AUTO_MIGRATE``.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
@@ -204,12 +207,23 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         db_path: str | Path = "chatflow.db",
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
     ) -> None:
+        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+
         self.db_path = str(db_path)
         url = sqlite_url(self.db_path)
-        if not is_ephemeral_sqlite(url):
+        if not is_ephemeral_sqlite(url) and auto_migrate_enabled(auto_migrate):
+            # Only a store that may create the schema creates the folder; a refusing
+            # one leaves the file system as it found it.
             Path(url.database or self.db_path).parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(url, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours)
+        super().__init__(
+            url,
+            default_max_turns=default_max_turns,
+            dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
+        )
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
