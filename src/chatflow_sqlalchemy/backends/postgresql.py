@@ -15,7 +15,6 @@ import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import psycopg
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
@@ -27,14 +26,21 @@ from chatflow_sqlalchemy.driver import (
     DriverStatement,
     translate_driver_errors,
 )
-from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    import psycopg
     from sqlalchemy.ext.asyncio import AsyncEngine
+else:
+    try:
+        import psycopg
+    except ImportError:  # the class stays importable; opening a store names the extra
+        psycopg = None
 
 __all__ = [
+    "INSTALL_HINT",
     "MIGRATION_LOCK_KEY",
     "AdvisoryTurnLocks",
     "PostgresDialectSupport",
@@ -42,6 +48,9 @@ __all__ = [
     "psycopg_url",
     "session_lock_key",
 ]
+
+INSTALL_HINT = "PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'"
+"""What to install when psycopg is missing (the ``postgres`` extra)."""
 
 MIGRATION_LOCK_KEY = 0x63686174666C6F77 & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("chatflow") held while migrations run."""
@@ -254,7 +263,7 @@ class PostgresDialectSupport(DialectSupport):
         """
         driver = connection.driver_connection
         with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
-            if isinstance(driver, psycopg.AsyncConnection):
+            if connection.engine.dialect.is_async:
                 adapted = connection.dbapi_connection
                 return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
@@ -325,6 +334,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         auto_migrate: bool | None = None,
         **engine_options: Any,
     ) -> None:
+        if psycopg is None:
+            raise BackendImportError(INSTALL_HINT)
         parsed = psycopg_url(url)
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
         self._pg_url = parsed
@@ -332,7 +343,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         self._open_owned(
             parsed,
             options,
-            install_hint="PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'",
+            install_hint=INSTALL_HINT,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
