@@ -255,3 +255,13 @@ def test_postgres_log_line_hides_the_password(
     assert "s3cret-pw" not in record.getMessage()
     assert "***" in record.getMessage()
     assert f"from {migrate.EMPTY_DATABASE} to {HEAD}" in record.getMessage()
+
+
+def test_open_store_passes_auto_migrate_through(tmp_path: Path) -> None:
+    from chatflow_sqlalchemy import open_store
+
+    with pytest.raises(SchemaError, match="chatflow-sqlalchemy db upgrade"):
+        open_store(f"sqlite:///{tmp_path / 'new' / 'x.db'}", auto_migrate=False)
+    assert list(tmp_path.iterdir()) == []
+    with open_store(f"sqlite:///{tmp_path / 'y.db'}", auto_migrate=True) as store:
+        assert store.auto_migrate is True
