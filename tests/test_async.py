@@ -184,7 +184,7 @@ async def test_async_store_context_manager_closes(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> None:
-    from sqlalchemy.util.concurrency import in_greenlet
+    import greenlet
 
     from chatflow_sqlalchemy import PostgresSessionStore
 
@@ -195,7 +195,8 @@ async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> Non
         original = store._flush_context
 
         def spy(ctx: Any) -> None:
-            seen.append((threading.current_thread().name, in_greenlet()))
+            in_greenlet = greenlet.getcurrent().parent is not None
+            seen.append((threading.current_thread().name, in_greenlet))
             original(ctx)
 
         store._flush_context = spy  # type: ignore[method-assign]

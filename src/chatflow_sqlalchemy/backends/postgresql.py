@@ -17,15 +17,12 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import psycopg
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
-from sqlalchemy.util.concurrency import await_
 
 from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
 from chatflow_sqlalchemy.driver import (
@@ -33,12 +30,22 @@ from chatflow_sqlalchemy.driver import (
     DriverStatement,
     translate_driver_errors,
 )
-from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore, _describe
 
+if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    import psycopg
+    from sqlalchemy.ext.asyncio import AsyncEngine
+else:
+    try:
+        import psycopg
+    except ImportError:  # the class stays importable; opening a store names the extra
+        psycopg = None
+
 __all__ = [
     "CONNECT_TIMEOUT_SECONDS",
+    "INSTALL_HINT",
     "LOCK_RELEASE_TIMEOUT_SECONDS",
     "MIGRATION_LOCK_KEY",
     "OPERATION_TIMEOUT_SECONDS",
@@ -52,6 +59,9 @@ __all__ = [
     "psycopg_url",
     "session_lock_key",
 ]
+
+INSTALL_HINT = "PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'"
+"""What to install when psycopg is missing (the ``postgres`` extra)."""
 
 MIGRATION_LOCK_KEY = 0x63686174666C6F77 & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("chatflow") held while migrations run."""
@@ -498,12 +508,14 @@ class PostgresDialectSupport(DialectSupport):
 
         Works on the sync driver and, inside the store's greenlets, on the
         async one (SQLAlchemy's adapter has no pipeline, so the psycopg
-        connection under it is used directly, in the same transaction).
+        connection under it is used directly, in the same transaction,
+        through the documented ``AdaptedConnection.run_async``).
         """
         driver = connection.driver_connection
         with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
-            if isinstance(driver, psycopg.AsyncConnection):
-                return await_(_apipelined(driver, steps))
+            if connection.engine.dialect.is_async:
+                adapted = connection.dbapi_connection
+                return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
 
     def lock_migrations(self, connection: Connection) -> None:
@@ -567,6 +579,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
             ``connect_args`` are added to the backend's defaults (a connect
             timeout and TCP keepalives, see :func:`default_connect_args`).
@@ -600,8 +614,12 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: str | URL,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
         **engine_options: Any,
     ) -> None:
+        if psycopg is None:
+            raise BackendImportError(INSTALL_HINT)
         parsed = psycopg_url(url)
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
         options["connect_args"] = default_connect_args(parsed, engine_options.get("connect_args"))
@@ -610,9 +628,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         self._open_owned(
             parsed,
             options,
-            install_hint="PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'",
+            install_hint=INSTALL_HINT,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
         )
         self._turn_locks = AdvisoryTurnLocks(
             self._connect_lock_connection,
@@ -626,6 +645,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
 
     def _make_async_engine(self) -> AsyncEngine:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         return create_async_engine(self._pg_url, **self._pg_options)
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:

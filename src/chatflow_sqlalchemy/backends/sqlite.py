@@ -118,12 +118,17 @@ class SQLiteDialectSupport(DialectSupport):
         """Set pragmas on each connection and take transaction control from pysqlite.
 
         Once per engine: a second store on the same engine must not add a
-        second ``BEGIN``.
+        second ``BEGIN``. A missing database file is created private just
+        before SQLite would create it, so a store that refuses to open
+        (``auto_migrate=False``) leaves nothing behind.
         """
-        create_private_database_file(engine.url)
         if not first_time_on(engine, "sqlite pragmas and BEGIN"):
             return
         ephemeral = is_ephemeral_sqlite(engine.url)
+
+        @event.listens_for(engine, "do_connect")
+        def _create_private_file(*_args: Any) -> None:
+            create_private_database_file(engine.url)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -244,6 +249,9 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it, and then creates no file or directory; None (the
+            default) reads ``CHATFLOW_AUTO_MIGRATE``.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
@@ -263,13 +271,24 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         db_path: str | Path = "chatflow.db",
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
     ) -> None:
+        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+
         self.db_path = str(db_path)
         url = sqlite_url(self.db_path)
         path = database_file(url)
-        if path is not None:
+        if path is not None and auto_migrate_enabled(auto_migrate):
+            # Only a store that may create the schema creates the folder; a refusing
+            # one leaves the file system as it found it.
             make_private_directories(path.parent)
-        super().__init__(url, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours)
+        super().__init__(
+            url,
+            default_max_turns=default_max_turns,
+            dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
+        )
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
