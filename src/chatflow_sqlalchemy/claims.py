@@ -75,6 +75,7 @@ __all__ = [
     "ClaimFence",
     "ClaimInfo",
     "ClaimStatus",
+    "MemoryClaims",
     "SQLClaims",
     "WebhookClaim",
     "active_fence",
@@ -607,3 +608,144 @@ def release_claim(store: Any, message_id: str) -> bool:
     Returns False when the id is not held (unknown, done or released).
     """
     return _backend_of(store).free(message_id)
+
+
+@dataclass
+class _HeldInMemory:
+    """One claim of the in-memory store (its ``_processed`` stamp is the TTL anchor)."""
+
+    state: str
+    token: str | None
+    session_id: str | None
+    ticket: int
+    lease_until: float
+    claimed_at: datetime
+    updated_at: datetime
+    response: str | None = None
+
+
+class MemoryClaims:
+    """:class:`ClaimBackend` of the in-memory ``SessionStore`` (one process's semantics).
+
+    Rows live beside the store's dedup stamps, under the store's lock; an id
+    whose stamp expired or was evicted is forgotten here too.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.rows: dict[str, _HeldInMemory] = {}
+        self._tickets = 0
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """No I/O: run directly."""
+        return fn(*args)
+
+    def _live(self, message_id: str, now: float) -> tuple[bool, _HeldInMemory | None]:
+        stamp = self._store._processed.get(message_id)
+        if stamp is None or now - stamp > self._store._ttl_seconds:
+            self.rows.pop(message_id, None)
+            return False, None
+        return True, self.rows.get(message_id)
+
+    def acquire(self, claim: WebhookClaim) -> None:
+        """Take the claim, or say why not (as the SQL statement decides)."""
+        now = time.monotonic()
+        with self._store._lock:
+            live, row = self._live(claim.message_id, now)
+            if live and row is None:  # recorded with record_processed_message
+                claim._set_taken(True, None)
+                return
+            if row is not None and not (
+                row.state == CLAIM_RELEASED
+                or (row.state == CLAIM_ACQUIRED and row.lease_until < now)
+            ):
+                claim._set_taken(row.state == CLAIM_DONE, row.response)
+                return
+            if row is None:
+                self._tickets += 1
+            stamp = utcnow()
+            self.rows[claim.message_id] = _HeldInMemory(
+                CLAIM_ACQUIRED, claim._new_token(), claim.session_id,
+                row.ticket if row is not None else self._tickets,
+                now + claim.lease_seconds, stamp, stamp,
+            )
+            self._store._remember(claim.message_id, now)
+            claim._set_acquired(self.rows[claim.message_id].ticket)
+
+    def _mine(self, claim: WebhookClaim) -> _HeldInMemory | None:
+        row = self.rows.get(claim.message_id)
+        return row if row is not None and row.token == claim.token else None
+
+    def renew(self, claim: WebhookClaim) -> bool:
+        """Extend the lease while the token holds."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is None or row.state != CLAIM_ACQUIRED:
+                return False
+            row.lease_until = time.monotonic() + claim.lease_seconds
+            return True
+
+    def commit_turn(self, fence: ClaimFence) -> bool:
+        """The in-memory fence of a turn: mark the claim done if the token holds."""
+        with self._store._lock:
+            row = self.rows.get(fence.message_id)
+            if row is None or row.token != fence.token:
+                return False
+            row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
+            fence.committed = True
+            return True
+
+    def finish(self, claim: WebhookClaim) -> bool:
+        """Mark the claim done with its reply."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is None:
+                return False
+            row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
+            row.response = claim.response
+            self._store._remember(claim.message_id, time.monotonic())
+            return True
+
+    def release(self, claim: WebhookClaim) -> None:
+        """Let the next delivery acquire the id (a done claim is left done)."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is not None and row.state == CLAIM_ACQUIRED:
+                row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool:
+        """True while an earlier claim of the session is held under a live lease."""
+        now = time.monotonic()
+        with self._store._lock:
+            return any(
+                row.session_id == claim.session_id
+                and claim.ticket is not None
+                and row.ticket < claim.ticket
+                and row.state == CLAIM_ACQUIRED
+                and row.lease_until > now
+                for row in self.rows.values()
+            )
+
+    def list(self, limit: int | None) -> list[ClaimInfo]:
+        """Rows for ``dedup list``, most recently changed first."""
+        now, wall = time.monotonic(), utcnow()
+        with self._store._lock:
+            items = sorted(self.rows.items(), key=lambda item: item[1].updated_at, reverse=True)
+        infos = [
+            claim_info(
+                message_id, row.state, row.session_id, row.ticket, row.claimed_at,
+                wall + timedelta(seconds=row.lease_until - now) if row.lease_until else None,
+                row.updated_at, row.response is not None, wall,
+            )
+            for message_id, row in items
+        ]
+        return infos if limit is None else infos[:limit]
+
+    def free(self, message_id: str) -> bool:
+        """Release a held claim whoever holds it."""
+        with self._store._lock:
+            row = self.rows.get(message_id)
+            if row is None or row.state != CLAIM_ACQUIRED:
+                return False
+            row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+            return True
