@@ -38,6 +38,13 @@ __all__ = ["SessionStore"]
 _T = TypeVar("_T")
 
 
+def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
+    same = len(ctx._history) == len(start.history) and all(
+        now is then for now, then in zip(ctx._history, start.history)
+    )
+    return not same or ctx.active_agent is not start.agent
+
+
 class SessionStore(BaseSessionStore):
     """In-memory session registry; nothing survives the process.
 
@@ -102,11 +109,12 @@ class SessionStore(BaseSessionStore):
     async def _aend_turn(self, ctx: SessionContext) -> None:
         start = self._turn_starts.pop(id(ctx), None)
         fence = active_fence(ctx.session_id)
-        if fence is not None and not self._claim_rows.commit_turn(fence):
-            if start is not None:
+        if fence is not None and start is not None and _turn_changed(ctx, start):
+            # As the SQL stores: a turn that changed something commits the claim with it.
+            if not self._claim_rows.commit_turn(fence):
                 with ctx._mutex:
                     ctx._restore(start)
-            raise ClaimLostError(fence.message_id)
+                raise ClaimLostError(fence.message_id)
         self._flush_context(ctx)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
