@@ -19,6 +19,7 @@ from chatflow_agent import Agent, BaseSessionStore
 
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
+    ClaimFence,
     MemoryClaims,
     WebhookClaim,
     active_fence,
@@ -40,7 +41,7 @@ _T = TypeVar("_T")
 
 def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
     same = len(ctx._history) == len(start.history) and all(
-        now is then for now, then in zip(ctx._history, start.history)
+        now is then for now, then in zip(ctx._history, start.history, strict=True)
     )
     return not same or ctx.active_agent is not start.agent
 
@@ -110,15 +111,18 @@ class SessionStore(BaseSessionStore):
         start = self._turn_starts.pop(id(ctx), None)
         fence = active_fence(ctx.session_id)
         if fence is not None and start is not None and _turn_changed(ctx, start):
-            # As the SQL stores: a turn that changed something commits the claim with it.
-            if not self._claim_rows.commit_turn(fence):
-                with ctx._mutex:
-                    ctx._restore(start)
-                raise ClaimLostError(fence.message_id)
+            self._commit_claim(ctx, fence, start)
         self._flush_context(ctx)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
+
+    def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: _Snapshot) -> None:
+        """As the SQL stores: a turn that changed something commits its claim, or is undone."""
+        if not self._claim_rows.commit_turn(fence):
+            with ctx._mutex:
+                ctx._restore(start)
+            raise ClaimLostError(fence.message_id)
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None."""

@@ -42,8 +42,8 @@ def webhook_worker(
 ) -> None:
     """Handle ``deliveries`` (``(message_id, text)``) one after the other.
 
-    ``mode``: ``ok`` (answer after a random delay of up to ``latency``
-    seconds), ``fail`` (the model raises), ``hang`` (report ready and never
+    ``mode``: ``ok`` (prepare, then answer, each after a random delay of up
+    to ``latency`` seconds), ``fail`` (the model raises), ``hang`` (report ready and never
     answer: the test kills it), ``pause`` (report ready, then answer after
     ``latency`` seconds: the test stops and continues it meanwhile).
     """
@@ -78,6 +78,8 @@ def webhook_worker(
             ) as claim:
                 if not claim.acquired:
                     return message_id, claim.status, claim.response, None
+                if mode == "ok" and latency:  # work before the turn (fetching media, say)
+                    await asyncio.sleep(rng.uniform(0, latency))
                 result = await runner.run_async(session_id=session_id, user_message=text)
                 claim.response = result.content
                 return message_id, claim.status, result.content, None
@@ -97,6 +99,14 @@ def webhook_worker(
         store.close()
 
 
+def _report_crash(events: Any, target: Any, *args: Any) -> None:
+    try:
+        target(*args, events)
+    except BaseException as exc:
+        events.put(("crash", os.getpid(), f"{type(exc).__name__}: {exc}"))
+        raise
+
+
 class Worker:
     """A started worker process and its event queue."""
 
@@ -111,12 +121,11 @@ class Worker:
         return int(self.process.pid)
 
     def next_event(self, timeout: float = 120.0) -> tuple[Any, ...]:
-        """The worker's next event; fails if it died without one or ``timeout`` passed."""
+        """The worker's next event; fails if it crashed, died silently or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 event: tuple[Any, ...] = self.events.get(timeout=0.2)
-                return event
             except queue_module.Empty:
                 if not self.process.is_alive() and self.events.empty():
                     raise AssertionError(
@@ -124,6 +133,10 @@ class Worker:
                     ) from None
                 if time.monotonic() > deadline:
                     raise AssertionError(f"worker {self.pid} sent nothing for {timeout}s") from None
+                continue
+            if event[0] == "crash":
+                raise AssertionError(f"worker {self.pid} failed: {event[2]}")
+            return event
 
     def outcomes(self, timeout: float = 120.0) -> list[Outcome]:
         """Wait for the worker's final report, skipping ``ready`` events."""
@@ -153,8 +166,9 @@ def start_worker(
     ctx = multiprocessing.get_context("spawn")
     events: Any = ctx.Queue()
     process = ctx.Process(
-        target=webhook_worker,
-        args=(spec, session_id, list(deliveries), mode, lease_seconds, latency, events),
+        target=_report_crash,
+        args=(events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
+              latency),
         daemon=True,
     )
     process.start()

@@ -1813,12 +1813,17 @@ def _claims_runner(store: Any, engine: BaseEngine | None = None) -> Runner:
 
 
 async def _on_webhook(
-    store: Any, runner: Runner, session_id: str, message_id: str, text: str, **claim_kw: Any
+    store: Any, runner: Runner, session_id: str, message_id: str, text: str, prepare: float = 0.0
 ) -> tuple[str, str | None]:
-    """DESIGN.md's webhook handler; returns ``(status, reply)``."""
-    async with store.claim(message_id, session_id=session_id, **claim_kw) as claim:
+    """DESIGN.md's webhook handler; returns ``(status, reply)``.
+
+    ``prepare``: seconds of work before the turn (fetching media, say), so a
+    later delivery could overtake an earlier one if claims did not order them.
+    """
+    async with store.claim(message_id, session_id=session_id) as claim:
         if not claim.acquired:
             return claim.status, claim.response
+        await asyncio.sleep(prepare)
         result = await runner.run_async(session_id=session_id, user_message=text)
         claim.response = result.content
         return claim.status, result.content
@@ -1906,7 +1911,7 @@ class TestWebhookClaims(StoreTestBase):
 
         async def redelivery() -> bool:  # another handler: its own task and context
             async with store.claim(mid, session_id=sid) as thief:
-                return thief.acquired
+                return bool(thief.acquired)
 
         async def scenario() -> None:
             async with store.claim(mid, session_id=sid) as claim:
@@ -1952,7 +1957,8 @@ class TestWebhookClaims(StoreTestBase):
                 states = {info.message_id: info for info in list_claims(store)}
                 assert states[done].state == "done" and states[done].has_response
                 assert states[held].state == "in_flight"
-                assert states[held].lease_age is not None and states[held].lease_age >= 0
+                lease_age = states[held].lease_age
+                assert lease_age is not None and lease_age >= 0
                 assert states[held].session_id == "op"
                 assert release_claim(store, held) is True
                 assert release_claim(store, held) is False  # nothing held any more
@@ -1980,10 +1986,11 @@ class TestWebhookClaims(StoreTestBase):
         texts = [f"message {k:02d}" for k in range(16)]
         ids = [new_id("wamid") for _ in texts]
         runner = _claims_runner(store, _FlakyEngine(latency=0.01, seed=7))
+        rng = random.Random(11)
 
         async def platform_worker() -> None:  # every worker receives every delivery
             for mid, text in zip(ids, texts, strict=True):
-                await _on_webhook(store, runner, sid, mid, text)
+                await _on_webhook(store, runner, sid, mid, text, prepare=rng.uniform(0, 0.02))
                 await asyncio.sleep(0.002)
 
         async def scenario() -> None:
