@@ -282,6 +282,9 @@ class WebhookClaim:
         self.token: str | None = None
         self.ticket: int | None = None
         self.lost = False
+        self.earlier_seen = True
+        """Whether an earlier claim of the session was in flight when this one was taken
+        (backends that check it together with the acquire set it; True: look again)."""
         self._fence: ClaimFence | None = None
         self._entered = False
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
@@ -358,7 +361,7 @@ class WebhookClaim:
                 return
 
     async def _await_earlier_claims(self) -> None:
-        if self.session_id is None:
+        if self.session_id is None or not self.earlier_seen:
             return
         delay = _ORDER_POLL_MIN
         while await self._backend.run(self._backend.earlier_in_flight, self):
@@ -379,7 +382,11 @@ class WebhookClaim:
         self._thread.start()
         try:
             delay = _ORDER_POLL_MIN
-            while self.session_id is not None and self._backend.earlier_in_flight(self):
+            while (
+                self.session_id is not None
+                and self.earlier_seen
+                and self._backend.earlier_in_flight(self)
+            ):
                 time.sleep(delay)
                 delay = min(delay * 2, _ORDER_POLL_MAX)
         except BaseException:
@@ -498,6 +505,10 @@ class SQLClaims:
             if acquired and ticket is None and claim.session_id is not None:
                 ticket = conn.execute(_TICKET, params).scalar()
             row = None if acquired else conn.execute(_STATUS, params).first()
+            if acquired and ticket is not None and claim.session_id is not None:
+                # The first look for earlier claims of the session rides on this call.
+                earlier = {"session_id": claim.session_id, "ticket": ticket, "now": now}
+                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
         if acquired:
             claim._set_acquired(ticket)
         else:

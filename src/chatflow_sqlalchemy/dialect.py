@@ -189,12 +189,16 @@ class DialectSupport:
     def claim_ticket(self, table: Table) -> Any:
         """The SQL expression that numbers a new claim (FIFO order per session).
 
-        It must be assigned atomically by the database. The default,
-        ``MAX(ticket) + 1``, is atomic only where a write statement holds the
-        database's write lock from its start (SQLite); dialects with sequences
-        use ``chatflow_claim_ticket_seq``.
+        It must be assigned atomically by the database. The default, the
+        session's ``MAX(ticket) + 1`` (an index range read on ``(session_id,
+        ticket)``), is atomic only where a write statement holds the
+        database's write lock from its start (SQLite); dialects with
+        sequences use ``chatflow_claim_ticket_seq``.
         """
-        return select(func.coalesce(func.max(table.c.ticket), 0) + 1).scalar_subquery()
+        latest = select(func.max(table.c.ticket)).where(
+            table.c.session_id == bindparam("session_id")
+        )
+        return select(func.coalesce(latest.scalar_subquery(), 0) + 1).scalar_subquery()
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert ``message_id`` or move its ``processed_at`` to now (``mark``)."""
