@@ -20,6 +20,7 @@ Two parts, on SQLite (a file) and PostgreSQL (a fresh schema):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
 import random
@@ -47,7 +48,7 @@ class ClaimConfig:
     messages: int = 60
     workers: tuple[int, ...] = (2, 4)
     lease_seconds: float = 1.0
-    kill_every: tuple[float, float] = (0.15, 0.6)
+    kill_every: tuple[float, float] = (0.5, 2.0)
     latency: float = 0.02
 
 
@@ -269,7 +270,7 @@ def _count(spec: dict[str, Any], ids: list[str], kills: int) -> dict[str, Any]:
         "processed": len(counts),
         "doubled": sum(1 for n in counts.values() if n > 1),
         "lost": sum(1 for mid in ids if mid not in counts),
-        "out_of_order": sum(1 for a, b in zip(order, order[1:], strict=False) if b < a),
+        "out_of_order": sum(1 for a, b in itertools.pairwise(order) if b < a),
         "kills": kills,
     }
 
