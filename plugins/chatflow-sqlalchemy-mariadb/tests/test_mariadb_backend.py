@@ -131,7 +131,7 @@ def test_db_commands_run_both_chains(
     assert "plugin mariadb at 0001 (head)" in out
     code, out, _ = run_cli(capsys, "--url", url, "db", "current")
     assert "plugin mariadb (chatflow-sqlalchemy-mariadb" in out and "0001 (head)" in out
-    code, out, _ = run_cli(capsys, "--url", url, "db", "downgrade", "base")
+    code, out, _ = run_cli(capsys, "--url", url, "db", "downgrade", "base", "--yes")
     assert code == 0, out
     engine = migrate.open_engine(url)
     try:
