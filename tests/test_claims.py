@@ -16,7 +16,7 @@ from chatflow_agent import Agent, Message, Role
 from sqlalchemy import create_engine, text
 
 from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
-from chatflow_sqlalchemy.claims import list_claims, release_claim
+from chatflow_sqlalchemy.claims import free_claim, list_claims, read_claims, release_claim
 
 
 def _engine_at(url: str, revision: str) -> Any:
@@ -132,3 +132,28 @@ async def _claimed_turn_taken_over(store: Any) -> list[str | None]:
             async with ctx.lock:
                 ctx.add_message(Message(role=Role.USER, content="lost"))
     return [m.content for m in ctx.history]
+
+
+def test_operator_functions_on_a_plain_connection(tmp_path: Path) -> None:
+    """What a CLI can call with its own (read-only, or write) connection, without a store."""
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        with store.claim("done-id", session_id="s") as claim:
+            claim.response = "hi"
+
+        async def hold_and_inspect() -> None:
+            async with store.claim("held-id", session_id="s") as held:
+                with store.engine.connect() as conn:
+                    states = {info.message_id: info for info in read_claims(conn, limit=None)}
+                assert states["held-id"].state == "in_flight"
+                assert states["done-id"].state == "done" and states["done-id"].has_response
+                with store.engine.begin() as conn:
+                    assert free_claim(conn, "held-id") is True
+                    assert free_claim(conn, "done-id") is False
+                held.response = "too late"
+
+        with pytest.raises(ClaimLostError):
+            asyncio.run(hold_and_inspect())
+        with store.engine.connect() as conn:
+            assert {i.message_id: i.state for i in read_claims(conn)} == {
+                "held-id": "released", "done-id": "done"
+            }

@@ -54,7 +54,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import Connection, Table, bindparam, select, update
 
 from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.models import (
@@ -79,7 +79,9 @@ __all__ = [
     "SQLClaims",
     "WebhookClaim",
     "active_fence",
+    "free_claim",
     "list_claims",
+    "read_claims",
     "release_claim",
     "validate_lease",
 ]
@@ -548,24 +550,33 @@ class SQLClaims:
 
     def list(self, limit: int | None) -> list[ClaimInfo]:
         """Rows for ``dedup list``, most recently changed first."""
-        query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
-        if limit is not None:
-            query = query.limit(limit)
-        now = utcnow()
         with self._store._transaction() as conn:
-            rows = conn.execute(query).all()
-        return [
-            claim_info(
-                row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
-                row.lease_expires_at, row.processed_at, bool(row.has_response), now,
-            )
-            for row in rows
-        ]
+            return read_claims(conn, limit=limit)
 
     def free(self, message_id: str) -> bool:
         """Release a held claim whoever holds it (``dedup release``); False if none is held."""
-        params = {"claim_id": message_id, "now": utcnow()}
-        return bool(self._execute(_FREE, params).rowcount == 1)
+        with self._store._transaction(write=True) as conn:
+            return free_claim(conn, message_id)
+
+
+def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
+    """``dedup list`` on a connection (a read-only one will do): newest change first."""
+    query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
+    if limit is not None:
+        query = query.limit(limit)
+    now = utcnow()
+    return [
+        claim_info(
+            row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
+            row.lease_expires_at, row.processed_at, bool(row.has_response), now,
+        )
+        for row in conn.execute(query)
+    ]
+
+
+def free_claim(conn: Connection, message_id: str) -> bool:
+    """``dedup release ID`` on a connection (the caller commits): True if a claim was held."""
+    return bool(conn.execute(_FREE, {"claim_id": message_id, "now": utcnow()}).rowcount == 1)
 
 
 def claim_info(
