@@ -54,7 +54,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
-from sqlalchemy import Connection, Table, bindparam, select, update
+from sqlalchemy import Connection, Table, bindparam, literal_column, null, select, update
 
 from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.models import (
@@ -110,9 +110,10 @@ FENCE_CLAIM = (
         _c.token == bindparam("claim_token"),
     )
     .values(
-        state=CLAIM_DONE,
+        # Constants inline, not as anonymous binds: the driver path runs it compiled once.
+        state=literal_column(f"'{CLAIM_DONE}'"),
         processed_at=bindparam("claim_now", type_=UTCDateTime()),
-        lease_expires_at=None,
+        lease_expires_at=null(),
     )
 )
 """The fenced UPDATE a claimed turn adds to its write transaction (rowcount 1: still ours)."""

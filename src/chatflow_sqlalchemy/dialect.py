@@ -27,6 +27,8 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    literal_column,
+    null,
     or_,
     select,
 )
@@ -54,16 +56,15 @@ IDLE_PING_SECONDS = 1.0
 """A pooled connection idle for longer than this is checked before it is used again."""
 
 RECLAIMED_AS_DONE: dict[str, Any] = {
-    "state": "done",
-    "token": None,
-    "session_id": None,
-    "ticket": None,
-    "lease_expires_at": None,
-    "claimed_at": None,
-    "response": None,
+    "state": literal_column("'done'"),
+    **{name: null() for name in (
+        "token", "session_id", "ticket", "lease_expires_at", "claimed_at", "response"
+    )},
 }
 """What ``record_processed_message`` sets besides ``processed_at`` when it takes an
-expired id again: a plain done row, nothing left of an earlier ``store.claim``."""
+expired id again: a plain done row, nothing left of an earlier ``store.claim``.
+Constants are inline SQL, not anonymous binds, so the statement compiles once for
+the driver path (``driver.py``) with the parameters SQLAlchemy would send."""
 
 
 class DialectSupport:
