@@ -461,7 +461,15 @@ class WebhookClaim:
             return lambda: backend.finish(self) or failed
 
         def release() -> bool:
-            backend.release(self)
+            try:
+                backend.release(self)
+            except Exception as exc:  # the block's own error is the one to raise
+                logger.warning(
+                    "could not release webhook claim %r (%s); the next delivery takes it "
+                    "over when its lease lapses",
+                    self.message_id,
+                    exc,
+                )
             return True
 
         return release
