@@ -1870,6 +1870,26 @@ class TestWebhookClaims(StoreTestBase):
         with store.claim(mid) as again:
             assert (again.acquired, again.status, again.response) == (False, "done", "sent")
 
+    def test_sync_runner_turn_inside_sync_claim_is_fenced(self, store: Any) -> None:
+        """``with store.claim(...)`` and ``Runner.run``: the claim reaches the turn's commit."""
+        sid, kept, lost = new_id(), new_id("wamid"), new_id("wamid")
+        runner = _claims_runner(store)
+        with store.claim(kept, session_id=sid) as claim:
+            claim.response = runner.run(sid, "kept").content
+        assert release_claim(store, kept) is False  # done, nothing held
+
+        def redeliver() -> None:  # another worker's thread takes the freed id
+            with store.claim(lost, session_id=sid) as thief:
+                assert thief.acquired
+
+        with pytest.raises(ClaimLostError), store.claim(lost, session_id=sid) as claim:
+            assert release_claim(store, lost) is True
+            worker = threading.Thread(target=redeliver)
+            worker.start()
+            worker.join(60)
+            runner.run(sid, "lost")
+        _assert_each_once_in_order(store.get(sid).history, ["kept"])
+
     def test_in_flight_while_another_delivery_holds_it(self, store: Any) -> None:
         mid = new_id("wamid")
 
