@@ -293,7 +293,6 @@ class WebhookClaim:
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ backend side
 
@@ -379,10 +378,7 @@ class WebhookClaim:
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)
-        self._thread = threading.Thread(
-            target=self._renew_thread, name=f"chatflow-claim-{self.message_id[:32]}", daemon=True
-        )
-        self._thread.start()
+        _SYNC_RENEWALS.add(self)
         try:
             delay = _ORDER_POLL_MIN
             while (
@@ -407,24 +403,22 @@ class WebhookClaim:
             self._close(failed=exc is not None)
 
     def _close(self, *, failed: bool) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._stop.set()  # a renewal already under way can only miss now: not "lost"
+        _SYNC_RENEWALS.discard(self)
         self._reset_var()
         if not self._finish_or_release(failed)():
             raise ClaimLostError(self.message_id)
 
-    def _renew_thread(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 3):
-            try:
-                held = self._backend.renew(self)
-            except Exception as exc:
-                logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
-                continue
-            if not held:
-                self._mark_lost()
-                return
+    def _renew_now(self) -> bool:
+        """One renewal for the sync form; False when the claim needs no more."""
+        try:
+            held = self._backend.renew(self)
+        except Exception as exc:
+            logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
+            return True
+        if not held and not self._stop.is_set():  # not just finished meanwhile
+            self._mark_lost()
+        return held
 
     # ------------------------------------------------------------ shared
 
@@ -479,6 +473,51 @@ class WebhookClaim:
             f"<WebhookClaim {self.message_id!r} status={self.status} "
             f"session={self.session_id!r} ticket={self.ticket}>"
         )
+
+
+class _SyncRenewals:
+    """One daemon thread renews the leases of every open sync ``with`` claim block.
+
+    A thread per block would cost a thread start per webhook; this one sleeps
+    until the next renewal is due (a third of that claim's lease).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[WebhookClaim, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, claim: WebhookClaim) -> None:
+        with self._cond:
+            self._due[claim] = time.monotonic() + claim.lease_seconds / 3
+            if self._thread is None or not self._thread.is_alive():  # also after a fork
+                self._thread = threading.Thread(
+                    target=self._run, name="chatflow-claim-renewals", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, claim: WebhookClaim) -> None:
+        with self._cond:
+            self._due.pop(claim, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                ready = [claim for claim, due in self._due.items() if due <= now]
+                if not ready:
+                    wait = min(self._due.values(), default=now + 60.0) - now
+                    self._cond.wait(wait)
+                    continue
+                for claim in ready:
+                    self._due[claim] = now + claim.lease_seconds / 3
+            for claim in ready:
+                if not claim._renew_now():
+                    self.discard(claim)
+
+
+_SYNC_RENEWALS = _SyncRenewals()
 
 
 class SQLClaims:

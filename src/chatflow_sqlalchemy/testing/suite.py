@@ -1890,6 +1890,40 @@ class TestWebhookClaims(StoreTestBase):
             runner.run(sid, "lost")
         _assert_each_once_in_order(store.get(sid).history, ["kept"])
 
+    def test_lease_is_renewed_while_the_block_runs(self, store: Any) -> None:
+        """Blocks (async and sync) outlasting their lease keep it: no redelivery takes it."""
+        slow_async, slow_sync = new_id("wamid"), new_id("wamid")
+        seen: list[str] = []
+
+        def probe(mid: str) -> None:
+            with store.claim(mid) as redelivery:
+                seen.append(redelivery.status)
+
+        def sync_block() -> None:
+            with store.claim(slow_sync, lease_seconds=1.5) as claim:
+                assert claim.acquired
+                for _ in range(8):
+                    time.sleep(0.5)
+                    probe(slow_sync)
+                claim.response = "sync done"
+
+        async def async_block() -> None:
+            async with store.claim(slow_async, lease_seconds=1.5) as claim:
+                assert claim.acquired
+                for _ in range(8):
+                    await asyncio.sleep(0.5)
+                    await asyncio.to_thread(probe, slow_async)
+                claim.response = "async done"
+
+        async def both() -> None:
+            await asyncio.gather(async_block(), asyncio.to_thread(sync_block))
+
+        run(both())
+        assert set(seen) == {"in_flight"}, seen
+        for mid, reply in ((slow_async, "async done"), (slow_sync, "sync done")):
+            with store.claim(mid) as later:
+                assert (later.status, later.response) == ("done", reply)
+
     def test_in_flight_while_another_delivery_holds_it(self, store: Any) -> None:
         mid = new_id("wamid")
 
