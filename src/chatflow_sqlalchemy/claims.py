@@ -31,10 +31,15 @@ How it holds (one row of ``chatflow_processed_messages`` per id):
 * **Order**: claims with a ``session_id`` get a ticket from the database
   (a sequence, or ``MAX + 1`` under SQLite's write lock) on first insert.
   An acquired claim's block starts only when no earlier ticket of the same
-  session is still ``acquired`` under a live lease. The wait is bounded by
-  the earlier claims: each one ends, is released, or stops being renewed
-  (its worker died) and lapses ``lease_seconds`` later. A live worker stuck
-  inside its block keeps renewing; ``dedup release ID`` frees it.
+  session is still ``acquired``, under a live lease or one that lapsed less
+  than ``lease_seconds`` (this claim's) ago: a dead holder's message is
+  usually redelivered and taken over within that time, and then goes first.
+  The wait is bounded by the earlier claims: each one ends, is released, or
+  stops being renewed (its worker died), lapses ``lease_seconds`` later and
+  stops counting one lease after that, so a dead predecessor that is never
+  redelivered holds the session back at most its remaining lease plus one
+  lease. A live worker stuck inside its block keeps renewing; ``dedup
+  release ID`` frees it.
 
 Operators: :func:`list_claims` (``dedup list``) and :func:`release_claim`
 (``dedup release ID``).
@@ -150,10 +155,12 @@ _EARLIER_IN_FLIGHT = (
         _c.session_id == bindparam("session_id"),
         _c.ticket < bindparam("ticket"),
         _c.state == CLAIM_ACQUIRED,
-        _c.lease_expires_at > _NOW,
+        _c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
     )
     .limit(1)
 )
+"""An earlier claim of the session still held, or lapsed less than one lease ago (see
+:meth:`WebhookClaim.order_horizon`)."""
 _LIST = select(
     _c.message_id,
     _c.state,
@@ -302,6 +309,16 @@ class WebhookClaim:
 
     def _lease_until(self) -> datetime:
         return utcnow() + timedelta(seconds=self.lease_seconds)
+
+    def order_horizon(self, now: datetime) -> datetime:
+        """Earlier claims whose lease lapsed after this instant still hold this one back.
+
+        A holder that died leaves its claim ``acquired`` with a lapsed lease;
+        its message is usually redelivered and taken over soon after. Waiting
+        one more ``lease_seconds`` past the lapse lets that redelivery go first,
+        so a crash does not reorder the session; the wait stays bounded.
+        """
+        return now - timedelta(seconds=self.lease_seconds)
 
     def _set_acquired(self, ticket: int | None) -> None:
         assert self.token is not None
@@ -557,7 +574,11 @@ class SQLClaims:
             row = None if acquired else conn.execute(_STATUS, params).first()
             if acquired and ticket is not None and claim.session_id is not None:
                 # The first look for earlier claims of the session rides on this call.
-                earlier = {"session_id": claim.session_id, "ticket": ticket, "now": now}
+                earlier = {
+                    "session_id": claim.session_id,
+                    "ticket": ticket,
+                    "horizon": claim.order_horizon(now),
+                }
                 claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
         if acquired:
             claim._set_acquired(ticket)
@@ -592,7 +613,11 @@ class SQLClaims:
         """True while an earlier claim of the session is held under a live lease."""
         if claim.ticket is None:
             return False
-        params = {"session_id": claim.session_id, "ticket": claim.ticket, "now": utcnow()}
+        params = {
+            "session_id": claim.session_id,
+            "ticket": claim.ticket,
+            "horizon": claim.order_horizon(utcnow()),
+        }
         with self._store._transaction(single=True) as conn:
             return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
 
@@ -785,14 +810,14 @@ class MemoryClaims:
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""
-        now = time.monotonic()
+        horizon = time.monotonic() - claim.lease_seconds  # as order_horizon
         with self._store._lock:
             return any(
                 row.session_id == claim.session_id
                 and claim.ticket is not None
                 and row.ticket < claim.ticket
                 and row.state == CLAIM_ACQUIRED
-                and row.lease_until > now
+                and row.lease_until > horizon
                 for row in self.rows.values()
             )
 
