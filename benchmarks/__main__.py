@@ -7,6 +7,7 @@ Examples::
     python -m benchmarks --only single,ours-sqlite --rounds 5
     python -m benchmarks --no-postgres --markdown /tmp/results.md
     python -m benchmarks --only profile      # cProfile of our SQLite and PostgreSQL stores
+    python -m benchmarks --only claims       # webhook claims: cost, and kills with redelivery
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from benchmarks.suites import (
     run_single,
 )
 
-SUITES = ("single", "multi", "growth", "rss", "looplag", "profile")
-DEFAULT_SUITES = ("single", "multi", "growth", "rss", "looplag")
+SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "profile")
+DEFAULT_SUITES = ("single", "multi", "growth", "rss", "looplag", "claims")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -140,6 +141,12 @@ def _run(suites: tuple[str, ...], cfg: Config, env: Env) -> tuple[Results, str]:
             _log(f"== {suite}")
             setattr(results, attr, fn(cfg, env, _log))
     profile = ""
+    if "claims" in suites:
+        from benchmarks.claims import ClaimConfig, run_claims
+
+        _log("== claims")
+        quick = ClaimConfig(cost_messages=60, messages=20, workers=(2,))
+        results.claims = run_claims(env, _log, quick if cfg.rounds == 1 else None)
     if "profile" in suites:
         from benchmarks.profile_suite import run_profiles
 

@@ -20,6 +20,8 @@ class Results:
     growth: list[Row]
     rss: list[Row]
     lag: list[Row]
+    claims: str = ""
+    """The webhook-claim suite's markdown (``benchmarks/claims.py``), empty if not run."""
 
 
 def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
@@ -212,6 +214,8 @@ def render(res: Results, cfg: Config) -> str:
         "### Targets", _table(["target", "result", "measured"],
                               [list(t) for t in targets(res, cfg)]),
     ]
+    if res.claims:
+        parts.append(res.claims.rstrip())
     problems = _problems(res.single + res.multi + res.growth + res.rss + res.lag)
     if problems:
         parts += ["### Verification failures", "\n".join(problems)]

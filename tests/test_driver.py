@@ -69,6 +69,7 @@ def _cases(store: SQLAlchemySessionStore) -> dict[str, tuple[Any, Any]]:
         "bump_metadata": (st._BUMP_SESSION_AND_METADATA, {**bump, "metadata": {"cart": CART}}),
         "delete_message": (st._DELETE_ONE_MESSAGE, [{"session_id": "s", "seq": s} for s in (1, 2)]),
         "insert_messages": (st._INSERT_MESSAGES, [_message_row(1, "oi"), _message_row(2, None)]),
+        "fence": (st.FENCE_CLAIM, {"claim_id": "m-1", "claim_token": "t", "claim_now": NOW}),
     }
 
 

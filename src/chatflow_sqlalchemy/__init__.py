@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
     from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+    from chatflow_sqlalchemy.claims import WebhookClaim
     from chatflow_sqlalchemy.context import SessionContext
     from chatflow_sqlalchemy.exceptions import (
         BackendImportError,
         BackendNotFoundError,
         ChatflowStoreError,
+        ClaimLostError,
         CorruptRowError,
         DatabaseUnavailableError,
         DuplicateBackendError,
@@ -46,12 +48,14 @@ _LAZY: dict[str, str] = {
     "PostgresSessionStore": "chatflow_sqlalchemy.backends.postgresql",
     "SessionStore": "chatflow_sqlalchemy.memory",
     "SessionContext": "chatflow_sqlalchemy.context",
+    "WebhookClaim": "chatflow_sqlalchemy.claims",
     "available_backends": "chatflow_sqlalchemy.registry",
     "open_store": "chatflow_sqlalchemy.registry",
     "register": "chatflow_sqlalchemy.registry",
     "BackendImportError": _EXCEPTIONS,
     "BackendNotFoundError": _EXCEPTIONS,
     "ChatflowStoreError": _EXCEPTIONS,
+    "ClaimLostError": _EXCEPTIONS,
     "CorruptRowError": _EXCEPTIONS,
     "DatabaseUnavailableError": _EXCEPTIONS,
     "DuplicateBackendError": _EXCEPTIONS,
@@ -65,6 +69,7 @@ __all__ = [
     "BackendImportError",
     "BackendNotFoundError",
     "ChatflowStoreError",
+    "ClaimLostError",
     "CorruptRowError",
     "DatabaseUnavailableError",
     "DuplicateBackendError",
@@ -76,6 +81,7 @@ __all__ = [
     "SessionContext",
     "SessionDeletedError",
     "SessionStore",
+    "WebhookClaim",
     "__version__",
     "available_backends",
     "open_store",

@@ -8,7 +8,10 @@ which picks tool calls from keywords, so the demo needs no network and no key.
 
 It shows, step by step: a tool call, a handoff, a process restart that
 reloads the session (with the active agent and its tools), turn-safe pruning
-to ``max_turns``, webhook deduplication and the rollback of a failing turn.
+to ``max_turns``, webhook deduplication and the rollback of a failing turn;
+then webhook claims: a turn that failed (the model provider is down) retried
+by the platform and processed once, and a burst of messages, each delivered to
+three handlers at once, processed once each and in order.
 Every claim it prints is also checked; a failed check raises :class:`DemoError`.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import shlex
 from collections.abc import Callable, Sequence
@@ -43,6 +47,9 @@ DEMO_MAX_TURNS = 3
 """History window of the demo store, small enough to see pruning happen."""
 
 _WEBHOOK_ID = "wamid.X"
+_RETRY_SESSION_ID = "whatsapp:+15550111"
+_BURST_SESSION_ID = "whatsapp:+15550122"
+_BURST = 6
 
 _ORDER_RE = re.compile(r"\border\s*#?\s*(\d+)", re.IGNORECASE)
 _CALL_ID_RE = re.compile(r"^call_(\d+)$")
@@ -365,6 +372,8 @@ class _Demo:
             await self.pruning()
             await self.duplicate()
             await self.rollback()
+            await self.retried()
+            await self.burst()
         finally:
             await self.store.aclose()
         self.out("")
@@ -429,14 +438,21 @@ class _Demo:
 
     async def duplicate(self) -> None:
         self.heading("5. Duplicate webhook: the same WhatsApp message delivered twice")
+        replies = []
         for delivery in ("first", "second"):
-            claimed = await self.store.arecord_processed_message(_WEBHOOK_ID)
-            if claimed:
-                self.out(f"  {delivery} delivery of {_WEBHOOK_ID}: claimed, processing it")
-                await self.turn("Is order 406 insured?")
-            else:
-                self.out(f"  {delivery} delivery of {_WEBHOOK_ID}: duplicate, skipped")
-            _check(claimed == (delivery == "first"), "only the first delivery is claimed")
+            async with self.store.claim(_WEBHOOK_ID, session_id=DEMO_SESSION_ID) as claim:
+                if claim.acquired:
+                    self.out(f"  {delivery} delivery of {_WEBHOOK_ID}: claimed, processing it")
+                    await self.turn("Is order 406 insured?")
+                    claim.response = _last_reply(self.history())
+                else:
+                    self.out(
+                        f"  {delivery} delivery of {_WEBHOOK_ID}: duplicate ({claim.status}), "
+                        "its stored reply is sent again"
+                    )
+                replies.append(claim.response)
+            _check(claim.acquired == (delivery == "first"), "only the first delivery is claimed")
+        _check(replies[0] is not None and replies[0] == replies[1], "the reply was stored")
 
     async def rollback(self) -> None:
         self.heading("6. Rollback: the provider fails mid-turn, after a handoff")
@@ -466,6 +482,99 @@ class _Demo:
                 f"active agent {reloaded.active_agent.name}"
             )
         self.out("  the Runner rolled the turn back: no messages, no handoff left behind")
+
+    async def retried(self) -> None:
+        self.heading("7. Webhook claim: the provider is down, the platform retries the delivery")
+        tour = _ClaimsTour(self, _RETRY_SESSION_ID)
+        runner = tour.runner(_Outage(failures=1))
+        try:
+            try:
+                await tour.on_webhook(runner, "wamid.R", "Where is order 407?")
+            except RuntimeError as exc:
+                self.out(f"  delivery 1 of wamid.R: {exc}; the claim is released")
+            else:
+                raise DemoError("demo check failed: the first delivery failed")
+            for delivery in (2, 3):
+                status, reply = await tour.on_webhook(runner, "wamid.R", "Where is order 407?")
+                self.out(f"  delivery {delivery} of wamid.R: {status} -> {reply}")
+                _check(status == ("acquired" if delivery == 2 else "done"), "retry processed")
+            _check(tour.user_texts() == ["Where is order 407?"], "processed exactly once")
+            self.out("  stored once: the failed turn left nothing, the retry was not skipped")
+        finally:
+            await tour.store.aclose()
+
+    async def burst(self) -> None:
+        self.heading(
+            f"8. A burst of {_BURST} messages, every one delivered to three handlers at once"
+        )
+        tour = _ClaimsTour(self, _BURST_SESSION_ID)
+        runner = tour.runner(_Outage(failures=0, rng=random.Random(5)))
+        rng = random.Random(9)
+        texts = [f"message {k + 1}" for k in range(_BURST)]
+
+        async def handler() -> None:  # each handler receives every delivery, in order
+            for k, text in enumerate(texts):
+                await tour.on_webhook(runner, f"wamid.B{k}", text, prepare=rng.uniform(0, 0.02))
+
+        try:
+            await asyncio.gather(handler(), handler(), handler())
+            stored = tour.user_texts()
+            self.out(f"  stored: {', '.join(map(str, stored))}")
+            _check(stored == texts, "each message was processed once, in webhook order")
+            self.out("  each message once, in order: a later claim's turn waits for earlier ones")
+        finally:
+            await tour.store.aclose()
+
+
+def _last_reply(history: Sequence[Message]) -> str | None:
+    return next((m.content for m in reversed(history) if m.role == Role.MODEL), None)
+
+
+class _Outage(BaseEngine):
+    """The model provider is down for the first ``failures`` calls, then answers."""
+
+    def __init__(self, failures: int, rng: random.Random | None = None) -> None:
+        self.failures = failures
+        self.rng = rng
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("503 from the model provider")
+        if self.rng is not None:  # a model with varying latency
+            await asyncio.sleep(self.rng.uniform(0, 0.02))
+        return EngineTurnResult(text=f"[{agent.name}] got: {_latest_user_text(history)}")
+
+
+class _ClaimsTour:
+    """Steps 7 and 8: ``store.claim`` as DESIGN.md's webhook handler uses it."""
+
+    def __init__(self, demo: _Demo, session_id: str) -> None:
+        self.demo = demo
+        self.session_id = session_id
+        self.store = SQLiteSessionStore(demo.db_path)  # the default window: every turn shows
+        self.store.set_agent_resolver(demo.agents.get)
+
+    async def on_webhook(
+        self, runner: Runner, message_id: str, text: str, prepare: float = 0.0
+    ) -> tuple[str, str | None]:
+        async with self.store.claim(message_id, session_id=self.session_id) as claim:
+            if not claim.acquired:
+                return claim.status, claim.response  # done: send it again; in_flight: retry
+            await asyncio.sleep(prepare)  # e.g. fetching the message's media
+            result = await runner.run_async(self.session_id, text)
+            claim.response = result.content
+            return claim.status, result.content
+
+    def runner(self, engine: BaseEngine) -> Runner:
+        return Runner(
+            starting_agent=self.demo.agents["Support"], session_store=self.store, engine=engine
+        )
+
+    def user_texts(self) -> list[str | None]:
+        session = self.store.get(self.session_id)
+        history = session.history if session is not None else []
+        return [m.content for m in history if m.role == Role.USER]
 
 
 def run_demo(db_path: str, out: Callable[[str], None] = print) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     URL,
@@ -21,9 +21,15 @@ from sqlalchemy import (
     Engine,
     Select,
     Table,
+    and_,
     bindparam,
+    case,
     delete,
     event,
+    func,
+    literal_column,
+    null,
+    or_,
     select,
 )
 from sqlalchemy import exc as sa_exc
@@ -38,10 +44,28 @@ from chatflow_sqlalchemy.driver import (
     run_driver_statement,
 )
 
-__all__ = ["IDLE_PING_SECONDS", "DialectSupport", "ping_when_idle"]
+__all__ = [
+    "IDLE_PING_SECONDS",
+    "RECLAIMED_AS_DONE",
+    "DialectSupport",
+    "on_conflict_acquire",
+    "ping_when_idle",
+]
 
 IDLE_PING_SECONDS = 1.0
 """A pooled connection idle for longer than this is checked before it is used again."""
+
+RECLAIMED_AS_DONE: dict[str, Any] = {
+    "state": literal_column("'done'"),
+    **{name: null() for name in (
+        "token", "session_id", "ticket", "lease_expires_at", "claimed_at", "response"
+    )},
+}
+"""What ``record_processed_message`` sets besides ``processed_at`` when it takes an
+expired id again: a plain done row, nothing left of an earlier ``store.claim``.
+Constants are inline SQL, not anonymous binds, so the statement compiles once for
+the driver path (``driver.py``) with the parameters SQLAlchemy would send."""
+
 
 class DialectSupport:
     """Per-dialect hooks; subclass it in a backend and override what differs.
@@ -139,6 +163,44 @@ class DialectSupport:
         """Interpret the result of :meth:`claim_processed`."""
         return result.first() is not None
 
+    def acquire_claim(self, table: Table) -> Insert:
+        """The one atomic statement that acquires a webhook claim (``store.claim``).
+
+        Insert the id as ``acquired``, or take the row over when it is
+        ``released``, its lease has expired, or it is older than the dedup TTL;
+        any other row (done, or held under a live lease) is left as it is. A
+        takeover draws the new ``token`` but keeps the row's ``ticket`` (its
+        place in its session's order). Bind parameters: ``message_id``,
+        ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry) and
+        ``session_id``. :meth:`claim_acquired` reads the result. Backends with
+        ``ON CONFLICT ... WHERE ... RETURNING`` build it with
+        :func:`on_conflict_acquire`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement acquire_claim()")
+
+    def claim_acquired(self, result: CursorResult[Any]) -> tuple[bool, int | None]:
+        """Interpret :meth:`acquire_claim`: ``(acquired, ticket or None if unknown)``.
+
+        The default reads the ``RETURNING ticket`` row; a backend that cannot
+        return it answers None and the store reads the ticket afterwards.
+        """
+        row = result.first()
+        return (False, None) if row is None else (True, row[0])
+
+    def claim_ticket(self, table: Table) -> Any:
+        """The SQL expression that numbers a new claim (FIFO order per session).
+
+        It must be assigned atomically by the database. The default, the
+        session's ``MAX(ticket) + 1`` (an index range read on ``(session_id,
+        ticket)``), is atomic only where a write statement holds the
+        database's write lock from its start (SQLite); dialects with
+        sequences use ``chatflow_claim_ticket_seq``.
+        """
+        latest = select(func.max(table.c.ticket)).where(
+            table.c.session_id == bindparam("session_id")
+        )
+        return select(func.coalesce(latest.scalar_subquery(), 0) + 1).scalar_subquery()
+
     def upsert_processed(self, table: Table) -> Insert:
         """Insert ``message_id`` or move its ``processed_at`` to now (``mark``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement upsert_processed()")
@@ -180,6 +242,53 @@ class DialectSupport:
 
     def end_migration(self, connection: Connection) -> None:
         """Undo :meth:`begin_migration` after the migration transaction ended."""
+
+
+def on_conflict_acquire(insert: Any, table: Table, ticket: Any) -> Insert:
+    """:meth:`DialectSupport.acquire_claim` as ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``.
+
+    ``insert`` is the dialect's ``insert`` function (PostgreSQL's or SQLite's),
+    ``ticket`` the expression of :meth:`DialectSupport.claim_ticket`. The
+    conflict branch runs only for a row that may be taken over, so exactly
+    one of any number of racing callers gets a row back from ``RETURNING``.
+    """
+    from chatflow_sqlalchemy.models import UTCDateTime
+
+    c = table.c
+    now = bindparam("now", type_=UTCDateTime())
+    cutoff = bindparam("cutoff", type_=UTCDateTime())
+    stmt = insert(table).values(
+        message_id=bindparam("message_id"),
+        processed_at=now,
+        state="acquired",
+        token=bindparam("token"),
+        session_id=bindparam("session_id"),
+        ticket=ticket,
+        lease_expires_at=bindparam("lease", type_=UTCDateTime()),
+        claimed_at=now,
+    )
+    new = stmt.excluded
+    expired = c.processed_at < cutoff
+    takeover = or_(
+        c.state == "released",
+        and_(c.state == "acquired", c.lease_expires_at < now),
+        expired,
+    )
+    acquire = stmt.on_conflict_do_update(
+        index_elements=[c.message_id],
+        set_={
+            "state": "acquired",
+            "token": new.token,
+            "lease_expires_at": new.lease_expires_at,
+            "claimed_at": new.claimed_at,
+            "processed_at": new.processed_at,
+            "session_id": new.session_id,
+            "ticket": case((expired, new.ticket), else_=func.coalesce(c.ticket, new.ticket)),
+            "response": None,
+        },
+        where=takeover,
+    ).returning(c.ticket)
+    return cast(Insert, acquire)
 
 
 def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "BackendImportError",
     "BackendNotFoundError",
     "ChatflowStoreError",
+    "ClaimLostError",
     "CorruptRowError",
     "DatabaseUnavailableError",
     "DuplicateBackendError",
@@ -106,3 +107,19 @@ class DatabaseUnavailableError(ChatflowStoreError):
 
     The message names the host and database, never the password.
     """
+
+
+class ClaimLostError(ChatflowStoreError):
+    """A webhook claim's lease was lost (taken over, or freed) before its work committed.
+
+    Raised at ``session.lock`` exit by a turn run inside ``store.claim(...)``
+    (nothing of the turn is written) or when the claim block ends. Another
+    worker now owns the delivery: answer the platform without a reply.
+    """
+
+    def __init__(self, message_id: str, reason: str = "its lease was taken over") -> None:
+        super().__init__(
+            f"webhook claim {message_id!r} is no longer held ({reason}); the turn was not "
+            "written: another delivery of this id now processes it, so do not reply"
+        )
+        self.message_id = message_id

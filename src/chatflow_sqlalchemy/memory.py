@@ -17,17 +17,33 @@ from typing import Any, TypeVar
 
 from chatflow_agent import Agent, BaseSessionStore
 
+from chatflow_sqlalchemy.claims import (
+    DEFAULT_LEASE_SECONDS,
+    ClaimFence,
+    MemoryClaims,
+    WebhookClaim,
+    active_fence,
+)
 from chatflow_sqlalchemy.context import (
     SessionContext,
+    _Snapshot,
     dump_metadata,
     validate_max_turns,
     validate_session_id,
 )
+from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
 
 __all__ = ["SessionStore"]
 
 _T = TypeVar("_T")
+
+
+def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
+    same = len(ctx._history) == len(start.history) and all(
+        now is then for now, then in zip(ctx._history, start.history, strict=True)
+    )
+    return not same or ctx.active_agent is not start.agent
 
 
 class SessionStore(BaseSessionStore):
@@ -58,6 +74,8 @@ class SessionStore(BaseSessionStore):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
+        self._claim_rows = MemoryClaims(self)
+        self._turn_starts: dict[int, _Snapshot] = {}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -98,12 +116,25 @@ class SessionStore(BaseSessionStore):
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
         ctx._check_alive()
+        if active_fence(ctx.session_id) is not None:  # kept to discard a fenced-out turn
+            self._turn_starts[id(ctx)] = ctx._snapshot()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
+        start = self._turn_starts.pop(id(ctx), None)
+        fence = active_fence(ctx.session_id)
+        if fence is not None and start is not None and _turn_changed(ctx, start):
+            self._commit_claim(ctx, fence, start)
         self._flush_context(ctx)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
+
+    def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: _Snapshot) -> None:
+        """As the SQL stores: a turn that changed something commits its claim, or is undone."""
+        if not self._claim_rows.commit_turn(fence):
+            with ctx._mutex:
+                ctx._restore(start)
+            raise ClaimLostError(fence.message_id)
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None."""
@@ -171,7 +202,26 @@ class SessionStore(BaseSessionStore):
         self._processed.pop(message_id, None)
         self._processed[message_id] = now  # insertion order == age order
         while len(self._processed) > self.dedup_max_entries:
-            self._processed.popitem(last=False)
+            evicted, _ = self._processed.popitem(last=False)
+            self._claim_rows.rows.pop(evicted, None)
+
+    def claim(
+        self,
+        message_id: str,
+        *,
+        session_id: str | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> WebhookClaim:
+        """Claim a webhook delivery (see :mod:`chatflow_sqlalchemy.claims`), in this process."""
+        _validate_message_id(message_id)
+        if session_id is not None:
+            validate_session_id(session_id)
+        return WebhookClaim(
+            self._claim_rows, message_id, session_id=session_id, lease_seconds=lease_seconds
+        )
+
+    def _claims(self) -> MemoryClaims:
+        return self._claim_rows
 
     def purge_processed_messages(self) -> int:
         """Drop expired claims; return how many went."""
@@ -184,6 +234,7 @@ class SessionStore(BaseSessionStore):
                 if stamp >= cutoff:
                     break
                 del self._processed[message_id]
+                self._claim_rows.rows.pop(message_id, None)
                 removed += 1
         return removed
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Sequence,
     String,
     Text,
     UniqueConstraint,
@@ -30,6 +31,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 __all__ = [
+    "CLAIM_ACQUIRED",
+    "CLAIM_DONE",
+    "CLAIM_RELEASED",
+    "CLAIM_TICKETS",
     "NAMING_CONVENTION",
     "SESSION_ID_MAX_LENGTH",
     "Base",
@@ -181,16 +186,44 @@ class ChatflowMessage(Base):
     __table_args__ = (UniqueConstraint("session_id", "seq"),)
 
 
+CLAIM_ACQUIRED = "acquired"
+"""Claim state: a worker holds the id under a lease (``token``, ``lease_expires_at``)."""
+CLAIM_DONE = "done"
+"""Claim state: processed (also every id recorded by ``record_processed_message``)."""
+CLAIM_RELEASED = "released"
+"""Claim state: the block failed (or an operator freed it); the next delivery acquires it."""
+
+CLAIM_TICKETS = Sequence("chatflow_claim_ticket_seq", metadata=metadata)
+"""Database-assigned claim order (FIFO per session) where the dialect has sequences."""
+
+
 class ChatflowProcessedMessage(Base):
     """An inbound webhook message id already claimed, for idempotent processing.
 
     The primary key makes the claim one atomic ``INSERT ... ON CONFLICT``; the
     index on ``processed_at`` keeps the TTL purge a range scan.
+
+    The columns after ``processed_at`` (revision 0003) serve ``store.claim``
+    (:mod:`chatflow_sqlalchemy.claims`): ``state`` is ``done`` for every id
+    recorded the 0.3.4 way, so those stay claimed; ``token`` fences a lease
+    holder (a takeover draws a new one); ``ticket`` orders the claims of one
+    ``session_id`` (assigned by the database on first insert, kept on
+    takeover); ``response`` is the stored reply replayed to later deliveries.
+    ``processed_at`` stays the TTL anchor: it moves with every state change.
     """
 
     __tablename__ = "chatflow_processed_messages"
 
     message_id: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH), primary_key=True)
     processed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    state: Mapped[str] = mapped_column(String(16), server_default=CLAIM_DONE)
+    token: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    session_id: Mapped[str | None] = mapped_column(
+        String(SESSION_ID_MAX_LENGTH), nullable=True
+    )
+    ticket: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    response: Mapped[str | None] = mapped_column(LongText, nullable=True)
 
-    __table_args__ = (Index(None, "processed_at"),)
+    __table_args__ = (Index(None, "processed_at"), Index(None, "session_id", "ticket"))

@@ -61,6 +61,14 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import dialect as _dialect
+from chatflow_sqlalchemy.claims import (
+    DEFAULT_LEASE_SECONDS,
+    FENCE_CLAIM,
+    ClaimFence,
+    SQLClaims,
+    WebhookClaim,
+    active_fence,
+)
 from chatflow_sqlalchemy.context import (
     DurableState,
     SessionContext,
@@ -78,6 +86,7 @@ from chatflow_sqlalchemy.driver import (
 )
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
+    ClaimLostError,
     CorruptRowError,
     DatabaseUnavailableError,
     SessionDeletedError,
@@ -159,6 +168,7 @@ _DELETE_SOME_MESSAGES = _DELETE_ALL_MESSAGES.where(
     _messages.c.seq.in_(bindparam("seqs", expanding=True))
 )
 _DELETE_ONE_MESSAGE = _DELETE_ALL_MESSAGES.where(_messages.c.seq == bindparam("seq"))
+_CLAIM_COLUMNS = ("message_id", "processed_at")
 _MESSAGE_COLUMNS = ("session_id", "seq", "role", "content", "message_json", "created_at")
 _BUMP_SESSION = (
     update(_sessions)
@@ -268,6 +278,7 @@ class _HotStatements:
     bump_metadata: DriverStatement
     delete_message: DriverStatement
     insert_messages: DriverStatement
+    fence: DriverStatement
 
 
 @dataclass
@@ -378,6 +389,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._native_async = False
         self._aengine: AsyncEngine | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._claims_backend: SQLClaims | None = None
         try:
             self._native_async = self._wants_native_async()
             self._open_schema()
@@ -514,7 +526,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return None
 
         return _HotStatements(
-            claim=DriverStatement(self._claim, dialect),
+            claim=DriverStatement(self._claim, dialect, column_keys=_CLAIM_COLUMNS),
             version=DriverStatement(_SELECT_VERSION, dialect),
             is_processed=DriverStatement(_IS_PROCESSED, dialect),
             bump=DriverStatement(_BUMP_SESSION, dialect),
@@ -523,6 +535,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             insert_messages=DriverStatement(
                 _INSERT_MESSAGES, dialect, column_keys=_MESSAGE_COLUMNS, many=True
             ),
+            fence=DriverStatement(FENCE_CLAIM, dialect),
         )
 
     def _hot_here(self) -> _HotStatements | None:
@@ -925,42 +938,91 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if removed < _PURGE_BATCH:
                 return total
 
+    def claim(
+        self,
+        message_id: str,
+        *,
+        session_id: str | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> WebhookClaim:
+        """Claim a webhook delivery for exactly-once, in-order processing.
+
+        Use the result as ``async with`` (or ``with``); see
+        :mod:`chatflow_sqlalchemy.claims` for what each status means, the
+        lease, fencing of the turn run on ``session_id``, and the order of
+        one session's claims.
+
+        Raises:
+            ValueError: For an invalid ``message_id``, ``session_id`` or ``lease_seconds``.
+
+        """
+        _validate_message_id(message_id)
+        if session_id is not None:
+            validate_session_id(session_id)
+        return WebhookClaim(
+            self._claims(), message_id, session_id=session_id, lease_seconds=lease_seconds
+        )
+
+    def _claims(self) -> SQLClaims:
+        """The claim statements of this store (built on first use)."""
+        if self._claims_backend is None:
+            self._claims_backend = SQLClaims(self)
+        return self._claims_backend
+
     def _purge_batch(self, cutoff: Any) -> int:
         with self._transaction(write=True) as conn:
             return int(conn.execute(self._purge, {"cutoff": cutoff}).rowcount)
 
     # ------------------------------------------------------------ writes
 
-    def _flush_context(self, ctx: SessionContext) -> None:
-        """Write what ``ctx`` changed since the database last saw it, in one transaction."""
+    def _flush_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
+        """Write what ``ctx`` changed since the database last saw it, in one transaction.
+
+        ``fence``: the webhook claim of the turn being written; it is marked
+        done in the same transaction, or nothing is written and
+        :class:`ClaimLostError` is raised (the context is reloaded).
+        """
         with ctx._mutex:
             ctx._check_alive()
             ctx._ensure_indexed()
             if ctx._durable is None or not _has_changes(ctx):
                 return
             try:
-                self._write_context(ctx)
+                self._write_context(ctx, fence)
                 ctx._verified_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
                 raise
+            except ClaimLostError:
+                ctx._stale = True  # memory must not keep what the database refused
+                with suppress(Exception):
+                    self._refresh(ctx)
+                raise
+            if fence is not None:
+                fence.committed = True
 
-    def _write_context(self, ctx: SessionContext) -> None:
+    def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
         """One write transaction: on the driver path, else (or if it fails) step by step."""
         hot = self._hot_here()
         if hot is not None and ctx._seqs:
             try:
-                self._driver_write(lambda connection: self._write_on_driver(connection, ctx, hot))
+                self._driver_write(
+                    lambda connection: self._write_on_driver(connection, ctx, hot, fence)
+                )
                 return
             except (_VersionMoved, sa_exc.IntegrityError):
                 # Rolled back: the session moved (or was deleted, so the inserts
                 # broke its foreign key); the step-by-step write tells which.
                 pass
         with self._transaction(write=True) as conn:
-            self._write_changes(conn, ctx)
+            self._write_changes(conn, ctx, fence)
 
     def _write_on_driver(
-        self, connection: DriverConnection, ctx: SessionContext, hot: _HotStatements
+        self,
+        connection: DriverConnection,
+        ctx: SessionContext,
+        hot: _HotStatements,
+        fence: ClaimFence | None = None,
     ) -> None:
         """Compare-and-swap, delete and insert through :meth:`DialectSupport.run_pipelined`.
 
@@ -979,11 +1041,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
             steps.append((hot.delete_message, deletes))
         if new_rows:
             steps.append((hot.insert_messages, new_rows))
-        if self.support.run_pipelined(connection, steps)[0] != 1:
+        if fence is not None:  # last, in the same pipeline: no extra round trip
+            steps.append((hot.fence, fence.params(now)))
+        counts = self.support.run_pipelined(connection, steps)
+        if counts[0] != 1:
             raise _VersionMoved
+        if fence is not None and counts[-1] != 1:
+            raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
 
-    def _write_changes(self, conn: Connection, ctx: SessionContext) -> None:
+    def _write_changes(
+        self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None = None
+    ) -> None:
         """Compare-and-swap the session's version, then write the message diff (Core).
 
         The step-by-step write: after the driver-path write found the session
@@ -1010,6 +1079,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
             conn.execute(_DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
         if new_rows:
             conn.execute(_INSERT_MESSAGES, new_rows)
+        if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
+            raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
 
     def _message_diff(
@@ -1149,9 +1220,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return True
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
-        """After a turn: write it in one transaction, then let other processes in."""
+        """After a turn: write it in one transaction, then let other processes in.
+
+        A turn inside a webhook claim block for this session commits the claim
+        with it (the claim is found here, in the caller's context).
+        """
+        fence = active_fence(ctx.session_id)
         try:
-            await self._run_blocking(self._flush_context, ctx)
+            await self._run_blocking(self._flush_context, ctx, fence)
         finally:
             if self.support.cross_process_turn_lock:
                 await self._arelease_turn_lock(ctx.session_id)

@@ -24,14 +24,19 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
+from chatflow_sqlalchemy.dialect import (
+    RECLAIMED_AS_DONE,
+    DialectSupport,
+    on_conflict_acquire,
+    ping_when_idle,
+)
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
     DriverStatement,
     translate_driver_errors,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
-from chatflow_sqlalchemy.models import UTCDateTime
+from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore, _describe
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
@@ -479,9 +484,17 @@ class PostgresDialectSupport(DialectSupport):
         stmt = pg_insert(table)
         return stmt.on_conflict_do_update(
             index_elements=[table.c.message_id],
-            set_={"processed_at": stmt.excluded.processed_at},
+            set_={"processed_at": stmt.excluded.processed_at, **RECLAIMED_AS_DONE},
             where=table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()),
         ).returning(table.c.message_id)
+
+    def acquire_claim(self, table: Table) -> Insert:
+        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING ticket`` in one autocommit statement."""
+        return on_conflict_acquire(pg_insert, table, self.claim_ticket(table))
+
+    def claim_ticket(self, table: Table) -> Any:
+        """``nextval('chatflow_claim_ticket_seq')``: atomic across every connection."""
+        return CLAIM_TICKETS.next_value()
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""

@@ -22,7 +22,7 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.dialect import RECLAIMED_AS_DONE, DialectSupport, on_conflict_acquire
 from chatflow_sqlalchemy.driver import first_time_on
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
@@ -164,9 +164,13 @@ class SQLiteDialectSupport(DialectSupport):
         stmt = sqlite_insert(table)
         return stmt.on_conflict_do_update(
             index_elements=[table.c.message_id],
-            set_={"processed_at": stmt.excluded.processed_at},
+            set_={"processed_at": stmt.excluded.processed_at, **RECLAIMED_AS_DONE},
             where=table.c.processed_at < _cutoff(),
         ).returning(table.c.message_id)
+
+    def acquire_claim(self, table: Table) -> Insert:
+        """``ON CONFLICT DO UPDATE ... WHERE``; the ticket is ``MAX + 1`` under the write lock."""
+        return on_conflict_acquire(sqlite_insert, table, self.claim_ticket(table))
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""

@@ -23,8 +23,10 @@ import inspect
 import json
 import logging
 import math
+import os
 import random
 import re
+import signal
 import threading
 import time
 import uuid
@@ -53,9 +55,12 @@ from chatflow_agent.core.engines import EngineTurnResult
 from chatflow_sqlalchemy import (
     DEFAULT_DEDUP_TTL_HOURS,
     ChatflowStoreError,
+    ClaimLostError,
     SessionContext,
     SessionDeletedError,
 )
+from chatflow_sqlalchemy.claims import list_claims, release_claim
+from chatflow_sqlalchemy.testing.claim_workers import reply_to, start_worker
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
     Capability,
@@ -89,6 +94,8 @@ __all__ = [
     "TestRunnerEndToEnd",
     "TestSeedDocumentExamples",
     "TestValidation",
+    "TestWebhookClaims",
+    "TestWebhookClaimsAcrossProcesses",
 ]
 
 _T = TypeVar("_T")
@@ -1947,3 +1954,409 @@ class TestCorruptSessionRows(StoreTestBase):
         message = str(info.value)
         assert "chatflow_sessions" in message and "chatflow_messages" not in message
         assert sid in message and "id -" not in message and "not a JSON object" in message
+
+
+# ========================================================= webhook claims
+
+
+class _FlakyEngine(BaseEngine):
+    """Fails its first ``failures`` calls (the model provider is down), then echoes."""
+
+    def __init__(self, failures: int = 0, latency: float = 0.0, seed: int = 0) -> None:
+        self.failures = failures
+        self.latency = latency
+        self.rng = random.Random(seed)
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("the model provider is down")
+        if self.latency:
+            await asyncio.sleep(self.rng.uniform(0, self.latency))
+        text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
+        return EngineTurnResult(text=reply_to(text))
+
+
+def _claims_runner(store: Any, engine: BaseEngine | None = None) -> Runner:
+    bot = Agent(name="Bot", instructions="")
+    return Runner(starting_agent=bot, session_store=store, engine=engine or _FlakyEngine())
+
+
+async def _on_webhook(
+    store: Any, runner: Runner, session_id: str, message_id: str, text: str, prepare: float = 0.0
+) -> tuple[str, str | None]:
+    """DESIGN.md's webhook handler; returns ``(status, reply)``.
+
+    ``prepare``: seconds of work before the turn (fetching media, say), so a
+    later delivery could overtake an earlier one if claims did not order them.
+    """
+    async with store.claim(message_id, session_id=session_id) as claim:
+        if not claim.acquired:
+            return claim.status, claim.response
+        await asyncio.sleep(prepare)
+        result = await runner.run_async(session_id=session_id, user_message=text)
+        claim.response = result.content
+        return claim.status, result.content
+
+
+def _user_texts(history: Sequence[Message]) -> list[str | None]:
+    return [m.content for m in history if m.role == Role.USER]
+
+
+def _assert_each_once_in_order(history: Sequence[Message], texts: Sequence[str]) -> None:
+    assert_turn_shaped(history)
+    got = _user_texts(history)
+    assert sorted(map(str, got)) == sorted(texts), (
+        f"doubled: {[t for t, n in Counter(got).items() if n > 1]}, "
+        f"lost: {[t for t in texts if t not in got]}"
+    )
+    assert got == list(texts), f"stored out of webhook order: {got}"
+    for index, message in enumerate(history):
+        if message.role == Role.USER:
+            assert history[index + 1].content == reply_to(message.content or "")
+
+
+class TestWebhookClaims(StoreTestBase):
+    """DESIGN "Webhook claims" in one process: statuses, release, fencing, replies, order."""
+
+    def test_first_delivery_acquires_and_later_ones_read_the_reply(self, store: Any) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        runner = _claims_runner(store)
+        assert run(_on_webhook(store, runner, sid, mid, "hello")) == (
+            "acquired", reply_to("hello")
+        )
+        assert run(_on_webhook(store, runner, sid, mid, "hello")) == ("done", reply_to("hello"))
+        with store.claim(mid, session_id=sid) as claim:  # the sync form reads it too
+            assert (claim.acquired, claim.status, claim.response) == (
+                False, "done", reply_to("hello")
+            )
+        assert _user_texts(store.get(sid).history) == ["hello"]
+
+    def test_sync_with_acquires_and_stores_the_reply(self, store: Any) -> None:
+        mid = new_id("wamid")
+        with store.claim(mid) as claim:
+            assert (claim.acquired, claim.status, claim.response) == (True, "acquired", None)
+            claim.response = "sent"
+        with store.claim(mid) as again:
+            assert (again.acquired, again.status, again.response) == (False, "done", "sent")
+
+    def test_sync_runner_turn_inside_sync_claim_is_fenced(self, store: Any) -> None:
+        """``with store.claim(...)`` and ``Runner.run``: the claim reaches the turn's commit."""
+        sid, kept, lost = new_id(), new_id("wamid"), new_id("wamid")
+        runner = _claims_runner(store)
+        with store.claim(kept, session_id=sid) as claim:
+            claim.response = runner.run(sid, "kept").content
+        assert release_claim(store, kept) is False  # done, nothing held
+
+        def redeliver() -> None:  # another worker's thread takes the freed id
+            with store.claim(lost, session_id=sid) as thief:
+                assert thief.acquired
+
+        with pytest.raises(ClaimLostError), store.claim(lost, session_id=sid) as claim:
+            assert release_claim(store, lost) is True
+            worker = threading.Thread(target=redeliver)
+            worker.start()
+            worker.join(60)
+            runner.run(sid, "lost")
+        _assert_each_once_in_order(store.get(sid).history, ["kept"])
+
+    def test_lease_is_renewed_while_the_block_runs(self, store: Any) -> None:
+        """Blocks (async and sync) outlasting their lease keep it: no redelivery takes it."""
+        slow_async, slow_sync = new_id("wamid"), new_id("wamid")
+        seen: list[str] = []
+
+        def probe(mid: str) -> None:
+            with store.claim(mid) as redelivery:
+                seen.append(redelivery.status)
+
+        def sync_block() -> None:
+            with store.claim(slow_sync, lease_seconds=1.5) as claim:
+                assert claim.acquired
+                for _ in range(8):
+                    time.sleep(0.5)
+                    probe(slow_sync)
+                claim.response = "sync done"
+
+        async def async_block() -> None:
+            async with store.claim(slow_async, lease_seconds=1.5) as claim:
+                assert claim.acquired
+                for _ in range(8):
+                    await asyncio.sleep(0.5)
+                    await asyncio.to_thread(probe, slow_async)
+                claim.response = "async done"
+
+        async def both() -> None:
+            await asyncio.gather(async_block(), asyncio.to_thread(sync_block))
+
+        run(both())
+        assert set(seen) == {"in_flight"}, seen
+        for mid, reply in ((slow_async, "async done"), (slow_sync, "sync done")):
+            with store.claim(mid) as later:
+                assert (later.status, later.response) == ("done", reply)
+
+    def test_in_flight_while_another_delivery_holds_it(self, store: Any) -> None:
+        mid = new_id("wamid")
+
+        async def scenario() -> tuple[bool, str, str | None]:
+            async with store.claim(mid) as held:
+                assert held.acquired
+                async with store.claim(mid) as other:
+                    return other.acquired, other.status, other.response
+
+        assert run(scenario()) == (False, "in_flight", None)
+
+    def test_failed_turn_is_released_and_the_retry_processes_it_once(self, store: Any) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        runner = _claims_runner(store, _FlakyEngine(failures=1))
+        with pytest.raises(RuntimeError, match="provider is down"):
+            run(_on_webhook(store, runner, sid, mid, "where is my order?"))
+        assert store.record_processed_message(mid) is False  # still a known id
+        assert run(_on_webhook(store, runner, sid, mid, "where is my order?"))[0] == "acquired"
+        assert run(_on_webhook(store, runner, sid, mid, "where is my order?"))[0] == "done"
+        _assert_each_once_in_order(store.get(sid).history, ["where is my order?"])
+
+    def test_ids_recorded_with_record_processed_message_are_done(self, store: Any) -> None:
+        old, new = new_id("wamid"), new_id("wamid")
+        assert store.record_processed_message(old) is True
+        with store.claim(old) as claim:
+            assert (claim.acquired, claim.status, claim.response) == (False, "done", None)
+        with store.claim(new) as claim:
+            assert claim.acquired
+        assert store.record_processed_message(new) is False
+        assert store.is_message_processed(new) is True
+
+    def test_turn_of_a_claim_taken_over_writes_nothing(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        runner = _claims_runner(store)
+        run(_on_webhook(store, runner, sid, new_id("wamid"), "first"))
+        ctx = store.get(sid)
+
+        async def redelivery() -> bool:  # another handler: its own task and context
+            async with store.claim(mid, session_id=sid) as thief:
+                return bool(thief.acquired)
+
+        async def scenario() -> None:
+            async with store.claim(mid, session_id=sid) as claim:
+                assert claim.acquired
+                assert release_claim(store, mid) is True  # an operator frees it...
+                assert await asyncio.create_task(redelivery())  # ...and it is taken again
+                async with ctx.lock:
+                    ctx.add_message(user("lost turn"))
+                    ctx.add_message(model("lost answer"))
+
+        with pytest.raises(ClaimLostError) as lost:
+            run(scenario())
+        assert mid in str(lost.value)
+        assert isinstance(lost.value, ChatflowStoreError)
+        assert _user_texts(store.get(sid).history) == ["first"], "memory kept a refused turn"
+        if harness.has(Capability.PERSISTENT):
+            assert _user_texts(reload(harness, sid).history) == ["first"]
+
+    def test_claim_whose_turn_committed_stays_done_when_the_block_fails(
+        self, store: Any
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        runner = _claims_runner(store)
+
+        async def reply_then_fail_to_send() -> None:
+            async with store.claim(mid, session_id=sid) as claim:
+                result = await runner.run_async(session_id=sid, user_message="hi")
+                claim.response = result.content
+                raise ConnectionError("the platform's send API is down")
+
+        with pytest.raises(ConnectionError):
+            run(reply_then_fail_to_send())
+        assert run(_on_webhook(store, runner, sid, mid, "hi")) == ("done", reply_to("hi"))
+        _assert_each_once_in_order(store.get(sid).history, ["hi"])
+
+    def test_operator_lists_and_releases_claims(self, store: Any) -> None:
+        done, held = new_id("wamid"), new_id("wamid")
+        with store.claim(done, session_id="op") as claim:
+            claim.response = "ok"
+
+        async def scenario() -> None:
+            async with store.claim(held, session_id="op") as claim:
+                states = {info.message_id: info for info in list_claims(store)}
+                assert states[done].state == "done" and states[done].has_response
+                assert states[held].state == "in_flight"
+                lease_age = states[held].lease_age
+                assert lease_age is not None and lease_age >= 0
+                assert states[held].session_id == "op"
+                assert release_claim(store, held) is True
+                assert release_claim(store, held) is False  # nothing held any more
+                assert release_claim(store, done) is False
+                assert {i.message_id: i.state for i in list_claims(store)}[held] == "released"
+                with store.claim(held) as retry:
+                    assert retry.acquired
+                claim.response = "too late"
+
+        with pytest.raises(ClaimLostError):
+            run(scenario())
+
+    def test_invalid_arguments_are_refused(self, store: Any) -> None:
+        for lease in (0, -1.0, "60", True, None):
+            with pytest.raises(ValueError, match="lease_seconds"):
+                store.claim(new_id("wamid"), lease_seconds=lease)
+        for bad_id in ("", None, 7):
+            with pytest.raises(ValueError):
+                store.claim(bad_id)
+        with pytest.raises(ValueError):
+            store.claim(new_id("wamid"), session_id="")
+
+    def test_concurrent_deliveries_in_one_process_run_in_order(self, store: Any) -> None:
+        sid = new_id()
+        texts = [f"message {k:02d}" for k in range(16)]
+        ids = [new_id("wamid") for _ in texts]
+        runner = _claims_runner(store, _FlakyEngine(latency=0.01, seed=7))
+        rng = random.Random(11)
+
+        async def platform_worker() -> None:  # every worker receives every delivery
+            for mid, text in zip(ids, texts, strict=True):
+                await _on_webhook(store, runner, sid, mid, text, prepare=rng.uniform(0, 0.02))
+                await asyncio.sleep(0.002)
+
+        async def scenario() -> None:
+            await asyncio.gather(*(platform_worker() for _ in range(3)))
+
+        run(scenario())
+        _assert_each_once_in_order(store.get(sid).history, texts)
+
+
+def _take_over(
+    store: Any, runner: Runner, session_id: str, message_id: str, text: str,
+    before_turn: Callable[[], None] = lambda: None,
+) -> str | None:
+    """Redeliver until the claim is acquired (after the old lease), then run the turn."""
+
+    async def attempt() -> tuple[bool, str | None]:
+        async with store.claim(message_id, session_id=session_id) as claim:
+            if not claim.acquired:
+                assert claim.status == "in_flight", "the dead worker's claim is not done"
+                return False, None
+            before_turn()
+            result = await runner.run_async(session_id=session_id, user_message=text)
+            claim.response = result.content
+            return True, result.content
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        acquired, reply = run(attempt())
+        if acquired:
+            return reply
+        time.sleep(0.1)
+    raise AssertionError(f"claim {message_id!r} was never taken over")
+
+
+class TestWebhookClaimsAcrossProcesses(StoreTestBase):
+    """DESIGN "Webhook claims" across real worker processes (killed, stopped, racing)."""
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_failed_turn_released_and_retried_in_another_process(
+        self, harness: StoreHarness
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        failing = start_worker(harness.spec(), sid, [(mid, "hello")], mode="fail")
+        try:
+            assert failing.outcomes() == [(mid, "error", None, "RuntimeError")]
+        finally:
+            failing.stop()
+        retry = start_worker(harness.spec(), sid, [(mid, "hello"), (mid, "hello")])
+        try:
+            assert retry.outcomes() == [
+                (mid, "acquired", reply_to("hello"), None),
+                (mid, "done", reply_to("hello"), None),
+            ]
+        finally:
+            retry.stop()
+        _assert_each_once_in_order(reload(harness, sid).history, ["hello"])
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_sigkilled_worker_claim_is_taken_over_after_its_lease(
+        self, harness: StoreHarness
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        worker = start_worker(harness.spec(), sid, [(mid, "hello")], mode="hang", lease_seconds=1)
+        try:
+            assert worker.next_event()[0] == "ready"  # inside the turn, claim held
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.process.join(30)
+        finally:
+            worker.stop()
+        store: Any = harness.open()
+        assert {i.message_id: i.state for i in list_claims(store)}[mid] in ("in_flight", "expired")
+        assert _take_over(store, _claims_runner(store), sid, mid, "hello") == reply_to("hello")
+        _assert_each_once_in_order(reload(harness, sid).history, ["hello"])
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_sigstopped_worker_is_fenced_after_its_claim_was_taken_over(
+        self, harness: StoreHarness
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        worker = start_worker(
+            harness.spec(), sid, [(mid, "hello")], mode="pause", lease_seconds=1, latency=0.2
+        )
+        stopped = False
+        try:
+            assert worker.next_event()[0] == "ready"  # inside the turn, claim held
+            os.kill(worker.pid, signal.SIGSTOP)
+            stopped = True
+            store: Any = harness.open()
+
+            def wake_the_old_holder() -> None:  # it resumes while we hold the claim
+                os.kill(worker.pid, signal.SIGCONT)
+
+            reply = _take_over(
+                store, _claims_runner(store), sid, mid, "hello", before_turn=wake_the_old_holder
+            )
+            stopped = False
+            assert reply == reply_to("hello")
+            assert worker.outcomes() == [(mid, "error", None, "ClaimLostError")]
+        finally:
+            if stopped:
+                os.kill(worker.pid, signal.SIGCONT)
+            worker.stop()
+        _assert_each_once_in_order(reload(harness, sid).history, ["hello"])
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    @pytest.mark.parametrize("n_processes", [2, 4])
+    def test_burst_delivered_to_every_process_is_stored_once_in_order(
+        self, harness: StoreHarness, n_processes: int
+    ) -> None:
+        sid = new_id()
+        texts = [f"message {k:02d}" for k in range(16)]
+        deliveries = [(new_id("wamid"), text) for text in texts]
+        workers = [
+            start_worker(harness.spec(), sid, deliveries, latency=0.02)
+            for _ in range(n_processes)
+        ]
+        try:
+            outcomes = [outcome for worker in workers for outcome in worker.outcomes()]
+        finally:
+            for worker in workers:
+                worker.stop()
+        errors = [outcome for outcome in outcomes if outcome[1] == "error"]
+        assert not errors, errors
+        acquired = Counter(mid for mid, status, _reply, _error in outcomes if status == "acquired")
+        assert acquired == Counter(mid for mid, _text in deliveries), acquired
+        _assert_each_once_in_order(reload(harness, sid).history, texts)
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_reply_is_replayed_after_a_restart(self, harness: StoreHarness) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        first = start_worker(harness.spec(), sid, [(mid, "hello")])
+        try:
+            assert first.outcomes() == [(mid, "acquired", reply_to("hello"), None)]
+        finally:
+            first.stop()
+        fresh: Any = harness.open()
+        with fresh.claim(mid, session_id=sid) as claim:
+            assert (claim.acquired, claim.status, claim.response) == (
+                False, "done", reply_to("hello")
+            )
+        again = start_worker(harness.spec(), sid, [(mid, "hello")])
+        try:
+            assert again.outcomes() == [(mid, "done", reply_to("hello"), None)]
+        finally:
+            again.stop()

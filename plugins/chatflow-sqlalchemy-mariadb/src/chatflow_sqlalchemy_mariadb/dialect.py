@@ -22,18 +22,21 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.models import UTCDateTime
+from chatflow_sqlalchemy.dialect import RECLAIMED_AS_DONE, DialectSupport
+from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
 from sqlalchemy import (
     URL,
     Connection,
     Dialect,
     Engine,
     Table,
+    and_,
     bindparam,
+    case,
     delete,
     event,
     func,
+    or_,
     text,
 )
 from sqlalchemy.dialects.mysql import insert as mysql_insert
@@ -138,17 +141,80 @@ class MariaDBDialectSupport(DialectSupport):
         """
         stmt = mysql_insert(table)
         cutoff = bindparam("cutoff", type_=UTCDateTime())
+        expired = table.c.processed_at < cutoff
+        # Columns of store.claim first (reset when expired), processed_at last: the
+        # expiry test reads it, and MySQL assigns left to right.
+        resets = [
+            (name, func.if_(expired, value, table.c[name]))
+            for name, value in RECLAIMED_AS_DONE.items()
+        ]
         return stmt.on_duplicate_key_update(
-            processed_at=func.if_(
-                table.c.processed_at < cutoff,
-                stmt.inserted.processed_at,
-                table.c.processed_at,
-            )
+            [
+                *resets,
+                (
+                    "processed_at",
+                    func.if_(expired, stmt.inserted.processed_at, table.c.processed_at),
+                ),
+            ]
         )
 
     def claimed(self, result: CursorResult[Any]) -> bool:
         """1 (inserted) or 2 (expired claim refreshed) affected rows: the claim is ours."""
         return result.rowcount in (1, 2)
+
+    def acquire_claim(self, table: Table) -> Insert:
+        """``INSERT ... ON DUPLICATE KEY UPDATE`` with every column behind one condition.
+
+        MySQL has no ``WHERE`` on the update branch and assigns columns left to
+        right, each seeing the ones before: ``token`` is assigned first
+        (under the takeover condition, read on the old row), and every later
+        column tests ``token = VALUES(token)`` (a fresh random token: only a
+        takeover sets it). ``processed_at`` goes last since the expiry test
+        reads it. Affected rows: 1 inserted, 2 taken over, 0 left alone.
+        """
+        c = table.c
+        now = bindparam("now", type_=UTCDateTime())
+        stmt = mysql_insert(table).values(
+            message_id=bindparam("message_id"),
+            processed_at=now,
+            state="acquired",
+            token=bindparam("token"),
+            session_id=bindparam("session_id"),
+            ticket=self.claim_ticket(table),
+            lease_expires_at=bindparam("lease", type_=UTCDateTime()),
+            claimed_at=now,
+        )
+        new = stmt.inserted
+        expired = c.processed_at < bindparam("cutoff", type_=UTCDateTime())
+        takeover = or_(
+            c.state == "released", and_(c.state == "acquired", c.lease_expires_at < now), expired
+        )
+        won = c.token == new.token
+        ticket = case((expired, new.ticket), else_=func.coalesce(c.ticket, new.ticket))
+
+        def ours(value: Any, column: Any) -> Any:
+            return func.if_(won, value, column)
+
+        return stmt.on_duplicate_key_update(
+            [
+                ("token", func.if_(takeover, new.token, c.token)),
+                ("ticket", ours(ticket, c.ticket)),
+                ("session_id", ours(new.session_id, c.session_id)),
+                ("state", ours(new.state, c.state)),
+                ("lease_expires_at", ours(new.lease_expires_at, c.lease_expires_at)),
+                ("claimed_at", ours(new.claimed_at, c.claimed_at)),
+                ("response", ours(None, c.response)),
+                ("processed_at", ours(new.processed_at, c.processed_at)),
+            ]
+        )
+
+    def claim_acquired(self, result: CursorResult[Any]) -> tuple[bool, int | None]:
+        """1 (inserted) or 2 (taken over) affected rows; the store reads the ticket after."""
+        return result.rowcount in (1, 2), None
+
+    def claim_ticket(self, table: Table) -> Any:
+        """``nextval(chatflow_claim_ticket_seq)`` (MariaDB 10.3+ sequences; revision 0003)."""
+        return CLAIM_TICKETS.next_value()
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""

@@ -1,0 +1,846 @@
+"""Webhook claims: exactly-once, in-order processing of platform deliveries.
+
+``store.claim(message_id, *, session_id=None, lease_seconds=60.0)`` returns a
+:class:`WebhookClaim`, used as ``async with`` (or ``with``)::
+
+    async with store.claim(message_id, session_id=phone) as claim:
+        if not claim.acquired:
+            return claim.response      # "done": the stored reply; "in_flight": None
+        result = await runner.run_async(session_id=phone, user_message=text)
+        claim.response = result.content
+
+How it holds (one row of ``chatflow_processed_messages`` per id):
+
+* **Acquire** is one atomic statement (:meth:`DialectSupport.acquire_claim`):
+  insert the id as ``acquired`` with a random fencing ``token`` and a lease,
+  or take over a ``released`` row, an expired lease, or an id past the dedup
+  TTL. Exactly one of any number of racing workers gets it.
+* **Lease**: renewed in the background every third of ``lease_seconds``
+  while the block runs (an asyncio task, or a thread for ``with``), only
+  while the token still holds. A worker that dies stops renewing, and the
+  next delivery after the lease takes the id over with a new token.
+* **Fencing**: a turn run inside the block on ``session_id`` (the Runner's
+  ``session.lock``) marks the claim done in the same transaction as its
+  messages, with ``WHERE token = :ours``; if the token is gone the
+  transaction rolls back, nothing of the turn is written and
+  :class:`~chatflow_sqlalchemy.exceptions.ClaimLostError` is raised. The
+  store finds the claim through a ``ContextVar`` read on the caller's side
+  (the store's I/O threads do not see the caller's context).
+* **Exit**: normal exit marks the claim done and stores ``claim.response``;
+  an exception releases it (a claim whose turn committed stays done).
+* **Order**: claims with a ``session_id`` get a ticket from the database
+  (a sequence, or ``MAX + 1`` under SQLite's write lock) on first insert.
+  An acquired claim's block starts only when no earlier ticket of the same
+  session is still ``acquired``, under a live lease or one that lapsed less
+  than ``lease_seconds`` (this claim's) ago: a dead holder's message is
+  usually redelivered and taken over within that time, and then goes first.
+  The wait is bounded by the earlier claims: each one ends, is released, or
+  stops being renewed (its worker died), lapses ``lease_seconds`` later and
+  stops counting one lease after that, so a dead predecessor that is never
+  redelivered holds the session back at most its remaining lease plus one
+  lease. A live worker stuck inside its block keeps renewing; ``dedup
+  release ID`` frees it.
+
+Operators: :func:`list_claims` (``dedup list``) and :func:`release_claim`
+(``dedup release ID``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+
+from sqlalchemy import Connection, Table, bindparam, literal_column, null, select, update
+
+from chatflow_sqlalchemy.exceptions import ClaimLostError
+from chatflow_sqlalchemy.models import (
+    CLAIM_ACQUIRED,
+    CLAIM_DONE,
+    CLAIM_RELEASED,
+    ChatflowProcessedMessage,
+    UTCDateTime,
+    utcnow,
+)
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "FENCE_CLAIM",
+    "ClaimFence",
+    "ClaimInfo",
+    "ClaimStatus",
+    "MemoryClaims",
+    "SQLClaims",
+    "WebhookClaim",
+    "active_fence",
+    "free_claim",
+    "list_claims",
+    "read_claims",
+    "release_claim",
+    "validate_lease",
+]
+
+_T = TypeVar("_T")
+
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+DEFAULT_LEASE_SECONDS = 60.0
+
+ClaimStatus = Literal["acquired", "done", "in_flight"]
+
+_ORDER_POLL_MIN = 0.005
+_ORDER_POLL_MAX = 0.1
+"""Seconds between checks for earlier claims of the session (doubling up to the max)."""
+
+_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_c = _processed.c
+_NOW = bindparam("now", type_=UTCDateTime())
+_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
+
+FENCE_CLAIM = (
+    update(_processed)
+    .where(
+        _c.message_id == bindparam("claim_id"),
+        _c.token == bindparam("claim_token"),
+    )
+    .values(
+        # Constants inline, not as anonymous binds: the driver path runs it compiled once.
+        state=literal_column(f"'{CLAIM_DONE}'"),
+        processed_at=bindparam("claim_now", type_=UTCDateTime()),
+        lease_expires_at=null(),
+    )
+)
+"""The fenced UPDATE a claimed turn adds to its write transaction (rowcount 1: still ours)."""
+
+_RENEW = (
+    update(_processed)
+    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .values(lease_expires_at=bindparam("lease", type_=UTCDateTime()))
+)
+_FINISH = (
+    update(_processed)
+    .where(_MINE)
+    .values(
+        state=CLAIM_DONE, response=bindparam("reply"), processed_at=_NOW, lease_expires_at=None
+    )
+)
+_RELEASE = (
+    update(_processed)
+    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+)
+_FREE = (
+    update(_processed)
+    .where(_c.message_id == bindparam("claim_id"), _c.state == CLAIM_ACQUIRED)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+)
+_STATUS = select(_c.state, _c.response, _c.lease_expires_at, _c.processed_at).where(
+    _c.message_id == bindparam("claim_id")
+)
+_TICKET = select(_c.ticket).where(_MINE)
+_EARLIER_IN_FLIGHT = (
+    select(_c.message_id)
+    .where(
+        _c.session_id == bindparam("session_id"),
+        _c.ticket < bindparam("ticket"),
+        _c.state == CLAIM_ACQUIRED,
+        _c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
+    )
+    .limit(1)
+)
+"""An earlier claim of the session still held, or lapsed less than one lease ago (see
+:meth:`WebhookClaim.order_horizon`)."""
+_LIST = select(
+    _c.message_id,
+    _c.state,
+    _c.session_id,
+    _c.ticket,
+    _c.claimed_at,
+    _c.lease_expires_at,
+    _c.processed_at,
+    _c.response.is_not(None).label("has_response"),
+)
+
+_ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
+    "chatflow_webhook_claim", default=None
+)
+
+
+def validate_lease(value: object) -> float:
+    """Return ``value`` as seconds if it is a usable lease, else raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"lease_seconds must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class ClaimFence:
+    """What a turn needs to commit its claim: the id, the token, and whether it did."""
+
+    message_id: str
+    token: str
+    committed: bool = False
+
+    def params(self, now: datetime) -> dict[str, Any]:
+        """Parameters of :data:`FENCE_CLAIM`."""
+        return {"claim_id": self.message_id, "claim_token": self.token, "claim_now": now}
+
+
+def active_fence(session_id: str) -> ClaimFence | None:
+    """The fence of the claim block this code runs in, if it claimed ``session_id``.
+
+    Read it on the caller's side (the event-loop task), before handing work
+    to a thread: the store's I/O threads do not carry the caller's context.
+    """
+    claim = _ACTIVE.get()
+    if claim is None or claim._fence is None or claim.session_id != session_id:
+        return None
+    return claim._fence
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """One row of ``dedup list``.
+
+    Attributes:
+        message_id: The webhook id.
+        state: ``in_flight`` (held under a live lease), ``expired`` (held, but
+            its lease lapsed: the next delivery takes it over), ``done`` or
+            ``released``.
+        session_id: The session the claim was made for, if any.
+        ticket: Its place in its session's order, if any.
+        lease_age: Seconds since this holder acquired the id
+            (``in_flight`` / ``expired`` only).
+        lease_left: Seconds until the lease lapses (negative once it has).
+        updated_at: When the row last changed state.
+        has_response: Whether a reply is stored.
+
+    """
+
+    message_id: str
+    state: str
+    session_id: str | None
+    ticket: int | None
+    lease_age: float | None
+    lease_left: float | None
+    updated_at: datetime
+    has_response: bool
+
+
+class ClaimBackend(Protocol):
+    """What a store provides to :class:`WebhookClaim` (sync calls; ``run`` for async)."""
+
+    def acquire(self, claim: WebhookClaim) -> None: ...
+
+    def renew(self, claim: WebhookClaim) -> bool: ...
+
+    def finish(self, claim: WebhookClaim) -> bool: ...
+
+    def release(self, claim: WebhookClaim) -> None: ...
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool: ...
+
+    def list(self, limit: int | None) -> list[ClaimInfo]: ...
+
+    def free(self, message_id: str) -> bool: ...
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T: ...
+
+
+class WebhookClaim:
+    """One delivery's claim on a webhook id; see the module docstring.
+
+    Attributes:
+        message_id: The webhook id.
+        session_id: The session whose turns it orders and fences (or None).
+        lease_seconds: How long the claim survives without renewal.
+        acquired: True when this delivery does the work.
+        status: ``"acquired"`` (ours), ``"done"`` (processed; ``response``
+            holds the stored reply) or ``"in_flight"`` (another worker holds
+            it under a live lease).
+        response: The reply: set it inside the block to have it stored; for
+            a done id, the stored one.
+
+    """
+
+    def __init__(
+        self,
+        backend: ClaimBackend,
+        message_id: str,
+        *,
+        session_id: str | None,
+        lease_seconds: float,
+    ) -> None:
+        self._backend = backend
+        self.message_id = message_id
+        self.session_id = session_id
+        self.lease_seconds = validate_lease(lease_seconds)
+        self.acquired = False
+        self.status: ClaimStatus = "in_flight"
+        self.response: str | None = None
+        self.token: str | None = None
+        self.ticket: int | None = None
+        self.lost = False
+        self.earlier_seen = True
+        """Whether an earlier claim of the session was in flight when this one was taken
+        (backends that check it together with the acquire set it; True: look again)."""
+        self._fence: ClaimFence | None = None
+        self._entered = False
+        self._var_token: contextvars.Token[WebhookClaim | None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------ backend side
+
+    def _new_token(self) -> str:
+        self.token = secrets.token_hex(16)
+        return self.token
+
+    def _lease_until(self) -> datetime:
+        return utcnow() + timedelta(seconds=self.lease_seconds)
+
+    def order_horizon(self, now: datetime) -> datetime:
+        """Earlier claims whose lease lapsed after this instant still hold this one back.
+
+        A holder that died leaves its claim ``acquired`` with a lapsed lease;
+        its message is usually redelivered and taken over soon after. Waiting
+        one more ``lease_seconds`` past the lapse lets that redelivery go first,
+        so a crash does not reorder the session; the wait stays bounded.
+        """
+        return now - timedelta(seconds=self.lease_seconds)
+
+    def _set_acquired(self, ticket: int | None) -> None:
+        assert self.token is not None
+        self.acquired = True
+        self.status = "acquired"
+        self.ticket = ticket
+        self._fence = ClaimFence(self.message_id, self.token)
+
+    def _set_taken(self, done: bool, response: str | None) -> None:
+        self.acquired = False
+        self.status = "done" if done else "in_flight"
+        self.response = response if done else None
+
+    # ------------------------------------------------------------ async use
+
+    async def __aenter__(self) -> WebhookClaim:
+        self._enter_once()
+        await self._backend.run(self._backend.acquire, self)
+        if not self.acquired:
+            return self
+        self._var_token = _ACTIVE.set(self)
+        self._task = asyncio.get_running_loop().create_task(self._renew_loop())
+        try:
+            await self._await_earlier_claims()
+        except BaseException:
+            await self._aclose(failed=True)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.acquired:
+            await self._aclose(failed=exc is not None)
+
+    async def _aclose(self, *, failed: bool) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._reset_var()
+        finish = self._finish_or_release(failed)
+        if not await self._backend.run(finish):
+            raise ClaimLostError(self.message_id)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            try:
+                held = await self._backend.run(self._backend.renew, self)
+            except Exception as exc:  # the database is away: try again at the next beat
+                logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
+                continue
+            if not held:
+                self._mark_lost()
+                return
+
+    async def _await_earlier_claims(self) -> None:
+        if self.session_id is None or not self.earlier_seen:
+            return
+        delay = _ORDER_POLL_MIN
+        while await self._backend.run(self._backend.earlier_in_flight, self):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _ORDER_POLL_MAX)
+
+    # ------------------------------------------------------------ sync use
+
+    def __enter__(self) -> WebhookClaim:
+        self._enter_once()
+        self._backend.acquire(self)
+        if not self.acquired:
+            return self
+        self._var_token = _ACTIVE.set(self)
+        _SYNC_RENEWALS.add(self)
+        try:
+            delay = _ORDER_POLL_MIN
+            while (
+                self.session_id is not None
+                and self.earlier_seen
+                and self._backend.earlier_in_flight(self)
+            ):
+                time.sleep(delay)
+                delay = min(delay * 2, _ORDER_POLL_MAX)
+        except BaseException:
+            self._close(failed=True)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.acquired:
+            self._close(failed=exc is not None)
+
+    def _close(self, *, failed: bool) -> None:
+        self._stop.set()  # a renewal already under way can only miss now: not "lost"
+        _SYNC_RENEWALS.discard(self)
+        self._reset_var()
+        if not self._finish_or_release(failed)():
+            raise ClaimLostError(self.message_id)
+
+    def _renew_now(self) -> bool:
+        """One renewal for the sync form; False when the claim needs no more."""
+        try:
+            held = self._backend.renew(self)
+        except Exception as exc:
+            logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
+            return True
+        if not held and not self._stop.is_set():  # not just finished meanwhile
+            self._mark_lost()
+        return held
+
+    # ------------------------------------------------------------ shared
+
+    def _enter_once(self) -> None:
+        if self._entered:
+            raise RuntimeError("a WebhookClaim is entered once; call store.claim() again")
+        self._entered = True
+
+    def _reset_var(self) -> None:
+        if self._var_token is not None:
+            try:
+                _ACTIVE.reset(self._var_token)
+            except ValueError:  # exited in another context than entered: just clear it
+                _ACTIVE.set(None)
+            self._var_token = None
+
+    def _mark_lost(self) -> None:
+        self.lost = True
+        logger.warning(
+            "webhook claim %r lost its lease (another delivery took it over); "
+            "its turn will not be written",
+            self.message_id,
+        )
+
+    def _finish_or_release(self, failed: bool) -> Callable[[], bool]:
+        """The exit step: True unless a normal exit found the claim no longer ours.
+
+        A failed block releases the claim, unless its turn already committed
+        it as done: then only a reply set meanwhile is stored.
+        """
+        backend = self._backend
+        committed = self._fence is not None and self._fence.committed
+        if not failed or (committed and self.response is not None):
+            return lambda: backend.finish(self) or failed
+
+        def release() -> bool:
+            try:
+                backend.release(self)
+            except Exception as exc:  # the block's own error is the one to raise
+                logger.warning(
+                    "could not release webhook claim %r (%s); the next delivery takes it "
+                    "over when its lease lapses",
+                    self.message_id,
+                    exc,
+                )
+            return True
+
+        return release
+
+    def __repr__(self) -> str:
+        return (
+            f"<WebhookClaim {self.message_id!r} status={self.status} "
+            f"session={self.session_id!r} ticket={self.ticket}>"
+        )
+
+
+class _SyncRenewals:
+    """One daemon thread renews the leases of every open sync ``with`` claim block.
+
+    A thread per block would cost a thread start per webhook; this one sleeps
+    until the next renewal is due (a third of that claim's lease).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[WebhookClaim, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, claim: WebhookClaim) -> None:
+        with self._cond:
+            self._due[claim] = time.monotonic() + claim.lease_seconds / 3
+            if self._thread is None or not self._thread.is_alive():  # also after a fork
+                self._thread = threading.Thread(
+                    target=self._run, name="chatflow-claim-renewals", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, claim: WebhookClaim) -> None:
+        with self._cond:
+            self._due.pop(claim, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                ready = [claim for claim, due in self._due.items() if due <= now]
+                if not ready:
+                    wait = min(self._due.values(), default=now + 60.0) - now
+                    self._cond.wait(wait)
+                    continue
+                for claim in ready:
+                    self._due[claim] = now + claim.lease_seconds / 3
+            for claim in ready:
+                if not claim._renew_now():
+                    self.discard(claim)
+
+
+_SYNC_RENEWALS = _SyncRenewals()
+
+
+class SQLClaims:
+    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine."""
+
+    def __init__(self, store: SQLAlchemySessionStore) -> None:
+        self._store = store
+        self._acquire = store.support.acquire_claim(_processed)
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking work as the store's async API does."""
+        return await self._store._run_blocking(fn, *args)
+
+    def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
+        with self._store._transaction(single=True) as conn:
+            return conn.execute(statement, params)
+
+    def acquire(self, claim: WebhookClaim) -> None:
+        """Take the claim in one statement, or read why not (done, or in flight)."""
+        now = utcnow()
+        params = {
+            "message_id": claim.message_id,
+            "now": now,
+            "cutoff": now - self._store._dedup_ttl,
+            "token": claim._new_token(),
+            "lease": claim._lease_until(),
+            "session_id": claim.session_id,
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+        }
+        with self._store._transaction(single=True) as conn:
+            acquired, ticket = self._store.support.claim_acquired(
+                conn.execute(self._acquire, params)
+            )
+            if acquired and ticket is None and claim.session_id is not None:
+                ticket = conn.execute(_TICKET, params).scalar()
+            row = None if acquired else conn.execute(_STATUS, params).first()
+            if acquired and ticket is not None and claim.session_id is not None:
+                # The first look for earlier claims of the session rides on this call.
+                earlier = {
+                    "session_id": claim.session_id,
+                    "ticket": ticket,
+                    "horizon": claim.order_horizon(now),
+                }
+                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
+        if acquired:
+            claim._set_acquired(ticket)
+        else:
+            claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
+
+    def renew(self, claim: WebhookClaim) -> bool:
+        """Extend the lease while the token holds; False once it is gone."""
+        params = {
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+            "lease": claim._lease_until(),
+        }
+        return bool(self._execute(_RENEW, params).rowcount == 1)
+
+    def finish(self, claim: WebhookClaim) -> bool:
+        """Mark the claim done with its reply; False if the token is gone."""
+        params = {
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+            "reply": claim.response,
+            "now": utcnow(),
+        }
+        return bool(self._execute(_FINISH, params).rowcount == 1)
+
+    def release(self, claim: WebhookClaim) -> None:
+        """Let the next delivery acquire the id (a done claim is left done)."""
+        params = {"claim_id": claim.message_id, "claim_token": claim.token, "now": utcnow()}
+        self._execute(_RELEASE, params)
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool:
+        """True while an earlier claim of the session is held under a live lease."""
+        if claim.ticket is None:
+            return False
+        params = {
+            "session_id": claim.session_id,
+            "ticket": claim.ticket,
+            "horizon": claim.order_horizon(utcnow()),
+        }
+        with self._store._transaction(single=True) as conn:
+            return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
+
+    def list(self, limit: int | None) -> list[ClaimInfo]:
+        """Rows for ``dedup list``, most recently changed first."""
+        with self._store._transaction() as conn:
+            return read_claims(conn, limit=limit)
+
+    def free(self, message_id: str) -> bool:
+        """Release a held claim whoever holds it (``dedup release``); False if none is held."""
+        with self._store._transaction(write=True) as conn:
+            return free_claim(conn, message_id)
+
+
+def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
+    """``dedup list`` on a connection (a read-only one will do): newest change first."""
+    query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
+    if limit is not None:
+        query = query.limit(limit)
+    now = utcnow()
+    return [
+        claim_info(
+            row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
+            row.lease_expires_at, row.processed_at, bool(row.has_response), now,
+        )
+        for row in conn.execute(query)
+    ]
+
+
+def free_claim(conn: Connection, message_id: str) -> bool:
+    """``dedup release ID`` on a connection (the caller commits): True if a claim was held."""
+    return bool(conn.execute(_FREE, {"claim_id": message_id, "now": utcnow()}).rowcount == 1)
+
+
+def claim_info(
+    message_id: str,
+    state: str,
+    session_id: str | None,
+    ticket: int | None,
+    claimed_at: datetime | None,
+    lease_expires_at: datetime | None,
+    updated_at: datetime,
+    has_response: bool,
+    now: datetime,
+) -> ClaimInfo:
+    """Build a :class:`ClaimInfo`, telling a live lease from a lapsed one."""
+    lease_age = lease_left = None
+    if state == CLAIM_ACQUIRED and lease_expires_at is not None:
+        lease_left = (lease_expires_at - now).total_seconds()
+        state = "in_flight" if lease_left > 0 else "expired"
+        renewed = claimed_at if claimed_at is not None else updated_at
+        lease_age = max(0.0, (now - renewed).total_seconds())
+    return ClaimInfo(
+        message_id, state, session_id, ticket, lease_age, lease_left, updated_at, has_response
+    )
+
+
+def _backend_of(store: Any) -> ClaimBackend:
+    claims = getattr(store, "_claims", None)
+    if claims is None:
+        raise TypeError(
+            f"{type(store).__name__} has no webhook claims; use a chatflow-sqlalchemy store"
+        )
+    return cast(ClaimBackend, claims())
+
+
+def list_claims(store: Any, *, limit: int | None = 100) -> list[ClaimInfo]:
+    """``dedup list``: each id's claim state, most recently changed first.
+
+    Args:
+        store: Any chatflow-sqlalchemy store.
+        limit: At most this many rows (None: all).
+
+    """
+    return _backend_of(store).list(limit)
+
+
+def release_claim(store: Any, message_id: str) -> bool:
+    """``dedup release ID``: free an id held by a stuck or dead worker.
+
+    The next delivery of the id acquires it at once; the old holder's turn,
+    if it ever commits, gets :class:`~chatflow_sqlalchemy.exceptions.ClaimLostError`.
+    Returns False when the id is not held (unknown, done or released).
+    """
+    return _backend_of(store).free(message_id)
+
+
+@dataclass
+class _HeldInMemory:
+    """One claim of the in-memory store (its ``_processed`` stamp is the TTL anchor)."""
+
+    state: str
+    token: str | None
+    session_id: str | None
+    ticket: int
+    lease_until: float
+    claimed_at: datetime
+    updated_at: datetime
+    response: str | None = None
+
+
+class MemoryClaims:
+    """:class:`ClaimBackend` of the in-memory ``SessionStore`` (one process's semantics).
+
+    Rows live beside the store's dedup stamps, under the store's lock; an id
+    whose stamp expired or was evicted is forgotten here too.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.rows: dict[str, _HeldInMemory] = {}
+        self._tickets = 0
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """No I/O: run directly."""
+        return fn(*args)
+
+    def _live(self, message_id: str, now: float) -> tuple[bool, _HeldInMemory | None]:
+        stamp = self._store._processed.get(message_id)
+        if stamp is None or now - stamp > self._store._ttl_seconds:
+            self.rows.pop(message_id, None)
+            return False, None
+        return True, self.rows.get(message_id)
+
+    def acquire(self, claim: WebhookClaim) -> None:
+        """Take the claim, or say why not (as the SQL statement decides)."""
+        now = time.monotonic()
+        with self._store._lock:
+            live, row = self._live(claim.message_id, now)
+            if live and row is None:  # recorded with record_processed_message
+                claim._set_taken(True, None)
+                return
+            if row is not None and not (
+                row.state == CLAIM_RELEASED
+                or (row.state == CLAIM_ACQUIRED and row.lease_until < now)
+            ):
+                claim._set_taken(row.state == CLAIM_DONE, row.response)
+                return
+            if row is None:
+                self._tickets += 1
+            stamp = utcnow()
+            self.rows[claim.message_id] = _HeldInMemory(
+                CLAIM_ACQUIRED, claim._new_token(), claim.session_id,
+                row.ticket if row is not None else self._tickets,
+                now + claim.lease_seconds, stamp, stamp,
+            )
+            self._store._remember(claim.message_id, now)
+            claim._set_acquired(self.rows[claim.message_id].ticket)
+
+    def _mine(self, claim: WebhookClaim) -> _HeldInMemory | None:
+        row = self.rows.get(claim.message_id)
+        return row if row is not None and row.token == claim.token else None
+
+    def renew(self, claim: WebhookClaim) -> bool:
+        """Extend the lease while the token holds."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is None or row.state != CLAIM_ACQUIRED:
+                return False
+            row.lease_until = time.monotonic() + claim.lease_seconds
+            return True
+
+    def commit_turn(self, fence: ClaimFence) -> bool:
+        """The in-memory fence of a turn: mark the claim done if the token holds."""
+        with self._store._lock:
+            row = self.rows.get(fence.message_id)
+            if row is None or row.token != fence.token:
+                return False
+            row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
+            fence.committed = True
+            return True
+
+    def finish(self, claim: WebhookClaim) -> bool:
+        """Mark the claim done with its reply."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is None:
+                return False
+            row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
+            row.response = claim.response
+            self._store._remember(claim.message_id, time.monotonic())
+            return True
+
+    def release(self, claim: WebhookClaim) -> None:
+        """Let the next delivery acquire the id (a done claim is left done)."""
+        with self._store._lock:
+            row = self._mine(claim)
+            if row is not None and row.state == CLAIM_ACQUIRED:
+                row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool:
+        """True while an earlier claim of the session is held under a live lease."""
+        horizon = time.monotonic() - claim.lease_seconds  # as order_horizon
+        with self._store._lock:
+            return any(
+                row.session_id == claim.session_id
+                and claim.ticket is not None
+                and row.ticket < claim.ticket
+                and row.state == CLAIM_ACQUIRED
+                and row.lease_until > horizon
+                for row in self.rows.values()
+            )
+
+    def list(self, limit: int | None) -> list[ClaimInfo]:
+        """Rows for ``dedup list``, most recently changed first."""
+        now, wall = time.monotonic(), utcnow()
+        with self._store._lock:
+            items = sorted(self.rows.items(), key=lambda item: item[1].updated_at, reverse=True)
+        infos = [
+            claim_info(
+                message_id, row.state, row.session_id, row.ticket, row.claimed_at,
+                wall + timedelta(seconds=row.lease_until - now) if row.lease_until else None,
+                row.updated_at, row.response is not None, wall,
+            )
+            for message_id, row in items
+        ]
+        return infos if limit is None else infos[:limit]
+
+    def free(self, message_id: str) -> bool:
+        """Release a held claim whoever holds it."""
+        with self._store._lock:
+            row = self.rows.get(message_id)
+            if row is None or row.state != CLAIM_ACQUIRED:
+                return False
+            row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+            return True

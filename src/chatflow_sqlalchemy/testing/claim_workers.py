@@ -1,0 +1,175 @@
+"""Worker processes for the webhook-claim tests of the conformance suite.
+
+Each worker opens its own store from a :class:`~.harness.StoreSpec` and runs
+DESIGN.md's webhook handler (``store.claim`` around ``Runner.run_async``)
+for a list of deliveries, reporting on a queue: ``("ready", pid)`` when its
+model is called (so a test can kill or stop it inside the turn), then
+``("done", pid, outcomes)`` with one ``(message_id, status, response,
+error)`` per delivery. Module-level functions, so ``spawn`` can pickle them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import queue as queue_module
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from chatflow_sqlalchemy.testing.harness import StoreSpec
+
+__all__ = ["Worker", "reply_to", "start_worker", "webhook_worker"]
+
+Outcome = tuple[str, str, "str | None", "str | None"]
+
+
+def reply_to(text: str) -> str:
+    """The reply the workers' model gives to ``text``."""
+    return f"reply to {text}"
+
+
+def webhook_worker(
+    spec: StoreSpec,
+    session_id: str,
+    deliveries: Sequence[tuple[str, str]],
+    mode: str,
+    lease_seconds: float,
+    latency: float,
+    events: Any,
+) -> None:
+    """Handle ``deliveries`` (``(message_id, text)``) one after the other.
+
+    ``mode``: ``ok`` (prepare, then answer, each after a random delay of up
+    to ``latency`` seconds), ``fail`` (the model raises), ``hang`` (report ready and never
+    answer: the test kills it), ``pause`` (report ready, then answer after
+    ``latency`` seconds: the test stops and continues it meanwhile).
+    """
+    from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
+    from chatflow_agent.core.engines import EngineTurnResult
+
+    rng = random.Random(os.getpid())
+
+    class Model(BaseEngine):
+        async def generate_turn_async(
+            self, agent: Agent, history: list[Message]
+        ) -> EngineTurnResult:
+            text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
+            if mode == "fail":
+                raise RuntimeError("the model provider is down")
+            if mode in ("hang", "pause"):
+                events.put(("ready", os.getpid()))
+                await asyncio.sleep(3600 if mode == "hang" else latency)
+            elif latency:
+                await asyncio.sleep(rng.uniform(0, latency))
+            return EngineTurnResult(text=reply_to(text))
+
+    store: Any = spec.open()
+    runner = Runner(
+        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=Model()
+    )
+
+    async def on_webhook(message_id: str, text: str) -> Outcome:
+        try:
+            async with store.claim(
+                message_id, session_id=session_id, lease_seconds=lease_seconds
+            ) as claim:
+                if not claim.acquired:
+                    return message_id, claim.status, claim.response, None
+                if mode == "ok" and latency:  # work before the turn (fetching media, say)
+                    await asyncio.sleep(rng.uniform(0, latency))
+                result = await runner.run_async(session_id=session_id, user_message=text)
+                claim.response = result.content
+                return message_id, claim.status, result.content, None
+        except Exception as exc:
+            return message_id, "error", None, type(exc).__name__
+
+    async def deliver_all() -> list[Outcome]:
+        outcomes = []
+        for message_id, text in deliveries:
+            outcomes.append(await on_webhook(message_id, text))
+            await asyncio.sleep(rng.uniform(0.001, 0.005))  # the next delivery, a few ms later
+        return outcomes
+
+    try:
+        events.put(("done", os.getpid(), asyncio.run(deliver_all())))
+    finally:
+        store.close()
+
+
+def _report_crash(events: Any, target: Any, *args: Any) -> None:
+    try:
+        target(*args, events)
+    except BaseException as exc:
+        events.put(("crash", os.getpid(), f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+class Worker:
+    """A started worker process and its event queue."""
+
+    def __init__(self, process: Any, events: Any) -> None:
+        self.process = process
+        self.events = events
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        assert self.process.pid is not None
+        return int(self.process.pid)
+
+    def next_event(self, timeout: float = 120.0) -> tuple[Any, ...]:
+        """The worker's next event; fails if it crashed, died silently or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event: tuple[Any, ...] = self.events.get(timeout=0.2)
+            except queue_module.Empty:
+                if not self.process.is_alive() and self.events.empty():
+                    raise AssertionError(
+                        f"worker {self.pid} exited with {self.process.exitcode} and no event"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker {self.pid} sent nothing for {timeout}s") from None
+                continue
+            if event[0] == "crash":
+                raise AssertionError(f"worker {self.pid} failed: {event[2]}")
+            return event
+
+    def outcomes(self, timeout: float = 120.0) -> list[Outcome]:
+        """Wait for the worker's final report, skipping ``ready`` events."""
+        while True:
+            event = self.next_event(timeout)
+            if event[0] == "done":
+                outcomes: list[Outcome] = event[2]
+                return outcomes
+
+    def stop(self) -> None:
+        """Kill the worker if it still runs, and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+
+def start_worker(
+    spec: StoreSpec,
+    session_id: str,
+    deliveries: Sequence[tuple[str, str]],
+    *,
+    mode: str = "ok",
+    lease_seconds: float = 60.0,
+    latency: float = 0.0,
+) -> Worker:
+    """Start :func:`webhook_worker` in a spawned process."""
+    ctx = multiprocessing.get_context("spawn")
+    events: Any = ctx.Queue()
+    process = ctx.Process(
+        target=_report_crash,
+        args=(events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
+              latency),
+        daemon=True,
+    )
+    process.start()
+    return Worker(process, events)

@@ -1,0 +1,159 @@
+"""Webhook claims beyond the conformance kit: revision 0003 and where the fence runs.
+
+The behaviour of ``store.claim`` on every backend is in the shipped suite
+(``TestWebhookClaims*``); these tests cover what only the SQL stores have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Message, Role
+from sqlalchemy import create_engine, text
+
+from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
+from chatflow_sqlalchemy.claims import free_claim, list_claims, read_claims, release_claim
+
+
+def _engine_at(url: str, revision: str) -> Any:
+    engine = create_engine(url)
+    migrate.upgrade(engine, revision)
+    return engine
+
+
+def _ids_recorded_before_0003(engine: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO chatflow_processed_messages (message_id, processed_at) "
+                "VALUES ('old-1', CURRENT_TIMESTAMP), ('old-2', CURRENT_TIMESTAMP)"
+            )
+        )
+
+
+def _check_old_ids_are_done(store: Any) -> None:
+    for old in ("old-1", "old-2"):
+        with store.claim(old, session_id="s") as claim:
+            assert (claim.acquired, claim.status, claim.response) == (False, "done", None)
+        assert store.record_processed_message(old) is False
+    assert {info.message_id: info.state for info in list_claims(store)} == {
+        "old-1": "done", "old-2": "done"
+    }
+
+
+def test_sqlite_ids_recorded_before_0003_stay_claimed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    engine = _engine_at(url, "0002")
+    _ids_recorded_before_0003(engine)
+    engine.dispose()
+    with SQLiteSessionStore(tmp_path / "x.db") as store:  # opening upgrades to 0003
+        assert migrate.drift(store.engine) == []
+        _check_old_ids_are_done(store)
+
+
+def test_sqlite_0003_downgrades_and_upgrades_again(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    with SQLiteSessionStore(tmp_path / "x.db") as store, store.claim("m", session_id="s") as claim:
+        claim.response = "hi"
+    engine = create_engine(url)
+    migrate.downgrade(engine, "0002")
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT * FROM chatflow_processed_messages")).all()
+    assert [row.message_id for row in rows] == ["m"]
+    migrate.upgrade(engine)
+    assert migrate.drift(engine) == []
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_ids_recorded_before_0003_stay_claimed(pg_url: str, pg_schema: str) -> None:
+    from . import pg_util
+
+    engine = create_engine(pg_url, connect_args={"options": f"-csearch_path={pg_schema}"})
+    migrate.upgrade(engine, "0002")
+    _ids_recorded_before_0003(engine)
+    engine.dispose()
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        assert migrate.drift(store.engine) == []
+        _check_old_ids_are_done(store)
+        engine = store.engine
+        migrate.downgrade(engine, "0002")
+        migrate.upgrade(engine)
+        assert migrate.drift(engine) == []
+
+
+@pytest.mark.postgres
+def test_postgres_fence_rides_in_the_turn_pipeline(pg_url: str, pg_schema: str) -> None:
+    """No extra round trip: the fenced UPDATE is one more step of the turn's pipeline."""
+    from . import pg_util
+
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        pipelines: list[list[str]] = []
+        support = store.support
+        original = support.run_pipelined
+
+        def observe(connection: Any, steps: Sequence[Any]) -> list[int]:
+            pipelines.append([" ".join(step.sql.split()[:2]) for step, _ in steps])
+            return original(connection, steps)
+
+        support.run_pipelined = observe  # type: ignore[method-assign]
+        try:
+            asyncio.run(_claimed_turn(store))
+            taken = asyncio.run(_claimed_turn_taken_over(store))
+        finally:
+            del support.run_pipelined
+        assert pipelines[0][0] == "UPDATE chatflow_sessions", pipelines
+        assert pipelines[0][-1] == "UPDATE chatflow_processed_messages", pipelines
+        assert pipelines[1][-1] == "UPDATE chatflow_processed_messages", pipelines
+        assert taken == ["first"]
+
+
+async def _claimed_turn(store: Any) -> None:
+    ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+    async with store.claim("m1", session_id="s"), ctx.lock:
+        ctx.add_message(Message(role=Role.USER, content="first"))
+
+
+async def _claimed_turn_taken_over(store: Any) -> list[str | None]:
+    ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+
+    async def redelivery() -> None:  # its own task and context, as another handler
+        async with store.claim("m2", session_id="s") as thief:
+            assert thief.acquired
+
+    with pytest.raises(ClaimLostError):
+        async with store.claim("m2", session_id="s", lease_seconds=30):
+            assert release_claim(store, "m2")
+            await asyncio.create_task(redelivery())
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="lost"))
+    return [m.content for m in ctx.history]
+
+
+def test_operator_functions_on_a_plain_connection(tmp_path: Path) -> None:
+    """What a CLI can call with its own (read-only, or write) connection, without a store."""
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        with store.claim("done-id", session_id="s") as claim:
+            claim.response = "hi"
+
+        async def hold_and_inspect() -> None:
+            async with store.claim("held-id", session_id="s") as held:
+                with store.engine.connect() as conn:
+                    states = {info.message_id: info for info in read_claims(conn, limit=None)}
+                assert states["held-id"].state == "in_flight"
+                assert states["done-id"].state == "done" and states["done-id"].has_response
+                with store.engine.begin() as conn:
+                    assert free_claim(conn, "held-id") is True
+                    assert free_claim(conn, "done-id") is False
+                held.response = "too late"
+
+        with pytest.raises(ClaimLostError):
+            asyncio.run(hold_and_inspect())
+        with store.engine.connect() as conn:
+            assert {i.message_id: i.state for i in read_claims(conn)} == {
+                "held-id": "released", "done-id": "done"
+            }
