@@ -158,8 +158,9 @@ def pgbouncer(postgres_url: str) -> Iterator[Any]:
     bouncer.stop()
 
 
-PGBOUNCER_CONNECT_ARGS = {"prepare_threshold": None}
-"""The one setting a transaction-pooling PgBouncer needs (the README's): no prepared statements."""
+PGBOUNCER_CONNECT_ARGS: dict[str, Any] = {}
+"""What a store behind a transaction-pooling PgBouncer needs: nothing (prepared statements
+are off by default, see ``postgresql.PREPARE_THRESHOLD``)."""
 
 
 def _pgbouncer_harness(bouncer: Any, admin: Engine, async_mode: Capability) -> StoreHarness:
