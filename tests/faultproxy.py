@@ -156,6 +156,10 @@ class _Link:
                 return
             self.server = socket.create_connection(self.proxy.upstream, timeout=10)
             self.server.settimeout(None)  # blocking sockets; reads wait in select()
+            for sock in (self.client, self.server):
+                # As libpq and the server do: without it Nagle holds a small write back
+                # until the previous one is acknowledged (up to 40 ms of delayed ACK).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             self.close()
             return
