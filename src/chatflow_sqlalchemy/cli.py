@@ -1422,45 +1422,43 @@ def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | No
         claims = read_claims(conn, limit=limit)
         total, _ = _dedup_counts(conn, ttl)
     cutoff = _cutoff(ttl)
-    items = [
-        {
-            "message_id": claim.message_id,
-            "state": claim.state,
-            "session_id": claim.session_id,
-            "lease_age": claim.lease_age,
-            "lease_left": claim.lease_left,
-            "has_response": claim.has_response,
-            "processed_at": claim.updated_at,
-            "expires_at": claim.updated_at + timedelta(hours=ttl),
-            "expired": claim.updated_at < cutoff,
-        }
-        for claim in claims
-    ]
+    window = timedelta(hours=ttl)
     if as_json:
-        for item in items:
-            item["processed_at"] = _iso(item["processed_at"])
-            item["expires_at"] = _iso(item["expires_at"])
+        items = [
+            {
+                "message_id": claim.message_id,
+                "state": claim.state,
+                "session_id": claim.session_id,
+                "lease_age": claim.lease_age,
+                "lease_left": claim.lease_left,
+                "has_response": claim.has_response,
+                "processed_at": _iso(claim.updated_at),
+                "expires_at": _iso(claim.updated_at + window),
+                "expired": claim.updated_at < cutoff,
+            }
+            for claim in claims
+        ]
         _emit_json({"ttl_hours": ttl, "total": total, "ids": items})
         return
-    if not items:
+    if not claims:
         click.echo("no processed ids")
         return
     _table(
         ("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"),
         [
             (
-                clean(item["message_id"]),
-                _claim_state(item["state"], item["lease_age"]),
-                clean(item["session_id"] or "-"),
-                _format_time(item["processed_at"]),
-                _format_time(item["expires_at"]),
-                "yes" if item["expired"] else "no",
+                clean(claim.message_id),
+                _claim_state(claim.state, claim.lease_age),
+                clean(claim.session_id or "-"),
+                _format_time(claim.updated_at),
+                _format_time(claim.updated_at + window),
+                "yes" if claim.updated_at < cutoff else "no",
             )
-            for item in items
+            for claim in claims
         ],
     )
-    if total > len(items):
-        click.echo(f"showing {len(items)} of {total}; use --limit to see more")
+    if total > len(claims):
+        click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
 
 
 def _claim_state(state: str, lease_age: float | None) -> str:
