@@ -88,7 +88,11 @@ class SessionStore(BaseSessionStore):
         ctx._check_alive()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
+        ctx._check_alive()  # a turn of a session deleted meanwhile is not kept
         self._flush_context(ctx)
+
+    async def _adiscard_turn(self, ctx: SessionContext) -> None:
+        """A turn ended by an exception: the context restored itself; nothing to undo here."""
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
