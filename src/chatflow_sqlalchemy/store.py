@@ -692,7 +692,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return False
         with ctx._mutex:
             agent = self._resolve_agent(stored.agent_name, ctx.active_agent)
-            carried = _orphaned_tool_call(ctx, stored)
+            carried = _orphaned_tool_call(ctx, stored) or _unsaved_tail_call(ctx)
             self._install(ctx, stored, agent, set(ctx._seqs))
             if carried is not None:
                 ctx._append(carried)  # unsaved again: written with its result
@@ -1317,6 +1317,15 @@ def _other_incarnation(ctx: SessionContext, stored: _StoredSession) -> bool:
     return known is not None and stored.created_at is not None and stored.created_at != known
 
 
+def _unsaved_tail_call(ctx: SessionContext) -> Message | None:
+    """``ctx``'s last message if it is a tool call not written yet (carried, see below)."""
+    durable = ctx._durable
+    if durable is None or not ctx._seqs or ctx._seqs[-1] in durable.seqs:
+        return None
+    message = ctx._history[-1]
+    return message if message.role == Role.MODEL and message.tool_calls else None
+
+
 def _orphaned_tool_call(ctx: SessionContext, stored: _StoredSession) -> Message | None:
     """``ctx``'s stored trailing tool call whose row another writer deleted, if any.
 
@@ -1375,6 +1384,8 @@ def _has_changes(ctx: SessionContext) -> bool:
     assert durable is not None
     if ctx.active_agent.name != durable.agent_name or len(ctx._seqs) != len(durable.seqs):
         return True
+    if ctx._cleared:
+        return True  # also what another writer added before the clear must go
     if any(seq not in durable.seqs for seq in reversed(ctx._seqs)):  # new ones are last
         return True
     return dump_metadata(ctx._metadata) != durable.metadata_json
