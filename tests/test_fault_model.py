@@ -30,7 +30,7 @@ import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from chatflow_sqlalchemy import SessionDeletedError
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chatflow_agent import Message, Role
+from chatflow_agent import Agent, Message, Role
 
 from chatflow_sqlalchemy import SQLiteSessionStore
 
@@ -185,7 +185,9 @@ def kill_campaign(spec: dict[str, Any], mode: str, kills: int, seed: int) -> Cam
     counts = CampaignCounts()
     acked: list[str] = []
     for round_no in range(kills):
-        proc = start_worker("campaign_writer", spec, "s", f"r{round_no}", mode, rng.randrange(1 << 30))
+        proc = start_worker(
+            "campaign_writer", spec, "s", f"{mode}{seed}r{round_no}", mode, rng.randrange(1 << 30)
+        )
         assert proc.stdout is not None
         for _ in range(rng.randint(1, 4)):
             line = proc.stdout.readline()
@@ -207,6 +209,7 @@ def kill_campaign(spec: dict[str, Any], mode: str, kills: int, seed: int) -> Cam
 
 def check_campaign_round(spec: dict[str, Any], acked: list[str], counts: CampaignCounts) -> None:
     store = open_spec(spec, default_max_turns=10_000)
+    store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
     try:
         session = store.get("s")
         history = [] if session is None else session.history
