@@ -226,7 +226,10 @@ class TurnFaultMachine(RuleBasedStateMachine):
             return  # a call with no turn to belong to is dropped; not interesting
         label = self.label("c")
         self.a_add(("call", label))
-        self.model.pending_call = label
+        if self.ctx.history and to_tag(self.ctx.history[-1]) == ("call", label):
+            self.model.pending_call = label
+        # else: rebased onto a session B had cleared, the call had no turn to join
+        # and was dropped; a writer sees that (its call is not last) and sends no result.
 
     @precondition(lambda self: self.model.pending_call is not None)
     @rule()
