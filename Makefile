@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,postgres]' -e $(PLUGIN)
 	touch $(STAMP)
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint docs
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -27,6 +27,15 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests migrations benchmarks plugins
+	$(VENV)/bin/ruff check src tests migrations benchmarks plugins examples
 	$(VENV)/bin/mypy src
 	cd $(PLUGIN) && $(abspath $(VENV))/bin/mypy
+
+# The API reference (mkdocs + mkdocstrings, from the docstrings) into site/; warnings fail.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict

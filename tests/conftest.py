@@ -19,15 +19,18 @@
 PostgreSQL comes from ``CHATFLOW_TEST_POSTGRES_URL``; when it is set and the
 server cannot be reached, every PostgreSQL test FAILS with the reason (it is
 never silently skipped). When it is unset, a testcontainers ``PostgresContainer``
-is started if Docker is usable; otherwise the PostgreSQL tests are skipped
-with a visible reason.
+is started if Docker is usable; otherwise the PostgreSQL tests are skipped,
+and the end of the run says so once, in plain words (``pytest_terminal_summary``
+groups every skip by reason instead of listing each test).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,24 +67,6 @@ def _mask(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _docker_unusable() -> str | None:
-    """Return why Docker/testcontainers cannot start PostgreSQL, or None."""
-    try:
-        import docker
-        import testcontainers.postgres  # noqa: F401
-    except ImportError as exc:
-        return f"testcontainers is not installed ({exc})"
-    try:
-        client = docker.from_env(timeout=5)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except Exception as exc:
-        return f"Docker is not usable: {str(exc).strip().splitlines()[0]}"
-    return None
-
-
 class PostgresUnreachable(Exception):
     """``CHATFLOW_TEST_POSTGRES_URL`` is set but its server cannot be reached."""
 
@@ -105,12 +90,11 @@ def postgres_url() -> Iterator[str]:
             )
         yield url
         return
-    reason = _docker_unusable()
-    if reason:
-        pytest.skip(f"PostgreSQL tests skipped: {POSTGRES_ENV} is unset and {reason}")
-    from testcontainers.postgres import PostgresContainer
+    from . import pg_util
 
-    with PostgresContainer(POSTGRES_IMAGE, driver="psycopg") as container:
+    if pg_util.docker_unusable():
+        pytest.skip(pg_util.unset_reason())
+    with pg_util.postgres_container_class()(POSTGRES_IMAGE, driver="psycopg") as container:
         yield container.get_connection_url()
 
 
@@ -270,3 +254,59 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     url: Any = os.environ.get(POSTGRES_ENV)
     where = _mask(url) if url else "testcontainers if Docker is usable, else skipped"
     return [f"chatflow-sqlalchemy PostgreSQL tests: {where}"]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+SERVER_SKIPS = ("PostgreSQL tests skipped:", "MariaDB tests skipped:")
+
+
+_CAPABILITY_SKIP = re.compile(
+    r"^store '(?P<store>[^']+)' lacks capability (?P<missing>.+?) \(has: "
+)
+
+
+def _group_capability_skips(counts: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    """One line per store: how many tests it skipped, and for which missing capability."""
+    per_store: dict[str, Counter[str]] = {}
+    rest: dict[str, int] = {}
+    for reason, n in counts.items():
+        match = _CAPABILITY_SKIP.match(reason)
+        if match:
+            missing = "+".join(part.strip() for part in match["missing"].split(","))
+            per_store.setdefault(match["store"], Counter())[missing] += n
+        else:
+            rest[reason] = n
+    lines = []
+    for store, missing in sorted(per_store.items()):
+        detail = ", ".join(f"{what} {n}" for what, n in missing.most_common())
+        lines.append(f"  {store}: {sum(missing.values())} tests (lacks {detail})")
+    return lines, rest
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Skips grouped by reason: one line per missing server, one line per store for capabilities.
+
+    Replaces pytest's one-line-per-skipped-test list (``-rs`` still shows it).
+    """
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
+    if not skipped:
+        return
+    counts = Counter(_skip_reason(report) for report in skipped)
+    servers = {reason: n for reason, n in counts.items() if reason.startswith(SERVER_SKIPS)}
+    stores, others = _group_capability_skips(
+        {reason: n for reason, n in counts.items() if reason not in servers}
+    )
+    terminalreporter.section("skipped, by reason (pytest -rs lists every test)", sep="-")
+    for reason, n in sorted(servers.items()):
+        terminalreporter.line(f"{reason} ({n} tests)")
+    if stores:
+        terminalreporter.line("Tests a store cannot take (its capability flags):")
+        for line in stores:
+            terminalreporter.line(line)
+    for reason, n in sorted(others.items(), key=lambda item: (-item[1], item[0])):
+        terminalreporter.line(f"{n} x {reason}")

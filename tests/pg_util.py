@@ -30,13 +30,75 @@ def _check_reachable(url: str) -> str | None:
     return database_problem(url)
 
 
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The operating-system error at the root of ``exc`` (docker-py nests it in args)."""
+    seen: list[object] = [exc]
+    while seen:
+        item = seen.pop()
+        if isinstance(item, OSError) and item.errno is not None:
+            return item
+        if isinstance(item, BaseException):
+            seen.extend([*item.args, item.__cause__, item.__context__])
+    return None
+
+
+def _docker_problem_in_words(exc: BaseException) -> str:
+    """Say in plain words why the Docker client could not reach a daemon."""
+    where = os.environ.get("DOCKER_HOST") or "/var/run/docker.sock"
+    root = _os_error_in(exc)
+    if isinstance(root, FileNotFoundError):
+        return f"Docker is not available (no Docker daemon socket at {where})"
+    if isinstance(root, PermissionError):
+        return f"Docker is not usable (permission denied on {where})"
+    if isinstance(root, ConnectionRefusedError):
+        return f"Docker is not available (nothing answers at {where})"
+    return f"Docker is not usable ({str(exc).strip().splitlines()[0]})"
+
+
+def postgres_container_class() -> Any:
+    """testcontainers' ``PostgresContainer`` (its ``community`` module from 4.x on)."""
+    try:
+        from testcontainers.community.postgres import PostgresContainer
+    except ImportError:
+        from testcontainers.postgres import PostgresContainer
+    return PostgresContainer
+
+
+@functools.cache
+def docker_unusable() -> str | None:
+    """Return, in plain words, why testcontainers cannot start PostgreSQL, or None."""
+    try:
+        import docker
+
+        postgres_container_class()
+    except ImportError as exc:
+        return f"testcontainers is not installed ({exc})"
+    try:
+        client = docker.from_env(timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:
+        return _docker_problem_in_words(exc)
+    return None
+
+
+def unset_reason() -> str:
+    """The one skip reason of every PostgreSQL test when no server is configured."""
+    docker = docker_unusable()
+    how = f"set {ENV_VAR}=postgresql+psycopg://user@host:5432/db to run them"
+    if docker:
+        return f"PostgreSQL tests skipped: {ENV_VAR} is unset and {docker}; {how}"
+    return (f"PostgreSQL tests skipped: {ENV_VAR} is unset (Docker serves only the "
+            f"conformance suite); {how}")
+
+
 def postgres_url() -> str:
     """The server's psycopg 3 URL; skip when unconfigured, fail when unreachable."""
     raw = os.environ.get(ENV_VAR)
     if not raw:
-        pytest.skip(
-            f"PostgreSQL test: set {ENV_VAR}=postgresql+psycopg://user@host:port/db to run it"
-        )
+        pytest.skip(unset_reason())
     from chatflow_sqlalchemy.backends.postgresql import psycopg_url
 
     url = psycopg_url(raw).render_as_string(hide_password=False)

@@ -1,10 +1,10 @@
-"""The async API under load: the event loop never stalls, and the Runner at scale."""
+"""The async API under load: disk work stays off the event loop, and the Runner at scale."""
 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,36 +17,39 @@ from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
 
 from .pg_util import fresh_schema, postgres_url, schema_connect_args
 
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100)[98]
+HANG_GUARD_SECONDS = 60.0  # only against a hang; never a speed bound
 
 
-async def measure_loop_lag(work: Any) -> list[float]:
-    """Run ``work`` beside a 1 ms ticker; return how late each tick woke up (seconds)."""
-    loop = asyncio.get_running_loop()
-    lags: list[float] = []
-    done = asyncio.Event()
+async def test_loop_keeps_ticking_while_eight_disk_writers_work_on_the_pool(
+    tmp_path: Path,
+) -> None:
+    """Structure, not speed: every disk flush runs on a store pool thread, and while it
+    runs the event loop keeps serving other tasks (a ticker advances mid-flush).
 
-    async def ticker() -> None:
-        while not done.is_set():
-            started = loop.time()
-            await asyncio.sleep(0.001)
-            lags.append(loop.time() - started - 0.001)
-
-    tick = asyncio.create_task(ticker())
-    try:
-        await work()
-    finally:
-        done.set()
-        await tick
-    return lags
-
-
-async def test_loop_never_stalls_under_eight_disk_writers(tmp_path: Path) -> None:
+    The loop-lag figure itself is measured by ``python -m benchmarks`` (``looplag``).
+    """
     store = SQLiteSessionStore(tmp_path / "lag.db")
     agent = Agent(name="Bot", instructions="")
     payload = "x" * 2048
+    loop_thread = threading.current_thread()
+    ticks = [0]
+    flushes: list[tuple[str, bool]] = []  # (thread name, did the loop tick during it)
+    original = store._flush_context
+
+    def spy(ctx: Any) -> None:
+        here = threading.current_thread()
+        advanced = False
+        stalled_before = any(not ok for _, ok in flushes)  # fail once, not once per flush
+        if here is not loop_thread and not stalled_before:  # on the loop it could never tick
+            seen = ticks[0]
+            deadline = time.monotonic() + HANG_GUARD_SECONDS
+            while ticks[0] == seen and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            advanced = ticks[0] != seen
+        flushes.append((here.name, advanced))
+        original(ctx)
+
+    store._flush_context = spy  # type: ignore[method-assign]
 
     async def writer(index: int) -> None:
         session = await store.aget_or_create(f"writer-{index}", agent)
@@ -54,15 +57,24 @@ async def test_loop_never_stalls_under_eight_disk_writers(tmp_path: Path) -> Non
             role = Role.USER if turn % 2 == 0 else Role.MODEL
             await session.aadd_message(Message(role=role, content=payload))
 
-    async def work() -> None:
-        await asyncio.gather(*(writer(i) for i in range(8)))
+    done = asyncio.Event()
 
+    async def ticker() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            await asyncio.sleep(0.0005)
+
+    tick = asyncio.create_task(ticker())
     try:
-        lags = await measure_loop_lag(work)
+        await asyncio.gather(*(writer(i) for i in range(8)))
     finally:
+        done.set()
+        await tick
         await store.aclose()
-    assert len(lags) > 50
-    assert p99(lags) < 0.020, f"event loop p99 lag {p99(lags) * 1000:.1f} ms"
+    assert len(flushes) >= 8 * 40
+    on_loop = [name for name, _ in flushes if not name.startswith("chatflow-io")]
+    assert not on_loop, f"{len(on_loop)} flushes ran off the store's pool, e.g. on {on_loop[0]}"
+    assert all(advanced for _, advanced in flushes), "the loop stood still during a flush"
     reopened = SQLiteSessionStore(tmp_path / "lag.db")
     try:
         assert all(len(reopened.get(f"writer-{i}").history) == 40 for i in range(8))  # type: ignore[union-attr]
@@ -172,7 +184,7 @@ async def test_async_store_context_manager_closes(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> None:
-    from sqlalchemy.util.concurrency import in_greenlet
+    import greenlet
 
     from chatflow_sqlalchemy import PostgresSessionStore
 
@@ -183,7 +195,8 @@ async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> Non
         original = store._flush_context
 
         def spy(ctx: Any) -> None:
-            seen.append((threading.current_thread().name, in_greenlet()))
+            in_greenlet = greenlet.getcurrent().parent is not None
+            seen.append((threading.current_thread().name, in_greenlet))
             original(ctx)
 
         store._flush_context = spy  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ from typing import Any, cast
 import psycopg
 import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
-from sqlalchemy import Engine, Table, create_engine, event, make_url, select
+from sqlalchemy import Engine, Table, create_engine, event, make_url, select, text
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import (
@@ -284,6 +284,17 @@ def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, pa
             assert [m.content for m in fresh.get("s").history] == ["kept"]  # type: ignore[union-attr]
 
 
+_REFUSE_EVIL = """
+CREATE FUNCTION refuse_evil() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF to_jsonb(NEW)::text LIKE '%evil%' THEN
+        RAISE EXCEPTION 'refused by the test';
+    END IF;
+    RETURN NEW;
+END $$
+"""
+
+
 @pytest.mark.postgres
 def test_driver_error_leaves_no_autocommit_connection(pg_url: str, pg_schema: str) -> None:
     """A failed autocommit driver statement must not put its connection back in autocommit:
@@ -295,11 +306,18 @@ def test_driver_error_leaves_no_autocommit_connection(pg_url: str, pg_schema: st
             session = store.get_or_create("s", TRIAGE)
             with engine.connect() as conn:
                 before = list(conn.execute(versions).scalars())
-            with pytest.raises(sa_exc.DataError) as caught:  # psycopg refuses NUL in text
-                store.record_processed_message("wamid\x00evil")
-            assert isinstance(caught.value.orig, psycopg.DataError)
-            with pytest.raises(sa_exc.DataError):  # the CAS bump is sent, then the insert fails
-                session.add_message(Message(role=Role.USER, content="nul \x00 inside"))
+            with engine.begin() as conn:  # the server refuses rows marked "evil"
+                conn.execute(text(_REFUSE_EVIL))
+                for table in ("chatflow_processed_messages", "chatflow_messages"):
+                    conn.execute(text(
+                        f"CREATE TRIGGER refuse_evil BEFORE INSERT ON {table} "
+                        "FOR EACH ROW EXECUTE FUNCTION refuse_evil()"
+                    ))
+            with pytest.raises(sa_exc.DBAPIError) as caught:
+                store.record_processed_message("wamid-evil")
+            assert isinstance(caught.value.orig, psycopg.errors.RaiseException)
+            with pytest.raises(sa_exc.DBAPIError):  # the CAS bump is sent, then the insert fails
+                session.add_message(Message(role=Role.USER, content="evil inside"))
         with engine.connect() as conn:
             after = list(conn.execute(versions).scalars())
         assert after == before, "half a failed write transaction committed"
@@ -380,19 +398,34 @@ def test_back_to_back_units_reuse_a_kept_connection(store_opener: Opener) -> Non
     ]
 
 
+class SteppedClock:
+    """Stands in for the ``time`` module of ``dialect``/``driver``: time moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def test_a_connection_idle_past_the_ping_window_goes_back_through_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After IDLE_PING_SECONDS unused, a kept connection is checked out again (pings apply)."""
+    """After IDLE_PING_SECONDS unused, a kept connection is checked out again (pings apply).
+
+    The idle time is a stepped clock, not a sleep: a loaded machine cannot make "soon" late.
+    """
     from chatflow_sqlalchemy import dialect
 
-    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.05)
+    clock = SteppedClock()
+    monkeypatch.setattr(dialect, "time", clock)
+    monkeypatch.setattr(driver_module, "time", clock)
     with SQLiteSessionStore(tmp_path / "x.db") as store:
         store.record_processed_message("warm-up")
         checkouts = _count_checkouts(store.engine)
         store.record_processed_message("soon")
         assert checkouts == []
-        time.sleep(0.1)
+        clock.now += 2 * dialect.IDLE_PING_SECONDS
         store.record_processed_message("later")
         assert len(checkouts) == 1
 

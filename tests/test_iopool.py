@@ -71,11 +71,11 @@ async def test_a_call_whose_awaiter_was_cancelled_before_it_started_never_runs()
 
 async def test_a_running_call_finishes_when_its_awaiter_is_cancelled() -> None:
     pool = IOPool(1, "iopool-running")
-    started, finished = threading.Event(), threading.Event()
+    started, finished, release = threading.Event(), threading.Event(), threading.Event()
 
     def slow() -> None:
         started.set()
-        time.sleep(0.05)
+        release.wait(60)  # held until the awaiter is cancelled: no race with a sleep
         finished.set()
 
     try:
@@ -86,6 +86,7 @@ async def test_a_running_call_finishes_when_its_awaiter_is_cancelled() -> None:
             await task
         assert not finished.is_set()
     finally:
+        release.set()
         pool.shutdown(wait=True)
     assert finished.is_set()
 
@@ -113,7 +114,7 @@ def test_a_pool_nobody_shut_down_stops_its_threads_when_collected() -> None:
     del pool
     gc.collect()
     assert ref() is None
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard only
     while _pool_threads("iopool-collected") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _pool_threads("iopool-collected")
@@ -121,20 +122,23 @@ def test_a_pool_nobody_shut_down_stops_its_threads_when_collected() -> None:
 
 def test_interpreter_exit_waits_for_a_call_in_flight(tmp_path: object) -> None:
     script = (
-        "import asyncio, time\n"
+        "import asyncio, threading\n"
         "from chatflow_sqlalchemy.iopool import IOPool\n"
         "pool = IOPool(1, 'exit')\n"
+        "started, main_done = threading.Event(), threading.Event()\n"
         "def slow():\n"
-        "    time.sleep(0.3)\n"
+        "    started.set()\n"
+        "    main_done.wait(60)\n"
         "    print('finished', flush=True)\n"
         "async def main():\n"
         "    asyncio.ensure_future(pool.run(slow))\n"
-        "    await asyncio.sleep(0.05)\n"
+        "    await asyncio.get_running_loop().run_in_executor(None, started.wait, 60)\n"
         "asyncio.run(main())\n"
         "print('main done', flush=True)\n"
+        "main_done.set()\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=30, check=True)
+                            timeout=120, check=True)
     assert result.stdout.split() == ["main", "done", "finished"]
 
 
@@ -154,7 +158,7 @@ async def test_shutdown_without_waiting_stops_every_thread() -> None:
         await pool.run(print)
     gate.set()
     assert await asyncio.gather(*calls) == [True, True, True]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard only
     while _pool_threads("iopool-nowait") and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert not _pool_threads("iopool-nowait")
@@ -197,7 +201,7 @@ async def test_a_failing_initializer_is_logged_and_the_thread_still_serves(
 
     pool = IOPool(1, "iopool-init", initializer=broken)
     try:
-        assert await asyncio.wait_for(pool.run(lambda: 42), timeout=5) == 42
+        assert await asyncio.wait_for(pool.run(lambda: 42), timeout=60) == 42
     finally:
         pool.shutdown()
     assert "initializer failed" in caplog.text

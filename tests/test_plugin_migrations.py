@@ -225,7 +225,7 @@ def test_db_commands_run_and_report_plugin_chains(
     ]
 
     # one chain at a time
-    code, out, _ = run(capsys, "--url", url, "db", "downgrade", "a001", "--chain", "audit")
+    code, out, _ = run(capsys, "--url", url, "db", "downgrade", "a001", "--chain", "audit", "--yes")
     assert code == 0
     assert "plugin audit: downgraded from a002 to a001" in out
     code, out, _ = run(capsys, "--url", url, "db", "check")
@@ -244,7 +244,7 @@ def test_db_commands_run_and_report_plugin_chains(
     run(capsys, "--url", url, "db", "stamp", "a002", "--chain", "audit")
 
     # base takes the plugin's tables away first, then the core's
-    code, out, _ = run(capsys, "--url", url, "db", "downgrade", "base")
+    code, out, _ = run(capsys, "--url", url, "db", "downgrade", "base", "--yes")
     assert code == 0
     lines = out.strip().splitlines()
     assert "plugin audit: downgraded from a002 to none" in lines[0]

@@ -65,7 +65,7 @@ def test_stale_pipelined_write_and_rebasing_writer_both_succeed(
 
         thread = threading.Thread(target=stale_write)
         thread.start()
-        time.sleep(0.4)  # its swap missed and its insert of seq 2 is in flight
+        _wait_until_blocked_by(dsn, rebasing.info.backend_pid)  # its swap waits on our lock
         json = Message(role=Role.USER, content="rebased").model_dump_json()
         try:
             rebasing.execute(
@@ -90,6 +90,21 @@ def test_stale_pipelined_write_and_rebasing_writer_both_succeed(
     finally:
         for store in (a, b, c):
             store.close()
+
+
+def _wait_until_blocked_by(dsn: str, holder_pid: int) -> None:
+    """Wait until some backend waits on a lock held by ``holder_pid`` (hang guard: 60 s)."""
+    deadline = time.monotonic() + 60
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        while time.monotonic() < deadline:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                (holder_pid,),
+            ).fetchone()
+            if row and row[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError("the stale writer never waited on the rebasing writer's row lock")
 
 
 def _advisory_lock_held(admin: psycopg.Connection[Any], session_id: str) -> bool:
@@ -129,9 +144,13 @@ def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                await asyncio.sleep(0.01)  # let a given-back lock's unlock run
-                if _advisory_lock_held(admin, "s"):
-                    return index
+                # A lock taken after the cancellation is given back by a call still in
+                # flight (its connection may be opening); it must go, not stay.
+                deadline = time.monotonic() + 10
+                while _advisory_lock_held(admin, "s"):
+                    if time.monotonic() > deadline:
+                        return index
+                    await asyncio.sleep(0.01)
             return -1
         finally:
             await store.aclose()

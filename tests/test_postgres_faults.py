@@ -1,92 +1,95 @@
-"""PostgreSQL faults: a server restart under a live store, bad credentials, no server."""
+"""PostgreSQL faults: a server restart under a live store, bad credentials, no server,
+and, through a TCP fault proxy (``faultproxy.py``), a server that never answers, a
+network freeze mid-turn, a partitioned lock holder and connections cut at COMMIT."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
+import asyncio
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import pytest
 from chatflow_agent import Agent, Message, Role
 from sqlalchemy import make_url
 
-from chatflow_sqlalchemy import DatabaseUnavailableError, PostgresSessionStore, open_store
+from chatflow_sqlalchemy import DatabaseUnavailableError, PostgresSessionStore, dialect, open_store
+
+from . import pg_util
+from .faultproxy import FaultProxy, Mode
+from .pg_private import PrivateCluster, private_cluster_problem
 
 pytestmark = pytest.mark.postgres
+BOT = Agent(name="Bot", instructions="")
 
 
 @pytest.fixture
-def schema(pg_url: str, pg_schema: str) -> Iterator[str]:
-    """``pg_schema``, but the server is back up before it is dropped."""
-    yield pg_schema
-    _wait_for_server(pg_url.replace("postgresql+psycopg://", "postgresql://"))
+def schema(pg_schema: str) -> str:
+    """A fresh schema on the shared test server."""
+    return pg_schema
 
 
-def _wait_for_server(dsn: str, timeout: float = 30.0) -> None:
-    import psycopg
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            psycopg.connect(dsn, connect_timeout=2).close()
-            return
-        except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def _cluster() -> list[str]:
-    """The pg_ctlcluster command for the local server, or skip when there is none."""
-    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
-        pytest.skip("no local PostgreSQL cluster to restart (pg_ctlcluster)")
-    if os.geteuid() != 0:
-        pytest.skip("restarting the server needs root")
-    version = sorted(os.listdir("/etc/postgresql"))[0]
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main"]
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PrivateCluster]:
+    """A PostgreSQL server of this module's own: restarting it disturbs nobody, and
+    nobody else's restart disturbs the fault tests."""
+    problem = private_cluster_problem()
+    if problem is not None:
+        pytest.skip(f"no private PostgreSQL cluster: {problem}")
+    server = PrivateCluster().start()
+    try:
+        yield server
+    finally:
+        server.destroy()
 
 
-def _ctl(action: str) -> None:
-    subprocess.run([*_cluster(), action], check=True, capture_output=True, timeout=120)
+@pytest.fixture
+def fault_url(request: pytest.FixtureRequest) -> str:
+    """The private cluster's URL, else (no server binaries here) the shared test server's."""
+    if private_cluster_problem() is None:
+        return cast(PrivateCluster, request.getfixturevalue("cluster")).url
+    return cast(str, request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def fault_schema(fault_url: str) -> Iterator[str]:
+    """A fresh schema on ``fault_url``, dropped after the test."""
+    with pg_util.fresh_schema(fault_url) as name:
+        yield name
 
 
 def test_store_survives_server_restart_and_fails_cleanly_while_down(
-    pg_url: str, schema: str
+    cluster: PrivateCluster,
 ) -> None:
-    host = make_url(pg_url).host or ""
-    if host not in ("127.0.0.1", "localhost", "::1", ""):
-        pytest.skip("the server under test is not local; it cannot be restarted here")
-    _cluster()
-    options = {"connect_args": {"options": f"-csearch_path={schema}", "connect_timeout": 3}}
-    store = PostgresSessionStore(pg_url, **options)
-    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    url = cluster.url
+    options = {"connect_args": {"connect_timeout": 3}}
+    store = PostgresSessionStore(url, **options)
     try:
         session = store.get_or_create("s", Agent(name="Bot", instructions=""))
         session.add_message(Message(role=Role.USER, content="before restart"))
 
-        _ctl("restart")
-        _wait_for_server(dsn)
+        cluster.ctl("restart")
+        cluster.wait_until_ready()
+        time.sleep(dialect.IDLE_PING_SECONDS)  # a restart takes longer elsewhere: pings apply
         session.add_message(Message(role=Role.MODEL, content="after restart"))
         assert store.record_processed_message("m-after-restart")
 
-        _ctl("stop")
+        cluster.ctl("stop")
         try:
             with pytest.raises(DatabaseUnavailableError) as caught:
                 session.add_message(Message(role=Role.USER, content="while down"))
-            assert "test" in str(caught.value)
+            assert "'postgres'" in str(caught.value) and str(cluster.port) in str(caught.value)
             assert [m.content for m in session.history] == ["before restart", "after restart"]
         finally:
-            _ctl("start")
-            _wait_for_server(dsn)
+            cluster.ctl("start")
+            cluster.wait_until_ready()
 
         session.add_message(Message(role=Role.USER, content="back again"))
     finally:
         store.close()
-    fresh = PostgresSessionStore(pg_url, **options)
+    fresh = PostgresSessionStore(url, **options)
     try:
         reloaded = fresh.get("s")
         assert reloaded is not None
@@ -132,9 +135,17 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
     pg_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Connections idle past IDLE_PING_SECONDS are checked on checkout; busy ones are not."""
-    from chatflow_sqlalchemy import dialect
+    from chatflow_sqlalchemy import dialect, driver
 
-    monkeypatch.setattr(dialect, "IDLE_PING_SECONDS", 0.2)
+    class SteppedClock:  # idle time moves only when told: no race with a loaded machine
+        now = time.monotonic()
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = SteppedClock()
+    monkeypatch.setattr(dialect, "time", clock)
+    monkeypatch.setattr(driver, "time", clock)
     app = f"idle-ping-{schema[-12:]}"
     options = {"connect_args": {"options": f"-csearch_path={schema}", "application_name": app}}
     store = PostgresSessionStore(pg_url, **options)
@@ -153,7 +164,8 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
         assert store.record_processed_message("idle-1")
         assert pings == []  # connections used moments ago are not pinged
         assert _terminate_backends(dsn, app) >= 1
-        time.sleep(0.3)
+        time.sleep(0.3)  # let the server finish closing them
+        clock.now += 2 * dialect.IDLE_PING_SECONDS
         session.add_message(Message(role=Role.MODEL, content="two"))
         assert store.record_processed_message("idle-2")
         assert pings, "an idle connection was used without a ping"
@@ -164,3 +176,247 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
         assert reloaded is not None
         assert [m.content for m in reloaded.history] == ["one", "two"]
         assert fresh.is_message_processed("idle-2")
+
+
+# ===================================================== through the TCP fault proxy
+# Hangs are guarded by a generous thread join (HANG_GUARD); nothing asserts a duration.
+
+HANG_GUARD = 90.0
+"""Seconds after which a test that should have failed cleanly is declared hung."""
+
+_T = TypeVar("_T")
+
+
+def _within(fn: Callable[[], _T], seconds: float = HANG_GUARD) -> _T:
+    """``fn()`` in a daemon thread: its result or its exception, or a failure if it hangs."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the test below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still blocked after {seconds:g} s: a bound is missing")
+    if "error" in outcome:
+        raise outcome["error"]
+    return cast(_T, outcome["value"])
+
+
+@pytest.fixture
+def proxy(fault_url: str) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the test server, passing traffic through."""
+    with FaultProxy.for_url(fault_url) as running:
+        yield running
+
+
+def _user(text: str) -> Message:
+    return Message(role=Role.USER, content=text)
+
+
+def _model(text: str) -> Message:
+    return Message(role=Role.MODEL, content=text)
+
+
+def _contents(store: PostgresSessionStore, session_id: str) -> list[str | None]:
+    session = store.get(session_id)
+    assert session is not None
+    return [m.content for m in session.history]
+
+
+def test_proxy_passes_and_delays_traffic(
+    fault_url: str, fault_schema: str, proxy: FaultProxy
+) -> None:
+    with pg_util.schema_store(proxy.url(fault_url), fault_schema) as store:
+        session = store.get_or_create("s", BOT)
+        session.add_message(_user("through the proxy"))
+        proxy.set_mode(Mode.DELAY, delay_ms=20)
+
+        async def turn() -> None:
+            async with session.lock:
+                session.add_message(_user("delayed"))
+                session.add_message(_model("answer"))
+
+        asyncio.run(turn())
+        assert proxy.connections >= 1
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        assert _contents(direct, "s") == ["through the proxy", "delayed", "answer"]
+
+
+def test_opening_a_store_on_a_server_that_never_answers_fails_cleanly(
+    fault_url: str, proxy: FaultProxy
+) -> None:
+    """Item 7: TCP accepted, no answer: DatabaseUnavailableError (libpq connect_timeout,
+    10 s by default) naming host and database, never the password."""
+    proxy.set_mode(Mode.BLACK_HOLE)
+    url = make_url(proxy.url(fault_url)).set(password="pw-n3ver-shown")
+    rendered = url.render_as_string(hide_password=False)
+    with pytest.raises(DatabaseUnavailableError) as caught:
+        _within(lambda: PostgresSessionStore(rendered))
+    message = str(caught.value)
+    assert f"127.0.0.1:{proxy.port}" in message and repr(url.database) in message
+    assert "pw-n3ver-shown" not in message and "pw-n3ver-shown" not in repr(caught.value.args)
+    # The user's own connect_timeout (URL query) wins over the default.
+    quick = url.update_query_dict({"connect_timeout": "2"}).render_as_string(hide_password=False)
+    with pytest.raises(DatabaseUnavailableError):
+        _within(lambda: open_store(quick))
+
+
+def test_default_connect_arguments_yield_to_the_users() -> None:
+    from chatflow_sqlalchemy.backends.postgresql import default_connect_args
+
+    url = make_url("postgresql+psycopg://u@h/db?connect_timeout=3&keepalives=0")
+    chosen = default_connect_args(url, {"tcp_user_timeout": 1000, "application_name": "x"})
+    assert "connect_timeout" not in chosen and "keepalives" not in chosen
+    assert chosen["tcp_user_timeout"] == 1000 and chosen["application_name"] == "x"
+    assert default_connect_args(make_url("postgresql+psycopg://u@h/db"))["connect_timeout"] == 10
+
+
+@pytest.mark.parametrize("where", ["ending a turn", "starting a turn", "loading a session"])
+def test_network_freeze_mid_turn_fails_with_database_unavailable(
+    fault_url: str,
+    fault_schema: str,
+    proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """Item 7: a freeze (the proxy black-holes every byte, as a hung middlebox would; the
+    client's kernel keeps getting ACKs, so TCP timeouts cannot fire) fails the async
+    operation with DatabaseUnavailableError once operation_timeout runs out."""
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    store.get_or_create("s", BOT).add_message(_user("before the freeze"))
+
+    async def scenario() -> None:
+        session = await store.aget_or_create("s", BOT)
+        if where == "loading a session":
+            store._forget("s")  # the next load must read the rows
+            proxy.set_mode(Mode.BLACK_HOLE)
+            await store.aget_or_create("s", BOT)
+            return
+        if where == "starting a turn":
+            proxy.set_mode(Mode.BLACK_HOLE)
+        async with session.lock:
+            session.add_message(_user("during the freeze"))
+            proxy.set_mode(Mode.BLACK_HOLE)
+            session.add_message(_model("never stored"))
+
+    try:
+        with pytest.raises(DatabaseUnavailableError) as caught:
+            _within(lambda: asyncio.run(scenario()))
+        assert repr(make_url(fault_url).database) in str(caught.value)
+    finally:
+        proxy.cut_all()
+        proxy.set_mode(Mode.PASS)
+        store.close()
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        assert _contents(direct, "s") == ["before the freeze"]
+
+
+def test_turn_lock_of_a_worker_cut_off_by_a_partition_is_released(
+    fault_url: str, fault_schema: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 8: worker A holds a session's turn lock through the proxy, which then
+    black-holes everything (A is cut off; the server sees an idle, healthy connection).
+    Worker B, connected directly, gets the lock once A's lease runs out
+    (turn_lock_lease_seconds after A's last heartbeat), writes its turn, and A's late
+    write is rebased after it, never interleaved."""
+    monkeypatch.setattr(PostgresSessionStore, "turn_lock_lease_seconds", 2.0, raising=False)
+    # A's own calls (its heartbeat) wait longer than the hang guard: only the server-side
+    # lease can free the lock in time (the proxy never lets the server see A's socket close).
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 10 * HANG_GUARD, raising=False)
+    a = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    b = pg_util.schema_store(fault_url, fault_schema)
+    a.get_or_create("s", BOT).add_message(_user("first"))
+    a_locked, a_may_finish = threading.Event(), threading.Event()
+    a_outcome: dict[str, str] = {}
+
+    async def worker_a() -> None:
+        session = await a.aget_or_create("s", BOT)
+        async with session.lock:
+            session.add_message(_user("A's turn"))
+            session.add_message(_model("A's answer"))
+            proxy.set_mode(Mode.BLACK_HOLE)
+            a_locked.set()
+            await asyncio.get_running_loop().run_in_executor(None, a_may_finish.wait)
+            proxy.set_mode(Mode.PASS)  # the partition heals before A's write
+
+    def run_a() -> None:
+        try:
+            asyncio.run(worker_a())
+            a_outcome["a"] = "written"
+        except DatabaseUnavailableError:
+            a_outcome["a"] = "unavailable"
+
+    thread_a = threading.Thread(target=run_a, daemon=True)
+    thread_a.start()
+    try:
+        assert a_locked.wait(HANG_GUARD), "worker A never took its turn"
+
+        async def worker_b() -> None:
+            session = await b.aget_or_create("s", BOT)
+            async with session.lock:
+                session.add_message(_user("B's turn"))
+                session.add_message(_model("B's answer"))
+
+        _within(lambda: asyncio.run(worker_b()))
+    finally:
+        a_may_finish.set()
+        thread_a.join(HANG_GUARD)
+        a.close()
+        b.close()
+    assert not thread_a.is_alive()
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        history = _contents(direct, "s")
+    assert history[:3] == ["first", "B's turn", "B's answer"]
+    if a_outcome.get("a") == "written":
+        assert history[3:] == ["A's turn", "A's answer"]
+    else:
+        assert history[3:] == []
+
+
+@pytest.mark.parametrize("mode", [Mode.CUT_BEFORE_COMMIT, Mode.CUT_AFTER_COMMIT])
+@pytest.mark.parametrize("api", ["sync", "async turn"])
+def test_connection_cut_at_commit_fails_cleanly_and_leaves_whole_turns(
+    fault_url: str, fault_schema: str, proxy: FaultProxy, mode: Mode, api: str
+) -> None:
+    """A cut right before COMMIT rolls the write back; right after it the write is
+    committed but unacknowledged. Either way the caller gets DatabaseUnavailableError,
+    the database holds the turn whole or not at all, and the store keeps working.
+    (Whether a retry then stores it twice is the dedup claim's business, issue 10.)"""
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    try:
+        session = store.get_or_create("s", BOT)
+        session.add_message(_user("q1"))
+        session.add_message(_model("a1"))
+        proxy.set_mode(mode, cuts=1)
+
+        def write() -> None:
+            if api == "sync":
+                session.add_message(_user("q2"))
+                return
+
+            async def turn() -> None:
+                async with session.lock:
+                    session.add_message(_user("q2"))
+                    session.add_message(_model("a2"))
+
+            asyncio.run(turn())
+
+        with pytest.raises(DatabaseUnavailableError):
+            _within(write)
+        assert proxy.cuts == 1
+        with pg_util.schema_store(fault_url, fault_schema) as direct:
+            stored = _contents(direct, "s")
+        turn = ["q2"] if api == "sync" else ["q2", "a2"]
+        expected = ["q1", "a1", *turn] if mode is Mode.CUT_AFTER_COMMIT else ["q1", "a1"]
+        assert stored == expected
+        fresh = store.get_or_create("later", BOT)  # the pool replaced the cut connection
+        fresh.add_message(_user("still works"))
+        assert _contents(store, "later") == ["still works"]
+    finally:
+        store.close()

@@ -1,143 +1,372 @@
-"""The ``chatflow-sqlalchemy`` command line.
+r"""The ``chatflow-sqlalchemy`` command line (Click, with Rich output on a terminal).
 
 Commands::
 
     chatflow-sqlalchemy [--url URL] db upgrade [REVISION] [--chain NAME]   # default: head
-    chatflow-sqlalchemy [--url URL] db downgrade REVISION [--chain NAME]
-    chatflow-sqlalchemy [--url URL] db current
-    chatflow-sqlalchemy [--url URL] db history [--all | --chain NAME]
-    chatflow-sqlalchemy [--url URL] db check                # exit 1 if behind or drifted
+    chatflow-sqlalchemy [--url URL] db downgrade REVISION [--chain NAME] [--yes]
+    chatflow-sqlalchemy [--url URL] db current [--json]
+    chatflow-sqlalchemy [--url URL] db history [--all | --chain NAME] [--json]
+    chatflow-sqlalchemy [--url URL] db check [--json]        # exit 1 if behind or drifted
     chatflow-sqlalchemy [--url URL] db stamp REVISION [--chain NAME]
-    chatflow-sqlalchemy [--url URL] sessions list
-    chatflow-sqlalchemy [--url URL] sessions show SESSION_ID
-    chatflow-sqlalchemy [--url URL] sessions delete SESSION_ID
-    chatflow-sqlalchemy [--url URL] sessions export [--output FILE]
-    chatflow-sqlalchemy [--url URL] dedup purge
-    chatflow-sqlalchemy backends
+    chatflow-sqlalchemy [--url URL] sessions list [--json]
+    chatflow-sqlalchemy [--url URL] sessions show SESSION_ID [--json]
+    chatflow-sqlalchemy [--url URL] sessions delete SESSION_ID [--yes]
+    chatflow-sqlalchemy [--url URL] sessions export [--output FILE] [--skip-corrupt]
+    chatflow-sqlalchemy [--url URL] dedup list [--limit N] [--ttl-hours H] [--json]
+    chatflow-sqlalchemy [--url URL] dedup count [--ttl-hours H] [--json]
+    chatflow-sqlalchemy [--url URL] dedup purge [--ttl-hours H] [--yes]
+    chatflow-sqlalchemy backends [--json]
     chatflow-sqlalchemy demo [--db PATH]
 
 The URL comes from ``--url`` (accepted before or after the command), else
 ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
 
-The ``db`` commands act on the core migration chain and on every installed
-plugin chain that applies to the database (``db upgrade`` to head, ``db
-downgrade base``, ``db current``, ``db check``); ``--chain core|NAME`` picks
-one. They look at the database as it is (they never migrate it on open);
-the ``sessions`` and ``dedup`` commands open a store, which upgrades an old
-schema first. Mistakes (a bad URL, an unreachable database, a schema newer
-than this package, an unknown revision) print one ``error:`` line and exit 2;
-a failed ``db check`` or an unknown session exits 1. Passwords are never printed.
+Read commands (``sessions list|show|export``, ``db current|check|history``,
+``dedup list|count``) never create, migrate or write anything: a missing
+SQLite file is an error naming the path, and a schema behind head is an error
+naming ``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only
+for them. Only ``db upgrade|downgrade|stamp`` change the schema.
+
+Destructive commands (``db downgrade``, ``sessions delete``, a ``dedup purge``
+that would remove ids still inside the default dedup window) ask first; with
+``--yes`` they do not ask, and without a terminal on stdin they refuse unless
+``--yes`` is given.
+
+``--json`` prints one JSON document (times are ISO 8601 with offset)::
+
+    sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
+                                   "created_at", "updated_at"}]}
+    sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
+                     "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
+                     "messages": [{"id", "role", "created_at", "message": {...} | null,
+                                   "corrupt": null | {"reason", "raw"}}]}
+    sessions export JSON lines {"session_id", "active_agent_name", "metadata",
+                    "messages"}; with --output and --json the summary is
+                    {"exported", "output", "skipped": [line, ...]}
+    db current      {"database", "at_head", "chains": [{"chain", "distribution",
+                     "current", "head", "at_head", "description"}]}
+    db check        the same plus {"ok", "drift": [text, ...]}
+    db history      {"chains": [{"chain", "distribution", "version_table",
+                     "revisions": [{"revision", "down_revision", "is_head", "doc"}]}]}
+    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "processed_at",
+                     "expires_at", "expired"}]}
+    dedup count     {"ttl_hours", "total", "expired", "live"}
+    backends        {"backends": [{"name", "from", "available", "detail"}]}
+
+Exit codes:
+    0: success.
+    1: the command ran and failed: ``db check`` found the schema behind or
+       drifted, the named session does not exist, corrupt rows were found,
+       or a confirmation was answered "no".
+    2: usage error or bad input: bad arguments or URL, missing SQLite file,
+       unreachable database or missing driver, schema behind head (read
+       commands) or ahead of this package, unknown revision, a destructive
+       command without ``--yes`` and without a terminal.
+    130: interrupted (Ctrl-C).
+
+Expected errors print one ``error: ...`` line on stderr, never a traceback,
+and never the URL's password. All output is cleaned of terminal control
+characters (escape sequences, C0/C1 controls, bidi overrides), which are
+shown as ``\x1b``-style escapes; Rich markup in stored text prints literally.
+
+Importing this module loads neither SQLAlchemy, Alembic, chatflow-agent nor
+Rich, so ``--help`` answers at once; each command imports what it needs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import re
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any, TextIO, cast
-from urllib.parse import quote, quote_plus
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from alembic.util.exc import CommandError
-from chatflow_agent import Agent, Message, Role
-from sqlalchemy import URL, Engine, Table, func, inspect, make_url, select
-from sqlalchemy import exc as sa_exc
+import click
 
-from chatflow_sqlalchemy import migrate
-from chatflow_sqlalchemy.exceptions import (
-    ChatflowStoreError,
-    CorruptRowError,
-    DatabaseUnavailableError,
-)
-from chatflow_sqlalchemy.registry import available_backends, backend_sources, open_store
-from chatflow_sqlalchemy.store import SQLAlchemySessionStore, database_url_from_env
+if TYPE_CHECKING:
+    from chatflow_agent import Message
+    from rich.console import Console
+    from sqlalchemy import URL, Connection, Engine
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+    from chatflow_sqlalchemy import migrate as migrate_module
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "UPSTREAM_LABEL",
+    "CliError",
+    "clean",
+    "cli",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-"""A check failed or the named session does not exist."""
+"""The command ran and failed: check failed, no such session, corrupt rows, answered no."""
 EXIT_USAGE = 2
-"""A user mistake: bad URL or arguments, unreachable database, schema ahead, ..."""
+"""A user mistake: bad arguments or URL, missing database, unreachable server, ..."""
+EXIT_INTERRUPTED = 130
+"""Interrupted with Ctrl-C."""
 
 PROG = "chatflow-sqlalchemy"
+UPGRADE_HINT = f"run: {PROG} db upgrade"
+UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
+"""How a database holding upstream's tables without a revision is described, everywhere."""
+
+EXIT_CODES_EPILOG = (
+    "\b\nExit codes:\n"
+    "  0    success\n"
+    "  1    failed: db check behind/drifted, no such session, corrupt rows, answered no\n"
+    "  2    usage or bad input: bad URL/arguments, missing SQLite file, unreachable\n"
+    "       database or missing driver, schema not at head, unknown revision,\n"
+    "       destructive command without --yes and without a terminal\n"
+    "  130  interrupted\n"
+    "\b\nThe URL comes from --url, else $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db.\n"
+    "Read commands never create or migrate a database; add --json for scripts."
+)
+
+_T = TypeVar("_T")
 
 
-class _Failed(Exception):
-    """A command's expected failure: print one line, exit with ``code``."""
+class CliError(Exception):
+    """An expected failure: printed as one ``error:`` line, exit with ``code``."""
 
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.code = code
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- output safety
+
+_UNSAFE_ABOVE_C0 = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+"""DEL, the C1 controls (CSI is \x9b), line/paragraph separators, bidi overrides."""
+_CONTROL = re.compile(f"[\x00-\x1f{_UNSAFE_ABOVE_C0}]")
+_CONTROL_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_UNSAFE_ABOVE_C0}]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+_JSON_UNSAFE = re.compile(f"[{_UNSAFE_ABOVE_C0}]")
 
 
-def _resolve_url(args: argparse.Namespace) -> URL:
-    """The URL to use: ``--url``, else the environment, else the default file."""
-    return make_url(database_url_from_env(getattr(args, "url", None)))
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def clean(text: object, *, newlines: bool = False) -> str:
+    r"""``text`` safe for a terminal: control characters shown as escapes.
+
+    ESC (and so every CSI/OSC sequence), the other C0 and C1 controls, CR,
+    DEL and Unicode bidi overrides become ``\x1b``-style text, so stored
+    chat content can neither drive the terminal nor spoof a line. With
+    ``newlines=True`` a newline stays a newline (for message bodies printed
+    on their own lines).
+    """
+    pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
+    return pattern.sub(_escape_char, str(text))
+
+
+def _json_text(value: Any, **kwargs: Any) -> str:
+    r"""JSON for output: readable non-ASCII text, but no raw C1 or bidi characters.
+
+    ``json.dumps`` escapes C0 controls itself; the rest are replaced by their
+    ``\uXXXX`` escape, which decodes to the same string.
+    """
+    text = json.dumps(value, ensure_ascii=False, default=str, **kwargs)
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _emit_json(value: Any) -> None:
+    click.echo(_json_text(value, indent=2, sort_keys=False))
+
+
+def _rich_console() -> Console | None:
+    """A Rich console for standard output when it is a terminal (or FORCE_COLOR is set)."""
+    forced = bool(os.environ.get("FORCE_COLOR"))
+    if not (forced or sys.stdout.isatty()):
+        return None
+    from rich.console import Console
+
+    return Console(file=sys.stdout, highlight=False, force_terminal=True if forced else None)
+
+
+def _plain_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        click.echo("  ".join(cells).rstrip())
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> None:
+    """Print rows (already cleaned) as a Rich table on a terminal, aligned text otherwise."""
+    console = _rich_console()
+    if console is None:
+        _plain_table([list(header), *rows])
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, header_style="bold", show_lines=False)
+    for name in header:
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    console.print(table)
+
+
+_ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
+
+
+# --------------------------------------------------------------------------- URLs, errors
+
+
+def _resolve_url(given: str | None) -> URL:
+    """The URL to use: ``--url`` (after the command, else before it), env, default file."""
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy import make_url
+
+    from chatflow_sqlalchemy.store import database_url_from_env
+
+    if given is None:
+        ctx = click.get_current_context(silent=True)
+        given = ctx.find_root().params.get("url") if ctx is not None else None
+    raw = str(database_url_from_env(given))
+    try:
+        return make_url(raw)
+    except sa_exc.ArgumentError as exc:
+        raise CliError(f"invalid database URL: {exc}") from None
+    except ValueError as exc:
+        reason = str(exc)
+        if "int()" in reason:
+            reason = "the port is not a number"
+        raise CliError(f"invalid database URL: {reason}") from None
 
 
 def _safe_url(url: URL) -> str:
-    """``url`` as text with the password masked."""
-    return url.render_as_string(hide_password=True)
+    return clean(url.render_as_string(hide_password=True))
 
 
 def _describe(url: URL) -> str:
     """Name the database (and host) without the password."""
     if url.get_backend_name() == "sqlite":
-        return f"SQLite database {url.database or ':memory:'!r}"
+        return clean(f"SQLite database {url.database or ':memory:'!r}")
     host = url.host or "localhost"
     if url.port:
         host = f"{host}:{url.port}"
     user = f" as {url.username!r}" if url.username else ""
-    return f"{url.get_backend_name()} database {url.database!r} on {host}{user}"
+    return clean(f"{url.get_backend_name()} database {url.database!r} on {host}{user}")
 
 
 def _one_line(text: str) -> str:
-    """Squash a (possibly multi-line) error message into one readable line."""
     lines = [line.strip() for line in text.splitlines()]
     kept = [line for line in lines if line and not line.startswith("(Background on this error")]
     return " ".join(kept) or "unknown error"
 
 
-def _db_error_reason(exc: sa_exc.SQLAlchemyError) -> str:
-    """The driver's own message (its first line: later ones are hints and SQL)."""
+def _db_error_reason(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig) if orig is not None else str(exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 
 
+def _load_backend(url: URL) -> None:
+    """Import the URL's backend first: a missing driver is reported with its pip extra."""
+    from chatflow_sqlalchemy.registry import backend_name_for_url, load_backend
+
+    load_backend(backend_name_for_url(url))
+
+
 @contextmanager
 def _database_errors(url: URL, action: str = "cannot use") -> Iterator[None]:
-    """Turn driver errors into :class:`DatabaseUnavailableError` naming the database."""
+    """Turn driver errors into one line naming the database (never its password)."""
+    from sqlalchemy import exc as sa_exc
+
     try:
         yield
     except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
-        raise DatabaseUnavailableError(
-            f"{action} {_describe(url)}: {_db_error_reason(exc)}"
-        ) from exc
+        raise CliError(f"{action} {_describe(url)}: {_db_error_reason(exc)}") from exc
     except sa_exc.DBAPIError as exc:
-        raise _Failed(
-            f"database error on {_describe(url)}: {_db_error_reason(exc)}", EXIT_USAGE
-        ) from exc
+        raise CliError(f"database error on {_describe(url)}: {_db_error_reason(exc)}") from exc
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _sqlite_file(url: URL) -> Path | None:
+    """The file a SQLite URL names; None for in-memory databases and other backends."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    from chatflow_sqlalchemy.backends.sqlite import is_ephemeral_sqlite
+
+    if is_ephemeral_sqlite(url):
+        return None
+    database = url.database or ""
+    if database.startswith("file:"):
+        from urllib.parse import unquote
+
+        database = unquote(database[len("file:") :].split("?", 1)[0])
+    return Path(database)
+
+
+def _require_file(url: URL) -> Path | None:
+    """Refuse a SQLite URL whose file does not exist (SQLite would create it on connect)."""
+    path = _sqlite_file(url)
+    if path is not None and not path.is_file():
+        raise CliError(
+            f"no SQLite database at {clean(str(path))!r} (nothing was created); "
+            f"check the URL, or create it with: {PROG} db upgrade"
+        )
+    return path
+
+
+def _read_only_sqlite(url: URL, path: Path) -> Engine:
+    """An engine whose connections open an existing ``path`` query-only.
+
+    ``mode=rw`` never creates the file (a race with a deletion fails instead
+    of creating an empty database) and, unlike ``mode=ro``, lets the last
+    connection remove the ``-wal``/``-shm`` files it needed, so a read leaves
+    the folder as it found it. ``PRAGMA query_only`` refuses any write.
+    """
+    import sqlite3
+    from urllib.parse import quote
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    from chatflow_sqlalchemy.backends.sqlite import BUSY_TIMEOUT_MS
+
+    uri = f"file:{quote(str(path.resolve()))}?mode=rw"
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA query_only = ON")
+        return conn
+
+    return create_engine(url.set(database=str(path), query={}), creator=connect, poolclass=NullPool)
 
 
 @contextmanager
-def _engine(url: URL) -> Iterator[Engine]:
-    """An engine that looks at the database as it is (no migration), disposed after.
+def _engine(url: URL, *, read_only: bool, must_exist: bool = True) -> Iterator[Engine]:
+    """An engine that looks at the database as it is (never migrates), disposed after.
 
-    It connects once up front, so an unreachable database is reported as such
-    rather than as whatever the first query was.
+    Read-only engines open SQLite files query-only, never creating them; every engine
+    connects once up front so an unreachable database is reported as such.
     """
-    engine = migrate.open_engine(url)
+    from chatflow_sqlalchemy import migrate
+
+    _load_backend(url)
+    path = _require_file(url) if must_exist else None
+    engine = _read_only_sqlite(url, path) if read_only and path else migrate.open_engine(url)
     try:
         with _database_errors(url, "cannot reach"), engine.connect():
             pass
@@ -147,71 +376,86 @@ def _engine(url: URL) -> Iterator[Engine]:
         engine.dispose()
 
 
+def _has_upstream_tables(engine: Engine) -> bool:
+    from sqlalchemy import inspect
+
+    from chatflow_sqlalchemy.models import ChatflowSession
+
+    return inspect(engine).has_table(ChatflowSession.__tablename__)
+
+
+def _label(
+    revision: str | None,
+    chain: migrate_module.MigrationChain | None = None,
+    *,
+    upstream: bool = False,
+) -> str:
+    """A revision for messages; a core chain without one is empty or upstream's tables."""
+    if revision is not None:
+        return revision
+    if chain is not None and not chain.is_core:
+        return "none"
+    return UPSTREAM_LABEL if upstream else "none (empty database)"
+
+
+def _require_head(engine: Engine, url: URL) -> None:
+    """Refuse (exit 2) unless every chain is at head: read commands never migrate."""
+    from chatflow_sqlalchemy import migrate
+
+    statuses = migrate.chain_status(engine)
+    for status in statuses:
+        migrate.check_not_ahead(status.current, status.chain)
+    behind = [status for status in statuses if not status.at_head]
+    if not behind:
+        return
+    first = behind[0]
+    upstream = first.chain.is_core and first.current is None and _has_upstream_tables(engine)
+    what = "the schema" if first.chain.is_core else f"the schema of plugin {first.chain.name}"
+    raise CliError(
+        f"{_describe(url)}: {what} is at {_label(first.current, first.chain, upstream=upstream)}, "
+        f"this package needs revision {first.head}; nothing was changed; {UPGRADE_HINT}"
+    )
+
+
 @contextmanager
-def _store(url: URL) -> Iterator[SQLAlchemySessionStore]:
-    """Open a store (which upgrades an old schema) that knows every stored agent name."""
-    with _database_errors(url):
-        store = open_store(url)
-    try:
-        # The CLI only reads contexts: a placeholder agent per stored name avoids the
-        # store's "no agent resolver" warning without pretending to know the real one.
-        store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
-        with _database_errors(url):
-            yield store
-    finally:
-        store.close()
+def _reading(url_option: str | None) -> Iterator[tuple[URL, Engine]]:
+    """A read-only engine on a database whose schema is at head."""
+    url = _resolve_url(url_option)
+    with _engine(url, read_only=True) as engine:
+        _require_head(engine, url)
+        yield url, engine
 
 
-def _read_revision(engine: Engine, chain: migrate.MigrationChain | None = None) -> str | None:
+@contextmanager
+def _read_conn(engine: Engine) -> Iterator[Connection]:
+    """One connection (one snapshot) whose transaction is rolled back: reads only."""
     with engine.connect() as conn:
         try:
-            return migrate.current_revision(conn, chain)
+            yield conn
         finally:
             conn.rollback()
 
 
-def _check_not_ahead(found: str | None, chain: migrate.MigrationChain | None = None) -> None:
-    """Raise :class:`SchemaAheadError` if ``found`` is a revision the chain does not know."""
-    migrate.check_not_ahead(found, chain)
+# --------------------------------------------------------------------------- confirmation
 
 
-def _chains(
-    engine: Engine, args: argparse.Namespace, *, all_for: str | None = None
-) -> list[migrate.MigrationChain]:
-    """The chains a command acts on.
-
-    ``--chain NAME`` names one; otherwise the revision ``all_for`` (``head``
-    for upgrades, ``base`` for downgrades) means every chain that applies to
-    the database, and any other revision means the core chain.
-    """
-    name = getattr(args, "chain", None)
-    if name:
-        return [migrate.find_chain(name, engine.dialect.name)]
-    if all_for is not None and getattr(args, "revision", None) == all_for:
-        return migrate.chains_for(engine.dialect.name)
-    return [migrate.core_chain()]
+def _confirm(question: str, yes: bool) -> None:
+    """Ask before a destructive step; refuse without a terminal unless ``--yes``."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise CliError(f"{question} -- refusing without confirmation: pass --yes to confirm")
+    if not click.confirm(question, default=False, err=True):
+        raise CliError("not confirmed; nothing was changed", EXIT_FAILED)
 
 
-def _prefix(url: URL, chain: migrate.MigrationChain) -> str:
-    """``<url>:`` for the core chain, ``<url>: plugin <name>:`` for a plugin's."""
-    if chain.is_core:
-        return f"{_safe_url(url)}:"
-    return f"{_safe_url(url)}: plugin {chain.name}:"
+def _yes_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--yes", "-y", is_flag=True, help="do not ask for confirmation (needed without a terminal)"
+    )(func)
 
 
-def _label(revision: str | None, chain: migrate.MigrationChain | None = None) -> str:
-    if revision is not None:
-        return revision
-    return "none" if chain is not None and not chain.is_core else "none (empty database)"
-
-
-def _unversioned_label(engine: Engine) -> str:
-    """Describe a database without a revision: empty, or holding unversioned tables."""
-    from chatflow_sqlalchemy.models import ChatflowSession
-
-    if inspect(engine).has_table(ChatflowSession.__tablename__):
-        return "none (unversioned chatflow tables, e.g. from chatflow-agent; upgrade adopts them)"
-    return _label(None)
+# --------------------------------------------------------------------------- formatting
 
 
 def _format_time(value: datetime | None) -> str:
@@ -220,17 +464,490 @@ def _format_time(value: datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
 
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
 def _format_content(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
 
 
-def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-        print("  ".join(cells).rstrip(), file=out)
+def _url_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--url",
+        metavar="URL",
+        default=None,
+        help="database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)",
+    )(func)
+
+
+def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"
+    )(func)
+
+
+# --------------------------------------------------------------------------- the groups
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog=EXIT_CODES_EPILOG,
+    no_args_is_help=False,
+)
+@_url_option
+def cli(url: str | None) -> None:
+    """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids."""
+
+
+@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+def db() -> None:
+    """Schema migrations. Only upgrade, downgrade and stamp change the schema."""
+
+
+@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+def sessions() -> None:
+    """Inspect, delete and export sessions (read commands never migrate)."""
+
+
+@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+def dedup() -> None:
+    """Processed webhook ids (the dedup window)."""
+
+
+# --------------------------------------------------------------------------- db
+
+
+_CHAIN_HELP = (
+    "act on one migration chain: 'core' or an installed plugin's name "
+    "(default: head/base move every chain, other revisions the core chain)"
+)
+
+
+def _chains(
+    engine: Engine, chain_name: str | None, revision: str, all_for: str | None
+) -> list[migrate_module.MigrationChain]:
+    """The chains a command acts on: ``--chain``, else every chain for head/base, else core."""
+    from chatflow_sqlalchemy import migrate
+
+    if chain_name:
+        return [migrate.find_chain(chain_name, engine.dialect.name)]
+    if all_for is not None and revision == all_for:
+        return migrate.chains_for(engine.dialect.name)
+    return [migrate.core_chain()]
+
+
+def _check_revision(revision: str, chains: Sequence[migrate_module.MigrationChain]) -> None:
+    """Refuse a revision no chain knows before asking or touching anything."""
+    from chatflow_sqlalchemy import migrate
+
+    if revision in ("head", "base", "heads") or re.fullmatch(r"[+-]\d+", revision):
+        return
+    if any(mark in revision for mark in "@:+-"):
+        return  # relative and branch forms: Alembic checks them
+    known = [rev.revision for chain in chains for rev in migrate.history(chain)]
+    if not any(rev.startswith(revision) for rev in known):
+        raise CliError(
+            f"unknown revision {clean(revision)!r}; known: {', '.join(known)}, head, base "
+            f"(see: {PROG} db history)"
+        )
+
+
+def _prefix(url: URL, chain: migrate_module.MigrationChain) -> str:
+    if chain.is_core:
+        return f"{_safe_url(url)}:"
+    return f"{_safe_url(url)}: plugin {chain.name}:"
+
+
+def _read_revision(engine: Engine, chain: migrate_module.MigrationChain) -> str | None:
+    from chatflow_sqlalchemy import migrate
+
+    with _read_conn(engine) as conn:
+        return migrate.current_revision(conn, chain)
+
+
+def _move(
+    url_option: str | None,
+    revision: str,
+    chain_name: str | None,
+    *,
+    down: bool,
+    yes: bool = False,
+) -> None:
+    """Upgrade or downgrade, then report how each chain moved (plugins first going down)."""
+    from chatflow_sqlalchemy import migrate
+
+    url = _resolve_url(url_option)
+    _prepare_new_sqlite_file(url, create=not down)
+    with _engine(url, read_only=False) as engine:
+        chains = _chains(engine, chain_name, revision, "base" if down else "head")
+        _check_revision(revision, chains)
+        if down and len(chains) > 1:
+            chains = [*chains[1:][::-1], chains[0]]
+        before = [_read_revision(engine, chain) for chain in chains]
+        for chain, found in zip(chains, before, strict=True):
+            migrate.check_not_ahead(found, chain)
+        upstream = before[0] is None and chains[0].is_core and _has_upstream_tables(engine)
+        if down:
+            what = "the tables (data is lost)" if revision == "base" else f"revision {revision}"
+            _confirm(f"Downgrade {_safe_url(url)} to {clean(what)}?", yes)
+            migrate.downgrade(engine, revision, chain_name)
+        else:
+            migrate.upgrade(engine, revision, chain_name)
+        after = [_read_revision(engine, chain) for chain in chains]
+    verb = "downgraded" if down else "upgraded"
+    for chain, old, new in zip(chains, before, after, strict=True):
+        suffix = " (head)" if not down and new == migrate.head_revision(chain) else ""
+        shown_old = _label(old, chain, upstream=upstream and chain.is_core)
+        if old == new:
+            moved = f"already at revision {shown_old}{suffix}"
+        else:
+            moved = f"{verb} from {shown_old} to {_label(new, chain)}{suffix}"
+        click.echo(f"{_prefix(url, chain)} {moved}")
+
+
+def _prepare_new_sqlite_file(url: URL, *, create: bool) -> None:
+    """``db upgrade`` may create a SQLite file: make it private (0600, folder 0700)."""
+    path = _sqlite_file(url)
+    if path is None or path.exists() or not create:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CliError(f"cannot create {clean(str(path))!r}: {exc.strerror}") from None
+
+
+@db.command("upgrade", epilog=EXIT_CODES_EPILOG)
+@click.argument("revision", default="head")
+@click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
+@_url_option
+def db_upgrade(revision: str, chain_name: str | None, url: str | None) -> None:
+    """Upgrade the schema (default: the core chain and every plugin chain to head).
+
+    Creates the SQLite file (mode 0600) if it does not exist.
+    """
+    _move(url, revision, chain_name, down=False)
+
+
+@db.command("downgrade", epilog=EXIT_CODES_EPILOG)
+@click.argument("revision")
+@click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
+@_yes_option
+@_url_option
+def db_downgrade(revision: str, chain_name: str | None, yes: bool, url: str | None) -> None:
+    """Downgrade the schema to REVISION ('base' drops the tables, plugins' first).
+
+    Asks for confirmation unless --yes. `db downgrade 0001` makes a file
+    readable by chatflow-agent 0.3.4 again.
+    """
+    _move(url, revision, chain_name, down=True, yes=yes)
+
+
+def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstream: bool) -> Any:
+    return {
+        "database": _safe_url(url),
+        "chains": [
+            {
+                "chain": s.chain.name,
+                "distribution": s.chain.distribution or None,
+                "current": s.current,
+                "head": s.head,
+                "at_head": s.at_head,
+                "description": _label(s.current, s.chain, upstream=upstream and s.chain.is_core),
+            }
+            for s in statuses
+        ],
+        "at_head": all(s.at_head for s in statuses),
+    }
+
+
+@db.command("current", epilog=EXIT_CODES_EPILOG)
+@_json_option
+@_url_option
+def db_current(as_json: bool, url: str | None) -> None:
+    """Show the database's revision of every chain (read-only)."""
+    from chatflow_sqlalchemy import migrate
+
+    parsed = _resolve_url(url)
+    with _engine(parsed, read_only=True) as engine:
+        statuses = migrate.chain_status(engine)
+        for status in statuses:
+            migrate.check_not_ahead(status.current, status.chain)
+        upstream = statuses[0].current is None and _has_upstream_tables(engine)
+    if as_json:
+        _emit_json(_status_json(parsed, statuses, upstream))
+        return
+    click.echo(f"database: {_safe_url(parsed)}")
+    for status in statuses:
+        if status.chain.is_core:
+            name = "revision"
+        else:
+            name = f"plugin {status.chain.name} ({status.chain.distribution})"
+        shown = _label(status.current, status.chain, upstream=upstream and status.chain.is_core)
+        if status.at_head:
+            click.echo(f"{name}: {status.current} (head)")
+        else:
+            click.echo(f"{name}: {shown}; head is {status.head}")
+    if not all(s.at_head for s in statuses):
+        click.echo(UPGRADE_HINT)
+
+
+def _history_json(chain: migrate_module.MigrationChain) -> Any:
+    from chatflow_sqlalchemy import migrate
+
+    return {
+        "chain": chain.name,
+        "distribution": chain.distribution or None,
+        "version_table": chain.version_table,
+        "revisions": [
+            {
+                "revision": rev.revision,
+                "down_revision": rev.down_revision,
+                "is_head": rev.is_head,
+                "doc": rev.doc,
+            }
+            for rev in reversed(migrate.history(chain))
+        ],
+    }
+
+
+def _print_history(chain: migrate_module.MigrationChain) -> None:
+    from chatflow_sqlalchemy import migrate
+
+    for rev in reversed(migrate.history(chain)):
+        marker = " (head)" if rev.is_head else ""
+        click.echo(f"{rev.down_revision or '<base>'} -> {rev.revision}{marker}: {clean(rev.doc)}")
+
+
+@db.command("history", epilog=EXIT_CODES_EPILOG)
+@click.option("--chain", "chain_name", metavar="NAME", help="this chain instead of the core's")
+@click.option("--all", "show_all", is_flag=True, help="also every installed plugin's chain")
+@_json_option
+@_url_option
+def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str | None) -> None:
+    """List the migration chain, newest first (reads no database)."""
+    from chatflow_sqlalchemy import migrate
+
+    chains = (
+        [migrate.find_chain(chain_name)]
+        if chain_name
+        else [migrate.core_chain(), *(migrate.plugin_chains() if show_all else [])]
+    )
+    if as_json:
+        _emit_json({"chains": [_history_json(chain) for chain in chains]})
+        return
+    for index, chain in enumerate(chains):
+        if index:
+            dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
+            click.echo("")
+            click.echo(
+                f"plugin {chain.name} ({chain.distribution}; version table "
+                f"{chain.version_table}; {dialects}):"
+            )
+        _print_history(chain)
+
+
+@db.command("check", epilog=EXIT_CODES_EPILOG)
+@_json_option
+@_url_option
+def db_check(as_json: bool, url: str | None) -> int:
+    """Exit 0 if the schema is at head and matches the models, else 1 (read-only)."""
+    from chatflow_sqlalchemy import migrate
+
+    parsed = _resolve_url(url)
+    with _engine(parsed, read_only=True) as engine:
+        statuses = migrate.chain_status(engine)
+        for status in statuses:
+            migrate.check_not_ahead(status.current, status.chain)
+        upstream = statuses[0].current is None and _has_upstream_tables(engine)
+        behind = [status for status in statuses if not status.at_head]
+        diffs = [] if behind else migrate.drift(engine)
+    if as_json:
+        report = _status_json(parsed, statuses, upstream)
+        report.update(ok=not behind and not diffs, drift=diffs)
+        _emit_json(report)
+        return EXIT_FAILED if behind or diffs else EXIT_OK
+    for status in behind:
+        what = _safe_url(parsed) + ("" if status.chain.is_core else f" plugin {status.chain.name}")
+        shown = _label(status.current, status.chain, upstream=upstream and status.chain.is_core)
+        if status.current is not None:
+            shown = f"revision {shown}"
+        click.echo(
+            f"behind: {what} is at {shown}, the code expects {status.head}; {UPGRADE_HINT}"
+        )
+    if behind:
+        return EXIT_FAILED
+    head = statuses[0].head
+    if diffs:
+        click.echo(
+            f"drift: {_safe_url(parsed)} is at revision {head} (head), but its schema differs "
+            f"from the models ({len(diffs)} difference(s)):"
+        )
+        for diff in diffs:
+            click.echo(f"  - {clean(diff)}")
+        return EXIT_FAILED
+    plugins = "".join(
+        f"; plugin {s.chain.name} at {s.current} (head)" for s in statuses if not s.chain.is_core
+    )
+    click.echo(
+        f"ok: {_safe_url(parsed)} is at revision {head} (head) and matches the models{plugins}"
+    )
+    return EXIT_OK
+
+
+@db.command("stamp", epilog=EXIT_CODES_EPILOG)
+@click.argument("revision")
+@click.option(
+    "--chain", "chain_name", metavar="NAME", help="the chain: 'core' (default) or a plugin"
+)
+@_url_option
+def db_stamp(revision: str, chain_name: str | None, url: str | None) -> None:
+    """Record REVISION without running any migration."""
+    from chatflow_sqlalchemy import migrate
+
+    parsed = _resolve_url(url)
+    with _engine(parsed, read_only=False) as engine:
+        chain = _chains(engine, chain_name, revision, None)[0]
+        _check_revision(revision, [chain])
+        before = _read_revision(engine, chain)
+        migrate.check_not_ahead(before, chain)
+        upstream = before is None and chain.is_core and _has_upstream_tables(engine)
+        migrate.stamp(engine, revision, chain)
+        after = _read_revision(engine, chain)
+    click.echo(
+        f"{_prefix(parsed, chain)} stamped revision {_label(after, chain)} "
+        f"(was {_label(before, chain, upstream=upstream)}); no migration was run"
+    )
+
+
+# --------------------------------------------------------------------------- reading sessions
+
+
+@dataclass
+class _MessageRow:
+    """One stored message row, decoded if it can be."""
+
+    row_id: int
+    role: str
+    created_at: datetime | None
+    raw: str
+    message: Message | None = None
+    error: str | None = None
+
+
+@dataclass
+class _SessionRecord:
+    """One session as stored: its row, its metadata (or why it is unreadable), its messages."""
+
+    session_id: str
+    agent: str
+    created_at: datetime | None
+    updated_at: datetime | None
+    metadata: dict[str, Any] | None
+    metadata_raw: str | None
+    metadata_error: str | None
+    rows: list[_MessageRow] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """One line per corrupt part, naming the session, the table and the row id."""
+        sid = clean(repr(self.session_id))
+        found = []
+        if self.metadata_error is not None:
+            found.append(
+                f"session {sid}: metadata_json in chatflow_sessions is corrupt "
+                f"({clean(self.metadata_error)})"
+            )
+        for row in self.rows:
+            if row.error is not None:
+                found.append(
+                    f"session {sid}: chatflow_messages row id {row.row_id} is corrupt "
+                    f"({clean(row.error)})"
+                )
+        return found
+
+
+def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """Metadata from its stored text: (value, raw text, error) -- never raises."""
+    if raw is None:
+        return None, None, "metadata_json is NULL"
+    text = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+    try:
+        value = json.loads(text) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        return None, text, f"invalid JSON: {exc}"
+    if not isinstance(value, dict):
+        return None, text, f"not a JSON object (a {type(value).__name__})"
+    return value, text, None
+
+
+def _decode_message(row_id: int, role: str, created: datetime | None, raw: Any) -> _MessageRow:
+    from chatflow_agent import Message
+
+    text = raw if isinstance(raw, str) else str(raw)
+    row = _MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text)
+    try:
+        row.message = Message.model_validate_json(text)
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        row.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return row
+
+
+def _session_query(session_ids: Sequence[str] | None = None) -> Any:
+    from sqlalchemy import Table, Text, cast, select
+
+    from chatflow_sqlalchemy.models import ChatflowSession
+
+    table: Table = ChatflowSession.__table__  # type: ignore[assignment]
+    query = select(
+        table.c.session_id,
+        table.c.active_agent_name,
+        table.c.created_at,
+        table.c.updated_at,
+        cast(table.c.metadata_json, Text).label("metadata_text"),
+    ).order_by(table.c.updated_at.desc(), table.c.session_id)
+    if session_ids is not None:
+        query = query.where(table.c.session_id.in_(session_ids))
+    return query
+
+
+def _messages_query(session_id: str) -> Any:
+    from chatflow_agent import Role
+    from sqlalchemy import Table, case, select
+
+    from chatflow_sqlalchemy.models import ChatflowMessage
+
+    table: Table = ChatflowMessage.__table__  # type: ignore[assignment]
+    return (
+        select(table.c.id, table.c.role, table.c.created_at, table.c.message_json)
+        .where(table.c.session_id == session_id)
+        .order_by(case((table.c.role == Role.SYSTEM.value, 0), else_=1), table.c.seq)
+    )
+
+
+def _record(conn: Connection, row: Any) -> _SessionRecord:
+    metadata, raw, error = _decode_metadata(row.metadata_text)
+    record = _SessionRecord(
+        session_id=row.session_id,
+        agent=row.active_agent_name,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        metadata=metadata,
+        metadata_raw=raw,
+        metadata_error=error,
+    )
+    for msg in conn.execute(_messages_query(row.session_id)):
+        record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
+    return record
+
+
+def _read_session(conn: Connection, session_id: str) -> _SessionRecord | None:
+    row = conn.execute(_session_query([session_id])).first()
+    return None if row is None else _record(conn, row)
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -239,382 +956,568 @@ def _validate_session_id(session_id: str) -> None:
     try:
         validate_session_id(session_id)
     except ValueError as exc:
-        raise _Failed(str(exc), EXIT_USAGE) from None
+        raise CliError(clean(str(exc))) from None
 
 
-# --------------------------------------------------------------------------- db
+def _no_session(session_id: str, url: URL) -> CliError:
+    return CliError(f"no session {clean(repr(session_id))} in {_describe(url)}", EXIT_FAILED)
 
 
-def _cmd_db_upgrade(args: argparse.Namespace, out: TextIO) -> int:
-    return _move_chains(args, out, "upgraded", migrate.upgrade, plugins_first=False)
+# --------------------------------------------------------------------------- sessions list
 
 
-def _cmd_db_downgrade(args: argparse.Namespace, out: TextIO) -> int:
-    return _move_chains(args, out, "downgraded", migrate.downgrade, plugins_first=True)
+def _session_rows(engine: Engine) -> list[Any]:
+    from sqlalchemy import Table, func, select
 
-
-def _move_chains(
-    args: argparse.Namespace,
-    out: TextIO,
-    verb: str,
-    move: Callable[[Engine, str, str | None], None],
-    *,
-    plugins_first: bool,
-) -> int:
-    """Upgrade or downgrade, then report how each chain moved.
-
-    Going down, plugin chains move first: their tables may refer to the core's.
-    """
-    url = _resolve_url(args)
-    with _engine(url) as engine:
-        chains = _chains(engine, args, all_for="base" if plugins_first else "head")
-        if plugins_first and len(chains) > 1:
-            chains = [*chains[1:][::-1], chains[0]]
-        before = [_read_revision(engine, chain) for chain in chains]
-        for chain, found in zip(chains, before, strict=True):
-            _check_not_ahead(found, chain)
-        move(engine, args.revision, getattr(args, "chain", None))
-        after = [_read_revision(engine, chain) for chain in chains]
-    for chain, old, new in zip(chains, before, after, strict=True):
-        at_head = not plugins_first and new == migrate.head_revision(chain)
-        suffix = " (head)" if at_head else ""
-        if old == new:
-            moved = f"already at revision {_label(new, chain)}{suffix}"
-        else:
-            moved = f"{verb} from {_label(old, chain)} to {_label(new, chain)}{suffix}"
-        print(f"{_prefix(url, chain)} {moved}", file=out)
-    return EXIT_OK
-
-
-def _cmd_db_current(args: argparse.Namespace, out: TextIO) -> int:
-    url = _resolve_url(args)
-    with _engine(url) as engine:
-        statuses = migrate.chain_status(engine)
-        for status in statuses:
-            _check_not_ahead(status.current, status.chain)
-        label = _unversioned_label(engine) if statuses[0].current is None else statuses[0].current
-    print(f"database: {_safe_url(url)}", file=out)
-    behind = False
-    for status in statuses:
-        if status.chain.is_core:
-            name, shown = "revision", label
-        else:
-            name = f"plugin {status.chain.name} ({status.chain.distribution})"
-            shown = _label(status.current, status.chain)
-        if status.at_head:
-            print(f"{name}: {status.current} (head)", file=out)
-        else:
-            behind = True
-            print(f"{name}: {shown}; head is {status.head}", file=out)
-    if behind:
-        print(f"run: {PROG} db upgrade", file=out)
-    return EXIT_OK
-
-
-def _print_history(chain: migrate.MigrationChain, out: TextIO) -> None:
-    for rev in reversed(migrate.history(chain)):
-        marker = " (head)" if rev.is_head else ""
-        parent = rev.down_revision or "<base>"
-        print(f"{parent} -> {rev.revision}{marker}: {rev.doc}", file=out)
-
-
-def _cmd_db_history(args: argparse.Namespace, out: TextIO) -> int:
-    name = getattr(args, "chain", None)
-    if name:
-        _print_history(migrate.find_chain(name), out)
-        return EXIT_OK
-    _print_history(migrate.core_chain(), out)
-    if not getattr(args, "all", False):
-        return EXIT_OK
-    for chain in migrate.plugin_chains():
-        dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
-        print("", file=out)
-        print(
-            f"plugin {chain.name} ({chain.distribution}; version table {chain.version_table}; "
-            f"{dialects}):",
-            file=out,
-        )
-        _print_history(chain, out)
-    return EXIT_OK
-
-
-def _cmd_db_check(args: argparse.Namespace, out: TextIO) -> int:
-    url = _resolve_url(args)
-    head = migrate.head_revision()
-    with _engine(url) as engine:
-        statuses = migrate.chain_status(engine)
-        for status in statuses:
-            _check_not_ahead(status.current, status.chain)
-        behind = [status for status in statuses if not status.at_head]
-        for status in behind:
-            what = _safe_url(url) if status.chain.is_core else f"{_safe_url(url)} plugin "
-            what += "" if status.chain.is_core else status.chain.name
-            print(
-                f"behind: {what} is at revision {_label(status.current, status.chain)}, "
-                f"the code expects "
-                f"{status.head}; run: {PROG} db upgrade",
-                file=out,
-            )
-        if behind:
-            return EXIT_FAILED
-        diffs = migrate.drift(engine)
-    if diffs:
-        print(
-            f"drift: {_safe_url(url)} is at revision {head} (head), but its schema differs "
-            f"from the models ({len(diffs)} difference(s)):",
-            file=out,
-        )
-        for diff in diffs:
-            print(f"  - {diff}", file=out)
-        return EXIT_FAILED
-    plugins = "".join(
-        f"; plugin {s.chain.name} at {s.current} (head)" for s in statuses if not s.chain.is_core
-    )
-    print(
-        f"ok: {_safe_url(url)} is at revision {head} (head) and matches the models{plugins}",
-        file=out,
-    )
-    return EXIT_OK
-
-
-def _cmd_db_stamp(args: argparse.Namespace, out: TextIO) -> int:
-    url = _resolve_url(args)
-    with _engine(url) as engine:
-        chain = _chains(engine, args)[0]
-        before = _read_revision(engine, chain)
-        _check_not_ahead(before, chain)
-        migrate.stamp(engine, args.revision, chain)
-        after = _read_revision(engine, chain)
-    print(
-        f"{_prefix(url, chain)} stamped revision {_label(after, chain)} "
-        f"(was {_label(before, chain)}); "
-        "no migration was run",
-        file=out,
-    )
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------- sessions
-
-
-def _session_rows(store: SQLAlchemySessionStore) -> list[tuple[str, str, int, datetime | None]]:
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
 
-    sessions = cast(Table, ChatflowSession.__table__)
-    messages = cast(Table, ChatflowMessage.__table__)
+    sessions_t: Table = ChatflowSession.__table__  # type: ignore[assignment]
+    messages_t: Table = ChatflowMessage.__table__  # type: ignore[assignment]
     counts = (
-        select(messages.c.session_id, func.count().label("n"))
-        .group_by(messages.c.session_id)
+        select(messages_t.c.session_id, func.count().label("n"))
+        .group_by(messages_t.c.session_id)
         .subquery()
     )
     query = (
         select(
-            sessions.c.session_id,
-            sessions.c.active_agent_name,
-            func.coalesce(counts.c.n, 0),
-            sessions.c.updated_at,
+            sessions_t.c.session_id,
+            sessions_t.c.active_agent_name,
+            func.coalesce(counts.c.n, 0).label("messages"),
+            sessions_t.c.created_at,
+            sessions_t.c.updated_at,
         )
-        .select_from(sessions.outerjoin(counts, counts.c.session_id == sessions.c.session_id))
-        .order_by(sessions.c.updated_at.desc(), sessions.c.session_id)
+        .select_from(sessions_t.outerjoin(counts, counts.c.session_id == sessions_t.c.session_id))
+        .order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
     )
-    with store.engine.connect() as conn:
-        return [(row[0], row[1], int(row[2]), row[3]) for row in conn.execute(query)]
+    with _read_conn(engine) as conn:
+        return list(conn.execute(query))
 
 
-def _cmd_sessions_list(args: argparse.Namespace, out: TextIO) -> int:
-    with _store(_resolve_url(args)) as store:
-        rows = _session_rows(store)
+@sessions.command("list", epilog=EXIT_CODES_EPILOG)
+@_json_option
+@_url_option
+def sessions_list(as_json: bool, url: str | None) -> None:
+    """List sessions, most recently updated first (read-only)."""
+    with _reading(url) as (_parsed, engine):
+        rows = _session_rows(engine)
+    if as_json:
+        _emit_json(
+            {
+                "sessions": [
+                    {
+                        "session_id": row.session_id,
+                        "active_agent_name": row.active_agent_name,
+                        "messages": int(row.messages),
+                        "created_at": _iso(row.created_at),
+                        "updated_at": _iso(row.updated_at),
+                    }
+                    for row in rows
+                ]
+            }
+        )
+        return
     if not rows:
-        print("no sessions", file=out)
-        return EXIT_OK
-    table = [("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED")]
-    table += [(sid, agent, str(n), _format_time(ts)) for sid, agent, n, ts in rows]
-    _table(table, out)
-    return EXIT_OK
+        click.echo("no sessions")
+        return
+    _table(
+        ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"),
+        [
+            (
+                clean(r.session_id),
+                clean(r.active_agent_name),
+                str(r.messages),
+                _format_time(r.updated_at),
+            )
+            for r in rows
+        ],
+    )
 
 
-def _message_lines(message: Message) -> list[str]:
+# --------------------------------------------------------------------------- sessions show
+
+
+@dataclass
+class _Line:
+    """One printable part of a message: a role, a kind and its (cleaned) text."""
+
+    role: str
+    text: str
+    corrupt: bool = False
+
+
+def _message_parts(message: Message) -> list[_Line]:
     role = message.role.value
-    lines: list[str] = []
+    parts: list[_Line] = []
     if message.content:
-        first, *rest = message.content.splitlines() or [""]
-        lines.append(f"  [{role}] {first}")
-        lines.extend(f"  {' ' * (len(role) + 2)} {line}" for line in rest)
+        parts.append(_Line(role, clean(message.content, newlines=True)))
     for call in message.tool_calls or []:
         args = json.dumps(call.args, ensure_ascii=False, sort_keys=True, default=str)
-        lines.append(f"  [{role}] tool call {call.name} {args} (id {call.id})")
+        parts.append(_Line(role, clean(f"tool call {call.name} {args} (id {call.id})")))
     for result in message.tool_results or []:
-        lines.append(
-            f"  [{role}] tool result {result.name} is_error={result.is_error}: "
-            f"{_format_content(result.content)}"
+        parts.append(
+            _Line(
+                role,
+                clean(
+                    f"tool result {result.name} is_error={result.is_error}: "
+                    f"{_format_content(result.content)}",
+                    newlines=True,
+                ),
+            )
         )
-    return lines or [f"  [{role}] (empty)"]
+    return parts or [_Line(role, "(empty)")]
 
 
-_Entry = tuple[str, list[str]]
-"""One history entry to print: its role value and its rendered lines."""
+def _row_parts(row: _MessageRow) -> list[_Line]:
+    if row.message is not None:
+        return _message_parts(row.message)
+    return [
+        _Line(
+            row.role,
+            clean(f"CORRUPT ROW id {row.row_id} ({row.error}): {row.raw!r}"),
+            corrupt=True,
+        )
+    ]
 
 
-def _group_turns(entries: Sequence[_Entry]) -> list[tuple[str, list[str]]]:
-    """SYSTEM messages first, then one group of lines per user turn."""
-    system = [line for role, lines in entries if role == Role.SYSTEM.value for line in lines]
-    groups: list[tuple[str, list[str]]] = [("System", system)] if system else []
+_Group = tuple[str, list[tuple[_MessageRow, list[_Line]]]]
+
+
+def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
+    """SYSTEM messages first, then one group per user turn."""
+    system = [(row, _row_parts(row)) for row in rows if row.role == "system"]
+    groups: list[_Group] = [("System", system)] if system else []
     turn = 0
-    for role, lines in entries:
-        if role == Role.SYSTEM.value:
+    for row in rows:
+        if row.role == "system":
             continue
-        if role == Role.USER.value:
+        entry = (row, _row_parts(row))
+        if row.role == "user":
             turn += 1
-            groups.append((f"Turn {turn}", list(lines)))
+            groups.append((f"Turn {turn}", [entry]))
         elif turn == 0:
             if not groups or groups[-1][0] != "Before the first turn":
                 groups.append(("Before the first turn", []))
-            groups[-1][1].extend(lines)
+            groups[-1][1].append(entry)
         else:
-            groups[-1][1].extend(lines)
+            groups[-1][1].append(entry)
     return groups
 
 
-def _raw_entries(
-    store: SQLAlchemySessionStore, session_id: str
-) -> tuple[str, dict[str, Any], list[_Entry], list[int]]:
-    """Read a session row by row, for a session the store cannot load (corrupt rows).
+def _metadata_text(record: _SessionRecord) -> str | None:
+    if record.metadata_error is not None:
+        return clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
+    if record.metadata:
+        return clean(_format_content(record.metadata))
+    return None
 
-    Returns:
-        The active agent name, the metadata, the entries to print (corrupt rows
-        shown raw) and the ids of the corrupt rows.
 
+def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
+    click.echo(f"session: {clean(record.session_id)}")
+    click.echo(f"active agent: {clean(record.agent)}")
+    click.echo(f"created: {_format_time(record.created_at)}")
+    click.echo(f"updated: {_format_time(record.updated_at)}")
+    metadata = _metadata_text(record)
+    if metadata is not None:
+        click.echo(f"metadata: {metadata}")
+    click.echo(f"messages: {len(record.rows)} in {turns} turn(s)")
+    for title, entries in groups:
+        click.echo("")
+        click.echo(title)
+        for row, parts in entries:
+            stamp = _format_time(row.created_at)
+            for part in parts:
+                first, *rest = part.text.split("\n")
+                label = f"  {stamp}  [{part.role}] "
+                click.echo(f"{label}{first}")
+                for line in rest:
+                    click.echo(f"{' ' * len(label)}{line}")
+
+
+def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], turns: int) -> None:
+    from rich.rule import Rule
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("session", Text(clean(record.session_id)))
+    head.add_row("active agent", Text(clean(record.agent), style="bold"))
+    head.add_row("created", Text(_format_time(record.created_at)))
+    head.add_row("updated", Text(_format_time(record.updated_at)))
+    metadata = _metadata_text(record)
+    if metadata is not None:
+        style = "bold red" if record.metadata_error else ""
+        head.add_row("metadata", Text(metadata, style=style))
+    head.add_row("messages", Text(f"{len(record.rows)} in {turns} turn(s)"))
+    console.print(head)
+    for title, entries in groups:
+        console.print(Rule(Text(title, style="bold")))
+        body = Table.grid(padding=(0, 1))
+        body.add_column(style="dim", no_wrap=True)
+        body.add_column(no_wrap=True)
+        body.add_column(overflow="fold")
+        for row, parts in entries:
+            stamp = _format_time(row.created_at)
+            for part in parts:
+                role = Text(f"[{part.role}]", style=_ROLE_STYLES.get(part.role, "bold"))
+                style = "bold red" if part.corrupt else ""
+                body.add_row(Text(stamp), role, Text(part.text, style=style))
+        console.print(body)
+
+
+def _message_json(row: _MessageRow) -> Any:
+    return {
+        "id": row.row_id,
+        "role": row.role,
+        "created_at": _iso(row.created_at),
+        "message": None if row.message is None else row.message.model_dump(mode="json"),
+        "corrupt": None if row.error is None else {"reason": row.error, "raw": row.raw},
+    }
+
+
+@sessions.command("show", epilog=EXIT_CODES_EPILOG)
+@click.argument("session_id")
+@_json_option
+@_url_option
+def sessions_show(session_id: str, as_json: bool, url: str | None) -> int:
+    """Print a conversation turn by turn, with timestamps (read-only).
+
+    Corrupt rows (and corrupt metadata) are shown raw and named, with exit code 1.
     """
-    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
-
-    sessions = cast(Table, ChatflowSession.__table__)
-    messages = cast(Table, ChatflowMessage.__table__)
-    with store.engine.connect() as conn:
-        head = conn.execute(
-            select(sessions.c.active_agent_name, sessions.c.metadata_json).where(
-                sessions.c.session_id == session_id
-            )
-        ).first()
-        rows = conn.execute(
-            select(messages.c.id, messages.c.role, messages.c.message_json)
-            .where(messages.c.session_id == session_id)
-            .order_by(messages.c.seq)
-        ).all()
-    if head is None:
-        raise _Failed(f"no session {session_id!r} in {_describe(store.url)}")
-    entries: list[_Entry] = []
-    corrupt: list[int] = []
-    for row_id, role, raw in rows:
-        try:
-            message = Message.model_validate_json(raw)
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            corrupt.append(row_id)
-            reason = str(exc).splitlines()[0]
-            entries.append((role, [f"  [{role}] CORRUPT ROW id {row_id} ({reason}): {raw!r}"]))
-            continue
-        entries.append((message.role.value, _message_lines(message)))
-    metadata = head.metadata_json if isinstance(head.metadata_json, dict) else {}
-    return head.active_agent_name, metadata, entries, corrupt
-
-
-def _cmd_sessions_show(args: argparse.Namespace, out: TextIO) -> int:
-    _validate_session_id(args.session_id)
-    corrupt: list[int] = []
-    with _store(_resolve_url(args)) as store:
-        try:
-            session = store.get(args.session_id)
-        except CorruptRowError:
-            # Show what is there, corrupt rows included, so they can be found and fixed.
-            agent, metadata, entries, corrupt = _raw_entries(store, args.session_id)
+    _validate_session_id(session_id)
+    with _reading(url) as (parsed, engine), _read_conn(engine) as conn:
+        record = _read_session(conn, session_id)
+    if record is None:
+        raise _no_session(session_id, parsed)
+    turns = sum(1 for row in record.rows if row.role == "user")
+    problems = record.problems()
+    if as_json:
+        _emit_json(
+            {
+                "session_id": record.session_id,
+                "active_agent_name": record.agent,
+                "created_at": _iso(record.created_at),
+                "updated_at": _iso(record.updated_at),
+                "metadata": record.metadata,
+                "metadata_corrupt": None
+                if record.metadata_error is None
+                else {"reason": record.metadata_error, "raw": record.metadata_raw},
+                "turns": turns,
+                "messages": [_message_json(row) for row in record.rows],
+            }
+        )
+    else:
+        groups = _group_turns(record.rows)
+        console = _rich_console()
+        if console is None:
+            _show_plain(record, groups, turns)
         else:
-            if session is None:
-                raise _Failed(f"no session {args.session_id!r} in {_describe(store.url)}")
-            agent = session.active_agent.name
-            metadata = dict(session.metadata)
-            entries = [(m.role.value, _message_lines(m)) for m in session.history]
-    turns = sum(1 for role, _ in entries if role == Role.USER.value)
-    print(f"session: {args.session_id}", file=out)
-    print(f"active agent: {agent}", file=out)
-    if metadata:
-        print(f"metadata: {_format_content(metadata)}", file=out)
-    print(f"messages: {len(entries)} in {turns} turn(s)", file=out)
-    for title, lines in _group_turns(entries):
-        print("", file=out)
-        print(title, file=out)
-        for line in lines:
-            print(line, file=out)
-    if corrupt:
-        ids = ", ".join(str(row_id) for row_id in corrupt)
-        raise _Failed(
-            f"session {args.session_id!r} has {len(corrupt)} corrupt row(s) in "
-            f"chatflow_messages (id {ids}); fix or delete them, or delete the session"
+            _show_rich(console, record, groups, turns)
+    if problems:
+        raise CliError(
+            f"{len(problems)} corrupt part(s): {'; '.join(problems)}; fix or delete them, "
+            "or delete the session",
+            EXIT_FAILED,
         )
     return EXIT_OK
 
 
-def _cmd_sessions_delete(args: argparse.Namespace, out: TextIO) -> int:
-    _validate_session_id(args.session_id)
-    with _store(_resolve_url(args)) as store:
-        if not store.delete(args.session_id):
-            raise _Failed(f"no session {args.session_id!r} in {_describe(store.url)}")
-    print(f"deleted session {args.session_id!r}", file=out)
-    return EXIT_OK
+# --------------------------------------------------------------------------- delete / export
 
 
-def _export(store: SQLAlchemySessionStore, sink: IO[str]) -> int:
-    count = 0
-    for session_id in store.list_sessions():
-        session = store.get(session_id)
-        if session is None:  # deleted meanwhile
-            continue
-        record = {
-            "session_id": session_id,
-            "active_agent_name": session.active_agent.name,
-            "metadata": dict(session.metadata),
-            "messages": [m.model_dump(mode="json") for m in session.history],
-        }
-        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-        count += 1
-    return count
+def _writing(url: URL) -> Any:
+    """A read-write engine on an existing database whose schema is at head."""
+    return _engine(url, read_only=False)
 
 
-def _cmd_sessions_export(args: argparse.Namespace, out: TextIO) -> int:
-    url = _resolve_url(args)
-    if args.output in (None, "-"):
-        with _store(url) as store:
-            _export(store, out)
-        return EXIT_OK
-    target = Path(args.output)
-    partial = target.with_name(f".{target.name}.partial")
-    with _store(url) as store:
+@sessions.command("delete", epilog=EXIT_CODES_EPILOG)
+@click.argument("session_id")
+@_yes_option
+@_url_option
+def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
+    """Delete a session and its history (asks first unless --yes)."""
+    from sqlalchemy import Table, delete, select
+
+    from chatflow_sqlalchemy.models import ChatflowSession
+
+    _validate_session_id(session_id)
+    table: Table = ChatflowSession.__table__  # type: ignore[assignment]
+    parsed = _resolve_url(url)
+    with _writing(parsed) as engine:
+        _require_head(engine, parsed)
+        with _read_conn(engine) as conn:
+            row = conn.execute(
+                select(table.c.session_id).where(table.c.session_id == session_id)
+            ).first()
+        if row is None:
+            raise _no_session(session_id, parsed)
+        _confirm(f"Delete session {clean(repr(session_id))} and its history?", yes)
+        with engine.begin() as conn:
+            gone = conn.execute(delete(table).where(table.c.session_id == session_id)).rowcount
+    if not gone:
+        raise _no_session(session_id, parsed)
+    click.echo(f"deleted session {clean(repr(session_id))}")
+
+
+def _export_record(record: _SessionRecord) -> dict[str, Any]:
+    assert record.metadata is not None
+    return {
+        "session_id": record.session_id,
+        "active_agent_name": record.agent,
+        "metadata": record.metadata,
+        "messages": [
+            row.message.model_dump(mode="json") for row in record.rows if row.message is not None
+        ],
+    }
+
+
+def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, list[str]]:
+    """Write every readable session as one JSON line; return (count, skipped problems)."""
+    exported = 0
+    skipped: list[str] = []
+    with _read_conn(engine) as conn:  # one snapshot for the whole export
+        for row in list(conn.execute(_session_query())):
+            record = _record(conn, row)
+            problems = record.problems()
+            if problems:
+                if not skip_corrupt:
+                    raise CliError(
+                        f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
+                        f"other sessions, or see: {PROG} sessions show "
+                        f"{clean(repr(record.session_id))}",
+                        EXIT_FAILED,
+                    )
+                skipped.extend(problems)
+                continue
+            sink.write(_json_text(_export_record(record)) + "\n")
+            exported += 1
+    return exported, skipped
+
+
+def _private_temp(target: Path) -> tuple[IO[str], Path]:
+    """A new file beside ``target``, mode 0600 whatever the umask (mkstemp's guarantee)."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w", encoding="utf-8"), Path(name)
+
+
+@sessions.command("export", epilog=EXIT_CODES_EPILOG)
+@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@click.option(
+    "--skip-corrupt",
+    is_flag=True,
+    help="export the readable sessions and report the corrupt ones on stderr",
+)
+@_json_option
+@_url_option
+def sessions_export(
+    output: str | None, skip_corrupt: bool, as_json: bool, url: str | None
+) -> None:
+    """Export sessions as JSON lines (read-only): one object per session.
+
+    Each line: {"session_id", "active_agent_name", "metadata", "messages"}.
+    A session with a corrupt row stops the export (FILE is then left as it
+    was) unless --skip-corrupt, which names each bad row on stderr and
+    exports the other sessions. With --json, the summary after writing FILE
+    is a JSON document.
+    """
+    with _reading(url) as (_parsed, engine):
+        if output in (None, "-"):
+            _, skipped = _export(engine, sys.stdout, skip_corrupt)
+            _report_skipped(skipped)
+            return
+        target = Path(output)
+        sink, partial = _private_temp(target)
         try:
-            with partial.open("w", encoding="utf-8") as sink:
-                count = _export(store, sink)
+            with sink:
+                count, skipped = _export(engine, sink, skip_corrupt)
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)
-    print(f"exported {count} session(s) to {target}", file=out)
-    return EXIT_OK
+    _report_skipped(skipped)
+    if as_json:
+        _emit_json({"exported": count, "output": str(target), "skipped": skipped})
+    else:
+        extra = f"; skipped {len(skipped)} corrupt part(s), see above" if skipped else ""
+        click.echo(f"exported {count} session(s) to {clean(str(target))}{extra}")
+
+
+def _report_skipped(skipped: Sequence[str]) -> None:
+    for problem in skipped:
+        click.echo(f"skipped: {problem}", err=True)
+
+
+# --------------------------------------------------------------------------- dedup
+
+
+def _ttl(hours: float | None) -> float:
+    """The dedup TTL in hours: ``--ttl-hours``, else the store's default window."""
+    from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS
+
+    if hours is None:
+        return float(DEFAULT_DEDUP_TTL_HOURS)
+    if not hours > 0 or hours == float("inf") or hours > 24 * 365 * 1000:
+        raise CliError(f"--ttl-hours must be a positive number of hours, got {hours!r}")
+    return hours
+
+
+def _ttl_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--ttl-hours",
+        type=float,
+        metavar="HOURS",
+        help="dedup window in hours (default: the stores' default, 192 = 8 days)",
+    )(func)
+
+
+def _processed_table() -> Any:
+    from chatflow_sqlalchemy.models import ChatflowProcessedMessage
+
+    return ChatflowProcessedMessage.__table__
+
+
+def _cutoff(ttl_hours: float) -> datetime:
+    from datetime import timedelta
+
+    from chatflow_sqlalchemy.models import utcnow
+
+    return utcnow() - timedelta(hours=ttl_hours)
+
+
+def _dedup_counts(conn: Connection, ttl_hours: float) -> tuple[int, int]:
+    """(all ids, expired ids) for the window ``ttl_hours``."""
+    from sqlalchemy import func, select
+
+    table = _processed_table()
+    total = conn.execute(select(func.count()).select_from(table)).scalar_one()
+    expired = conn.execute(
+        select(func.count()).select_from(table).where(table.c.processed_at < _cutoff(ttl_hours))
+    ).scalar_one()
+    return int(total), int(expired)
+
+
+@dedup.command("list", epilog=EXIT_CODES_EPILOG)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
+@_ttl_option
+@_json_option
+@_url_option
+def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | None) -> None:
+    """List processed ids, newest claim first, with their expiry (read-only)."""
+    from datetime import timedelta
+
+    from sqlalchemy import select
+
+    ttl = _ttl(ttl_hours)
+    table = _processed_table()
+    query = (
+        select(table.c.message_id, table.c.processed_at)
+        .order_by(table.c.processed_at.desc(), table.c.message_id)
+        .limit(limit)
+    )
+    with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
+        rows = list(conn.execute(query))
+        total, _ = _dedup_counts(conn, ttl)
+    cutoff = _cutoff(ttl)
+    items = [
+        {
+            "message_id": row.message_id,
+            "processed_at": row.processed_at,
+            "expires_at": row.processed_at + timedelta(hours=ttl),
+            "expired": row.processed_at < cutoff,
+        }
+        for row in rows
+    ]
+    if as_json:
+        for item in items:
+            item["processed_at"] = _iso(item["processed_at"])
+            item["expires_at"] = _iso(item["expires_at"])
+        _emit_json({"ttl_hours": ttl, "total": total, "ids": items})
+        return
+    if not items:
+        click.echo("no processed ids")
+        return
+    _table(
+        ("MESSAGE ID", "CLAIMED AT", "EXPIRES AT", "EXPIRED"),
+        [
+            (
+                clean(item["message_id"]),
+                _format_time(item["processed_at"]),
+                _format_time(item["expires_at"]),
+                "yes" if item["expired"] else "no",
+            )
+            for item in items
+        ],
+    )
+    if total > len(items):
+        click.echo(f"showing {len(items)} of {total}; use --limit to see more")
+
+
+@dedup.command("count", epilog=EXIT_CODES_EPILOG)
+@_ttl_option
+@_json_option
+@_url_option
+def dedup_count(ttl_hours: float | None, as_json: bool, url: str | None) -> None:
+    """Count processed ids, and how many are past the dedup window (read-only)."""
+    ttl = _ttl(ttl_hours)
+    with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
+        total, expired = _dedup_counts(conn, ttl)
+    if as_json:
+        _emit_json({"ttl_hours": ttl, "total": total, "expired": expired, "live": total - expired})
+        return
+    live = total - expired
+    click.echo(f"{total} processed id(s): {live} live, {expired} expired (TTL {ttl:g} h)")
+
+
+@dedup.command("purge", epilog=EXIT_CODES_EPILOG)
+@_ttl_option
+@_yes_option
+@_url_option
+def dedup_purge(ttl_hours: float | None, yes: bool, url: str | None) -> None:
+    """Delete processed ids older than the TTL.
+
+    A --ttl-hours shorter than the default window removes ids a webhook
+    retry may still need: that asks for confirmation unless --yes.
+    """
+    from sqlalchemy import delete
+
+    ttl = _ttl(ttl_hours)
+    default_ttl = _ttl(None)
+    table = _processed_table()
+    parsed = _resolve_url(url)
+    with _writing(parsed) as engine:
+        _require_head(engine, parsed)
+        if ttl < default_ttl:
+            with _read_conn(engine) as conn:
+                unexpired = _dedup_counts(conn, ttl)[1] - _dedup_counts(conn, default_ttl)[1]
+            if unexpired:
+                _confirm(
+                    f"Purge {unexpired} id(s) still inside the default {default_ttl:g} h dedup "
+                    "window (a retried webhook could then run twice)?",
+                    yes,
+                )
+        with engine.begin() as conn:
+            removed = conn.execute(
+                delete(table).where(table.c.processed_at < _cutoff(ttl))
+            ).rowcount
+    click.echo(f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
 
 
 # --------------------------------------------------------------------------- misc
 
 
-def _cmd_dedup_purge(args: argparse.Namespace, out: TextIO) -> int:
-    with _store(_resolve_url(args)) as store:
-        removed = store.purge_processed_messages()
-    print(f"removed {removed} expired processed message id(s)", file=out)
-    return EXIT_OK
+@cli.command("backends", epilog=EXIT_CODES_EPILOG)
+@_json_option
+def backends(as_json: bool) -> None:
+    """List installed backends and where they come from."""
+    from chatflow_sqlalchemy.registry import available_backends, backend_sources
 
-
-def _cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
-    backends = available_backends()
-    if not backends:
-        print("no backends installed", file=out)
-        return EXIT_OK
+    found = available_backends()
     sources = backend_sources()
-    rows: list[tuple[str, str, str]] = [("BACKEND", "FROM", "STORE CLASS OR ERROR")]
-    for name, backend in sorted(backends.items()):
+    rows: list[tuple[str, str, str]] = []
+    for name, backend in sorted(found.items()):
         if isinstance(backend, Exception):
             detail = f"unavailable: {_one_line(str(backend))}"
         else:
@@ -625,213 +1528,169 @@ def _cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
             origin = " + ".join(source.distributions) if source.distributions else source.origin
             if source.origin == "built-in":
                 origin = "built-in"
-        rows.append((name, origin, detail))
-    _table(rows, out)
-    return EXIT_OK
+        rows.append((clean(name), clean(origin), clean(detail)))
+    if as_json:
+        _emit_json(
+            {
+                "backends": [
+                    {"name": n, "from": o, "available": not d.startswith("unavailable: "),
+                     "detail": d}
+                    for n, o, d in rows
+                ]
+            }
+        )
+        return
+    if not rows:
+        click.echo("no backends installed")
+        return
+    _table(("BACKEND", "FROM", "STORE CLASS OR ERROR"), rows)
 
 
-def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+@cli.command("demo", epilog=EXIT_CODES_EPILOG)
+@click.option("--db", "db_path", metavar="PATH", help="new SQLite file (default: a temp folder)")
+def demo(db_path: str | None) -> None:
+    """Run the offline demo (scripted engine, real Runner) on a new SQLite file."""
+    import tempfile
+
     from chatflow_sqlalchemy.demo import DemoError, run_demo
 
-    if args.db is None:
+    if db_path is None:
         path = Path(tempfile.mkdtemp(prefix="chatflow-demo-")) / "demo.db"
     else:
-        path = Path(args.db)
-
-    def emit(line: str) -> None:
-        print(line, file=out, flush=True)
-
+        path = Path(db_path)
     try:
-        run_demo(str(path), emit)
+        run_demo(str(path), lambda line: click.echo(clean(line)))
     except DemoError as exc:
-        raise _Failed(str(exc)) from exc
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------- parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser of the ``chatflow-sqlalchemy`` command."""
-    url_help = (
-        "SQLAlchemy database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)"
-    )
-    # --url works before the command and after it: the sub-parsers' copy only
-    # overrides the global one when it is given.
-    url_option = argparse.ArgumentParser(add_help=False)
-    url_option.add_argument("--url", default=argparse.SUPPRESS, help=url_help)
-
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids.",
-    )
-    parser.add_argument("--url", default=None, help=url_help)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def leaf(
-        group: argparse._SubParsersAction[argparse.ArgumentParser],
-        name: str,
-        handler: Callable[[argparse.Namespace, TextIO], int],
-        help_text: str,
-        *,
-        with_url: bool = True,
-    ) -> argparse.ArgumentParser:
-        sub = group.add_parser(
-            name, help=help_text, description=help_text, parents=[url_option] if with_url else []
-        )
-        sub.set_defaults(handler=handler)
-        return sub
-
-    db = commands.add_parser("db", help="schema migrations (never migrates on its own)")
-    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND")
-    chain_help = (
-        "act on one migration chain: 'core' or an installed plugin's name "
-        "(default: head/base move every chain, other revisions the core chain)"
-    )
-    sub = leaf(
-        db_commands,
-        "upgrade",
-        _cmd_db_upgrade,
-        "upgrade the schema (default: the core chain and every plugin chain to head)",
-    )
-    sub.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
-    sub.add_argument("--chain", metavar="NAME", help=chain_help)
-    sub = leaf(db_commands, "downgrade", _cmd_db_downgrade, "downgrade the schema to REVISION")
-    sub.add_argument(
-        "revision", help="target revision, or 'base' to drop the tables (plugins' first)"
-    )
-    sub.add_argument("--chain", metavar="NAME", help=chain_help)
-    leaf(db_commands, "current", _cmd_db_current, "show the database's revision of every chain")
-    sub = leaf(
-        db_commands, "history", _cmd_db_history, "list the migration chain, newest first"
-    )
-    sub.add_argument(
-        "--chain", metavar="NAME", help="this chain instead of the core's (a plugin's name)"
-    )
-    sub.add_argument(
-        "--all", action="store_true", help="also every installed plugin's chain"
-    )
-    leaf(
-        db_commands,
-        "check",
-        _cmd_db_check,
-        "exit 0 if the schema is at head and matches the models, else 1",
-    )
-    sub = leaf(db_commands, "stamp", _cmd_db_stamp, "record REVISION without running migrations")
-    sub.add_argument("revision", help="revision to record")
-    sub.add_argument(
-        "--chain", metavar="NAME", help="the chain to stamp: 'core' (default) or a plugin"
-    )
-
-    sessions = commands.add_parser("sessions", help="inspect, delete and export sessions")
-    session_commands = sessions.add_subparsers(
-        dest="sessions_command", required=True, metavar="SUBCOMMAND"
-    )
-    leaf(session_commands, "list", _cmd_sessions_list, "list sessions, most recently updated first")
-    sub = leaf(session_commands, "show", _cmd_sessions_show, "print a conversation turn by turn")
-    sub.add_argument("session_id", metavar="SESSION_ID")
-    sub = leaf(session_commands, "delete", _cmd_sessions_delete, "delete a session and its history")
-    sub.add_argument("session_id", metavar="SESSION_ID")
-    sub = leaf(session_commands, "export", _cmd_sessions_export, "export sessions as JSON lines")
-    sub.add_argument(
-        "--output", "-o", metavar="FILE", help="write to FILE instead of standard output"
-    )
-
-    dedup = commands.add_parser("dedup", help="processed webhook ids")
-    dedup_commands = dedup.add_subparsers(dest="dedup_command", required=True, metavar="SUBCOMMAND")
-    leaf(dedup_commands, "purge", _cmd_dedup_purge, "delete processed ids older than the TTL")
-
-    leaf(commands, "backends", _cmd_backends, "list installed backends", with_url=False)
-    sub = leaf(
-        commands,
-        "demo",
-        _cmd_demo,
-        "run the offline demo (scripted engine, real Runner) on a new SQLite file",
-        with_url=False,
-    )
-    sub.add_argument(
-        "--db", metavar="PATH", help="new SQLite file to create (default: in a temp directory)"
-    )
-    return parser
+        raise CliError(str(exc), EXIT_FAILED) from exc
 
 
 # --------------------------------------------------------------------------- main
 
 
-def _redact(message: str, args: argparse.Namespace | None) -> str:
-    """Remove the URL's password from ``message``, whatever produced it.
+def _urls_in(argv: Sequence[str]) -> list[str]:
+    """Every URL the command line or environment names (for redaction)."""
+    found = [os.environ.get("CHATFLOW_DATABASE_URL") or ""]
+    for index, arg in enumerate(argv):
+        if arg == "--url" and index + 1 < len(argv):
+            found.append(argv[index + 1])
+        elif arg.startswith("--url="):
+            found.append(arg.split("=", 1)[1])
+    return [url for url in found if url]
 
-    Messages built here never contain it; this guards against a driver or
-    library quoting the URL. Short passwords are only masked where they appear
-    as ``:password@`` so ordinary words are not mangled.
+
+def _password_of(raw: str) -> str | None:
+    """The password in ``raw`` (parsed without SQLAlchemy, so a bad port does not hide it)."""
+    from urllib.parse import unquote
+
+    match = re.match(r"^[^:/?#]+://[^:@/?#]*:([^@/?#]*)@", raw)
+    if match is None:
+        return None
+    return unquote(match.group(1)) or None
+
+
+def _redact(message: str, urls: Sequence[str | None]) -> str:
+    """Remove the URLs' passwords from ``message``, whatever produced it.
+
+    Messages built here never contain one; this guards against a driver or
+    library quoting the URL. Short passwords are only masked where they
+    appear as ``:password@`` so ordinary words are not mangled.
     """
-    candidates = [getattr(args, "url", None), os.environ.get("CHATFLOW_DATABASE_URL")]
-    for raw in candidates:
-        if not raw:
-            continue
-        try:
-            password = make_url(raw).password
-        except Exception:  # unparsable URL: nothing to redact from it
-            continue
+    from urllib.parse import quote, quote_plus
+
+    for raw in urls:
+        password = _password_of(raw) if raw else None
         if not password:
             continue
-        for form in {str(password), quote_plus(str(password)), quote(str(password), safe="")}:
+        for form in {password, quote_plus(password), quote(password, safe="")}:
             message = message.replace(f":{form}@", ":***@")
             if len(form) >= 4:
                 message = message.replace(form, "***")
     return message
 
 
-def _fail(message: str, code: int, args: argparse.Namespace | None) -> int:
-    print(f"error: {_redact(_one_line(message), args)}", file=sys.stderr)
+def _fail(message: str, code: int, urls: Sequence[str]) -> int:
+    click.echo(f"error: {clean(_redact(_one_line(message), urls))}", err=True)
     return code
 
 
+def _usage_error(exc: click.UsageError) -> int:
+    """A Click usage error as one line, with where to find help."""
+    ctx = exc.ctx
+    where = ctx.command_path if ctx is not None else PROG
+    click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
+    return EXIT_USAGE
+
+
+def _known_error(exc: Exception, urls: Sequence[str]) -> int | None:
+    """Exit code for an expected error (reported as one line); None for a bug."""
+    from alembic.util.exc import CommandError
+    from sqlalchemy import exc as sa_exc
+
+    from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+
+    if isinstance(exc, sa_exc.ArgumentError):
+        return _fail(f"invalid database URL: {exc}", EXIT_USAGE, urls)
+    if isinstance(exc, (ChatflowStoreError, CommandError)):
+        return _fail(str(exc), EXIT_USAGE, urls)
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        return _fail(f"database error: {_db_error_reason(exc)}", EXIT_USAGE, urls)
+    if isinstance(exc, ImportError):
+        return _fail(f"{exc}; install the database driver for this URL", EXIT_USAGE, urls)
+    if isinstance(exc, OSError):
+        return _fail(str(exc), EXIT_USAGE, urls)
+    return None
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader went away (``sessions export | head``): stop quietly like other tools."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (e.g. under pytest)
+        pass
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code.
+    """Run the command line; return the exit code (see the module docstring).
 
     Args:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 1 for a failed check or unknown session, 2 for a usage
-        or database error (reported as one ``error:`` line on stderr).
+        0 on success, 1 for a failed check/unknown session/corrupt rows,
+        2 for a usage or database error (one ``error:`` line on stderr).
 
     """
-    parser = build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    urls = _urls_in(args)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse already reported
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    handler = cast(Callable[[argparse.Namespace, TextIO], int], args.handler)
-    try:
-        return handler(args, sys.stdout)
-    except _Failed as exc:
-        return _fail(str(exc), exc.code, args)
-    except sa_exc.ArgumentError as exc:
-        return _fail(f"invalid database URL: {exc}", EXIT_USAGE, args)
-    except ChatflowStoreError as exc:
-        return _fail(str(exc), EXIT_USAGE, args)
-    except CommandError as exc:
-        return _fail(str(exc), EXIT_USAGE, args)
-    except sa_exc.SQLAlchemyError as exc:
-        return _fail(f"database error: {_db_error_reason(exc)}", EXIT_USAGE, args)
-    except ImportError as exc:
-        return _fail(f"{exc} (is the database driver installed?)", EXIT_USAGE, args)
+        result = cli.main(args=args, prog_name=PROG, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.UsageError as exc:
+        return _usage_error(exc)
+    except click.Abort:
+        return _fail("interrupted", EXIT_INTERRUPTED, urls)
+    except click.ClickException as exc:
+        return _fail(exc.format_message(), exc.exit_code, urls)
+    except CliError as exc:
+        return _fail(str(exc), exc.code, urls)
     except BrokenPipeError:
-        # The reader went away (e.g. `sessions export | head`): stop quietly like
-        # other Unix tools, and keep the interpreter from complaining at exit.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):  # stdout is not a real file (e.g. under pytest)
-            pass
-        return EXIT_FAILED
-    except OSError as exc:
-        return _fail(str(exc), EXIT_USAGE, args)
+        return _quiet_broken_pipe()
     except KeyboardInterrupt:
-        return _fail("interrupted", 130, args)
+        return _fail("interrupted", EXIT_INTERRUPTED, urls)
+    except Exception as exc:
+        code = _known_error(exc, urls)
+        if code is None:
+            raise
+        return code
+    return result if isinstance(result, int) else EXIT_OK
+
+
+def _exit() -> NoReturn:
+    raise SystemExit(main())
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -32,11 +33,19 @@ from typing import Any, Protocol, TypeVar
 
 from chatflow_agent import Agent, Message, Role
 from chatflow_agent import SessionContext as _UpstreamSessionContext
+from pydantic_core import to_json
 
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.models import SESSION_ID_MAX_LENGTH
 
-__all__ = ["SessionContext", "TurnLock", "validate_max_turns", "validate_session_id"]
+__all__ = [
+    "SessionContext",
+    "TurnLock",
+    "dump_message",
+    "dump_metadata",
+    "validate_max_turns",
+    "validate_session_id",
+]
 
 _T = TypeVar("_T")
 
@@ -54,6 +63,8 @@ def validate_session_id(session_id: object) -> str:
         raise ValueError(
             f"session_id is {len(session_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
         )
+    if "\x00" in session_id:
+        raise ValueError("session_id must not contain the NUL character ('\\x00')")
     return session_id
 
 
@@ -66,12 +77,41 @@ def validate_max_turns(value: object, name: str = "max_turns") -> int:
     return value
 
 
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+"""An escaped NUL in JSON text (not an escaped backslash followed by ``u0000``)."""
+
+
 def dump_metadata(metadata: object) -> str:
-    """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``."""
+    """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``.
+
+    Refused, so that what is accepted reads back the same on every backend:
+    NaN and infinities (JSON has no such numbers) and the NUL character
+    anywhere in a key or string (PostgreSQL's ``jsonb`` cannot hold it).
+    """
     try:
-        return json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
+        raise ValueError(
+            "metadata must not contain the NUL character ('\\x00') in a key or string value "
+            "(PostgreSQL cannot store it in JSON): remove it or encode the value first"
+        )
+    return text
+
+
+def dump_message(message: Message) -> str:
+    """A message as the JSON stored in ``message_json``, which reads back equal.
+
+    Tool arguments and results may hold NaN or infinities (a data tool's
+    output); pydantic writes those as ``null`` by default, so messages with
+    tool calls or results are written with the ``NaN``/``Infinity``
+    constants, which :meth:`Message.model_validate_json` reads back. Other
+    messages (no floats) take pydantic's faster path; both give the same text.
+    """
+    if message.tool_calls is None and message.tool_results is None:
+        return message.model_dump_json()
+    return to_json(message.model_dump(), inf_nan_mode="constants").decode()
 
 
 class ContextOwner(Protocol):

@@ -79,15 +79,26 @@ class SchemaAheadError(SchemaError):
 
 
 class CorruptRowError(ChatflowStoreError):
-    """A stored row cannot be decoded; the message names its session and row id."""
+    """A stored row cannot be decoded; the message names its table, session and row id.
 
-    def __init__(self, session_id: str, row_id: object, reason: str) -> None:
+    ``table`` is ``chatflow_messages`` for a message row (``row_id`` its id)
+    and ``chatflow_sessions`` for a session row (whose key is the session id,
+    so ``row_id`` is None and not shown).
+    """
+
+    def __init__(
+        self, session_id: str, row_id: object, reason: str, *, table: str = "chatflow_messages"
+    ) -> None:
+        where = f"session {session_id!r}" if row_id is None else (
+            f"session {session_id!r}, id {row_id}"
+        )
         super().__init__(
-            f"corrupt row in chatflow_messages (session {session_id!r}, id {row_id}): {reason}; "
+            f"corrupt row in {table} ({where}): {reason}; "
             f"inspect it with: chatflow-sqlalchemy sessions show {shlex.quote(session_id)}"
         )
         self.session_id = session_id
         self.row_id = row_id
+        self.table = table
 
 
 class DatabaseUnavailableError(ChatflowStoreError):

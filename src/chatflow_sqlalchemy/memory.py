@@ -37,6 +37,10 @@ class SessionStore(BaseSessionStore):
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
 
+    Like the SQL stores it is a context manager (``with`` and ``async with``)
+    that closes on exit; a closed store drops what it held and refuses further
+    use with ``RuntimeError``.
+
     """
 
     dedup_max_entries = 100_000
@@ -53,6 +57,11 @@ class SessionStore(BaseSessionStore):
         self._processed: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this session store is closed; open a new one")
 
     def set_agent_resolver(self, resolver: Callable[[str], Agent | None]) -> None:
         """Accepted for API parity; in-memory contexts keep their Agent objects."""
@@ -65,6 +74,7 @@ class SessionStore(BaseSessionStore):
         validate_session_id(session_id)
         dump_metadata(metadata or {})
         with self._lock:
+            self._check_open()
             ctx = self._sessions.get(session_id)
             if ctx is None:
                 ctx = SessionContext(
@@ -81,10 +91,12 @@ class SessionStore(BaseSessionStore):
 
     def _flush_context(self, ctx: SessionContext) -> None:
         with self._lock:
+            self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
                 self._updated[ctx.session_id] = time.monotonic()
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
+        self._check_open()
         ctx._check_alive()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
@@ -101,12 +113,14 @@ class SessionStore(BaseSessionStore):
         """Return the session's context, or None."""
         validate_session_id(session_id)
         with self._lock:
+            self._check_open()
             return self._sessions.get(session_id)
 
     def delete(self, session_id: str) -> bool:
         """Delete the session; its live contexts then raise SessionDeletedError."""
         validate_session_id(session_id)
         with self._lock:
+            self._check_open()
             ctx = self._sessions.pop(session_id, None)
             self._updated.pop(session_id, None)
         if ctx is None:
@@ -117,11 +131,13 @@ class SessionStore(BaseSessionStore):
     def list_sessions(self) -> list[str]:
         """Session ids, most recently updated first."""
         with self._lock:
+            self._check_open()
             return sorted(self._updated, key=self._updated.__getitem__, reverse=True)
 
     def clear(self) -> None:
         """Delete every session (processed webhook ids are kept)."""
         with self._lock:
+            self._check_open()
             contexts = list(self._sessions.values())
             self._sessions.clear()
             self._updated.clear()
@@ -132,6 +148,7 @@ class SessionStore(BaseSessionStore):
         """True if ``message_id`` was claimed within the TTL."""
         _validate_message_id(message_id)
         with self._lock:
+            self._check_open()
             stamp = self._processed.get(message_id)
             return stamp is not None and time.monotonic() - stamp <= self._ttl_seconds
 
@@ -139,6 +156,7 @@ class SessionStore(BaseSessionStore):
         """Record ``message_id`` as processed now."""
         _validate_message_id(message_id)
         with self._lock:
+            self._check_open()
             self._remember(message_id, time.monotonic())
 
     def record_processed_message(self, message_id: str) -> bool:
@@ -146,6 +164,7 @@ class SessionStore(BaseSessionStore):
         _validate_message_id(message_id)
         now = time.monotonic()
         with self._lock:
+            self._check_open()
             stamp = self._processed.get(message_id)
             if stamp is not None and now - stamp <= self._ttl_seconds:
                 return False
@@ -163,6 +182,7 @@ class SessionStore(BaseSessionStore):
         cutoff = time.monotonic() - self._ttl_seconds
         removed = 0
         with self._lock:
+            self._check_open()
             while self._processed:
                 message_id, stamp = next(iter(self._processed.items()))
                 if stamp >= cutoff:
@@ -172,7 +192,15 @@ class SessionStore(BaseSessionStore):
         return removed
 
     def close(self) -> None:
-        """Nothing to release; present for API parity."""
+        """Drop every session and claim; later calls raise ``RuntimeError`` (as SQL stores do).
+
+        Closing twice is harmless.
+        """
+        with self._lock:
+            self._closed = True
+            self._sessions.clear()
+            self._updated.clear()
+            self._processed.clear()
 
     def __enter__(self) -> SessionStore:
         return self
@@ -182,6 +210,15 @@ class SessionStore(BaseSessionStore):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    async def __aenter__(self) -> SessionStore:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
     async def aget_or_create(
         self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None

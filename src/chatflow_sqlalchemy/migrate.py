@@ -12,8 +12,13 @@ Migrations run on one connection inside one transaction that first takes a
 cross-process lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
 PostgreSQL, the backend's own elsewhere), so concurrent starts migrate once
 and a failure leaves nothing half-done (where the database has transactional
-DDL). Set ``CHATFLOW_AUTO_MIGRATE=0`` to make stores refuse an old schema
-instead of upgrading it on open.
+DDL). Set ``CHATFLOW_AUTO_MIGRATE=0`` (or ``false``/``no``/``off``), or open
+the store with ``auto_migrate=False``, to make stores refuse an old or
+missing schema instead of creating or upgrading it on open.
+
+Logging: each migration is logged at INFO on the ``chatflow_sqlalchemy``
+logger (which database, password hidden; from and to which revision; how
+long). Alembic's own INFO lines during our runs are passed on at DEBUG.
 
 Plugin chains
 -------------
@@ -37,25 +42,21 @@ collide with the core's (or another plugin's) is rejected with
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.config import Config
-from alembic.runtime.environment import EnvironmentContext
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
 from sqlalchemy import (
     URL,
     Connection,
@@ -70,22 +71,85 @@ from sqlalchemy import (
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
 
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+_ALEMBIC_QUIET: ContextVar[bool] = ContextVar("chatflow_alembic_quiet", default=False)
+
+
+class _AlembicInfoToDebug(logging.Filter):
+    """While chatflow-sqlalchemy runs Alembic, its INFO records become DEBUG records.
+
+    Installed on Alembic's loggers; only records made in a context inside
+    :func:`alembic_chatter_at_debug` are touched, so an application's own
+    Alembic runs log as they always did. A demoted record is dropped unless
+    its logger is enabled for DEBUG.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _ALEMBIC_QUIET.get() or record.levelno != logging.INFO:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_ALEMBIC_FILTER = _AlembicInfoToDebug()
+_KNOWN_ALEMBIC_LOGGERS = ("alembic.runtime.migration", "alembic.runtime.plugins")
+
+
+@contextmanager
+def alembic_chatter_at_debug() -> Iterator[None]:
+    """Run the block with Alembic's INFO logging demoted to DEBUG (this context only).
+
+    The user's logging configuration is left as it is: a filter on Alembic's
+    own loggers rewrites the level of records made inside the block.
+    """
+    names = [
+        name
+        for name in list(logging.Logger.manager.loggerDict)
+        if name == "alembic" or name.startswith("alembic.")
+    ]
+    for name in {*names, *_KNOWN_ALEMBIC_LOGGERS}:
+        alembic_logger = logging.getLogger(name)
+        if _ALEMBIC_FILTER not in alembic_logger.filters:
+            alembic_logger.addFilter(_ALEMBIC_FILTER)
+    token = _ALEMBIC_QUIET.set(True)
+    try:
+        yield
+    finally:
+        _ALEMBIC_QUIET.reset(token)
+
+
+with alembic_chatter_at_debug():  # importing autogenerate logs "setup plugin ..." at INFO
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.runtime.environment import EnvironmentContext
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.util.exc import CommandError
+
 __all__ = [
+    "AUTO_MIGRATE_ENV",
     "BASELINE_REVISION",
     "CORE_CHAIN",
+    "EMPTY_DATABASE",
     "MIGRATIONS_ENTRY_POINT_GROUP",
     "RESERVED_VERSION_TABLES",
+    "UPSTREAM_TABLES",
     "VERSION_TABLE",
     "ChainStatus",
     "MigrationChain",
     "MigrationPluginError",
     "Revision",
+    "alembic_chatter_at_debug",
+    "auto_migrate_enabled",
     "chain_status",
     "chains_for",
     "check_not_ahead",
     "configure_context",
     "core_chain",
     "current_revision",
+    "describe_revision",
     "downgrade",
     "drift",
     "ensure_schema",
@@ -96,6 +160,7 @@ __all__ = [
     "make_config",
     "open_engine",
     "plugin_chains",
+    "require_existing_database",
     "run_locked",
     "stamp",
     "table_options",
@@ -113,6 +178,47 @@ MIGRATIONS_ENTRY_POINT_GROUP = "chatflow_sqlalchemy.migrations"
 
 RESERVED_VERSION_TABLES = frozenset({VERSION_TABLE, "alembic_version"})
 """Version tables no plugin may use: the core's, and Alembic's default (the application's)."""
+
+AUTO_MIGRATE_ENV = "CHATFLOW_AUTO_MIGRATE"
+"""Environment variable: may stores create and upgrade the schema on open? (default yes)"""
+
+UPSTREAM_TABLES = "chatflow-agent 0.3.4 tables (unversioned)"
+"""How a database holding upstream's tables but no revision is described."""
+
+EMPTY_DATABASE = "empty database"
+"""How a database without chatflow tables is described."""
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
+    """Whether a store may create or upgrade the schema when it opens.
+
+    Args:
+        auto_migrate: The store's ``auto_migrate=`` argument; None reads
+            ``CHATFLOW_AUTO_MIGRATE`` (``1/true/yes/on`` or ``0/false/no/off``,
+            any case; unset or empty means yes).
+
+    Raises:
+        ValueError: ``CHATFLOW_AUTO_MIGRATE`` holds another value.
+        TypeError: ``auto_migrate`` is neither a bool nor None.
+
+    """
+    if auto_migrate is not None:
+        if not isinstance(auto_migrate, bool):
+            raise TypeError(f"auto_migrate must be True, False or None, not {auto_migrate!r}")
+        return auto_migrate
+    raw = os.environ.get(AUTO_MIGRATE_ENV, "")
+    word = raw.strip().lower()
+    if word == "" or word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError(
+        f"{AUTO_MIGRATE_ENV}={raw!r} is not understood; set it to 0, false, no or off to "
+        "make stores refuse an old schema, or to 1, true, yes or on (the default)"
+    )
 
 
 class MigrationPluginError(ChatflowStoreError):
@@ -534,8 +640,9 @@ def head_revision(chain: MigrationChain | None = None) -> str:
 def current_revision(conn: Connection, chain: MigrationChain | None = None) -> str | None:
     """The database's revision of the core chain (or ``chain``); None if never migrated."""
     table = (chain or core_chain()).version_table
-    context = MigrationContext.configure(conn, opts={"version_table": table})
-    return context.get_current_revision()
+    with alembic_chatter_at_debug():  # configure() logs the context impl at INFO
+        context = MigrationContext.configure(conn, opts={"version_table": table})
+        return context.get_current_revision()
 
 
 def _read_current(engine: Engine, chain: MigrationChain | None = None) -> str | None:
@@ -587,40 +694,132 @@ def check_not_ahead(found: str | None, chain: MigrationChain | None = None) -> N
         )
 
 
-def ensure_schema(engine: Engine, support: DialectSupport) -> None:
+def describe_revision(
+    conn: Connection, revision: str | None, chain: MigrationChain | None = None
+) -> str:
+    """How logs and errors name where a database stands on a chain.
+
+    A revision is named as it is; without one, the core chain tells an
+    :data:`EMPTY_DATABASE` from upstream's :data:`UPSTREAM_TABLES` (which
+    ``upgrade`` adopts in place), and a plugin chain says ``none``.
+    """
+    if revision is not None:
+        return revision
+    if chain is not None and not chain.is_core:
+        return "none"
+    from chatflow_sqlalchemy.models import ChatflowSession
+
+    return UPSTREAM_TABLES if inspect(conn).has_table(ChatflowSession.__tablename__) else (
+        EMPTY_DATABASE
+    )
+
+
+def ensure_schema(
+    engine: Engine, support: DialectSupport, *, auto_migrate: bool | None = None
+) -> None:
     """Create or upgrade the core schema and every plugin's to head (what opening a store does).
+
+    Args:
+        engine: The store's engine.
+        support: Its backend's dialect support (takes the migration lock).
+        auto_migrate: False refuses instead of migrating; None reads
+            ``CHATFLOW_AUTO_MIGRATE`` (see :func:`auto_migrate_enabled`).
 
     Raises:
         SchemaAheadError: The database was migrated by a newer version.
-        SchemaError: It is behind and ``CHATFLOW_AUTO_MIGRATE=0`` forbids upgrading.
+        SchemaError: It is behind (or missing) and auto-migration is off;
+            nothing was created or changed.
         MigrationPluginError: An installed plugin chain is unusable.
 
     """
-    behind = [status for status in chain_status(engine) if not status.at_head]
-    if not behind:
-        return
-    for status in behind:
-        check_not_ahead(status.current, status.chain)
-    if os.environ.get("CHATFLOW_AUTO_MIGRATE", "1") == "0":
-        first = behind[0]
-        what = "the database schema" if first.chain.is_core else f"the {first.chain.label} schema"
-        raise SchemaError(
-            f"{what} is at revision {first.current or 'none'}, the code expects {first.head}; "
-            "run: chatflow-sqlalchemy db upgrade",
-            found=first.current,
-            expected=first.head,
-        )
-    with locked_connection(engine, support) as conn:
+    allowed = auto_migrate_enabled(auto_migrate)
+    if not allowed:
+        require_existing_database(engine)
+    with alembic_chatter_at_debug():
+        behind = [status for status in chain_status(engine) if not status.at_head]
+        if not behind:
+            return
         for status in behind:
-            _apply(conn, status.chain, "upgrade", "head")
+            check_not_ahead(status.current, status.chain)
+        if not allowed:
+            _refuse(engine, behind[0])
+        _run(engine, [(status.chain, "upgrade", "head") for status in behind], support)
+
+
+def _database(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
+def _refuse(engine: Engine, status: ChainStatus) -> None:
+    with engine.connect() as conn:
+        try:
+            found = describe_revision(conn, status.current, status.chain)
+        finally:
+            conn.rollback()
+    what = "the schema" if status.chain.is_core else f"the schema of {status.chain.label}"
+    if status.current is not None:
+        found = f"revision {found}"
+    raise SchemaError(
+        f"{_database(engine)}: {what} is behind (found: {found}; this code needs revision "
+        f"{status.head}) and auto-migration is off (auto_migrate=False or "
+        "CHATFLOW_AUTO_MIGRATE), so nothing was changed; run: chatflow-sqlalchemy db upgrade",
+        found=status.current,
+        expected=status.head,
+    )
+
+
+def require_existing_database(engine: Engine) -> None:
+    """Refuse an on-disk SQLite database whose file does not exist (before connecting).
+
+    Connecting would create it; with auto-migration off (and for read-only
+    tools) a missing file is an error naming the path, and nothing is
+    created. Other databases, in-memory SQLite and ``file:`` URIs pass.
+
+    Raises:
+        SchemaError: The file does not exist (the message says how to create it).
+
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    database = engine.url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return
+    if not Path(database).exists():
+        raise SchemaError(
+            f"the SQLite database {database} does not exist and auto-migration is off "
+            "(auto_migrate=False or CHATFLOW_AUTO_MIGRATE), so it was not created; create it "
+            f"with: CHATFLOW_DATABASE_URL={_database(engine)} chatflow-sqlalchemy db upgrade",
+            found=None,
+            expected=head_revision(),
+        )
+
+
+_VERBS = {"upgrade": "upgraded", "downgrade": "downgraded", "stamp": "stamped"}
 
 
 def _run(
-    engine: Engine, steps: list[tuple[MigrationChain, str, str]]
+    engine: Engine,
+    steps: list[tuple[MigrationChain, str, str]],
+    support: DialectSupport | None = None,
 ) -> None:
-    with locked_connection(engine, _support_for(engine.dialect.name)) as conn:
+    """Run ``steps`` in one locked transaction; log each chain that moved once committed."""
+    moved: list[tuple[MigrationChain, str, str, str, float]] = []
+    support = support or _support_for(engine.dialect.name)
+    with alembic_chatter_at_debug(), locked_connection(engine, support) as conn:
         for chain, action, revision in steps:
+            started = time.perf_counter()
+            before = describe_revision(conn, current_revision(conn, chain), chain)
             _apply(conn, chain, action, revision)
+            after = describe_revision(conn, current_revision(conn, chain), chain)
+            if after != before:
+                moved.append((chain, action, before, after, time.perf_counter() - started))
+    for chain, action, before, after, seconds in moved:
+        where = "" if chain.is_core else f" ({chain.label})"
+        head = " (head)" if after == head_revision(chain) else ""
+        logger.info(
+            "%s %s%s from %s to %s%s in %.2f s",
+            _VERBS[action], _database(engine), where, before, after, head, seconds,
+        )
 
 
 def _chain_named(engine: Engine, chain: str | MigrationChain | None) -> MigrationChain | None:
@@ -710,7 +909,7 @@ def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
     """
     chains = [chain] if chain is not None else chains_for(engine.dialect.name)
     found: list[str] = []
-    with engine.connect() as conn:
+    with alembic_chatter_at_debug(), engine.connect() as conn:
         try:
             for item in chains:
                 context = MigrationContext.configure(

@@ -27,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import re
 import threading
@@ -68,6 +69,9 @@ _BUILTINS: dict[str, tuple[str, str | None]] = {
     "postgresql": ("chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore", "postgres"),
 }
 """name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver)."""
+
+_BUILTIN_DRIVERS = {"postgresql": "psycopg"}
+"""name -> the driver module a built-in backend needs (its module imports without it)."""
 
 _ALIASES = {"postgres": "postgresql", "mariadb": "mysql"}
 """Fallbacks tried when no backend has the exact name."""
@@ -211,6 +215,21 @@ def _builtin_hint(extra: str | None) -> str:
     return "reinstall chatflow-sqlalchemy"
 
 
+def _require_driver(name: str, driver: str | None, extra: str | None) -> None:
+    """Raise :class:`BackendImportError` when a built-in backend's driver is missing."""
+    if driver is None:
+        return
+    try:
+        found = importlib.util.find_spec(driver) is not None
+    except (ImportError, ValueError):  # a module blocked in sys.modules
+        found = False
+    if not found:
+        raise BackendImportError(
+            f"backend {name!r} needs the {driver} driver, which is not installed; "
+            f"{_builtin_hint(extra)}"
+        )
+
+
 def _entry_point_hint(ep: EntryPoint) -> str:
     dist = _dist_name(ep)
     if ep.extras:
@@ -231,7 +250,9 @@ def _lookup(name: str) -> type[SQLAlchemySessionStore] | None:
         shadowing = _entry_points().get(name)
         if shadowing:
             _warn_shadowed(name, shadowing)
-        return _import_target(name, builtin, _builtin_hint(extra))
+        backend = _import_target(name, builtin, _builtin_hint(extra))
+        _require_driver(name, _BUILTIN_DRIVERS.get(name), extra)
+        return backend
     claims = _entry_points().get(name)
     if not claims:
         return None

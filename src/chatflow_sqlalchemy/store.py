@@ -23,6 +23,7 @@ new messages are appended after them as whole turns, never interleaved.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
@@ -34,10 +35,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from chatflow_agent import Agent, BaseSessionStore, Message, Role
 from pydantic import ValidationError
@@ -59,13 +61,12 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.util.concurrency import greenlet_spawn, in_greenlet
 
 from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy.context import (
     DurableState,
     SessionContext,
+    dump_message,
     dump_metadata,
     validate_max_turns,
     validate_session_id,
@@ -92,9 +93,13 @@ from chatflow_sqlalchemy.models import (
     utcnow,
 )
 
+if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
 __all__ = [
     "DEFAULT_DATABASE_URL",
     "DEFAULT_DEDUP_TTL_HOURS",
+    "MAX_DEDUP_TTL_HOURS",
     "SQLAlchemySessionStore",
     "database_url_from_env",
 ]
@@ -103,8 +108,17 @@ _T = TypeVar("_T")
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
+_IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", default=False)
+"""True while store code runs in a greenlet on the AsyncEngine's sync facade."""
+
+ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
+
 DEFAULT_DEDUP_TTL_HOURS = 192
 """Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+MAX_DEDUP_TTL_HOURS = 876_000
+"""Longest accepted dedup window: 100 years. Every database can store a cutoff that
+far back, which ``now - ttl`` must be."""
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
@@ -221,12 +235,26 @@ def _validate_message_id(message_id: object) -> str:
         raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
     if len(message_id) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
+        raise ValueError("message_id must not contain the NUL character ('\\x00')")
     return message_id
 
 
 def _validate_ttl(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"dedup_ttl_hours must be a positive number, got {value!r}")
+    """``dedup_ttl_hours`` as a float, if within ``0 < value <= MAX_DEDUP_TTL_HOURS``.
+
+    Checked when a store is built: a window reaching back before year 1 (or
+    an infinite or NaN one) would only fail at the first claim.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_DEDUP_TTL_HOURS
+    ):
+        raise ValueError(
+            f"dedup_ttl_hours must be a number of hours with 0 < dedup_ttl_hours <= "
+            f"{MAX_DEDUP_TTL_HOURS} (100 years), got {value!r}"
+        )
     return float(value)
 
 
@@ -268,13 +296,20 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: An existing engine to use (the store does not dispose it).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: Create or upgrade the schema on open (True), or refuse
+            a missing or old schema with
+            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
+            nothing (False). None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
+            (``0/false/no/off`` turn it off; unset means on).
 
     The schema is created or upgraded on open (under a cross-process lock); a
     database migrated by a newer version raises
-    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`.
+    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`. What was
+    migrated is logged at INFO on the ``chatflow_sqlalchemy`` logger.
 
     Raises:
-        ValueError: For invalid parameters.
+        ValueError: For invalid parameters (or an unreadable ``CHATFLOW_AUTO_MIGRATE``).
+        SchemaError: The schema is missing or behind and auto-migration is off.
         BackendNotFoundError: When no backend handles the URL's dialect.
         DatabaseUnavailableError: When the database cannot be reached.
 
@@ -293,7 +328,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: Engine | None = None,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        auto_migrate: bool | None = None,
     ) -> None:
+        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+
+        self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
@@ -342,14 +381,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             keep=0 if self._ephemeral else _KEPT_CONNECTIONS,
             max_idle=_dialect.IDLE_PING_SECONDS,
         )
-        self._native_async = (
-            not self._ephemeral
-            and self.support.async_url(self.url) is not None
-            and _greenlet_available()
-        )
+        self._native_async = False
         self._aengine: AsyncEngine | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         try:
+            self._native_async = self._wants_native_async()
             self._open_schema()
         except BaseException:
             if self._owns_engine:
@@ -357,6 +393,29 @@ class SQLAlchemySessionStore(BaseSessionStore):
             raise
 
     # ------------------------------------------------------------ plumbing
+
+    def _wants_native_async(self) -> bool:
+        """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
+
+        Needs an async driver for the URL and greenlet (the asyncio extension
+        of SQLAlchemy). A URL that names an async driver itself
+        (``sqlite+aiosqlite://``) without greenlet installed is refused with
+        the extra to install; otherwise the thread pool serves the async API.
+
+        Raises:
+            BackendImportError: The URL asks for an async driver and greenlet is missing.
+
+        """
+        if self._ephemeral or self.support.async_url(self.url) is None:
+            return False
+        if _greenlet_available():
+            return True
+        if self.support.sync_url(self.url).drivername != self.url.drivername:
+            raise BackendImportError(
+                f"{self.url.drivername} runs on SQLAlchemy's asyncio extension, which needs "
+                f"greenlet: {ASYNC_INSTALL_HINT}"
+            )
+        return False
 
     def _open_owned(
         self,
@@ -366,6 +425,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         install_hint: str,
         default_max_turns: int,
         dedup_ttl_hours: float,
+        auto_migrate: bool | None = None,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -384,6 +444,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 engine=engine,
                 default_max_turns=default_max_turns,
                 dedup_ttl_hours=dedup_ttl_hours,
+                auto_migrate=auto_migrate,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -409,11 +470,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return cls(url, **kwargs)
 
     def _open_schema(self) -> None:
-        from chatflow_sqlalchemy.migrate import ensure_schema
+        from chatflow_sqlalchemy.migrate import ensure_schema, require_existing_database
 
         with self._guard():
+            if not self.auto_migrate:  # connecting would create a missing SQLite file
+                require_existing_database(self.engine)
             _require_transactions(self.engine)
-            ensure_schema(self.engine, self.support)
+            ensure_schema(self.engine, self.support, auto_migrate=self.auto_migrate)
 
     def _guard(self) -> _Guard:
         """``with self._guard():``: connection failures become one clear, password-free error.
@@ -434,7 +497,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         statements execute on the async driver without a thread hop.
         """
         self._check_open()
-        engines = self._aengines if self._native_async and in_greenlet() else self._engines
+        engines = self._aengines if self._in_async_facade() else self._engines
         assert engines is not None
         with self._guard(), engines[2 if single else int(write)].begin() as conn:
             yield conn
@@ -470,7 +533,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     def _hot_here(self) -> _HotStatements | None:
         """The per-turn statements for the engine this thread or greenlet uses."""
-        return self._ahot if self._native_async and in_greenlet() else self._hot
+        return self._ahot if self._in_async_facade() else self._hot
 
     def _take_driver_connection(self) -> DriverConnection:
         """A pooled connection for the driver path, on the engine this thread or greenlet uses.
@@ -481,7 +544,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         aside between units (:class:`~chatflow_sqlalchemy.driver.KeptConnections`).
         """
         self._check_open()
-        if self._native_async and in_greenlet():
+        if self._in_async_facade():
             assert self._aengines is not None
             return DriverConnection.checkout(self._aengines[0])
         return self._kept.take()
@@ -558,14 +621,30 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return fn(*args)
         if self._native_async:
             await self._async_engine_for_loop()
-            return await greenlet_spawn(fn, *args)
+            return cast(_T, await _greenlet_spawn()(_on_async_facade, fn, *args))
         return await self._io_pool().run(fn, *args)
 
+    def _in_async_facade(self) -> bool:
+        """True in :meth:`_run_blocking`'s greenlet: use the AsyncEngine's sync facade."""
+        return self._native_async and _IN_ASYNC_FACADE.get()
+
     def _make_async_engine(self) -> AsyncEngine:
-        """Create the AsyncEngine of a native-async store (backends may add options)."""
+        """Create the AsyncEngine of a native-async store (backends may add options).
+
+        Raises:
+            BackendImportError: The async driver is not installed (names the extra).
+
+        """
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         url = self.support.async_url(self.url)
         assert url is not None
-        return create_async_engine(url, **self.support.engine_options(url))
+        try:
+            return create_async_engine(url, **self.support.engine_options(url))
+        except ImportError as exc:
+            raise BackendImportError(
+                f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
+            ) from exc
 
     async def _async_engine_for_loop(self) -> AsyncEngine:
         """The AsyncEngine, its pool emptied first if the running event loop changed.
@@ -713,12 +792,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return conn.execute(core, params).first()
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
-        row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+        row = _fetch_session_row(conn, session_id)
         if row is None:
             return None
         metadata = row.metadata_json
         if not isinstance(metadata, dict):
-            raise CorruptRowError(session_id, "-", "metadata_json is not a JSON object")
+            kind = type(metadata).__name__
+            raise CorruptRowError(
+                session_id, None, f"metadata_json is not a JSON object (found {kind})",
+                table="chatflow_sessions",
+            )
         messages: list[Message] = []
         seqs: list[int] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
@@ -964,7 +1047,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
-                "content": message.content,
+                "content": _content_column(message.content),
                 "message_json": _dump_message(ctx.session_id, message),
                 "created_at": now,
             }
@@ -1261,6 +1344,30 @@ def _greenlet_available() -> bool:
     return importlib.util.find_spec("greenlet") is not None
 
 
+def _on_async_facade(fn: Callable[..., _T], *args: Any) -> _T:
+    """Run ``fn`` marked as running on the AsyncEngine's sync facade (in a greenlet)."""
+    token = _IN_ASYNC_FACADE.set(True)
+    try:
+        return fn(*args)
+    finally:
+        _IN_ASYNC_FACADE.reset(token)
+
+
+@functools.cache
+def _greenlet_spawn() -> Callable[..., Any]:
+    """SQLAlchemy's ``greenlet_spawn``, imported on first native-async use.
+
+    It is the one name used from outside SQLAlchemy's documented API: the
+    documented ``AsyncConnection.run_sync`` is built on it but holds a pooled
+    connection for the whole call, while the store checks out its own
+    connections inside. ``sqlalchemy.util.greenlet_spawn`` has kept its name
+    and signature from 1.4 to 2.1.
+    """
+    from sqlalchemy.util import greenlet_spawn
+
+    return cast(Callable[..., Any], greenlet_spawn)
+
+
 def _parse_message(session_id: str, row_id: object, text: str) -> Message:
     try:
         return Message.model_validate_json(text)
@@ -1297,7 +1404,7 @@ def _parse_deep_message(session_id: str, row_id: object, text: str) -> Message:
 def _dump_message(session_id: str, message: Message) -> str:
     """A message's JSON for its row, or ``ValueError`` saying why it cannot be stored."""
     try:
-        return message.model_dump_json()
+        return dump_message(message)
     except PydanticSerializationError as exc:
         raise ValueError(
             f"a {message.role.value} message of session {session_id!r} cannot be stored: "
@@ -1347,6 +1454,31 @@ def _orphaned_tool_call(ctx: SessionContext, stored: _StoredSession) -> Message 
     if message.role != Role.MODEL or not message.tool_calls:
         return None
     return None if ctx._seqs[index] in stored.seqs else message
+
+
+def _content_column(content: str | None) -> str | None:
+    """The text for the ``content`` column: a readable copy of ``message_json``'s content.
+
+    PostgreSQL text cannot hold NUL, so NUL becomes U+FFFD in this copy (on
+    every backend, alike); the message itself is read back from
+    ``message_json``, where JSON escapes it, so it round-trips exactly.
+    """
+    if content is not None and "\x00" in content:
+        return content.replace("\x00", "\ufffd")
+    return content
+
+
+def _fetch_session_row(conn: Connection, session_id: str) -> Any:
+    """The session's row; metadata that is not valid JSON is a :class:`CorruptRowError`.
+
+    Databases with a JSON type validate on write; SQLite stores text, which
+    a hand edit or a damaged file can leave undecodable.
+    """
+    try:
+        return conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
 
 
 def _require_transactions(engine: Engine) -> None:

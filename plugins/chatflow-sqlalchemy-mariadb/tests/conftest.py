@@ -55,8 +55,8 @@ def mariadb_url() -> URL:
     raw = os.environ.get(MARIADB_ENV)
     if not raw:
         pytest.skip(
-            f"MariaDB tests skipped: set {MARIADB_ENV}=mysql+pymysql://user@host:3306/db "
-            "to run them"
+            f"MariaDB tests skipped: {MARIADB_ENV} is unset; "
+            f"set {MARIADB_ENV}=mysql+pymysql://user@host:3306/db to run them"
         )
     from chatflow_sqlalchemy_mariadb.dialect import with_driver
 

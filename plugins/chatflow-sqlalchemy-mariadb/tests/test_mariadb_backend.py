@@ -131,7 +131,7 @@ def test_db_commands_run_both_chains(
     assert "plugin mariadb at 0001 (head)" in out
     code, out, _ = run_cli(capsys, "--url", url, "db", "current")
     assert "plugin mariadb (chatflow-sqlalchemy-mariadb" in out and "0001 (head)" in out
-    code, out, _ = run_cli(capsys, "--url", url, "db", "downgrade", "base")
+    code, out, _ = run_cli(capsys, "--url", url, "db", "downgrade", "base", "--yes")
     assert code == 0, out
     engine = migrate.open_engine(url)
     try:
@@ -261,7 +261,7 @@ class Capture(logging.Handler):
 
 
 log = logging.getLogger("alembic.runtime.migration")
-log.setLevel(logging.INFO)
+log.setLevel(logging.DEBUG)  # the store passes Alembic's INFO lines on at DEBUG
 log.addHandler(Capture())
 from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
 
@@ -305,3 +305,20 @@ def test_processes_starting_at_once_migrate_once(mariadb_database: URL, tmp_path
     steps = [line for lines in ran for line in lines]
     assert len(steps) == 3, f"core 0001, 0002 and the plugin's 0001, once in all: {steps}"
     assert sum(1 for lines in ran if lines) == 1
+
+
+def test_auto_migrate_off_refuses_an_empty_database_untouched(mariadb_database: URL) -> None:
+    from chatflow_sqlalchemy.exceptions import SchemaError
+
+    with pytest.raises(SchemaError, match="chatflow-sqlalchemy db upgrade") as caught:
+        MariaDBSessionStore(mariadb_database, auto_migrate=False)
+    assert migrate.EMPTY_DATABASE in str(caught.value)
+    engine = create_engine(mariadb_database)
+    try:
+        assert inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()
+    with MariaDBSessionStore(mariadb_database, auto_migrate=True) as store:
+        assert store.list_sessions() == []
+    with MariaDBSessionStore(mariadb_database, auto_migrate=False) as store:
+        assert store.list_sessions() == []

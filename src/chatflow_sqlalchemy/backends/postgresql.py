@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
+import logging
+import math
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import psycopg
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
-from sqlalchemy.util.concurrency import await_
 
 from chatflow_sqlalchemy.dialect import DialectSupport, ping_when_idle
 from chatflow_sqlalchemy.driver import (
@@ -29,21 +30,74 @@ from chatflow_sqlalchemy.driver import (
     DriverStatement,
     translate_driver_errors,
 )
-from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore, _describe
+
+if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    import psycopg
+    from sqlalchemy.ext.asyncio import AsyncEngine
+else:
+    try:
+        import psycopg
+    except ImportError:  # the class stays importable; opening a store names the extra
+        psycopg = None
 
 __all__ = [
+    "CONNECT_TIMEOUT_SECONDS",
+    "INSTALL_HINT",
+    "LOCK_RELEASE_TIMEOUT_SECONDS",
     "MIGRATION_LOCK_KEY",
+    "OPERATION_TIMEOUT_SECONDS",
+    "TCP_OPTIONS",
+    "TURN_LOCK_LEASE_SECONDS",
     "AdvisoryTurnLocks",
     "PostgresDialectSupport",
     "PostgresSessionStore",
+    "default_connect_args",
+    "jsonb_dumps",
     "psycopg_url",
     "session_lock_key",
 ]
 
+INSTALL_HINT = "PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'"
+"""What to install when psycopg is missing (the ``postgres`` extra)."""
+
 MIGRATION_LOCK_KEY = 0x63686174666C6F77 & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("chatflow") held while migrations run."""
+
+CONNECT_TIMEOUT_SECONDS = 10
+"""libpq ``connect_timeout`` unless the URL or ``connect_args`` set one: how long opening
+a connection (TCP, TLS, startup and authentication) may take before it fails."""
+
+TCP_OPTIONS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+"""libpq TCP settings of every connection, unless the URL or ``connect_args`` set them.
+
+Against a real network partition (packets dropped) a connection waiting on
+the server fails after about 30 s instead of TCP's ~15 minutes. They cannot
+help when something still acknowledges the packets (a hung proxy): that is
+what :data:`OPERATION_TIMEOUT_SECONDS` bounds.
+"""
+
+OPERATION_TIMEOUT_SECONDS = 15.0
+"""Bound of each async store operation and each turn-lock call (the default of
+``PostgresSessionStore.operation_timeout``)."""
+
+LOCK_RELEASE_TIMEOUT_SECONDS = 5.0
+"""Bound of the ``ROLLBACK`` that releases a turn lock; a connection that does not answer
+is closed instead, which releases the lock too."""
+
+TURN_LOCK_LEASE_SECONDS = 30.0
+"""A turn lock whose holder went silent is released by the server after this long
+(``idle_in_transaction_session_timeout``); live holders renew it every third of it."""
+
+logger = logging.getLogger("chatflow_sqlalchemy")
 
 
 def psycopg_url(url: str | URL) -> URL:
@@ -53,6 +107,67 @@ def psycopg_url(url: str | URL) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+def default_connect_args(url: URL, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The timeouts and TCP settings neither ``url`` nor ``given`` set, then ``given``.
+
+    ``connect_args`` win over the URL's query in SQLAlchemy, so a default is
+    only added where the user's URL does not name the parameter.
+    """
+    given = dict(given or {})
+    defaults: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **TCP_OPTIONS}
+    chosen = {k: v for k, v in defaults.items() if k not in url.query and k not in given}
+    return {**chosen, **given}
+
+
+def jsonb_dumps(value: Any) -> str:
+    """``json.dumps`` for ``jsonb``, writing integral floats so they read back as floats.
+
+    ``jsonb`` keeps numbers as ``numeric``, which prints ``4.417402109863705e+16``
+    back as ``44174021098637050``: an int to every JSON reader. Python writes
+    every float from 1e16 up in exponent form; those are written out in full
+    with a trailing ``.0`` instead (``numeric`` keeps that scale), which reads
+    back as the same float. Everything else is exactly ``json.dumps``.
+    """
+    floats: list[float] = []
+    _collect_exponent_integral_floats(value, floats)
+    if not floats:
+        return json.dumps(value)
+    marker = f"chatflow-float-{uuid.uuid4().hex}-"
+    numbers: dict[str, str] = {}
+
+    def replace(item: Any) -> Any:
+        if isinstance(item, float) and _exponent_integral(item):
+            key = f"{marker}{len(numbers)}"
+            numbers[json.dumps(key)] = f"{int(item)}.0"
+            return key
+        if isinstance(item, dict):
+            return {k: replace(v) for k, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [replace(v) for v in item]
+        return item
+
+    text = json.dumps(replace(value))
+    for placeholder, number in numbers.items():
+        text = text.replace(placeholder, number)
+    return text
+
+
+def _exponent_integral(number: float) -> bool:
+    return math.isfinite(number) and number.is_integer() and "e" in float.__repr__(number)
+
+
+def _collect_exponent_integral_floats(value: Any, found: list[float]) -> None:
+    if isinstance(value, float):
+        if _exponent_integral(value):
+            found.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_exponent_integral_floats(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_exponent_integral_floats(item, found)
 
 
 _R = TypeVar("_R")
@@ -73,66 +188,119 @@ def session_lock_key(session_id: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-class AdvisoryTurnLocks:
-    """Session-level advisory locks for turns, all held on one dedicated connection.
+_LOCK_AND_READ_VERSION = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; "
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true); "
+    "SELECT pg_try_advisory_xact_lock(%s); "
+    "SELECT version FROM chatflow_sessions WHERE session_id = %s"
+)
+"""A turn lock's first round trip; each statement reads its own snapshot, so the version
+is read after the lock was taken."""
 
-    One connection per store holds the locks of any number of sessions, so a
-    turn that waits on a slow model does not pin a pooled connection. The
-    locks die with the connection, so a crashed worker never leaves a session
-    locked. The connection is a plain psycopg ``AsyncConnection`` (outside the
-    SQLAlchemy pool) owned by the event loop that uses it; calls are
-    serialised because the connection is shared.
+
+class _Held:
+    """A turn lock being held: its connection (in a transaction) and its heartbeat."""
+
+    __slots__ = ("conn", "heartbeat", "stop", "use")
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self.stop = asyncio.Event()
+        self.use = asyncio.Lock()
+        self.heartbeat: asyncio.Future[None] | None = None
+
+
+class AdvisoryTurnLocks:
+    """Transaction-scoped advisory locks for turns, one lock connection per held lock.
+
+    A turn's lock is ``pg_try_advisory_xact_lock`` taken in a transaction
+    opened on a connection of the store's own (outside the SQLAlchemy pool,
+    so a turn that waits on a slow model pins no pooled connection) and
+    released by ``ROLLBACK``; the connection then serves the next turn.
+
+    Why a transaction and not a session-level lock: the transaction sets
+    ``idle_in_transaction_session_timeout`` to ``lease_seconds``, so a worker
+    that died or was cut off by a network partition loses its lock after at
+    most ``lease_seconds`` of silence: PostgreSQL ends the idle session, which
+    releases the lock, even when no TCP error ever reaches the server. A live
+    turn keeps its lock by a heartbeat (``SELECT 1``) every third of the
+    lease. Transaction-scoped locks also hold under a transaction-pooling
+    PgBouncer, which session-level locks do not.
+
+    Every call on a lock connection is bounded by ``call_timeout`` seconds
+    (``release`` by :data:`LOCK_RELEASE_TIMEOUT_SECONDS`); a connection that
+    did not answer is closed (which also gives its lock back).
     """
 
-    def __init__(self, connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]]) -> None:
-        self._connect = connect
-        self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._mutex: asyncio.Lock | None = None
+    max_idle_connections = 4
+    """Lock connections kept open between turns (more are closed after use)."""
 
-    def _bind_to_running_loop(self) -> asyncio.Lock:
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
+        *,
+        lease_seconds: float = TURN_LOCK_LEASE_SECONDS,
+        call_timeout: float = OPERATION_TIMEOUT_SECONDS,
+    ) -> None:
+        self._connect = connect
+        self.lease_seconds = lease_seconds
+        self.call_timeout = call_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._held: dict[str, _Held] = {}
+        self._distrusted: set[str] = set()
+
+    def _bind_to_running_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            # A connection of a finished loop cannot be awaited any more; closing the
-            # socket synchronously still makes the server drop its locks at once.
-            self._abandon()
+            # Connections of a finished loop cannot be awaited any more; closing their
+            # sockets synchronously still makes the server drop their locks at once.
+            self._abandon_all()
             self._loop = loop
-            self._mutex = asyncio.Lock()
-        assert self._mutex is not None
-        return self._mutex
 
-    def _abandon(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.pgconn.finish()
+    def _abandon_all(self) -> None:
+        idle, self._idle = self._idle, []
+        held, self._held = self._held, {}
+        self._distrusted.clear()
+        for conn in idle:
+            _finish(conn)
+        for lock in held.values():
+            lock.stop.set()
+            _finish(lock.conn)
 
-    async def _call(self, sql: str, param: object) -> Any:
-        async with self._bind_to_running_loop():
-            if self._conn is None or self._conn.closed:
-                self._conn = await self._connect()
-            try:
-                cursor = await self._conn.execute(sql, (param,))
-                row = await cursor.fetchone()
-            except Exception:
-                self._abandon()
-                raise
-            return row[0] if row else None
+    async def _take(self) -> psycopg.AsyncConnection[Any]:
+        self._bind_to_running_loop()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return await self._connect()
+
+    def _put(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        if conn.closed or len(self._idle) >= self.max_idle_connections:
+            _finish(conn)
+        else:
+            self._idle.append(conn)
 
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
-        """Try the lock and read the session's version in one round trip (a pipeline).
+        """Try the lock and read the session's version in one round trip.
 
-        The server runs the two statements in order, each in its own snapshot,
-        so the version is read after the lock was taken and reflects every
-        turn committed before. It is meaningless when the lock was not taken.
+        The server runs the statements in order, each in its own snapshot
+        (``READ COMMITTED``), so the version is read after the lock was taken
+        and reflects every turn committed before. It is meaningless when the
+        lock was not taken.
+
+        Raises:
+            asyncio.TimeoutError: The server did not answer within ``call_timeout``.
+            psycopg.OperationalError: The connection failed.
+
         """
-        task = _keep(asyncio.ensure_future(self._lock_and_read_version(session_id)))
+        task = _keep(asyncio.ensure_future(self._attempt(session_id)))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             # The caller gave up, but the call goes on: a lock it takes must be given
-            # back, or the session stays locked for every process until this
-            # connection closes.
+            # back, or the session stays locked until the lease runs out.
             task.add_done_callback(lambda done: self._give_back(session_id, done))
             raise
 
@@ -141,50 +309,131 @@ class AdvisoryTurnLocks:
             return
         _keep(asyncio.ensure_future(self.release(session_id)))
 
-    async def _lock_and_read_version(self, session_id: str) -> tuple[bool, int | None]:
-        async with self._bind_to_running_loop():
-            if self._conn is None or self._conn.closed:
-                self._conn = await self._connect()
-            conn = self._conn
-            try:
-                async with conn.pipeline():
-                    lock = await conn.execute(
-                        "SELECT pg_try_advisory_lock(%s)", (session_lock_key(session_id),)
+    async def _attempt(self, session_id: str) -> tuple[bool, int | None]:
+        conn = await self._take()
+        try:
+            taken, version = await asyncio.wait_for(
+                self._lock_in_transaction(conn, session_id), self.call_timeout
+            )
+        except BaseException:
+            _finish(conn)
+            raise
+        if not taken:
+            self._put(conn)
+            return False, None
+        held = _Held(conn)
+        held.heartbeat = _keep(asyncio.ensure_future(self._beat(session_id, held)))
+        self._held[session_id] = held
+        return True, version
+
+    async def _lock_in_transaction(
+        self, conn: psycopg.AsyncConnection[Any], session_id: str
+    ) -> tuple[bool, int | None]:
+        """BEGIN, the lease, the lock, the version; a lock not taken ends the transaction.
+
+        One simple-protocol query of four statements (one round trip), bound
+        client-side. Not a psycopg pipeline: a pipeline's trailing flush
+        leaves the server without its idle-in-transaction timer, and the
+        lease would never run out.
+        """
+        lease_ms = str(max(1, round(self.lease_seconds * 1000)))
+        cursor = psycopg.AsyncClientCursor(conn)
+        params = (lease_ms, session_lock_key(session_id), session_id)
+        await cursor.execute(_LOCK_AND_READ_VERSION, params)
+        results: list[Any] = []
+        while True:
+            results.append(await cursor.fetchone() if cursor.description else None)
+            if not cursor.nextset():
+                break
+        taken, row = results[2], results[3]
+        if not (taken and taken[0]):
+            await conn.execute("ROLLBACK")
+            return False, None
+        return True, (None if row is None else int(row[0]))
+
+    async def _beat(self, session_id: str, held: _Held) -> None:
+        """Keep the lease alive while the turn runs; a silent connection is closed."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(held.stop.wait(), self.lease_seconds / 3)
+                return
+            async with held.use:
+                if held.stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(held.conn.execute("SELECT 1"), self.call_timeout)
+                except Exception as exc:
+                    logger.warning(
+                        "the turn lock of session %r was lost (%s); the turn's write is still "
+                        "checked against concurrent writers", session_id, type(exc).__name__,
                     )
-                    version = await conn.execute(
-                        "SELECT version FROM chatflow_sessions WHERE session_id = %s",
-                        (session_id,),
-                    )
-                taken = await lock.fetchone()
-                row = await version.fetchone()
-            except Exception:
-                self._abandon()
-                raise
-        acquired = bool(taken and taken[0])
-        return acquired, (None if row is None else int(row[0]))
+                    _finish(held.conn)
+                    return
 
     async def release(self, session_id: str) -> None:
-        """Release the session's lock (a lost connection already released it).
+        """Release the session's lock (``ROLLBACK``); a lost connection already released it.
 
         Shielded: a caller cancelled meanwhile does not stop the unlock.
         """
-        call = self._call("SELECT pg_advisory_unlock(%s)", session_lock_key(session_id))
+        held = self._held.pop(session_id, None)
+        if held is None:
+            return
+        held.stop.set()
+        if session_id in self._distrusted:
+            self._distrusted.discard(session_id)
+            _finish(held.conn)  # no round trip into a frozen network: closing releases too
+            return
         with contextlib.suppress(Exception):
-            await asyncio.shield(_keep(asyncio.ensure_future(call)))
+            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
+
+    async def _end(self, held: _Held) -> None:
+        async with held.use:
+            try:
+                await asyncio.wait_for(
+                    held.conn.execute("ROLLBACK"), LOCK_RELEASE_TIMEOUT_SECONDS
+                )
+            except BaseException:
+                _finish(held.conn)
+                raise
+            self._put(held.conn)
+
+    def held(self) -> list[str]:
+        """Sessions whose lock this process holds now."""
+        return list(self._held)
+
+    def distrust(self) -> None:
+        """Release the locks held now by closing their connections, not by ``ROLLBACK``.
+
+        For when the network looks frozen: a ``ROLLBACK`` would wait for an
+        answer first; a closed connection's lock is freed by the server at
+        once, or at the latest when its lease ends.
+        """
+        self._distrusted.update(self._held)
 
     async def aclose(self) -> None:
-        """Close the connection, releasing every lock it holds."""
-        conn, self._conn = self._conn, None
-        if conn is not None and self._loop is asyncio.get_running_loop():
-            with contextlib.suppress(Exception):
-                await conn.close()
-        elif conn is not None:
-            self._conn = conn
-            self._abandon()
+        """Close every lock connection, releasing every lock."""
+        if self._loop is not asyncio.get_running_loop():
+            self._abandon_all()
+            return
+        idle, self._idle = self._idle, []
+        held, self._held = self._held, {}
+        for lock in held.values():
+            lock.stop.set()
+        for conn in [*idle, *(lock.conn for lock in held.values())]:
+            try:
+                await asyncio.wait_for(conn.close(), LOCK_RELEASE_TIMEOUT_SECONDS)
+            except (Exception, asyncio.TimeoutError):
+                _finish(conn)
 
     def close(self) -> None:
-        """Close from sync code: drop the socket (the server releases the locks)."""
-        self._abandon()
+        """Close from sync code: drop the sockets (the server releases the locks)."""
+        self._abandon_all()
+
+
+def _finish(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Close a connection's socket at once, without a round trip."""
+    with contextlib.suppress(Exception):
+        conn.pgconn.finish()
 
 
 class PostgresDialectSupport(DialectSupport):
@@ -195,8 +444,19 @@ class PostgresDialectSupport(DialectSupport):
     driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
-        """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`)."""
-        return {"pool_size": 10, "max_overflow": 10}
+        """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`).
+
+        ``json_serializer`` keeps metadata floats floats through ``jsonb``
+        (see :func:`jsonb_dumps`); ``connect_args`` bound connecting
+        (:data:`CONNECT_TIMEOUT_SECONDS`) and a partitioned network
+        (:data:`TCP_OPTIONS`), except where the URL's query sets them.
+        """
+        return {
+            "pool_size": 10,
+            "max_overflow": 10,
+            "json_serializer": jsonb_dumps,
+            "connect_args": default_connect_args(url),
+        }
 
     def prepare_engine(self, engine: Engine) -> None:
         """Ping connections idle for over a second, so a restarted server is survived.
@@ -248,12 +508,14 @@ class PostgresDialectSupport(DialectSupport):
 
         Works on the sync driver and, inside the store's greenlets, on the
         async one (SQLAlchemy's adapter has no pipeline, so the psycopg
-        connection under it is used directly, in the same transaction).
+        connection under it is used directly, in the same transaction,
+        through the documented ``AdaptedConnection.run_async``).
         """
         driver = connection.driver_connection
         with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
-            if isinstance(driver, psycopg.AsyncConnection):
-                return await_(_apipelined(driver, steps))
+            if connection.engine.dialect.is_async:
+                adapted = connection.dbapi_connection
+                return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
 
     def lock_migrations(self, connection: Connection) -> None:
@@ -261,10 +523,22 @@ class PostgresDialectSupport(DialectSupport):
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
 
 
-def _lock_unavailable(session_id: str, exc: BaseException) -> DatabaseUnavailableError:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
+    """``awaitable`` cancelled after ``seconds`` (``asyncio.TimeoutError``), without a new task."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
+
+
+def _lock_unavailable(
+    session_id: str, url: URL, exc: BaseException, reason: str | None = None
+) -> DatabaseUnavailableError:
+    if reason is None:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     return DatabaseUnavailableError(
-        f"cannot take the turn lock of session {session_id!r}: {reason}"
+        f"cannot take the turn lock of session {session_id!r} on {_describe(url)}: {reason}"
     )
 
 
@@ -305,31 +579,65 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
+            ``connect_args`` are added to the backend's defaults (a connect
+            timeout and TCP keepalives, see :func:`default_connect_args`).
+
+    Hangs are bounded: opening a connection by libpq's ``connect_timeout``
+    (:data:`CONNECT_TIMEOUT_SECONDS` unless the URL or ``connect_args`` say
+    otherwise); each async operation (``aget_or_create``, the turn's catch-up
+    and write, the turn-lock calls) by :attr:`operation_timeout`; a lost
+    connection under a real network partition by TCP keepalives and
+    ``tcp_user_timeout`` (:data:`TCP_OPTIONS`). A bound that runs out is a
+    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`. A turn
+    lock whose holder went silent is released within
+    :attr:`turn_lock_lease_seconds` (see :class:`AdvisoryTurnLocks`).
 
     """
 
     dialect_support = PostgresDialectSupport()
+
+    operation_timeout: float = OPERATION_TIMEOUT_SECONDS
+    """Seconds an async operation may wait on the server before it fails.
+
+    A stuck query is then cancelled by psycopg (which itself waits up to
+    about 10 s more for the server before closing the connection).
+    """
+
+    turn_lock_lease_seconds: float = TURN_LOCK_LEASE_SECONDS
+    """Seconds after which the server frees the turn lock of a worker gone silent."""
 
     def __init__(
         self,
         url: str | URL,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
         **engine_options: Any,
     ) -> None:
+        if psycopg is None:
+            raise BackendImportError(INSTALL_HINT)
         parsed = psycopg_url(url)
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
+        options["connect_args"] = default_connect_args(parsed, engine_options.get("connect_args"))
         self._pg_url = parsed
         self._pg_options = options
         self._open_owned(
             parsed,
             options,
-            install_hint="PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'",
+            install_hint=INSTALL_HINT,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
         )
-        self._turn_locks = AdvisoryTurnLocks(self._connect_lock_connection)
+        self._turn_locks = AdvisoryTurnLocks(
+            self._connect_lock_connection,
+            lease_seconds=self.turn_lock_lease_seconds,
+            call_timeout=self.operation_timeout,
+        )
 
     async def _connect_lock_connection(self) -> psycopg.AsyncConnection[Any]:
         args, params = self.engine.dialect.create_connect_args(self._pg_url)
@@ -337,7 +645,27 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
 
     def _make_async_engine(self) -> AsyncEngine:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         return create_async_engine(self._pg_url, **self._pg_options)
+
+    async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """Run database work as the generic store does, bounded by :attr:`operation_timeout`.
+
+        Only the native async path can be bounded (a coroutine can be
+        cancelled; a thread blocked in libpq cannot): there the store's
+        operations run as psycopg coroutines.
+        """
+        if not self._native_async:
+            return await super()._run_blocking(fn, *args)
+        try:
+            return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
+        except asyncio.TimeoutError as exc:
+            self._turn_locks.distrust()
+            raise DatabaseUnavailableError(
+                f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
+                "(PostgresSessionStore.operation_timeout); the operation was cancelled"
+            ) from exc
 
     async def _atry_turn_lock_reading_version(
         self, session_id: str
@@ -346,7 +674,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             try:
                 acquired, version = await self._turn_locks.try_acquire_reading_version(session_id)
             except psycopg.OperationalError as exc:
-                raise _lock_unavailable(session_id, exc) from exc
+                raise _lock_unavailable(session_id, self.url, exc) from exc
+            except asyncio.TimeoutError as exc:
+                reason = f"no answer within {self.operation_timeout:g} s"
+                raise _lock_unavailable(session_id, self.url, exc, reason) from exc
         return acquired, (True, version)
 
     async def _arelease_turn_lock(self, session_id: str) -> None:

@@ -10,8 +10,11 @@ upgrade), a single shared connection for in-memory databases, and the
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from sqlalchemy import URL, Connection, Dialect, Engine, event, make_url
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -25,9 +28,14 @@ from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySession
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
+    "PRIVATE_DIRECTORY_MODE",
+    "PRIVATE_FILE_MODE",
     "SQLiteDialectSupport",
     "SQLiteSessionStore",
+    "create_private_database_file",
+    "database_file",
     "is_ephemeral_sqlite",
+    "make_private_directories",
     "sqlite_url",
 ]
 
@@ -36,6 +44,12 @@ _BLOCKING_IO_WORKERS = 4
 
 BUSY_TIMEOUT_MS = 30_000
 """How long a writer waits for another connection's write lock before failing."""
+
+PRIVATE_FILE_MODE = 0o600
+"""Mode of a database file the store creates (SQLite gives ``-wal``/``-shm`` the same)."""
+
+PRIVATE_DIRECTORY_MODE = 0o700
+"""Mode of the directories ``SQLiteSessionStore`` creates for its database file."""
 
 
 def is_ephemeral_sqlite(url: URL) -> bool:
@@ -104,11 +118,17 @@ class SQLiteDialectSupport(DialectSupport):
         """Set pragmas on each connection and take transaction control from pysqlite.
 
         Once per engine: a second store on the same engine must not add a
-        second ``BEGIN``.
+        second ``BEGIN``. A missing database file is created private just
+        before SQLite would create it, so a store that refuses to open
+        (``auto_migrate=False``) leaves nothing behind.
         """
         if not first_time_on(engine, "sqlite pragmas and BEGIN"):
             return
         ephemeral = is_ephemeral_sqlite(engine.url)
+
+        @event.listens_for(engine, "do_connect")
+        def _create_private_file(*_args: Any) -> None:
+            create_private_database_file(engine.url)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -170,6 +190,45 @@ class SQLiteDialectSupport(DialectSupport):
         _raw(connection).execute("PRAGMA foreign_keys = ON")
 
 
+def database_file(url: URL) -> Path | None:
+    """The file an SQLite URL opens (plain path or ``file:`` URI), None when in memory."""
+    if is_ephemeral_sqlite(url):
+        return None
+    database = url.database or ""
+    if database.startswith("file:"):
+        if url.query.get("mode") == "ro" or "mode=ro" in database:
+            return None
+        path = unquote(database[len("file:"):].split("?", 1)[0])
+        if path.startswith("//"):  # file://host/path: only the local host is meaningful
+            path = "/" + path[2:].split("/", 1)[-1]
+        return Path(path) if path else None
+    return Path(database)
+
+
+def create_private_database_file(url: URL) -> None:
+    """Create a missing database file readable by its owner only (0600).
+
+    SQLite would create it following the umask (0644 under the usual 022:
+    every local user could read every conversation), and gives its ``-wal``
+    and ``-shm`` files the main file's permissions. An existing file keeps
+    its mode: to share a database with a group, create the file with the
+    mode wanted (an empty file is an empty database) before opening it.
+    """
+    path = database_file(url)
+    if path is None or path.exists():
+        return
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE))
+
+
+def make_private_directories(directory: Path) -> None:
+    """Create ``directory`` and its missing parents with mode 0700; existing ones are kept."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=PRIVATE_DIRECTORY_MODE)
+
+
 def _raw(connection: Connection) -> Any:
     return connection.connection.dbapi_connection
 
@@ -190,9 +249,17 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it, and then creates no file or directory; None (the
+            default) reads ``CHATFLOW_AUTO_MIGRATE``.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
+
+    A new database file is created 0600 (SQLite gives its ``-wal``/``-shm`` the
+    same mode) and missing directories 0700, whatever the umask; an existing
+    file keeps its mode, so a caller who wants a shared database creates the
+    file (empty) with the mode it wants first.
 
     """
 
@@ -204,12 +271,24 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         db_path: str | Path = "chatflow.db",
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
     ) -> None:
+        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+
         self.db_path = str(db_path)
         url = sqlite_url(self.db_path)
-        if not is_ephemeral_sqlite(url):
-            Path(url.database or self.db_path).parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(url, default_max_turns=default_max_turns, dedup_ttl_hours=dedup_ttl_hours)
+        path = database_file(url)
+        if path is not None and auto_migrate_enabled(auto_migrate):
+            # Only a store that may create the schema creates the folder; a refusing
+            # one leaves the file system as it found it.
+            make_private_directories(path.parent)
+        super().__init__(
+            url,
+            default_max_turns=default_max_turns,
+            dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
+        )
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:

@@ -22,6 +22,7 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import random
 import re
 import threading
@@ -55,6 +56,7 @@ from chatflow_sqlalchemy import (
     SessionContext,
     SessionDeletedError,
 )
+from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
     Capability,
@@ -75,9 +77,11 @@ __all__ = [
     "TestAsyncTwins",
     "TestClear",
     "TestCorruptRows",
+    "TestCorruptSessionRows",
     "TestCrossProcess",
     "TestDedup",
     "TestDeletion",
+    "TestExactRoundTrip",
     "TestListSessions",
     "TestMetadata",
     "TestOneContextPerSession",
@@ -1815,7 +1819,7 @@ def deepest_storable_depth() -> int:
     while depth < 1000:
         message = tool_result(call("deep"), nested(depth + 1))
         try:
-            message.model_dump_json()
+            dump_message(message)
         except ValueError:
             return depth
         depth += 1
@@ -2184,3 +2188,170 @@ class TestTurnFaults(StoreTestBase):
         assert_well_formed(final)
         assert contents(final) == ["u1", "u2", "m2", None, None, "m1"]
         assert dump(ctx.history) == dump(final)
+
+
+# ================================================= exact round trips (issue 13)
+
+
+def _same_json_values(a: Any, b: Any) -> bool:
+    """Equal, with the same types at every level (``1.0`` is not ``1``), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and str(a) == str(b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json_values(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same_json_values, a, b))
+    return bool(a == b)
+
+
+class TestExactRoundTrip(StoreTestBase):
+    """What a store accepts reads back exactly; what it cannot keep is refused up front."""
+
+    AWKWARD_FLOATS: dict[str, Any] = {
+        "big": 4.417402109863705e16,
+        "huge": 1e300,
+        "negative": -1e22,
+        "tiny": 5e-324,
+        "plain": 1234.0,
+        "int": 2**70,
+        "nested": [1e16, {"x": 2.5e17, "y": 7}],
+    }
+
+    def test_dedup_ttl_out_of_range_refused_at_construction(self, harness: StoreHarness) -> None:
+        for bad in (1e8, float("inf"), float("nan"), -float("inf"), 10**400, 876_001):
+            with pytest.raises(ValueError, match="dedup_ttl_hours") as info:
+                harness.open(dedup_ttl_hours=bad)
+            assert "876000" in str(info.value), "the error must give the allowed range"
+        longest: Any = harness.open(dedup_ttl_hours=876_000)
+        try:
+            message_id = new_id("m")
+            assert longest.record_processed_message(message_id)
+            assert longest.is_message_processed(message_id)
+            assert longest.purge_processed_messages() == 0
+        finally:
+            longest.close()
+
+    def test_metadata_floats_keep_their_type(self, harness: StoreHarness, store: Any) -> None:
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""), self.AWKWARD_FLOATS)
+        ctx.metadata["later"] = 9.007199254740993e18
+        ctx.add_message(user("hi"))
+        expected = {**self.AWKWARD_FLOATS, "later": 9.007199254740993e18}
+        assert _same_json_values(dict(ctx.metadata), expected)
+        if harness.has(Capability.PERSISTENT):
+            again = reload(harness, sid).metadata
+            assert _same_json_values(dict(again), expected), f"reloaded as {again!r}"
+
+    def test_metadata_a_store_cannot_keep_is_refused(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        for bad in ({"x": float("nan")}, {"x": [float("inf")]}, {"x": "a\x00b"}, {"a\x00": 1}):
+            with pytest.raises(ValueError):
+                store.get_or_create(new_id(), agent, metadata=bad)
+        ctx = store.get_or_create(new_id(), agent, metadata={"ok": 1})
+        for key, value in (("x", float("-inf")), ("y", {"z": "\x00"})):
+            with pytest.raises(ValueError):
+                ctx.metadata[key] = value
+        with pytest.raises(ValueError, match="NUL"):
+            ctx.metadata = {"k": "\x00"}
+        assert ctx.metadata == {"ok": 1}
+        assert store.list_sessions() == [ctx.session_id]
+        # An escaped backslash followed by "u0000" is ordinary text.
+        ctx.metadata["path"] = "C:\\u0000"
+        assert ctx.metadata["path"] == "C:\\u0000"
+
+    def test_nan_and_infinity_in_tool_calls_round_trip(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        lookup = call("stats", mean=float("nan"), hi=float("inf"), lo=float("-inf"), n=3)
+        ctx.add_message(user("stats please"))
+        ctx.add_message(model(calls=[lookup]))
+        ctx.add_message(tool_result(lookup, {"values": [1.5, float("nan")], "big": 1e300}))
+        if not harness.has(Capability.PERSISTENT):
+            return
+        history = reload(harness, sid).history
+        args = history[1].tool_calls[0].args  # type: ignore[index]
+        assert _same_json_values(args, lookup.args), f"reloaded as {args!r}"
+        content = history[2].tool_results[0].content  # type: ignore[index]
+        assert _same_json_values(content, {"values": [1.5, float("nan")], "big": 1e300})
+
+    def test_ids_with_nul_are_refused_up_front(self, store: Any) -> None:
+        agent = Agent(name="Bot", instructions="")
+        with pytest.raises(ValueError, match="NUL"):
+            store.get_or_create("s\x00", agent)
+        for method in (
+            store.record_processed_message,
+            store.is_message_processed,
+            store.mark_message_processed,
+        ):
+            with pytest.raises(ValueError, match="NUL"):
+                method("wamid\x00")
+        assert store.list_sessions() == []
+
+    def test_nul_in_user_text_is_stored(self, harness: StoreHarness, store: Any) -> None:
+        sid = new_id()
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        ctx.add_message(user("outside\x00a turn"))
+        ctx.add_message(model("ok"))
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(user("inside\x00a turn \x00"))
+                probe = call("echo", text="\x00")
+                ctx.add_message(model("\x00", calls=[probe]))
+                ctx.add_message(tool_result(probe, "\x00\x00"))
+                ctx.add_message(model("done"))
+
+        run(turn())
+        assert contents(ctx.history)[:3] == ["outside\x00a turn", "ok", "inside\x00a turn \x00"]
+        assert_reloads_identically(harness, ctx)
+
+
+class TestCorruptSessionRows(StoreTestBase):
+    """A session row whose metadata cannot be decoded is a CorruptRowError naming it."""
+
+    def _set_raw_metadata(self, store: Any, sid: str, raw: str) -> None:
+        from sqlalchemy import exc, text
+
+        try:
+            with store.engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE chatflow_sessions SET metadata_json = :bad WHERE session_id = :s"),
+                    {"bad": raw, "s": sid},
+                )
+        except exc.DBAPIError as error:
+            reason = str(error.orig).splitlines()[0]
+            pytest.skip(f"the database validates JSON on write: {reason}")
+
+    @requires(Capability.SQL, Capability.PERSISTENT)
+    def test_undecodable_metadata_is_named(self, harness: StoreHarness, store: Any) -> None:
+        from chatflow_sqlalchemy import CorruptRowError
+
+        sid = new_id()
+        store.get_or_create(sid, Agent(name="Bot", instructions=""), {"a": 1})
+        self._set_raw_metadata(store, sid, '{"a": 1,')
+        fresh: Any = harness.open()
+        with pytest.raises(CorruptRowError) as info:
+            fresh.get(sid)
+        message = str(info.value)
+        assert sid in message and "chatflow_sessions" in message and "metadata_json" in message
+        assert info.value.session_id == sid
+
+    @requires(Capability.SQL, Capability.PERSISTENT)
+    def test_metadata_that_is_not_an_object_is_named(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        from chatflow_sqlalchemy import CorruptRowError
+
+        sid = new_id()
+        store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        self._set_raw_metadata(store, sid, "[1, 2]")
+        fresh: Any = harness.open()
+        with pytest.raises(CorruptRowError) as info:
+            fresh.get(sid)
+        message = str(info.value)
+        assert "chatflow_sessions" in message and "chatflow_messages" not in message
+        assert sid in message and "id -" not in message and "not a JSON object" in message

@@ -98,6 +98,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             use PyMySQL; ``mysql+mysqldb://`` uses mysqlclient if installed).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        auto_migrate: False refuses a missing or old schema instead of creating
+            or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
             ``connect_args``, ...), over the backend's defaults.
 
@@ -114,6 +116,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         url: str | URL,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        auto_migrate: bool | None = None,
         **engine_options: Any,
     ) -> None:
         parsed = with_driver(make_url(url))
@@ -131,6 +135,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             install_hint=hint,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
+            auto_migrate=auto_migrate,
             also_dispose=(lock_engine,),
         )
         self._turn_locks = NamedTurnLocks(lock_engine)

@@ -1,0 +1,1 @@
+"""Runnable examples of chatflow-sqlalchemy (see ``examples/README.md``)."""

@@ -1,0 +1,178 @@
+"""examples/whatsapp_webhook.py, served by a real uvicorn, driven by httpx, on a SQLite file.
+
+Started exactly as examples/README.md says (``uvicorn examples.whatsapp_webhook:app``
+from the repository root, the store from ``CHATFLOW_DATABASE_URL``), on a free
+loopback port; "restart" is a new server process on the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chatflow_sqlalchemy import SQLiteSessionStore
+
+httpx = pytest.importorskip("httpx", reason="the examples extra is not installed")
+pytest.importorskip("fastapi", reason="the examples extra is not installed")
+pytest.importorskip("uvicorn", reason="the examples extra is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG_GUARD = 60.0  # seconds; only against a server that never comes up or never stops
+PHONE = "15550100"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serve(db: Path, **env: str) -> Iterator[Any]:
+    """Run ``uvicorn examples.whatsapp_webhook:app``; yield an httpx client; stop it cleanly."""
+    port = _free_port()
+    environ = {**os.environ, "CHATFLOW_DATABASE_URL": f"sqlite:///{db}", **env}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "examples.whatsapp_webhook:app",
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=HANG_GUARD)
+    try:
+        deadline = time.monotonic() + HANG_GUARD
+        while True:
+            try:
+                client.get("/openapi.json").raise_for_status()
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out = proc.communicate(timeout=HANG_GUARD)[0] if proc.poll() is not None else ""
+                    pytest.fail(f"uvicorn did not come up:\n{out}")
+                time.sleep(0.1)
+        yield client
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=HANG_GUARD)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"uvicorn did not stop:\n{out}")
+    assert proc.returncode == 0, out
+    assert "Application shutdown complete" in out, out  # the lifespan closed the store
+
+
+def payload(*messages: tuple[str, str], sender: str = PHONE) -> dict[str, Any]:
+    """A WhatsApp Cloud API webhook body carrying text messages ``(id, body)``."""
+    return {
+        "object": "whatsapp_business_account",
+        "entry": [{
+            "id": "102290129340398",
+            "changes": [{
+                "field": "messages",
+                "value": {
+                    "messaging_product": "whatsapp",
+                    "metadata": {"display_phone_number": "15550783881",
+                                 "phone_number_id": "106540352242922"},
+                    "contacts": [{"profile": {"name": "Sheena"}, "wa_id": sender}],
+                    "messages": [
+                        {"from": sender, "id": mid, "timestamp": "1749416383",
+                         "type": "text", "text": {"body": body}}
+                        for mid, body in messages
+                    ],
+                },
+            }],
+        }],
+    }
+
+
+def post(client: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = client.post("/webhook", json=body)
+    assert response.status_code == 200, response.text
+    replies: list[dict[str, Any]] = response.json()["replies"]
+    return replies
+
+
+def history(db: Path, session_id: str = PHONE) -> list[tuple[str, str | None]]:
+    with SQLiteSessionStore(db) as store:
+        session = store.get(session_id)
+        assert session is not None
+        return [(m.role.value, m.content) for m in session.history]
+
+
+def test_message_duplicate_and_restart_keep_one_history(tmp_path: Path) -> None:
+    db = tmp_path / "webhook.db"
+    with serve(db) as client:
+        (first,) = post(client, payload(("wamid.1", "Hello there")))
+        assert first["status"] == "answered" and first["to"] == PHONE and first["text"]
+        (again,) = post(client, payload(("wamid.1", "Hello there")))  # redelivered
+        assert again == {"id": "wamid.1", "to": PHONE, "status": "duplicate", "text": None}
+        (order,) = post(client, payload(("wamid.2", "Where is order 405?")))
+        assert order["status"] == "answered" and "405" in order["text"]
+    before = history(db)
+    assert [text for role, text in before if role == "user"] == [
+        "Hello there", "Where is order 405?",
+    ]
+    with serve(db) as client:  # a new process on the same file
+        (late,) = post(client, payload(("wamid.2", "Where is order 405?")))
+        assert late["status"] == "duplicate", "a dedup id must survive the restart"
+        (after,) = post(client, payload(("wamid.3", "And order 406?")))
+        assert after["status"] == "answered" and "406" in after["text"]
+    after_restart = history(db)
+    assert after_restart[: len(before)] == before, "the restart kept the history"
+    assert [text for role, text in after_restart if role == "user"] == [
+        "Hello there", "Where is order 405?", "And order 406?",
+    ]
+
+
+def test_statuses_and_media_are_not_turns(tmp_path: Path) -> None:
+    statuses = {"object": "whatsapp_business_account", "entry": [{"changes": [{
+        "field": "messages",
+        "value": {"statuses": [{"id": "wamid.9", "status": "delivered"}]},
+    }]}]}
+    image = payload(("wamid.img", "ignored"))
+    message = image["entry"][0]["changes"][0]["value"]["messages"][0]
+    message.update(type="image", image={"id": "media-1"})
+    del message["text"]
+    with serve(tmp_path / "webhook.db") as client:
+        assert post(client, statuses) == []
+        assert post(client, image) == []
+        assert client.post("/webhook", json={"entry": "not a list"}).status_code == 422
+
+
+def test_subscription_check_echoes_the_challenge_only_for_our_token(tmp_path: Path) -> None:
+    with serve(tmp_path / "webhook.db", WHATSAPP_VERIFY_TOKEN="s3cret") as client:
+        ok = client.get("/webhook", params={"hub.mode": "subscribe",
+                                            "hub.verify_token": "s3cret",
+                                            "hub.challenge": "1158201444"})
+        assert (ok.status_code, ok.text) == (200, "1158201444")
+        bad = client.get("/webhook", params={"hub.mode": "subscribe",
+                                             "hub.verify_token": "guess",
+                                             "hub.challenge": "1"})
+        assert bad.status_code == 403
+
+
+def test_a_failed_turn_answers_500_and_its_retry_is_skipped_today(tmp_path: Path) -> None:
+    """The failure mode the README states: the id is claimed before the turn runs.
+
+    When the example switches to ``store.claim``, the retry must be answered instead.
+    """
+    db = tmp_path / "webhook.db"
+    with serve(db) as client:
+        post(client, payload(("wamid.1", "Hello")))
+        failed = client.post("/webhook", json=payload(("wamid.2", "please crash now")))
+        assert failed.status_code == 500
+        (retry,) = post(client, payload(("wamid.2", "please crash now")))
+        assert retry["status"] == "duplicate"
+    assert [text for role, text in history(db) if role == "user"] == ["Hello"]  # rolled back
