@@ -16,7 +16,13 @@ from chatflow_agent import Agent, Message, Role
 from sqlalchemy import create_engine, text
 
 from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
-from chatflow_sqlalchemy.claims import free_claim, list_claims, read_claims, release_claim
+from chatflow_sqlalchemy.claims import (
+    _SYNC_RENEWALS,
+    free_claim,
+    list_claims,
+    read_claims,
+    release_claim,
+)
 
 
 def _engine_at(url: str, revision: str) -> Any:
@@ -157,3 +163,28 @@ def test_operator_functions_on_a_plain_connection(tmp_path: Path) -> None:
             assert {i.message_id: i.state for i in read_claims(conn)} == {
                 "held-id": "released", "done-id": "done"
             }
+
+
+def test_sqlite_0003_downgrade_keeps_unprocessed_ids_retryable(tmp_path: Path) -> None:
+    """A released (failed) or still-acquired claim was never processed: after a
+    downgrade to 0002 (where any row means "processed forever") and back, its next
+    delivery must still do the work, or the user's message is lost."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        with store.claim("done", session_id="s") as claim:
+            claim.response = "hi"
+        with pytest.raises(ValueError), store.claim("failed", session_id="s"):
+            raise ValueError("turn failed")
+        held = store.claim("held", session_id="s")
+        held.__enter__()  # its worker dies here
+        held._stop.set()
+        _SYNC_RENEWALS.discard(held)
+    engine = create_engine(url)
+    migrate.downgrade(engine, "0002")
+    migrate.upgrade(engine)
+    engine.dispose()
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        assert store.record_processed_message("done") is False
+        for retried in ("failed", "held"):
+            with store.claim(retried, session_id="s", lease_seconds=0.001) as claim:
+                assert claim.acquired, retried
