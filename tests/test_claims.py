@@ -188,3 +188,35 @@ def test_sqlite_0003_downgrade_keeps_unprocessed_ids_retryable(tmp_path: Path) -
         for retried in ("failed", "held"):
             with store.claim(retried, session_id="s", lease_seconds=0.001) as claim:
                 assert claim.acquired, retried
+
+
+def test_a_committed_claim_is_not_reported_lost_by_its_renewal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the turn committed the claim (state done) the renewal finds nothing to
+    extend; that is not a lost lease, and the log must not say the turn was dropped."""
+
+    async def main(store: Any) -> Any:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        claim = store.claim("m", session_id="s", lease_seconds=0.3)
+        renewals: list[bool] = []
+        renew = claim._backend.renew
+        claim._backend.renew = lambda c: renewals.append(renew(c)) or renewals[-1]
+        async with claim:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hi"))
+            for _ in range(600):  # until a renewal ran after the commit (a guard, no bound)
+                if False in renewals:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
+            claim.response = "sent"
+        return claim, [m.content for m in ctx.history]
+
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        claim, history = asyncio.run(main(store))
+        assert history == ["hi"]
+        assert not claim.lost
+        assert "lost its lease" not in caplog.text
+        with store.claim("m", session_id="s") as again:
+            assert (again.status, again.response) == ("done", "sent")

@@ -453,6 +453,8 @@ class WebhookClaim:
             self._var_token = None
 
     def _mark_lost(self) -> None:
+        if self._fence is not None and self._fence.committed:
+            return  # our own turn made it done: nothing left to renew, nothing lost
         self.lost = True
         logger.warning(
             "webhook claim %r lost its lease (another delivery took it over); "
