@@ -220,3 +220,43 @@ def test_a_committed_claim_is_not_reported_lost_by_its_renewal(
         assert "lost its lease" not in caplog.text
         with store.claim("m", session_id="s") as again:
             assert (again.status, again.response) == ("done", "sent")
+
+
+def test_a_handler_cancelled_while_acquiring_does_not_leave_the_id_held(tmp_path: Path) -> None:
+    """A webhook handler cancelled (client gone) while its acquire runs on the I/O
+    thread: the acquire still completes there; the claim it took must be given back,
+    not left "in_flight" for a whole lease (holding the session's later claims too)."""
+    import threading
+
+    async def main(store: Any) -> Any:
+        claim = store.claim("m", session_id="s", lease_seconds=600)
+        started, go_on = threading.Event(), threading.Event()
+        acquire = claim._backend.acquire
+
+        def slow_acquire(c: Any) -> None:
+            started.set()
+            go_on.wait(60)
+            acquire(c)
+
+        claim._backend.acquire = slow_acquire
+        entered: list[bool] = []
+
+        async def handler() -> None:
+            async with claim:
+                entered.append(True)
+
+        task = asyncio.create_task(handler())
+        await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        go_on.set()
+        del claim._backend.acquire
+        for _ in range(600):  # until the late acquire was given back (a guard, no bound)
+            if [i.state for i in list_claims(store)] == ["released"]:
+                break
+            await asyncio.sleep(0.05)
+        async with store.claim("m", session_id="s") as retry:
+            return entered, retry.acquired
+
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        assert asyncio.run(main(store)) == ([], True)

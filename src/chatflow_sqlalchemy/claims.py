@@ -172,6 +172,9 @@ _LIST = select(
     _c.response.is_not(None).label("has_response"),
 )
 
+_LATE_RELEASES: set[asyncio.Future[bool]] = set()
+"""Releases of claims acquired after their handler was cancelled (kept until done)."""
+
 _ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
     "chatflow_webhook_claim", default=None
 )
@@ -336,7 +339,14 @@ class WebhookClaim:
 
     async def __aenter__(self) -> WebhookClaim:
         self._enter_once()
-        await self._backend.run(self._backend.acquire, self)
+        acquiring = asyncio.ensure_future(self._backend.run(self._backend.acquire, self))
+        try:
+            await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            # The acquire goes on in the I/O thread: a claim it takes is given back, or
+            # the id would stay in flight (and hold its session's later claims) a lease.
+            acquiring.add_done_callback(self._give_back_late_acquire)
+            raise
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)
@@ -347,6 +357,14 @@ class WebhookClaim:
             await self._aclose(failed=True)
             raise
         return self
+
+    def _give_back_late_acquire(self, acquiring: asyncio.Future[None]) -> None:
+        if acquiring.cancelled() or acquiring.exception() is not None or not self.acquired:
+            return
+        release = self._finish_or_release(failed=True)
+        task = asyncio.ensure_future(self._backend.run(release))
+        _LATE_RELEASES.add(task)
+        task.add_done_callback(_LATE_RELEASES.discard)
 
     async def __aexit__(
         self,
