@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "FENCE_CLAIM",
+    "MAX_LEASE_SECONDS",
     "ClaimFence",
     "ClaimInfo",
     "ClaimStatus",
@@ -96,6 +97,8 @@ _T = TypeVar("_T")
 logger = logging.getLogger("chatflow_sqlalchemy")
 
 DEFAULT_LEASE_SECONDS = 60.0
+MAX_LEASE_SECONDS = 30 * 86400.0
+"""Longest lease accepted (longer ones overflow date arithmetic, or never lapse in practice)."""
 
 ClaimStatus = Literal["acquired", "done", "in_flight"]
 
@@ -182,8 +185,15 @@ _ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
 
 def validate_lease(value: object) -> float:
     """Return ``value`` as seconds if it is a usable lease, else raise ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"lease_seconds must be a positive number of seconds, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_LEASE_SECONDS  # also refuses NaN
+    ):
+        raise ValueError(
+            f"lease_seconds must be a positive number of seconds, at most "
+            f"{MAX_LEASE_SECONDS:.0f} (30 days), got {value!r}"
+        )
     return float(value)
 
 

@@ -2616,7 +2616,7 @@ class TestWebhookClaims(StoreTestBase):
             run(scenario())
 
     def test_invalid_arguments_are_refused(self, store: Any) -> None:
-        for lease in (0, -1.0, "60", True, None):
+        for lease in (0, -1.0, "60", True, None, float("nan"), float("inf"), 1e12):
             with pytest.raises(ValueError, match="lease_seconds"):
                 store.claim(new_id("wamid"), lease_seconds=lease)
         for bad_id in ("", None, 7):
