@@ -177,8 +177,9 @@ def test_sqlite_0003_downgrade_keeps_unprocessed_ids_retryable(tmp_path: Path) -
             raise ValueError("turn failed")
         held = store.claim("held", session_id="s")
         held.__enter__()  # its worker dies here
-        held._stop.set()
+        held._stop.set()  # and nothing of it stays behind in this thread:
         _SYNC_RENEWALS.discard(held)
+        held._reset_var()
     engine = create_engine(url)
     migrate.downgrade(engine, "0002")
     migrate.upgrade(engine)
