@@ -25,9 +25,9 @@ def open_store(spec: dict[str, Any], **kwargs: Any) -> Any:
         return SQLiteSessionStore(spec["path"], **kwargs)
     from chatflow_sqlalchemy import PostgresSessionStore
 
-    return PostgresSessionStore(
-        spec["url"], connect_args={"options": f"-csearch_path={spec['schema']}"}, **kwargs
-    )
+    schema = spec.get("schema")  # none: the URL's database as it is (through PgBouncer)
+    connect_args = {"options": f"-csearch_path={schema}"} if schema else {}
+    return PostgresSessionStore(spec["url"], connect_args=connect_args, **kwargs)
 
 
 class ToolThenAnswer(BaseEngine):

@@ -60,6 +60,7 @@ BACKENDS = [
     "sqlite-shared-uri",
     "memory",
     pytest.param("postgresql", marks=pytest.mark.postgres),
+    pytest.param("postgresql-pgbouncer", marks=pytest.mark.postgres),
 ]
 
 
@@ -141,6 +142,47 @@ def postgres_async_mode(postgres_url: str, postgres_admin: Engine) -> Capability
     return Capability.ASYNC_NATIVE if native else Capability.ASYNC_THREADPOOL
 
 
+@pytest.fixture(scope="session")
+def pgbouncer(postgres_url: str) -> Iterator[Any]:
+    """A private PgBouncer (transaction pooling, 2 server connections per database).
+
+    Skipped, with the reason, where pgbouncer is not installed (CI installs it).
+    """
+    from .pgbouncer import PgBouncer, pgbouncer_problem
+
+    problem = pgbouncer_problem()
+    if problem:
+        pytest.skip(f"PgBouncer tests skipped: {problem}")
+    bouncer = PgBouncer(postgres_url).start()
+    yield bouncer
+    bouncer.stop()
+
+
+PGBOUNCER_CONNECT_ARGS: dict[str, Any] = {}
+"""What a store behind a transaction-pooling PgBouncer needs: nothing (prepared statements
+are off by default, see ``postgresql.PREPARE_THRESHOLD``)."""
+
+
+def _pgbouncer_harness(bouncer: Any, admin: Engine, async_mode: Capability) -> StoreHarness:
+    """A fresh database per test, reached through PgBouncer."""
+    database = f"t_{uuid.uuid4().hex}"
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'CREATE DATABASE "{database}"'))
+
+    def drop_database() -> None:
+        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+
+    url = bouncer.url(database).render_as_string(hide_password=False)
+    spec = StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": PGBOUNCER_CONNECT_ARGS})
+    return SpecHarness(
+        "postgresql-pgbouncer",
+        spec,
+        {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
+        cleanup=drop_database,
+    )
+
+
 def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
     path = tmp_path / "chatflow.db"
     return SpecHarness(
@@ -193,6 +235,17 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         admin: Engine = request.getfixturevalue("postgres_admin")
         mode: Capability = request.getfixturevalue("postgres_async_mode")
         harness = _postgres_harness(url, admin, mode)
+    elif name == "postgresql-pgbouncer":
+        try:
+            request.getfixturevalue("postgres_url")
+        except PostgresUnreachable as exc:
+            yield UnreachableHarness(name, str(exc))
+            return
+        harness = _pgbouncer_harness(
+            request.getfixturevalue("pgbouncer"),
+            request.getfixturevalue("postgres_admin"),
+            request.getfixturevalue("postgres_async_mode"),
+        )
     else:  # pragma: no cover
         raise AssertionError(name)
     yield harness
@@ -262,7 +315,7 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-SERVER_SKIPS = ("PostgreSQL tests skipped:", "MariaDB tests skipped:")
+SERVER_SKIPS = ("PostgreSQL tests skipped:", "MariaDB tests skipped:", "PgBouncer tests skipped:")
 
 
 _CAPABILITY_SKIP = re.compile(

@@ -30,6 +30,13 @@ Modes:
   answered (or after ``reply_wait`` seconds): the transaction committed but
   the client never learns it.
 
+Counting (any mode that relays): :attr:`FaultProxy.counts` holds, over every
+connection, ``round_trips`` (times a client sent after the server had
+answered: one per request/response exchange, however many messages a
+pipeline packs into it), ``syncs`` (``Sync`` and simple ``Query`` messages:
+each ends in a ``ReadyForQuery``) and ``commits`` (``COMMIT`` sent as a
+``Query`` or ``Parse``). :meth:`FaultProxy.reset_counts` zeroes them.
+
 Each cut is counted in :attr:`FaultProxy.cuts`; ``cut_limit`` makes a cut
 mode one-shot (or n-shot) after which the proxy passes through again.
 Reusable by any test that needs a misbehaving network in front of a server
@@ -135,6 +142,8 @@ class _Link:
         self.drop_replies = threading.Event()
         self.replied_after_commit = threading.Event()
         self._close_lock = threading.Lock()
+        self.server_answered = True
+        """The server sent something since the client last did (the next send is a new trip)."""
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="faultproxy-link", daemon=True).start()
@@ -147,6 +156,10 @@ class _Link:
                 return
             self.server = socket.create_connection(self.proxy.upstream, timeout=10)
             self.server.settimeout(None)  # blocking sockets; reads wait in select()
+            for sock in (self.client, self.server):
+                # As libpq and the server do: without it Nagle holds a small write back
+                # until the previous one is acknowledged (up to 40 ms of delayed ACK).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             self.close()
             return
@@ -194,9 +207,19 @@ class _Link:
                 if self._forward_until_commit(parser, data, mode):
                     return
                 continue
-            parser.feed(data)  # keep the parser in step for a later cut mode
+            self._count(parser.feed(data))  # the parser also stays in step for a cut mode
             if not self._send(self.server, data):
                 return
+
+    def _count(self, messages: list[bytes]) -> None:
+        trip = self.server_answered and bool(messages)
+        if trip:
+            self.server_answered = False
+        self.proxy._add_counts(
+            round_trips=int(trip),
+            syncs=sum(1 for m in messages if m[:1] in (b"S", b"Q")),
+            commits=sum(1 for m in messages if is_commit(m)),
+        )
 
     def _forward_until_commit(self, parser: _FrontendParser, data: bytes, mode: Mode) -> bool:
         """Relay ``data`` message by message; act on a COMMIT. True when the link was cut."""
@@ -226,6 +249,7 @@ class _Link:
                 return
             if not data:
                 continue
+            self.server_answered = True
             if self.drop_replies.is_set():
                 self.replied_after_commit.set()
                 continue
@@ -289,6 +313,8 @@ class FaultProxy:
         """Connections cut at a COMMIT so far."""
         self.cut_limit: int | None = None
         """Cuts left before a cut mode passes through (None: cut every COMMIT)."""
+        self.counts = {"round_trips": 0, "syncs": 0, "commits": 0}
+        """Frontend traffic relayed so far (see the module docstring)."""
         self._links: set[_Link] = set()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -318,6 +344,17 @@ class FaultProxy:
         with self._lock:
             self.cut_limit = cuts
         self.mode = mode
+
+    def reset_counts(self) -> dict[str, int]:
+        """Zero :attr:`counts`; return what they were."""
+        with self._lock:
+            before, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return before
+
+    def _add_counts(self, **deltas: int) -> None:
+        with self._lock:
+            for key, delta in deltas.items():
+                self.counts[key] += delta
 
     def _take_cut(self) -> bool:
         with self._lock:

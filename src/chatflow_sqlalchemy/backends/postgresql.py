@@ -54,6 +54,7 @@ __all__ = [
     "LOCK_RELEASE_TIMEOUT_SECONDS",
     "MIGRATION_LOCK_KEY",
     "OPERATION_TIMEOUT_SECONDS",
+    "PREPARE_THRESHOLD",
     "TCP_OPTIONS",
     "TURN_LOCK_LEASE_SECONDS",
     "AdvisoryTurnLocks",
@@ -90,6 +91,19 @@ help when something still acknowledges the packets (a hung proxy): that is
 what :data:`OPERATION_TIMEOUT_SECONDS` bounds.
 """
 
+PREPARE_THRESHOLD: int | None = None
+"""psycopg's ``prepare_threshold`` unless ``connect_args`` set one: None prepares nothing.
+
+A transaction-pooling PgBouncer (also RDS Proxy, Supavisor) gives each
+transaction whichever server connection is free, where a statement prepared
+by an earlier transaction is missing or, under the same name, another one
+(``DuplicatePreparedStatement: prepared statement "_pg3_0" already exists``).
+Everything else the store does is transaction-scoped, so with this default
+it needs no setting behind a pooler. Connected straight to the server,
+``connect_args={"prepare_threshold": 5}`` (psycopg's default) turns
+preparing back on.
+"""
+
 OPERATION_TIMEOUT_SECONDS = 15.0
 """Bound of each async store operation and each turn-lock call (the default of
 ``PostgresSessionStore.operation_timeout``)."""
@@ -115,13 +129,22 @@ def psycopg_url(url: str | URL) -> URL:
 
 
 def default_connect_args(url: URL, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The timeouts and TCP settings neither ``url`` nor ``given`` set, then ``given``.
+    """The timeouts, TCP settings and psycopg options that neither ``url`` nor ``given`` set.
+
+    Then ``given`` on top.
 
     ``connect_args`` win over the URL's query in SQLAlchemy, so a default is
-    only added where the user's URL does not name the parameter.
+    only added where the user's URL does not name the parameter. psycopg's
+    ``prepare_threshold`` is None (:data:`PREPARE_THRESHOLD`): no server-side
+    prepared statements, so the store works unchanged behind a
+    transaction-pooling PgBouncer.
     """
     given = dict(given or {})
-    defaults: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **TCP_OPTIONS}
+    defaults: dict[str, Any] = {
+        "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+        **TCP_OPTIONS,
+        "prepare_threshold": PREPARE_THRESHOLD,
+    }
     chosen = {k: v for k, v in defaults.items() if k not in url.query and k not in given}
     return {**chosen, **given}
 

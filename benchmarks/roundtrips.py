@@ -1,0 +1,194 @@
+"""PostgreSQL round trips and commits per Runner turn, counted (not timed); and a 1 ms-RTT run.
+
+Run: ``python -m benchmarks.roundtrips`` (needs the PostgreSQL server
+binaries for a private cluster, and ``pip install -e '.[bench]'`` for the
+latency comparison).
+
+**Counts.** A private cluster (``tests/pg_private.py``, nothing else talks
+to it) behind the counting TCP proxy (``tests/faultproxy.py``). Per Runner
+turn, averaged over ``turns`` turns after a warm-up:
+
+* ``round trips``: times a client sent something after the server had
+  answered (a psycopg pipeline or a multi-statement query is one);
+* ``syncs``: ``Sync`` + simple ``Query`` messages (each ends in a
+  ``ReadyForQuery``);
+* ``commits``: transaction ids consumed (``txid_current()`` before and after,
+  less the probes' own): a write transaction's commit is a WAL flush, a
+  read-only one is not counted.
+
+Three handlers: ``bare`` (``runner.run_async``), ``record`` (the 0.3.4
+``record_processed_message`` claim, then the turn) and ``claim`` (``async with
+store.claim(...)``, the turn, ``claim.response = ...``: durable claim before
+the model call, the reply stored with the claim).
+
+**Latency.** The same cluster behind the proxy in delay mode (0.5 ms each way,
+so ~1 ms per round trip): the webhook-turn workload of ``python -m
+benchmarks`` (claim, 4 messages) on ``ours-pg``, the ``raw-pg`` floor and
+openai-agents' ``oai-sqla-pg``, interleaved in one run; turns/s and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+__all__ = ["count_turns", "latency_run", "main"]
+
+DELAY_MS = 0.5
+
+
+def _txid(direct_url: str) -> int:
+    import psycopg
+
+    from benchmarks.pg import libpq_url
+
+    with psycopg.connect(libpq_url(direct_url), autocommit=True) as conn:
+        row = conn.execute("SELECT txid_current()").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def _runner(store: Any) -> Any:
+    from chatflow_agent import Agent, BaseEngine, Message, Runner
+    from chatflow_agent.core.engines.base import EngineTurnResult
+
+    class Echo(BaseEngine):
+        async def generate_turn_async(
+            self, agent: Agent, history: list[Message]
+        ) -> EngineTurnResult:
+            return EngineTurnResult(text=f"answer to {history[-1].content}")
+
+    return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                  engine=Echo())
+
+
+async def _handle(kind: str, store: Any, runner: Any, session_id: str, k: int) -> None:
+    mid = f"{kind}-{session_id}-{k}"
+    if kind == "bare":
+        await runner.run_async(session_id, f"q{k}")
+    elif kind == "record":
+        if store.record_processed_message(mid):
+            await runner.run_async(session_id, f"q{k}")
+    else:
+        async with store.claim(mid, session_id=session_id) as claim:
+            if claim.acquired:
+                result = await runner.run_async(session_id, f"q{k}")
+                claim.response = result.content
+
+
+def count_turns(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, dict[str, float]]:
+    """Per-turn counts of each handler (see the module docstring)."""
+    from chatflow_sqlalchemy import PostgresSessionStore
+
+    results: dict[str, dict[str, float]] = {}
+    for kind in ("bare", "record", "claim"):
+        store = PostgresSessionStore(proxy.url(direct_url))
+        runner = _runner(store)
+        sessions = [f"{kind}-s{i}" for i in range(4)]
+
+        async def drive(first: int, count: int, store: Any = store, runner: Any = runner,
+                        sessions: list[str] = sessions, kind: str = kind) -> None:
+            for k in range(first, first + count):
+                await _handle(kind, store, runner, sessions[k % len(sessions)], k)
+
+        async def run_all(drive: Any = drive) -> dict[str, int]:
+            await drive(0, 8)  # warm-up: connections opened, sessions created
+            before = _txid(direct_url)
+            proxy.reset_counts()
+            await drive(8, turns)
+            counts = proxy.reset_counts()
+            counts["xids"] = _txid(direct_url) - before - 1
+            return counts
+
+        try:
+            counts = asyncio.run(run_all())
+        finally:
+            store.close()
+        results[kind] = {
+            "round trips": counts["round_trips"] / turns,
+            "syncs": counts["syncs"] / turns,
+            "commits": counts["xids"] / turns,
+        }
+    return results
+
+
+def latency_run(proxy: Any, direct_url: str, turns: int = 300, rounds: int = 3) -> dict[str, float]:
+    """Median turns/s of ours-pg, raw-pg and oai-sqla-pg behind a ~1 ms-RTT proxy."""
+    from benchmarks.pg import create_schema
+    from benchmarks.stores import Target, adapter_class
+    from benchmarks.workload import TurnRef
+    from tests.faultproxy import Mode
+
+    url = proxy.url(direct_url)
+    rates: dict[str, list[float]] = {}
+    proxy.set_mode(Mode.DELAY, delay_ms=DELAY_MS)
+    try:
+        for round_ in range(rounds):
+            for name in ("raw-pg", "ours-pg", "oai-sqla-pg"):
+                cls = adapter_class(name)
+                target = Target(pg_url=url, schema=create_schema(direct_url, name))
+                cls.prepare(target)
+                adapter = cls(target)
+                refs = [TurnRef(f"s{k % 10}", k // 10, f"r{round_}-{name}-{k}")
+                        for k in range(turns)]
+                payloads = [adapter.payload(ref) for ref in refs]
+
+                async def timed(adapter: Any = adapter, refs: list[TurnRef] = refs,
+                                payloads: list[Any] = payloads) -> float:
+                    await adapter.open()
+                    try:
+                        await adapter.turn(refs[0], payloads[0])  # warm-up
+                        start = time.perf_counter()
+                        for ref, payload in zip(refs[1:], payloads[1:], strict=True):
+                            await adapter.turn(ref, payload)
+                        return (len(refs) - 1) / (time.perf_counter() - start)
+                    finally:
+                        await adapter.close()
+
+                rates.setdefault(name, []).append(asyncio.run(timed()))
+    finally:
+        proxy.set_mode(Mode.PASS)
+    return {name: sorted(values)[len(values) // 2] for name, values in rates.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a private cluster and the proxy, print both tables (markdown)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=40, help="counted turns per handler")
+    parser.add_argument("--latency-turns", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-latency", action="store_true")
+    args = parser.parse_args(argv)
+
+    from tests.faultproxy import FaultProxy
+    from tests.pg_private import PrivateCluster, private_cluster_problem
+
+    problem = private_cluster_problem()
+    if problem:
+        raise SystemExit(f"cannot start a private PostgreSQL cluster: {problem}")
+    cluster = PrivateCluster().start()
+    try:
+        with FaultProxy("127.0.0.1", cluster.port) as proxy:
+            counted = count_turns(proxy, cluster.url, args.turns)
+            print("| handler | round trips / turn | Sync+Query / turn | commits / turn |")
+            print("|---|---|---|---|")
+            for kind, row in counted.items():
+                print(f"| {kind} | {row['round trips']:.2f} | {row['syncs']:.2f} "
+                      f"| {row['commits']:.2f} |")
+            if not args.no_latency:
+                rates = latency_run(proxy, cluster.url, args.latency_turns, args.rounds)
+                floor = rates["raw-pg"]
+                print(f"\n| store ({DELAY_MS} ms each way) | turns/s | x raw-pg | x oai-sqla-pg |")
+                print("|---|---|---|---|")
+                for name, rate in rates.items():
+                    print(f"| {name} | {rate:.0f} | {rate / floor:.2f} "
+                          f"| {rate / rates['oai-sqla-pg']:.2f} |")
+    finally:
+        cluster.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
