@@ -26,7 +26,9 @@ from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
+    ConnectArguments,
     DialectSupport,
+    TurnLocks,
     on_conflict_acquire,
     ping_when_idle,
 )
@@ -246,8 +248,10 @@ class AdvisoryTurnLocks:
         *,
         lease_seconds: float = TURN_LOCK_LEASE_SECONDS,
         call_timeout: float = OPERATION_TIMEOUT_SECONDS,
+        url: URL | None = None,
     ) -> None:
         self._connect = connect
+        self.url = url
         self.lease_seconds = lease_seconds
         self.call_timeout = call_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -286,6 +290,22 @@ class AdvisoryTurnLocks:
             _finish(conn)
         else:
             self._idle.append(conn)
+
+    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
+        """:meth:`try_acquire_reading_version` as the :class:`TurnLocks` protocol has it.
+
+        Raises:
+            DatabaseUnavailableError: The server failed or did not answer in ``call_timeout``.
+
+        """
+        try:
+            taken, version = await self.try_acquire_reading_version(session_id)
+        except psycopg.OperationalError as exc:
+            raise _lock_unavailable(session_id, self.url, exc) from exc
+        except asyncio.TimeoutError as exc:
+            reason = f"no answer within {self.call_timeout:g} s"
+            raise _lock_unavailable(session_id, self.url, exc, reason) from exc
+        return taken, True, version
 
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
         """Try the lock and read the session's version in one round trip.
@@ -471,6 +491,24 @@ class PostgresDialectSupport(DialectSupport):
         """
         ping_when_idle(engine)
 
+    def turn_locks(self, engine: Engine) -> TurnLocks | None:
+        """:class:`AdvisoryTurnLocks` on psycopg async connections opened like ``engine``'s.
+
+        Raises:
+            BackendImportError: psycopg is not installed.
+
+        """
+        if psycopg is None:
+            raise BackendImportError(INSTALL_HINT)
+        arguments = ConnectArguments(engine, default_connect_args(engine.url))
+
+        async def connect() -> psycopg.AsyncConnection[Any]:
+            return await psycopg.AsyncConnection.connect(
+                *arguments.args, **{**arguments.params, "autocommit": True}
+            )
+
+        return AdvisoryTurnLocks(connect, url=engine.url)
+
     def async_url(self, url: URL) -> URL | None:
         """Async work runs natively on psycopg 3's async driver (no thread hop)."""
         return psycopg_url(url)
@@ -546,12 +584,13 @@ async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
 
 
 def _lock_unavailable(
-    session_id: str, url: URL, exc: BaseException, reason: str | None = None
+    session_id: str, url: URL | None, exc: BaseException, reason: str | None = None
 ) -> DatabaseUnavailableError:
     if reason is None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    where = "" if url is None else f" on {_describe(url)}"
     return DatabaseUnavailableError(
-        f"cannot take the turn lock of session {session_id!r} on {_describe(url)}: {reason}"
+        f"cannot take the turn lock of session {session_id!r}{where}: {reason}"
     )
 
 
@@ -646,16 +685,9 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
         )
-        self._turn_locks = AdvisoryTurnLocks(
-            self._connect_lock_connection,
-            lease_seconds=self.turn_lock_lease_seconds,
-            call_timeout=self.operation_timeout,
-        )
-
-    async def _connect_lock_connection(self) -> psycopg.AsyncConnection[Any]:
-        args, params = self.engine.dialect.create_connect_args(self._pg_url)
-        params.update(self._pg_options.get("connect_args", {}))
-        return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
+        locks = cast(AdvisoryTurnLocks, self._turn_locks)
+        locks.lease_seconds = self.turn_lock_lease_seconds
+        locks.call_timeout = self.operation_timeout
 
     def _make_async_engine(self) -> AsyncEngine:
         from sqlalchemy.ext.asyncio import create_async_engine
@@ -674,38 +706,12 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         try:
             return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
         except asyncio.TimeoutError as exc:
-            self._turn_locks.distrust()
+            if self._turn_locks is not None:
+                self._turn_locks.distrust()
             raise DatabaseUnavailableError(
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
-
-    async def _atry_turn_lock_reading_version(
-        self, session_id: str
-    ) -> tuple[bool, tuple[bool, int | None]]:
-        with self._guard():
-            try:
-                acquired, version = await self._turn_locks.try_acquire_reading_version(session_id)
-            except psycopg.OperationalError as exc:
-                raise _lock_unavailable(session_id, self.url, exc) from exc
-            except asyncio.TimeoutError as exc:
-                reason = f"no answer within {self.operation_timeout:g} s"
-                raise _lock_unavailable(session_id, self.url, exc, reason) from exc
-        return acquired, (True, version)
-
-    async def _arelease_turn_lock(self, session_id: str) -> None:
-        await self._turn_locks.release(session_id)
-
-    async def aclose(self) -> None:
-        """Close the turn-lock connection, then the pools."""
-        await self._turn_locks.aclose()
-        await super().aclose()
-
-    def close(self) -> None:
-        """Drop the turn-lock connection, the thread pool and the engine."""
-        if hasattr(self, "_turn_locks"):
-            self._turn_locks.close()
-        super().close()
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:
