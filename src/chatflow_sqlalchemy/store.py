@@ -640,8 +640,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         if self._ephemeral:
             return fn(*args)
-        if self._native_async:
-            await self._async_engine_for_loop()
+        if self._native_async and await self._async_engine_for_loop() is not None:
             return cast(_T, await _greenlet_spawn()(_on_async_facade, fn, *args))
         return await self._io_pool().run(fn, *args)
 
@@ -667,17 +666,24 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
             ) from exc
 
-    async def _async_engine_for_loop(self) -> AsyncEngine:
-        """The AsyncEngine, its pool emptied first if the running event loop changed.
+    async def _async_engine_for_loop(self) -> AsyncEngine | None:
+        """The AsyncEngine for the running loop, or None: use the thread pool from this loop.
 
-        Async connections belong to the loop that opened them; a store that
-        outlives a loop (``Runner.run`` calls ``asyncio.run`` every time) closes
-        the old loop's idle connections instead of reusing them.
+        Async connections belong to the loop that opened them, so the
+        AsyncEngine serves one loop at a time. A store that outlives a loop
+        (``Runner.run`` calls ``asyncio.run`` every time) hands it to the next
+        loop once the old one is closed, after closing the old loop's idle
+        connections. While the owning loop still runs (threads that each run
+        their own loop over one store), other loops run their I/O on the
+        store's threads, on the sync engine.
         """
         loop = asyncio.get_running_loop()
         with self._pool_lock:
             self._check_open()
-            stale = self._aengine is not None and self._aloop is not loop
+            owner = self._aloop
+            if owner is not None and owner is not loop and not owner.is_closed():
+                return None
+            stale = self._aengine is not None and owner is not loop
             if self._aengine is None:
                 self._aengine = self._make_async_engine()
                 facade = self._aengine.sync_engine

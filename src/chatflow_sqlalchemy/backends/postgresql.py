@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -217,6 +218,28 @@ class _Held:
         self.heartbeat: asyncio.Future[None] | None = None
 
 
+class _LoopLocks:
+    """The lock connections of one event loop: idle ones, held locks, distrusted locks."""
+
+    __slots__ = ("distrusted", "held", "idle")
+
+    def __init__(self) -> None:
+        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        self.held: dict[str, _Held] = {}
+        self.distrusted: set[str] = set()
+
+    def abandon(self) -> None:
+        """Close every socket at once (the loop is gone; the server frees the locks)."""
+        idle, self.idle = self.idle, []
+        held, self.held = self.held, {}
+        self.distrusted.clear()
+        for conn in idle:
+            _finish(conn)
+        for lock in held.values():
+            lock.stop.set()
+            _finish(lock.conn)
+
+
 class AdvisoryTurnLocks:
     """Transaction-scoped advisory locks for turns, one lock connection per held lock.
 
@@ -254,31 +277,44 @@ class AdvisoryTurnLocks:
         self.url = url
         self.lease_seconds = lease_seconds
         self.call_timeout = call_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: list[psycopg.AsyncConnection[Any]] = []
-        self._held: dict[str, _Held] = {}
-        self._distrusted: set[str] = set()
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopLocks] = {}
+        self._loops_lock = threading.Lock()
 
-    def _bind_to_running_loop(self) -> None:
+    def _here(self) -> _LoopLocks:
+        """The lock connections of the running loop (psycopg async connections are per loop).
+
+        Threads that each run their own loop over one store each get their
+        own; a lock taken in one loop is never touched from another. Those of
+        closed loops are dropped (closing their sockets frees their locks).
+        """
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            # Connections of a finished loop cannot be awaited any more; closing their
-            # sockets synchronously still makes the server drop their locks at once.
-            self._abandon_all()
-            self._loop = loop
+        with self._loops_lock:
+            here = self._loops.get(loop)
+            if here is None:
+                for gone in [old for old in self._loops if old.is_closed()]:
+                    self._loops.pop(gone).abandon()
+                here = self._loops[loop] = _LoopLocks()
+            return here
+
+    @property
+    def _idle(self) -> list[psycopg.AsyncConnection[Any]]:
+        return self._here().idle
+
+    @property
+    def _held(self) -> dict[str, _Held]:
+        return self._here().held
+
+    @property
+    def _distrusted(self) -> set[str]:
+        return self._here().distrusted
 
     def _abandon_all(self) -> None:
-        idle, self._idle = self._idle, []
-        held, self._held = self._held, {}
-        self._distrusted.clear()
-        for conn in idle:
-            _finish(conn)
-        for lock in held.values():
-            lock.stop.set()
-            _finish(lock.conn)
+        with self._loops_lock:
+            loops, self._loops = self._loops, {}
+        for state in loops.values():
+            state.abandon()
 
     async def _take(self) -> psycopg.AsyncConnection[Any]:
-        self._bind_to_running_loop()
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
@@ -423,8 +459,9 @@ class AdvisoryTurnLocks:
             self._put(held.conn)
 
     def held(self) -> list[str]:
-        """Sessions whose lock this process holds now."""
-        return list(self._held)
+        """Sessions whose lock this process holds now (in every event loop)."""
+        with self._loops_lock:
+            return [session for state in self._loops.values() for session in state.held]
 
     def distrust(self) -> None:
         """Release the locks held now by closing their connections, not by ``ROLLBACK``.
@@ -433,15 +470,21 @@ class AdvisoryTurnLocks:
         answer first; a closed connection's lock is freed by the server at
         once, or at the latest when its lease ends.
         """
-        self._distrusted.update(self._held)
+        with self._loops_lock:
+            for state in self._loops.values():
+                state.distrusted.update(state.held)
 
     async def aclose(self) -> None:
         """Close every lock connection, releasing every lock."""
-        if self._loop is not asyncio.get_running_loop():
-            self._abandon_all()
+        loop = asyncio.get_running_loop()
+        with self._loops_lock:
+            loops, self._loops = self._loops, {}
+        here = loops.pop(loop, None)
+        for state in loops.values():
+            state.abandon()
+        if here is None:
             return
-        idle, self._idle = self._idle, []
-        held, self._held = self._held, {}
+        idle, held = here.idle, here.held
         for lock in held.values():
             lock.stop.set()
         for conn in [*idle, *(lock.conn for lock in held.values())]:
