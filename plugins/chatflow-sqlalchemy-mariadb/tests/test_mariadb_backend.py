@@ -356,3 +356,38 @@ def test_generic_store_on_a_mariadb_engine_runs_runner_turns_under_named_locks(
             asyncio.run(scenario())
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-session", "own-sessions"])
+def test_threads_with_their_own_loops_over_one_store(mariadb_database: URL, shared: bool) -> None:
+    """4 threads x ``asyncio.run`` x 25 turns: no deadlock, no lost or interleaved turn."""
+    threads_n, turns = 4, 25
+    bot = Agent(name="Bot", instructions="")
+    errors: list[BaseException] = []
+    with MariaDBSessionStore(mariadb_database, default_max_turns=threads_n * turns) as store:
+        runner = Runner(starting_agent=bot, session_store=store, engine=ScriptedEngine(0.001))
+
+        def worker(index: int) -> None:
+            try:
+                for turn in range(turns):
+                    session = "shared" if shared else f"own-{index}"
+                    reply = asyncio.run(runner.run_async(session, f"t{index}-{turn}"))
+                    assert reply.content == f"Bot re: t{index}-{turn}"
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        assert not [t for t in threads if t.is_alive()], "a thread hung (deadlock)"
+        assert not errors, errors
+        sessions = ["shared"] if shared else [f"own-{i}" for i in range(threads_n)]
+        for session in sessions:
+            ctx = store.get(session)
+            assert ctx is not None
+            history = ctx.history
+            assert len(history) == 2 * turns * (threads_n if shared else 1), "no turn lost"
+            for question, answer in zip(history[::2], history[1::2], strict=True):
+                assert answer.content == f"Bot re: {question.content}", "no interleaving"
