@@ -53,6 +53,7 @@ POSTGRES_IMAGE = "postgres:16-alpine"
 SQLITE_TARGET = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
 POSTGRES_TARGET = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
 MEMORY_TARGET = "chatflow_sqlalchemy.memory:SessionStore"
+GENERIC_TARGET = "chatflow_sqlalchemy.store:SQLAlchemySessionStore"
 
 BACKENDS = [
     "sqlite-file",
@@ -60,6 +61,7 @@ BACKENDS = [
     "sqlite-shared-uri",
     "memory",
     pytest.param("postgresql", marks=pytest.mark.postgres),
+    pytest.param("postgresql-generic", marks=pytest.mark.postgres),
     pytest.param("postgresql-pgbouncer", marks=pytest.mark.postgres),
 ]
 
@@ -107,7 +109,9 @@ def postgres_admin(postgres_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreHarness:
+def _postgres_harness(
+    url: str, admin: Engine, async_mode: Capability, *, generic: bool = False
+) -> StoreHarness:
     schema = f"t_{uuid.uuid4().hex}"
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -116,11 +120,14 @@ def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreH
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
-    spec = StoreSpec(
-        POSTGRES_TARGET, (url,), {"connect_args": {"options": f"-csearch_path={schema}"}}
-    )
+    options = f"-csearch_path={schema}"
+    if generic:  # SQLAlchemySessionStore(url): the schema rides in the URL's query
+        generic_url = make_url(url).update_query_dict({"options": options})
+        spec = StoreSpec(GENERIC_TARGET, (generic_url.render_as_string(hide_password=False),))
+    else:
+        spec = StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": {"options": options}})
     return SpecHarness(
-        "postgresql",
+        "postgresql-generic" if generic else "postgresql",
         spec,
         {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
         cleanup=drop_schema,
@@ -226,15 +233,15 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = _sqlite_shared_uri_harness()
     elif name == "memory":
         harness = SpecHarness(name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL})
-    elif name == "postgresql":
+    elif name in ("postgresql", "postgresql-generic"):
         try:
             url: str = request.getfixturevalue("postgres_url")
         except PostgresUnreachable as exc:
-            yield UnreachableHarness("postgresql", str(exc))
+            yield UnreachableHarness(name, str(exc))
             return
         admin: Engine = request.getfixturevalue("postgres_admin")
         mode: Capability = request.getfixturevalue("postgres_async_mode")
-        harness = _postgres_harness(url, admin, mode)
+        harness = _postgres_harness(url, admin, mode, generic=name == "postgresql-generic")
     elif name == "postgresql-pgbouncer":
         try:
             request.getfixturevalue("postgres_url")

@@ -532,11 +532,14 @@ class _SyncRenewals:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._due: dict[WebhookClaim, float] = {}
+        self._contexts: dict[WebhookClaim, contextvars.Context] = {}
         self._thread: threading.Thread | None = None
 
     def add(self, claim: WebhookClaim) -> None:
         with self._cond:
             self._due[claim] = time.monotonic() + claim.lease_seconds / 3
+            # Renewals run in the context of the block that opened the claim.
+            self._contexts[claim] = contextvars.copy_context()
             if self._thread is None or not self._thread.is_alive():  # also after a fork
                 self._thread = threading.Thread(
                     target=self._run, name="chatflow-claim-renewals", daemon=True
@@ -547,6 +550,7 @@ class _SyncRenewals:
     def discard(self, claim: WebhookClaim) -> None:
         with self._cond:
             self._due.pop(claim, None)
+            self._contexts.pop(claim, None)
 
     def _run(self) -> None:
         while True:
@@ -559,8 +563,10 @@ class _SyncRenewals:
                     continue
                 for claim in ready:
                     self._due[claim] = now + claim.lease_seconds / 3
-            for claim in ready:
-                if not claim._renew_now():
+                contexts = [self._contexts.get(claim) for claim in ready]
+            for claim, context in zip(ready, contexts, strict=True):
+                renew = claim._renew_now
+                if not (renew() if context is None else context.run(renew)):
                     self.discard(claim)
 
 

@@ -226,26 +226,81 @@ class _TrackedDict(dict[str, Any]):
         return self
 
 
-class _LoopLock:
-    """An ``asyncio.Lock`` that follows the running event loop while it is free.
+class _AnyLoopLock:
+    """A FIFO lock awaited from any event loop in any thread.
 
     A context can outlive an event loop (``Runner.run`` uses ``asyncio.run``
-    on every call); an idle lock bound to a finished loop would refuse to wait.
+    on every call) and be shared by threads that each run their own loop (a
+    sync web server calling ``Runner.run`` per request). An ``asyncio.Lock``
+    is bound to one loop, and a waiter parked in one loop and woken from
+    another thread would never resume. Here each waiter parks on a future of
+    its own loop and is handed the lock with that loop's
+    ``call_soon_threadsafe``; a thread lock guards the state.
     """
 
+    __slots__ = ("_held", "_mutex", "_waiters")
+
     def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mutex = threading.Lock()
+        self._held = False
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
 
     def locked(self) -> bool:
-        return self._lock.locked()
+        return self._held
 
-    def get(self) -> asyncio.Lock:
+    async def acquire(self) -> bool:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop and not self._lock.locked():
-            self._lock = asyncio.Lock()
-            self._loop = loop
-        return self._lock
+        with self._mutex:
+            if not self._held and not self._waiters:
+                self._held = True
+                return True
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, waiter))
+        try:
+            await waiter
+        except BaseException:
+            with self._mutex:
+                try:
+                    self._waiters.remove((loop, waiter))
+                    handed = False
+                except ValueError:
+                    handed = True  # the lock was handed over already: pass it on
+            if handed:
+                self.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        """Hand the lock to the oldest waiter (in its own loop), or free it."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        with self._mutex:
+            if not self._held:
+                raise RuntimeError("release of an unlocked session lock")
+            while self._waiters:
+                loop, waiter = self._waiters.popleft()
+                try:
+                    if loop is running:
+                        loop.call_soon(_hand_over, waiter)
+                    else:
+                        loop.call_soon_threadsafe(_hand_over, waiter)
+                except RuntimeError:  # that loop is closed: its waiter is gone
+                    continue
+                return
+            self._held = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _hand_over(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # a cancelled waiter passes the lock on itself
+        waiter.set_result(None)
 
 
 class TurnLock:
@@ -259,11 +314,11 @@ class TurnLock:
 
     def __init__(self, ctx: SessionContext) -> None:
         self._ctx = ctx
-        self._lock = _LoopLock()
+        self._lock = _AnyLoopLock()
 
     async def acquire(self) -> bool:
-        """Wait for the session's turn, then open it."""
-        lock = self._lock.get()
+        """Wait for the session's turn, then open it (from any thread's event loop)."""
+        lock = self._lock
         await lock.acquire()
         try:
             await self._ctx._abegin_turn()
@@ -277,7 +332,7 @@ class TurnLock:
         try:
             await self._ctx._aend_turn()
         finally:
-            self._lock.get().release()
+            self._lock.release()
 
     async def discard_async(self) -> None:
         """Close the turn without writing anything, and let the next turn in.
@@ -288,7 +343,7 @@ class TurnLock:
         try:
             await self._ctx._adiscard_turn()
         finally:
-            self._lock.get().release()
+            self._lock.release()
 
     def locked(self) -> bool:
         """Return True while a turn holds the lock."""
@@ -350,7 +405,7 @@ class SessionContext(_UpstreamSessionContext):
         self._verified_at = float("-inf")
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
-        self._async_writer = _LoopLock()
+        self._async_writer = _AnyLoopLock()
         self._max_turns = 1
         self._metadata = _TrackedDict(self, {})
         super().__init__(
@@ -527,14 +582,14 @@ class SessionContext(_UpstreamSessionContext):
             return
         # Async writers of one context take turns: on a native-async store they
         # share the loop thread, where the thread mutex cannot tell them apart.
-        async with self._async_writer.get():
+        async with self._async_writer:
             await self._owner._run_blocking(fn, *args)
 
     # ------------------------------------------------------------------ turns
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
-            async with self._async_writer.get():
+            async with self._async_writer:
                 await self._owner._abegin_turn(self)
         with self._mutex:
             self._check_alive()
@@ -559,7 +614,7 @@ class SessionContext(_UpstreamSessionContext):
         start = self._close_turn()
         if self._owner is not None:
             try:
-                async with self._async_writer.get():
+                async with self._async_writer:
                     await self._owner._aend_turn(self)
             except BaseException:
                 # Not written (or not known to be): memory shows what the database

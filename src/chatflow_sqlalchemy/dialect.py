@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 from sqlalchemy import (
     URL,
@@ -47,7 +47,9 @@ from chatflow_sqlalchemy.driver import (
 __all__ = [
     "IDLE_PING_SECONDS",
     "RECLAIMED_AS_DONE",
+    "ConnectArguments",
     "DialectSupport",
+    "TurnLocks",
     "on_conflict_acquire",
     "ping_when_idle",
 ]
@@ -67,13 +69,80 @@ Constants are inline SQL, not anonymous binds, so the statement compiles once fo
 the driver path (``driver.py``) with the parameters SQLAlchemy would send."""
 
 
+@runtime_checkable
+class TurnLocks(Protocol):
+    """Cross-process locks held for a whole turn (what :meth:`DialectSupport.turn_locks` makes).
+
+    A store calls them from its event loops: :meth:`try_acquire` before a
+    turn, :meth:`release` after it (written or discarded). Implementations
+    raise :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`
+    when the server cannot be reached, and must never block the calling loop.
+    """
+
+    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
+        """Try to take the session's lock; never waits for another holder.
+
+        Returns:
+            ``(taken, version_known, version)``: whether the lock was taken and,
+            if the implementation read it with the lock held, the session's
+            stored version (None: the session row does not exist). With
+            ``version_known`` False the store checks the version itself.
+
+        """
+        ...
+
+    async def release(self, session_id: str) -> None:
+        """Release what :meth:`try_acquire` took (a lost connection already released it)."""
+        ...
+
+    def distrust(self) -> None:
+        """The network looks frozen: release held locks without waiting on the server."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release every lock and close every lock connection (from an event loop)."""
+        ...
+
+    def close(self) -> None:
+        """Release every lock and close every lock connection (from sync code)."""
+        ...
+
+
+class ConnectArguments:
+    """The arguments an engine opens its DBAPI connections with, for side connections.
+
+    Backends whose turn locks live on connections of their own (outside the
+    pool) open them like the engine does: the ``do_connect`` event reports
+    the arguments of every connection the engine opens (``connect_args`` and
+    what other listeners changed included). Until the engine has opened one,
+    the dialect's :meth:`~sqlalchemy.engine.Dialect.create_connect_args` for
+    its URL stand in, updated with ``fallback``.
+
+    Args:
+        engine: The store's engine.
+        fallback: Keyword arguments added to the URL's until a connection was seen.
+
+    """
+
+    def __init__(self, engine: Engine, fallback: dict[str, Any] | None = None) -> None:
+        args, params = engine.dialect.create_connect_args(engine.url)
+        self.args: list[Any] = list(args)
+        self.params: dict[str, Any] = {**params, **(fallback or {})}
+        event.listen(engine, "do_connect", self._seen)
+
+    def _seen(self, _dialect: Any, _record: Any, cargs: Any, cparams: Any) -> None:
+        self.args, self.params = list(cargs), dict(cparams)
+
+
 class DialectSupport:
     """Per-dialect hooks; subclass it in a backend and override what differs.
 
     Attributes:
         name: The SQLAlchemy dialect name this support handles.
-        cross_process_turn_lock: True when ``session.lock`` also excludes other
-            processes for the whole turn (not only the final write).
+        cross_process_turn_lock: True when :meth:`turn_locks` returns locks,
+            i.e. ``session.lock`` also excludes other processes for the whole
+            turn (not only the final write). Informative: the store asks
+            :meth:`turn_locks`.
         driver_statements: True when the per-turn statements may run on the
             DBAPI cursor (see :mod:`chatflow_sqlalchemy.driver`).
 
@@ -89,6 +158,19 @@ class DialectSupport:
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
         return {"pool_pre_ping": True}
+
+    def turn_locks(self, engine: Engine) -> TurnLocks | None:
+        """The cross-process turn locks of a store opened on ``engine``, or None.
+
+        Called once per store, after :meth:`prepare_engine` and before the
+        store connects, whatever the store's class (the generic
+        ``SQLAlchemySessionStore(url | engine=...)`` or a backend's own), so
+        every store on this dialect serialises turns across processes the
+        same way. The store closes them with itself. Default: None (turns
+        are serialised within the process; the write is still a
+        compare-and-swap against other processes).
+        """
+        return None
 
     def autocommit_options(self) -> dict[str, Any]:
         """Execution options under which one statement runs without BEGIN/COMMIT."""

@@ -19,6 +19,7 @@ write in flight completes instead of being cut off.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import queue
@@ -38,7 +39,7 @@ logger = logging.getLogger("chatflow_sqlalchemy")
 class _Job(Generic[_T]):
     """One call to run on a pool thread, and the loop future awaiting its outcome."""
 
-    __slots__ = ("args", "fn", "future", "loop")
+    __slots__ = ("args", "context", "fn", "future", "loop")
 
     def __init__(
         self,
@@ -51,6 +52,9 @@ class _Job(Generic[_T]):
         self.future = future
         self.fn = fn
         self.args = args
+        # The caller's contextvars (request ids, tracing spans) reach the I/O, as with
+        # asyncio.to_thread.
+        self.context = contextvars.copy_context()
 
     def run(self) -> None:
         """Call ``fn`` (unless its awaiter gave up first) and hand the outcome to the loop."""
@@ -58,7 +62,7 @@ class _Job(Generic[_T]):
             return
         loop, future = self.loop, self.future
         try:
-            outcome: Any = self.fn(*self.args)
+            outcome: Any = self.context.run(self.fn, *self.args)
             succeeded = True
         except BaseException as exc:  # the awaiter re-raises it, as run_in_executor does
             outcome, succeeded = exc, False
@@ -113,7 +117,9 @@ class IOPool:
         _ALL_POOLS.add(self)
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on a pool thread and return (or raise) its outcome.
+        """Run ``fn(*args)`` on a pool thread, in a copy of the caller's context.
+
+        Returns (or raises) its outcome.
 
         If the awaiting task is cancelled before a thread picks the call up,
         the call never runs; once running, it finishes and its outcome is

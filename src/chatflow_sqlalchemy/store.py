@@ -79,7 +79,7 @@ from chatflow_sqlalchemy.context import (
     validate_max_turns,
     validate_session_id,
 )
-from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.dialect import DialectSupport, TurnLocks
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
     DriverStatement,
@@ -371,6 +371,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._owns_engine = False
         self.support.prepare_engine(engine)
         self.engine = engine
+        self._turn_locks: TurnLocks | None = self.support.turn_locks(engine)
         self._engines = self._engine_modes(engine)
         # Dialect statements are built once: building an upsert costs more than running it.
         self._insert_session = self.support.insert_ignore(_sessions)
@@ -400,6 +401,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._native_async = self._wants_native_async()
             self._open_schema()
         except BaseException:
+            if self._turn_locks is not None:
+                self._turn_locks.close()
             if self._owns_engine:
                 engine.dispose()
             raise
@@ -419,6 +422,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
         """
         if self._ephemeral or self.support.async_url(self.url) is None:
+            return False
+        if not (self._owns_engine or getattr(self, "_opened_by_backend", False)):
+            # A given engine carries settings (connect_args, pool, listeners) that an
+            # AsyncEngine built from its URL would not: its async work runs on threads.
             return False
         if _greenlet_available():
             return True
@@ -450,6 +457,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             engine = create_engine(url, **engine_options)
         except ImportError as exc:
             raise BackendImportError(f"{install_hint} ({exc})") from exc
+        self._opened_by_backend = True  # the backend builds its AsyncEngine with these options
         try:
             SQLAlchemySessionStore.__init__(
                 self,
@@ -632,8 +640,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         if self._ephemeral:
             return fn(*args)
-        if self._native_async:
-            await self._async_engine_for_loop()
+        if self._native_async and await self._async_engine_for_loop() is not None:
             return cast(_T, await _greenlet_spawn()(_on_async_facade, fn, *args))
         return await self._io_pool().run(fn, *args)
 
@@ -659,17 +666,24 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
             ) from exc
 
-    async def _async_engine_for_loop(self) -> AsyncEngine:
-        """The AsyncEngine, its pool emptied first if the running event loop changed.
+    async def _async_engine_for_loop(self) -> AsyncEngine | None:
+        """The AsyncEngine for the running loop, or None: use the thread pool from this loop.
 
-        Async connections belong to the loop that opened them; a store that
-        outlives a loop (``Runner.run`` calls ``asyncio.run`` every time) closes
-        the old loop's idle connections instead of reusing them.
+        Async connections belong to the loop that opened them, so the
+        AsyncEngine serves one loop at a time. A store that outlives a loop
+        (``Runner.run`` calls ``asyncio.run`` every time) hands it to the next
+        loop once the old one is closed, after closing the old loop's idle
+        connections. While the owning loop still runs (threads that each run
+        their own loop over one store), other loops run their I/O on the
+        store's threads, on the sync engine.
         """
         loop = asyncio.get_running_loop()
         with self._pool_lock:
             self._check_open()
-            stale = self._aengine is not None and self._aloop is not loop
+            owner = self._aloop
+            if owner is not None and owner is not loop and not owner.is_closed():
+                return None
+            stale = self._aengine is not None and owner is not loop
             if self._aengine is None:
                 self._aengine = self._make_async_engine()
                 facade = self._aengine.sync_engine
@@ -1220,25 +1234,26 @@ class SQLAlchemySessionStore(BaseSessionStore):
         The lock is polled with a short backoff rather than waited for, so a
         contended session never pins one of the I/O threads.
         """
-        locking = self.support.cross_process_turn_lock
-        if not locking and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
+        locks = self._turn_locks
+        if locks is None and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
             return  # the Runner's get_or_create checked the version a moment ago
         delay = 0.002
-        locked_version: tuple[bool, int | None] = (False, None)
-        while locking:
-            acquired, locked_version = await self._atry_turn_lock_reading_version(ctx.session_id)
+        known, version = False, None
+        while locks is not None:
+            with self._guard():
+                acquired, known, version = await locks.try_acquire(ctx.session_id)
             if acquired:
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.005)  # a freed lock is noticed within 5 ms
         try:
-            if locking and self._locked_version_matches(ctx, *locked_version):
+            if locks is not None and self._locked_version_matches(ctx, known, version):
                 return
             if not await self._run_blocking(self._refresh, ctx):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
-            if locking:
-                await self._arelease_turn_lock(ctx.session_id)
+            if locks is not None:
+                await locks.release(ctx.session_id)
             raise
 
     def _locked_version_matches(
@@ -1266,46 +1281,18 @@ class SQLAlchemySessionStore(BaseSessionStore):
         try:
             await self._run_blocking(self._flush_context, ctx, fence)
         finally:
-            if self.support.cross_process_turn_lock:
-                await self._arelease_turn_lock(ctx.session_id)
+            if self._turn_locks is not None:
+                await self._turn_locks.release(ctx.session_id)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
         """After a turn ended by an exception: write nothing, let other processes in."""
-        if self.support.cross_process_turn_lock:
-            await self._arelease_turn_lock(ctx.session_id)
+        if self._turn_locks is not None:
+            await self._turn_locks.release(ctx.session_id)
 
-    async def _atry_turn_lock(self, session_id: str) -> bool:
-        """Try to take the cross-process lock of a session's turn; never waits.
-
-        Only called when ``support.cross_process_turn_lock`` is set; backends
-        that set it override this (or :meth:`_atry_turn_lock_reading_version`)
-        and :meth:`_arelease_turn_lock`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
-
-    async def _arelease_turn_lock(self, session_id: str) -> None:
-        """Release what :meth:`_atry_turn_lock` took."""
-        raise NotImplementedError(f"{type(self).__name__} declares turn locks but has none")
-
-    async def _atry_turn_lock_reading_version(
-        self, session_id: str
-    ) -> tuple[bool, tuple[bool, int | None]]:
-        """Try the turn lock and, if taken, read the version: ``(taken, (known, version))``.
-
-        The default makes two calls; a backend that can send both at once
-        (PostgreSQL pipelines them on its lock connection) overrides it.
-        """
-        if not await self._atry_turn_lock(session_id):
-            return False, (False, None)
-        return True, await self._alocked_version(session_id)
-
-    async def _alocked_version(self, session_id: str) -> tuple[bool, int | None]:
-        """Optional: ``(True, version or None)`` read cheaply while the turn lock is held.
-
-        ``(False, None)`` (the default) makes the turn start with a full
-        version check in a pooled transaction instead.
-        """
-        return False, None
+    @property
+    def turn_locks(self) -> TurnLocks | None:
+        """The cross-process turn locks of this store (from its dialect support), or None."""
+        return self._turn_locks
 
     # ------------------------------------------------------------ lifecycle
 
@@ -1314,6 +1301,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if self._closed:
             return
         self._closed = True
+        if self._turn_locks is not None:
+            self._turn_locks.close()
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -1388,6 +1377,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
 
     async def aclose(self) -> None:
         """Async :meth:`close` (waits for in-flight work off the loop)."""
+        if self._turn_locks is not None and not self._closed:
+            await self._turn_locks.aclose()
         if self._aengine is not None and self._aloop is asyncio.get_running_loop():
             await self._aengine.dispose()
         if self._ephemeral:

@@ -32,6 +32,7 @@ from sqlalchemy import URL, Engine, create_engine, make_url, text
 
 MARIADB_ENV = "CHATFLOW_TEST_MARIADB_URL"
 STORE_TARGET = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
+GENERIC_TARGET = "chatflow_sqlalchemy.store:SQLAlchemySessionStore"
 
 CAPABILITIES = {
     Capability.PERSISTENT,  # every harness.open() reaches the same database
@@ -114,18 +115,24 @@ def mariadb_database(new_database: Callable[[], URL]) -> URL:
     return new_database()
 
 
-@pytest.fixture
+@pytest.fixture(params=["mariadb", "mariadb-generic"])
 def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
-    """The MariaDB backend under test (overrides the conformance plugin's default)."""
+    """The MariaDB backend under test (overrides the conformance plugin's default).
+
+    ``mariadb-generic`` opens the core's ``SQLAlchemySessionStore(url)``: the
+    plugin's dialect support alone (its turn locks included) must make it work.
+    """
+    name: str = request.param
     try:
         url: URL = request.getfixturevalue("mariadb_url")
     except MariaDBUnreachable as exc:
-        yield UnreachableHarness("mariadb", str(exc))
+        yield UnreachableHarness(name, str(exc))
         return
     admin: Engine = request.getfixturevalue("mariadb_admin")
     database, drop = fresh_database(url, admin)
-    spec = StoreSpec(STORE_TARGET, (database.render_as_string(hide_password=False),))
-    harness = SpecHarness("mariadb", spec, CAPABILITIES, cleanup=drop)
+    target = GENERIC_TARGET if name == "mariadb-generic" else STORE_TARGET
+    spec = StoreSpec(target, (database.render_as_string(hide_password=False),))
+    harness = SpecHarness(name, spec, CAPABILITIES, cleanup=drop)
     yield harness
     harness.close()
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -26,7 +27,9 @@ from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
+    ConnectArguments,
     DialectSupport,
+    TurnLocks,
     on_conflict_acquire,
     ping_when_idle,
 )
@@ -238,6 +241,28 @@ class _Held:
         self.heartbeat: asyncio.Future[None] | None = None
 
 
+class _LoopLocks:
+    """The lock connections of one event loop: idle ones, held locks, distrusted locks."""
+
+    __slots__ = ("distrusted", "held", "idle")
+
+    def __init__(self) -> None:
+        self.idle: list[psycopg.AsyncConnection[Any]] = []
+        self.held: dict[str, _Held] = {}
+        self.distrusted: set[str] = set()
+
+    def abandon(self) -> None:
+        """Close every socket at once (the loop is gone; the server frees the locks)."""
+        idle, self.idle = self.idle, []
+        held, self.held = self.held, {}
+        self.distrusted.clear()
+        for conn in idle:
+            _finish(conn)
+        for lock in held.values():
+            lock.stop.set()
+            _finish(lock.conn)
+
+
 class AdvisoryTurnLocks:
     """Transaction-scoped advisory locks for turns, one lock connection per held lock.
 
@@ -269,35 +294,50 @@ class AdvisoryTurnLocks:
         *,
         lease_seconds: float = TURN_LOCK_LEASE_SECONDS,
         call_timeout: float = OPERATION_TIMEOUT_SECONDS,
+        url: URL | None = None,
     ) -> None:
         self._connect = connect
+        self.url = url
         self.lease_seconds = lease_seconds
         self.call_timeout = call_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: list[psycopg.AsyncConnection[Any]] = []
-        self._held: dict[str, _Held] = {}
-        self._distrusted: set[str] = set()
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopLocks] = {}
+        self._loops_lock = threading.Lock()
 
-    def _bind_to_running_loop(self) -> None:
+    def _here(self) -> _LoopLocks:
+        """The lock connections of the running loop (psycopg async connections are per loop).
+
+        Threads that each run their own loop over one store each get their
+        own; a lock taken in one loop is never touched from another. Those of
+        closed loops are dropped (closing their sockets frees their locks).
+        """
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            # Connections of a finished loop cannot be awaited any more; closing their
-            # sockets synchronously still makes the server drop their locks at once.
-            self._abandon_all()
-            self._loop = loop
+        with self._loops_lock:
+            here = self._loops.get(loop)
+            if here is None:
+                for gone in [old for old in self._loops if old.is_closed()]:
+                    self._loops.pop(gone).abandon()
+                here = self._loops[loop] = _LoopLocks()
+            return here
+
+    @property
+    def _idle(self) -> list[psycopg.AsyncConnection[Any]]:
+        return self._here().idle
+
+    @property
+    def _held(self) -> dict[str, _Held]:
+        return self._here().held
+
+    @property
+    def _distrusted(self) -> set[str]:
+        return self._here().distrusted
 
     def _abandon_all(self) -> None:
-        idle, self._idle = self._idle, []
-        held, self._held = self._held, {}
-        self._distrusted.clear()
-        for conn in idle:
-            _finish(conn)
-        for lock in held.values():
-            lock.stop.set()
-            _finish(lock.conn)
+        with self._loops_lock:
+            loops, self._loops = self._loops, {}
+        for state in loops.values():
+            state.abandon()
 
     async def _take(self) -> psycopg.AsyncConnection[Any]:
-        self._bind_to_running_loop()
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
@@ -309,6 +349,22 @@ class AdvisoryTurnLocks:
             _finish(conn)
         else:
             self._idle.append(conn)
+
+    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
+        """:meth:`try_acquire_reading_version` as the :class:`TurnLocks` protocol has it.
+
+        Raises:
+            DatabaseUnavailableError: The server failed or did not answer in ``call_timeout``.
+
+        """
+        try:
+            taken, version = await self.try_acquire_reading_version(session_id)
+        except psycopg.OperationalError as exc:
+            raise _lock_unavailable(session_id, self.url, exc) from exc
+        except asyncio.TimeoutError as exc:
+            reason = f"no answer within {self.call_timeout:g} s"
+            raise _lock_unavailable(session_id, self.url, exc, reason) from exc
+        return taken, True, version
 
     async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
         """Try the lock and read the session's version in one round trip.
@@ -426,8 +482,9 @@ class AdvisoryTurnLocks:
             self._put(held.conn)
 
     def held(self) -> list[str]:
-        """Sessions whose lock this process holds now."""
-        return list(self._held)
+        """Sessions whose lock this process holds now (in every event loop)."""
+        with self._loops_lock:
+            return [session for state in self._loops.values() for session in state.held]
 
     def distrust(self) -> None:
         """Release the locks held now by closing their connections, not by ``ROLLBACK``.
@@ -436,15 +493,21 @@ class AdvisoryTurnLocks:
         answer first; a closed connection's lock is freed by the server at
         once, or at the latest when its lease ends.
         """
-        self._distrusted.update(self._held)
+        with self._loops_lock:
+            for state in self._loops.values():
+                state.distrusted.update(state.held)
 
     async def aclose(self) -> None:
         """Close every lock connection, releasing every lock."""
-        if self._loop is not asyncio.get_running_loop():
-            self._abandon_all()
+        loop = asyncio.get_running_loop()
+        with self._loops_lock:
+            loops, self._loops = self._loops, {}
+        here = loops.pop(loop, None)
+        for state in loops.values():
+            state.abandon()
+        if here is None:
             return
-        idle, self._idle = self._idle, []
-        held, self._held = self._held, {}
+        idle, held = here.idle, here.held
         for lock in held.values():
             lock.stop.set()
         for conn in [*idle, *(lock.conn for lock in held.values())]:
@@ -493,6 +556,24 @@ class PostgresDialectSupport(DialectSupport):
         statement group, several per turn. See :func:`ping_when_idle`.
         """
         ping_when_idle(engine)
+
+    def turn_locks(self, engine: Engine) -> TurnLocks | None:
+        """:class:`AdvisoryTurnLocks` on psycopg async connections opened like ``engine``'s.
+
+        Raises:
+            BackendImportError: psycopg is not installed.
+
+        """
+        if psycopg is None:
+            raise BackendImportError(INSTALL_HINT)
+        arguments = ConnectArguments(engine, default_connect_args(engine.url))
+
+        async def connect() -> psycopg.AsyncConnection[Any]:
+            return await psycopg.AsyncConnection.connect(
+                *arguments.args, **{**arguments.params, "autocommit": True}
+            )
+
+        return AdvisoryTurnLocks(connect, url=engine.url)
 
     def async_url(self, url: URL) -> URL | None:
         """Async work runs natively on psycopg 3's async driver (no thread hop)."""
@@ -569,12 +650,13 @@ async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
 
 
 def _lock_unavailable(
-    session_id: str, url: URL, exc: BaseException, reason: str | None = None
+    session_id: str, url: URL | None, exc: BaseException, reason: str | None = None
 ) -> DatabaseUnavailableError:
     if reason is None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    where = "" if url is None else f" on {_describe(url)}"
     return DatabaseUnavailableError(
-        f"cannot take the turn lock of session {session_id!r} on {_describe(url)}: {reason}"
+        f"cannot take the turn lock of session {session_id!r}{where}: {reason}"
     )
 
 
@@ -669,16 +751,9 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
         )
-        self._turn_locks = AdvisoryTurnLocks(
-            self._connect_lock_connection,
-            lease_seconds=self.turn_lock_lease_seconds,
-            call_timeout=self.operation_timeout,
-        )
-
-    async def _connect_lock_connection(self) -> psycopg.AsyncConnection[Any]:
-        args, params = self.engine.dialect.create_connect_args(self._pg_url)
-        params.update(self._pg_options.get("connect_args", {}))
-        return await psycopg.AsyncConnection.connect(*args, autocommit=True, **params)
+        locks = cast(AdvisoryTurnLocks, self._turn_locks)
+        locks.lease_seconds = self.turn_lock_lease_seconds
+        locks.call_timeout = self.operation_timeout
 
     def _make_async_engine(self) -> AsyncEngine:
         from sqlalchemy.ext.asyncio import create_async_engine
@@ -697,38 +772,12 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         try:
             return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
         except asyncio.TimeoutError as exc:
-            self._turn_locks.distrust()
+            if self._turn_locks is not None:
+                self._turn_locks.distrust()
             raise DatabaseUnavailableError(
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
-
-    async def _atry_turn_lock_reading_version(
-        self, session_id: str
-    ) -> tuple[bool, tuple[bool, int | None]]:
-        with self._guard():
-            try:
-                acquired, version = await self._turn_locks.try_acquire_reading_version(session_id)
-            except psycopg.OperationalError as exc:
-                raise _lock_unavailable(session_id, self.url, exc) from exc
-            except asyncio.TimeoutError as exc:
-                reason = f"no answer within {self.operation_timeout:g} s"
-                raise _lock_unavailable(session_id, self.url, exc, reason) from exc
-        return acquired, (True, version)
-
-    async def _arelease_turn_lock(self, session_id: str) -> None:
-        await self._turn_locks.release(session_id)
-
-    async def aclose(self) -> None:
-        """Close the turn-lock connection, then the pools."""
-        await self._turn_locks.aclose()
-        await super().aclose()
-
-    def close(self) -> None:
-        """Drop the turn-lock connection, the thread pool and the engine."""
-        if hasattr(self, "_turn_locks"):
-            self._turn_locks.close()
-        super().close()
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:

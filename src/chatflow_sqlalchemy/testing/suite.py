@@ -380,6 +380,18 @@ class ScriptedEngine(BaseEngine):
 # ============================================================ base class
 
 
+IO_THREADS = "chatflow-io"
+"""Name prefix of the threads a store runs its blocking I/O on (``ASYNC_THREADPOOL``)."""
+
+
+def _io_threads_started_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    """I/O threads started after ``before`` was taken and still alive."""
+    return [
+        t for t in set(threading.enumerate()) - before
+        if t.name.startswith(IO_THREADS) and t.is_alive()
+    ]
+
+
 class StoreTestBase:
     """Fixtures of every suite class; subclass it to write backend tests of your own.
 
@@ -1428,36 +1440,17 @@ class TestAsyncTwins(StoreTestBase):
 
     @requires(Capability.ASYNC_THREADPOOL)
     def test_blocking_work_runs_on_the_private_pool(self, harness: StoreHarness) -> None:
+        before = set(threading.enumerate())
         store: Any = harness.open()
-        threads: list[str] = []
-        works: list[str] = []
-        original = store._run_blocking
-
-        async def spy(fn: Callable[..., Any], *args: Any) -> Any:
-            def recorded(*inner: Any) -> Any:
-                threads.append(threading.current_thread().name)
-                works.append(getattr(fn, "__name__", repr(fn)))
-                return fn(*inner)
-
-            return await original(recorded, *args)
-
-        store._run_blocking = spy
         with record_sql() as executed:
             loop_thread = run(self._exercise_async_api(store))
-        assert threads, "no blocking work went through _run_blocking"
-        misplaced = [
-            (work, name)
-            for work, name in zip(works, threads, strict=True)
-            if name == loop_thread or not name.startswith("chatflow-io")
+        assert executed, "the async API executed no SQL"
+        off_pool = [
+            e for e in executed if e.thread == loop_thread or not e.thread.startswith(IO_THREADS)
         ]
-        assert not misplaced, f"_run_blocking ran work off the private pool: {misplaced}"
-        off_pool = [e for e in executed if not e.thread.startswith("chatflow-io")]
         assert not off_pool, f"SQL executed outside the private pool: {off_pool[:5]}"
-        pool = store._pool
-        assert pool is not None
-        assert len(set(threads)) <= pool._max_workers
         run(store.aclose())
-        assert store._pool is None
+        assert not _io_threads_started_since(before), "aclose() stops the store's I/O threads"
 
     @requires(Capability.ASYNC_NATIVE, Capability.SQL)
     def test_native_async_driver_runs_on_the_loop(self, store: Any) -> None:
@@ -1473,15 +1466,14 @@ class TestAsyncTwins(StoreTestBase):
             loop_thread = run(self._exercise_async_api(store))
         assert executed
         assert {e.thread for e in executed} == {loop_thread}
-        assert getattr(store, "_pool", None) is None
 
     def test_aclose_and_context_manager(self, harness: StoreHarness) -> None:
+        before = set(threading.enumerate())
         store: Any = harness.open()
         ctx = run(store.aget_or_create(new_id(), Agent(name="Bot", instructions="")))
         run(ctx.aadd_message(user("u1")))
         run(store.aclose())
-        if harness.has(Capability.ASYNC_THREADPOOL):
-            assert store._pool is None
+        assert not _io_threads_started_since(before), "aclose() stops the store's I/O threads"
         store.close()  # closing twice is harmless
         other: Any = harness.open()
         with other as managed:

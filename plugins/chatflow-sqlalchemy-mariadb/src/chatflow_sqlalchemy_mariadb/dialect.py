@@ -22,7 +22,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from chatflow_sqlalchemy.dialect import RECLAIMED_AS_DONE, DialectSupport
+from chatflow_sqlalchemy.dialect import (
+    RECLAIMED_AS_DONE,
+    ConnectArguments,
+    DialectSupport,
+    TurnLocks,
+)
+from chatflow_sqlalchemy.exceptions import BackendImportError
 from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
 from sqlalchemy import (
     URL,
@@ -33,6 +39,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    create_engine,
     delete,
     event,
     func,
@@ -41,10 +48,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.engine import CursorResult
+from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Delete, Insert
 
 __all__ = [
     "DEFAULT_DRIVER",
+    "INSTALL_HINT",
     "MIGRATION_LOCK_TIMEOUT",
     "MariaDBDialectSupport",
     "id_collation",
@@ -54,6 +63,9 @@ __all__ = [
 
 DEFAULT_DRIVER = "pymysql"
 """The DBAPI used when a URL names none (``mysql://`` → ``mysql+pymysql://``)."""
+
+INSTALL_HINT = "MariaDB/MySQL needs a driver: pip install PyMySQL"
+"""What to install when the driver is missing."""
 
 MIGRATION_LOCK_TIMEOUT = 300
 """Seconds a process waits for another one's migrations before giving up."""
@@ -119,6 +131,29 @@ class MariaDBDialectSupport(DialectSupport):
     def sync_url(self, url: URL) -> URL:
         """Name the PyMySQL driver when the URL names none."""
         return with_driver(url)
+
+    def turn_locks(self, engine: Engine) -> TurnLocks | None:
+        """Named locks (``GET_LOCK``) on a connection of their own, opened like ``engine``'s.
+
+        Raises:
+            BackendImportError: The driver is not installed.
+
+        """
+        from chatflow_sqlalchemy_mariadb.store import NamedTurnLocks
+
+        arguments = ConnectArguments(engine)
+        try:
+            lock_engine = create_engine(engine.url, poolclass=NullPool)
+        except ImportError as exc:
+            raise BackendImportError(f"{INSTALL_HINT} ({exc})") from exc
+
+        @event.listens_for(lock_engine, "do_connect")
+        def _like_the_store(_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> None:
+            cargs[:] = arguments.args
+            cparams.clear()
+            cparams.update(arguments.params)
+
+        return NamedTurnLocks(lock_engine)
 
     def prepare_engine(self, engine: Engine) -> None:
         """Turn ``CLIENT_FOUND_ROWS`` off: affected-row counts decide dedup claims."""

@@ -12,16 +12,21 @@ crashed worker never leaves a session locked.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from typing import Any
 
-from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
+from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
-from sqlalchemy import URL, Engine, create_engine, make_url, select
-from sqlalchemy.pool import NullPool
+from sqlalchemy import URL, Engine, make_url, select
 
-from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport, lock_name, with_driver
+from chatflow_sqlalchemy_mariadb.dialect import (
+    INSTALL_HINT,
+    MariaDBDialectSupport,
+    lock_name,
+    with_driver,
+)
 from chatflow_sqlalchemy_mariadb.schema import info
 
 __all__ = ["MariaDBSessionStore", "NamedTurnLocks"]
@@ -30,8 +35,11 @@ __all__ = ["MariaDBSessionStore", "NamedTurnLocks"]
 class NamedTurnLocks:
     """Per-session named locks (``GET_LOCK(name, 0)``) on one dedicated connection.
 
-    Blocking (the driver is sync): the store calls it through
-    ``_run_blocking``. Calls are serialised because the connection is shared.
+    The :class:`~chatflow_sqlalchemy.dialect.TurnLocks` of MariaDB (see
+    :meth:`MariaDBDialectSupport.turn_locks`). The driver is sync: each call
+    runs in a worker thread (``asyncio.to_thread``, the caller's context
+    included) and calls are serialised by a thread lock, because the
+    connection is shared by every thread and event loop using the store.
 
     Args:
         engine: A ``NullPool`` engine whose connections are used only for locks.
@@ -61,20 +69,41 @@ class NamedTurnLocks:
                 raise
             return row[0] if row else None
 
-    def try_acquire(self, session_id: str) -> bool:
-        """Take the session's lock if it is free; never waits."""
-        return bool(self._cursor_call("SELECT GET_LOCK(%s, 0)", session_id) == 1)
+    def _try_acquire(self, session_id: str) -> bool:
+        try:
+            return bool(self._cursor_call("SELECT GET_LOCK(%s, 0)", session_id) == 1)
+        except self._engine.dialect.loaded_dbapi.Error as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise DatabaseUnavailableError(
+                f"cannot take the turn lock of session {session_id!r}: {reason}"
+            ) from exc
 
-    def release(self, session_id: str) -> None:
-        """Release the session's lock (a lost connection already released it)."""
+    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
+        """Take the session's lock if it is free; never waits (the version is not read)."""
+        return await asyncio.to_thread(self._try_acquire, session_id), False, None
+
+    def _release(self, session_id: str) -> None:
         with contextlib.suppress(Exception):
             self._cursor_call("SELECT RELEASE_LOCK(%s)", session_id)
+
+    async def release(self, session_id: str) -> None:
+        """Release the session's lock (a lost connection already released it)."""
+        await asyncio.to_thread(self._release, session_id)
+
+    def distrust(self) -> None:
+        """Drop the lock connection (its locks are released by the server)."""
+        with self._mutex:
+            self._abandon()
 
     def _abandon(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.invalidate()
+
+    async def aclose(self) -> None:
+        """Close the connection off the loop; the server releases every lock it held."""
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         """Close the connection; the server releases every lock it held."""
@@ -122,49 +151,22 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
     ) -> None:
         parsed = with_driver(make_url(url))
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
-        hint = "MariaDB/MySQL needs a driver: pip install PyMySQL"
-        try:
-            lock_engine = create_engine(
-                parsed, poolclass=NullPool, connect_args=options.get("connect_args", {})
-            )
-        except ImportError as exc:
-            raise BackendImportError(f"{hint} ({exc})") from exc
         self._open_owned(
             parsed,
             options,
-            install_hint=hint,
+            install_hint=INSTALL_HINT,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
-            also_dispose=(lock_engine,),
         )
-        self._turn_locks = NamedTurnLocks(lock_engine)
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> MariaDBSessionStore:
         """Open ``url`` (what ``open_store`` calls)."""
         return cls(url, **kwargs)
 
-    async def _atry_turn_lock(self, session_id: str) -> bool:
-        try:
-            return await self._run_blocking(self._turn_locks.try_acquire, session_id)
-        except self.engine.dialect.loaded_dbapi.Error as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            raise DatabaseUnavailableError(
-                f"cannot take the turn lock of session {session_id!r}: {reason}"
-            ) from exc
-
-    async def _arelease_turn_lock(self, session_id: str) -> None:
-        await self._run_blocking(self._turn_locks.release, session_id)
-
     def backend_info(self) -> dict[str, str]:
         """What the plugin recorded when it created this schema (``chatflow_mariadb_info``)."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(info.c.name, info.c.value)).all()
         return {name: value for name, value in rows}
-
-    def close(self) -> None:
-        """Drop the turn-lock connection, the thread pool and the engine."""
-        if hasattr(self, "_turn_locks"):
-            self._turn_locks.close()
-        super().close()

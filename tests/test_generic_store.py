@@ -1,0 +1,59 @@
+"""The generic ``SQLAlchemySessionStore`` on a server backend: the store class does not matter.
+
+Turn locks come from the dialect support (``DialectSupport.turn_locks``), so a
+store opened as ``SQLAlchemySessionStore(engine=...)`` runs Runner turns and
+excludes other processes from a session's turn exactly like the backend's own
+class. (The URL form runs the whole conformance suite: ``postgresql-generic``
+in ``conftest.py``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from chatflow_agent import Agent, Runner
+from sqlalchemy import create_engine
+
+from chatflow_sqlalchemy import SQLAlchemySessionStore
+from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+
+from .pg_util import fresh_schema, postgres_url, schema_connect_args
+
+pytestmark = pytest.mark.postgres
+
+BOT = Agent(name="Bot", instructions="")
+
+
+def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_process_lock() -> None:
+    url = postgres_url()
+    with fresh_schema(url) as schema:
+        engine = create_engine(url, connect_args=schema_connect_args(schema))
+        other_engine = create_engine(url, connect_args=schema_connect_args(schema))
+        try:
+            with SQLAlchemySessionStore(engine=engine) as store, SQLAlchemySessionStore(
+                engine=other_engine
+            ) as other:
+                assert store.turn_locks is not None, "PostgreSQL's support brings turn locks"
+                runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+
+                async def scenario() -> None:
+                    for turn in range(3):
+                        reply = await runner.run_async("s1", f"hello {turn}")
+                        assert reply.content == f"Bot re: hello {turn}"
+                    ctx = await store.aget_or_create("s1", BOT)
+                    async with ctx.lock:
+                        assert other.turn_locks is not None
+                        taken, _, _ = await other.turn_locks.try_acquire("s1")
+                        assert taken is False, "another store (process) is kept out of the turn"
+                    taken, known, version = await other.turn_locks.try_acquire("s1")
+                    assert taken and known and version is not None
+                    await other.turn_locks.release("s1")
+
+                asyncio.run(scenario())
+                reloaded = other.get("s1")
+                assert reloaded is not None
+                assert [m.content for m in reloaded.history][-2:] == ["hello 2", "Bot re: hello 2"]
+        finally:
+            engine.dispose()
+            other_engine.dispose()

@@ -1,0 +1,106 @@
+"""Many event loops, one store: threads that each call ``asyncio.run`` per turn.
+
+Sync web servers (Flask, Django, gunicorn threads) call ``Runner.run`` per
+request, i.e. ``asyncio.run`` per call, in several threads over one shared
+store. Turns must neither deadlock, nor get lost, nor interleave within a
+session. Hang guards only (joins with a generous deadline); no timing bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Role, Runner
+
+from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
+from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
+from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+
+from .pg_util import fresh_schema, postgres_url, schema_connect_args
+
+THREADS = 4
+TURNS = 25
+HANG_GUARD = 600.0
+BOT = Agent(name="Bot", instructions="")
+
+
+@pytest.fixture(
+    params=["sqlite-file", "memory", pytest.param("postgresql", marks=pytest.mark.postgres)]
+)
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    turns = THREADS * TURNS
+    with ExitStack() as stack:
+        if request.param == "sqlite-file":
+            store: Any = SQLiteSessionStore(tmp_path / "loops.db", default_max_turns=turns)
+        elif request.param == "memory":
+            store = SessionStore(default_max_turns=turns)
+        else:
+            url = postgres_url()
+            schema = stack.enter_context(fresh_schema(url))
+            store = PostgresSessionStore(
+                url, default_max_turns=turns, connect_args=schema_connect_args(schema)
+            )
+        stack.callback(store.close)
+        yield store
+
+
+def _run_threads(target: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(index: int) -> None:
+        try:
+            target(index)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_GUARD)
+    assert not [t for t in threads if t.is_alive()], "a thread hung (deadlock)"
+    assert not errors, errors
+
+
+def _assert_all_turns_whole(store: Any, session_id: str, questions: set[str]) -> None:
+    ctx = store.get(session_id)
+    assert ctx is not None
+    history = ctx.history
+    asked = [m.content for m in history if m.role == Role.USER]
+    assert sorted(asked) == sorted(questions), "no turn lost, none doubled"
+    for question, answer in zip(history[::2], history[1::2], strict=True):
+        assert question.role == Role.USER
+        assert answer.content == f"Bot re: {question.content}", "turns never interleave"
+
+
+def test_threads_with_their_own_loops_share_one_session(shared_store: Any) -> None:
+    runner = Runner(starting_agent=BOT, session_store=shared_store, engine=ScriptedEngine(0.001))
+
+    def worker(index: int) -> None:
+        for turn in range(TURNS):
+            reply = asyncio.run(runner.run_async("shared", f"t{index}-{turn}"))
+            assert reply.content == f"Bot re: t{index}-{turn}"
+
+    _run_threads(worker)
+    expected = {f"t{i}-{t}" for i in range(THREADS) for t in range(TURNS)}
+    _assert_all_turns_whole(shared_store, "shared", expected)
+
+
+def test_threads_with_their_own_loops_on_distinct_sessions(shared_store: Any) -> None:
+    runner = Runner(starting_agent=BOT, session_store=shared_store, engine=ScriptedEngine(0.001))
+
+    def worker(index: int) -> None:
+        for turn in range(TURNS):
+            reply = asyncio.run(runner.run_async(f"own-{index}", f"t{index}-{turn}"))
+            assert reply.content == f"Bot re: t{index}-{turn}"
+
+    _run_threads(worker)
+    for index in range(THREADS):
+        expected = {f"t{index}-{t}" for t in range(TURNS)}
+        _assert_all_turns_whole(shared_store, f"own-{index}", expected)
