@@ -121,7 +121,10 @@ def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreH
     return SpecHarness(
         "postgresql",
         spec,
-        {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
+        {
+            Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
+            Capability.USER_SCOPE,
+        },
         cleanup=drop_schema,
     )
 
@@ -151,6 +154,7 @@ def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
             Capability.CROSS_PROCESS,
             Capability.SQL,
             Capability.ASYNC_THREADPOOL,
+            Capability.USER_SCOPE,
         },
     )
 
@@ -164,7 +168,7 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
     return SpecHarness(
         "sqlite-shared-uri",
         StoreSpec(SQLITE_TARGET, (uri,)),
-        {Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL},
+        {Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE},
         cleanup=anchor.close,
     )
 
@@ -178,12 +182,16 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = _sqlite_file_harness(tmp_path)
     elif name == "sqlite-memory":
         harness = SpecHarness(
-            name, StoreSpec(SQLITE_TARGET, (":memory:",)), {Capability.SQL, Capability.EPHEMERAL}
+            name,
+            StoreSpec(SQLITE_TARGET, (":memory:",)),
+            {Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE},
         )
     elif name == "sqlite-shared-uri":
         harness = _sqlite_shared_uri_harness()
     elif name == "memory":
-        harness = SpecHarness(name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL})
+        harness = SpecHarness(
+            name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL, Capability.USER_SCOPE}
+        )
     elif name == "postgresql":
         try:
             url: str = request.getfixturevalue("postgres_url")

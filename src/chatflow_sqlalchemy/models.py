@@ -144,6 +144,9 @@ class ChatflowSession(Base):
     context can tell in one indexed read whether another process changed the
     session since it loaded it, and writers can detect concurrent changes
     instead of silently merging them.
+
+    ``user_id`` (revision 0004) records whose session it is, for
+    ``list_sessions(user_id=...)``, ``erase_user`` and ``export_user``.
     """
 
     __tablename__ = "chatflow_sessions"
@@ -154,8 +157,9 @@ class ChatflowSession(Base):
     version: Mapped[int] = mapped_column(BigInteger, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    user_id: Mapped[str | None] = mapped_column(String(SESSION_ID_MAX_LENGTH), nullable=True)
 
-    __table_args__ = (Index(None, "updated_at"),)
+    __table_args__ = (Index(None, "updated_at"), Index(None, "user_id"))
 
 
 class ChatflowMessage(Base):

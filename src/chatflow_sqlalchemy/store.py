@@ -92,6 +92,15 @@ from chatflow_sqlalchemy.exceptions import (
     SessionDeletedError,
 )
 from chatflow_sqlalchemy.iopool import IOPool
+from chatflow_sqlalchemy.lifecycle import (
+    EXPORT_FORMAT,
+    ListFilters,
+    erase_sessions,
+    export_sessions,
+    session_page,
+    user_session_ids,
+    validate_user_id,
+)
 from chatflow_sqlalchemy.models import (
     SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
@@ -811,18 +820,58 @@ class SQLAlchemySessionStore(BaseSessionStore):
         session_id: str,
         default_agent: Agent,
         metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
         """Return the session's context, creating the session if it does not exist.
 
-        ``metadata`` is stored only when the session is created. The same
-        context object is returned for a session while anyone holds it, so its
-        ``lock`` serialises turns within the process.
+        ``metadata`` is stored only when the session is created. ``user_id``
+        records whose session it is (on creation, or on a session that has
+        none yet). The same context object is returned for a session while
+        anyone holds it, so its ``lock`` serialises turns within the process.
 
         Raises:
-            ValueError: For an invalid ``session_id`` or non-JSON ``metadata``.
+            ValueError: For an invalid ``session_id``, ``user_id`` or non-JSON
+                ``metadata``, or a ``user_id`` other than the session's own.
 
         """
         validate_session_id(session_id)
+        if user_id is not None:
+            validate_user_id(user_id)
+            ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+            self._record_owner(session_id, user_id)
+            return ctx
+        return self._get_or_create(session_id, default_agent, metadata, None)
+
+    def _record_owner(self, session_id: str, user_id: str) -> None:
+        """Make ``user_id`` the session's owner, unless it already has another one."""
+        with self._transaction() as conn:
+            owner = conn.execute(
+                select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
+            ).scalar()
+        if owner is None:
+            with self._transaction(write=True) as conn:
+                conn.execute(
+                    update(_sessions)
+                    .where(_sessions.c.session_id == session_id, _sessions.c.user_id.is_(None))
+                    .values(user_id=user_id)
+                )
+                owner = conn.execute(
+                    select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
+                ).scalar()
+        if owner is not None and owner != user_id:
+            raise ValueError(
+                f"session {session_id!r} belongs to another user_id; a session has one owner "
+                "(use a session id of this user's, or erase_user the other one first)"
+            )
+
+    def _get_or_create(
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None,
+        user_id: str | None,
+    ) -> SessionContext:
         metadata = dict(metadata or {})
         if metadata:
             dump_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
@@ -841,6 +890,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                         "version": _first_version(),
                         "created_at": now,
                         "updated_at": now,
+                        "user_id": user_id,
                     },
                 )
                 stored = self._read_session(conn, session_id)
@@ -871,13 +921,68 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._forget(session_id)
         return bool(result.rowcount)
 
-    def list_sessions(self) -> list[str]:
-        """Return every session id, most recently updated first."""
-        query = select(_sessions.c.session_id).order_by(
-            _sessions.c.updated_at.desc(), _sessions.c.session_id
+    def list_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
+        """Session ids, filtered and paged (see :mod:`chatflow_sqlalchemy.lifecycle`).
+
+        Without arguments: every id, most recently updated first (as 0.3.4).
+        ``user_id``, ``metadata`` (key -> value, all must match, compared by
+        JSON type) and ``updated_after`` filter; ``limit`` and ``after`` (the
+        last id of the previous page) page by keyset in ``session_id`` order.
+
+        Raises:
+            ValueError: For an invalid argument (the message says which).
+
+        """
+        filters = ListFilters.build(
+            user_id=user_id, metadata=metadata, updated_after=updated_after,
+            limit=limit, after=after,
         )
         with self._transaction() as conn:
-            return list(conn.execute(query).scalars())
+            return session_page(conn, filters)
+
+    def erase_user(self, user_id: str) -> int:
+        """Erase every session of ``user_id`` with its messages and claims, in one transaction.
+
+        Live contexts of the erased sessions then raise ``SessionDeletedError``.
+        Returns how many sessions were erased.
+
+        Raises:
+            ValueError: For an invalid ``user_id``.
+
+        """
+        validate_user_id(user_id)
+        with self._transaction(write=True) as conn:
+            ids = user_session_ids(conn, user_id, lock=True)
+            erased = erase_sessions(conn, ids)
+        for session_id in ids:
+            self._forget(session_id)
+        return erased
+
+    def export_user(self, user_id: str) -> dict[str, Any]:
+        """Everything held about ``user_id``: sessions, messages, claims (JSON-serialisable).
+
+        Raises:
+            ValueError: For an invalid ``user_id``.
+            CorruptRowError: A stored row of the user's cannot be decoded.
+
+        """
+        validate_user_id(user_id)
+        with self._transaction() as conn:
+            sessions = export_sessions(conn, user_session_ids(conn, user_id), _parse_message)
+        return {
+            "format": EXPORT_FORMAT,
+            "user_id": user_id,
+            "exported_at": utcnow().isoformat(),
+            "sessions": sessions,
+        }
 
     def clear(self) -> None:
         """Delete every session and message (processed webhook ids are kept)."""
@@ -1307,10 +1412,20 @@ class SQLAlchemySessionStore(BaseSessionStore):
     # ------------------------------------------------------------ async twins
 
     async def aget_or_create(
-        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
         """Async :meth:`get_or_create`."""
-        return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
+        if user_id is None:
+            return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
+        return await self._run_blocking(
+            functools.partial(self.get_or_create, user_id=user_id),
+            session_id, default_agent, metadata,
+        )
 
     async def aget(self, session_id: str) -> SessionContext | None:
         """Async :meth:`get`."""
@@ -1320,9 +1435,30 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """Async :meth:`delete`."""
         return await self._run_blocking(self.delete, session_id)
 
-    async def alist_sessions(self) -> list[str]:
+    async def alist_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
         """Async :meth:`list_sessions`."""
-        return await self._run_blocking(self.list_sessions)
+        return await self._run_blocking(
+            functools.partial(
+                self.list_sessions, user_id=user_id, metadata=metadata,
+                updated_after=updated_after, limit=limit, after=after,
+            )
+        )
+
+    async def aerase_user(self, user_id: str) -> int:
+        """Async :meth:`erase_user`."""
+        return await self._run_blocking(self.erase_user, user_id)
+
+    async def aexport_user(self, user_id: str) -> dict[str, Any]:
+        """Async :meth:`export_user`."""
+        return await self._run_blocking(self.export_user, user_id)
 
     async def aclear(self) -> None:
         """Async :meth:`clear`."""

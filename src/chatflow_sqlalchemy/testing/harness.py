@@ -119,6 +119,14 @@ class Capability(str, enum.Enum):
     thread hop) and create no thread pool.
     """
 
+    USER_SCOPE = "user_scope"
+    """Lifecycle and data governance: per-user scope and GDPR.
+
+    ``get_or_create(..., user_id=)``, ``list_sessions(user_id=, metadata=,
+    updated_after=, limit=, after=)``, ``erase_user`` and ``export_user``
+    with their async twins (see DESIGN "Lifecycle and data governance").
+    """
+
     def __str__(self) -> str:
         return self.value
 

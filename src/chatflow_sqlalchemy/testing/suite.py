@@ -72,6 +72,7 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
     turns_worker,
 )
+from chatflow_sqlalchemy.testing.lifecycle_suite import ErasureAndExportTests, UserScopeTests
 from chatflow_sqlalchemy.testing.plugin import MARKER
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "TestCrossProcess",
     "TestDedup",
     "TestDeletion",
+    "TestErasureAndExport",
     "TestExactRoundTrip",
     "TestListSessions",
     "TestMetadata",
@@ -93,6 +95,7 @@ __all__ = [
     "TestRollback",
     "TestRunnerEndToEnd",
     "TestSeedDocumentExamples",
+    "TestUserScope",
     "TestValidation",
     "TestWebhookClaims",
     "TestWebhookClaimsAcrossProcesses",
@@ -2360,3 +2363,14 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             assert again.outcomes() == [(mid, "done", reply_to("hello"), None)]
         finally:
             again.stop()
+
+
+# ================================================ lifecycle and data governance
+
+
+class TestUserScope(UserScopeTests, StoreTestBase):
+    """Per-user scope, ``list_sessions`` filters and keyset pages (see ``lifecycle_suite``)."""
+
+
+class TestErasureAndExport(ErasureAndExportTests, StoreTestBase):
+    """``erase_user`` / ``export_user`` (see ``lifecycle_suite``)."""

@@ -1,0 +1,303 @@
+"""Conformance tests of "Lifecycle and data governance": per-user scope, filters, pages, GDPR.
+
+The classes here are mixins without fixtures; :mod:`chatflow_sqlalchemy.testing.suite`
+combines them with its ``StoreTestBase`` as ``TestUserScope`` and
+``TestErasureAndExport``, which its ``*`` import brings to a backend's tests. Every test requires
+:attr:`~chatflow_sqlalchemy.testing.harness.Capability.USER_SCOPE`; a backend
+that has not implemented ``list_sessions`` filters, ``user_id``,
+``erase_user`` and ``export_user`` leaves it out and the tests are skipped
+with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
+
+from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.testing.harness import Capability, StoreHarness, requires
+
+__all__ = ["ErasureAndExportTests", "UserScopeTests"]
+
+
+def _agent() -> Agent:
+    return Agent(name="support", instructions="help", model="gemini-2.5-flash")
+
+
+def _uid() -> str:
+    return f"u{uuid.uuid4().hex[:12]}"
+
+
+def _sid(prefix: str, n: int) -> str:
+    return f"{prefix}{n:04d}"
+
+
+@requires(Capability.USER_SCOPE)
+class UserScopeTests:
+    """``get_or_create(..., user_id=)`` and ``list_sessions`` filters and keyset pages."""
+
+    def test_no_arguments_is_the_old_call(self, store: Any) -> None:
+        user = _uid()
+        first = store.get_or_create(f"{user}a", _agent(), user_id=user)
+        time.sleep(0.02)
+        store.get_or_create(f"{user}b", _agent())
+        time.sleep(0.02)
+        first.add_message(Message(role=Role.USER, content="hi"))
+        listed = store.list_sessions()
+        assert listed.index(f"{user}a") < listed.index(f"{user}b"), "most recent first"
+
+    def test_user_id_filters_and_is_recorded_once(self, harness: StoreHarness, store: Any) -> None:
+        alice, bob = _uid(), _uid()
+        for n in range(3):
+            store.get_or_create(_sid(alice, n), _agent(), user_id=alice)
+            time.sleep(0.01)
+        store.get_or_create(_sid(bob, 0), _agent(), user_id=bob)
+        store.get_or_create(_sid(bob, 1), _agent())  # no owner yet
+        assert store.list_sessions(user_id=alice) == [_sid(alice, n) for n in (2, 1, 0)]
+        assert store.list_sessions(user_id=bob) == [_sid(bob, 0)]
+        store.get_or_create(_sid(bob, 1), _agent(), user_id=bob)  # recorded on an ownerless one
+        assert sorted(store.list_sessions(user_id=bob)) == [_sid(bob, 0), _sid(bob, 1)]
+        with pytest.raises(ValueError, match="another user_id"):
+            store.get_or_create(_sid(bob, 1), _agent(), user_id=alice)
+        store.get_or_create(_sid(bob, 1), _agent(), user_id=bob)  # its own owner: fine
+        if harness.has(Capability.PERSISTENT):
+            fresh: Any = harness.open()
+            try:
+                assert sorted(fresh.list_sessions(user_id=bob)) == [_sid(bob, 0), _sid(bob, 1)]
+            finally:
+                fresh.close()
+
+    def test_metadata_values_compare_by_json_type(self, store: Any) -> None:
+        user = _uid()
+        rows = {
+            "a": {"channel": "whatsapp", "n": 1, "flag": True, "tags": [1, 2], "obj": {"a": 1}},
+            "b": {"channel": "web", "n": "1", "flag": 1, "tags": [1], "x": None},
+            "c": {"n": 1.0, "obj": {"a": 1, "b": 2}, "quote": 'say "hi"'},
+        }
+        for suffix, meta in rows.items():
+            store.get_or_create(f"{user}{suffix}", _agent(), meta, user_id=user)
+
+        def found(**wanted: Any) -> list[str]:
+            ids = store.list_sessions(user_id=user, metadata=wanted, limit=50)
+            return [sid.removeprefix(user) for sid in ids]
+
+        assert found(channel="whatsapp") == ["a"]
+        assert found(n=1) == ["a", "c"]
+        assert found(n="1") == ["b"]
+        assert found(flag=True) == ["a"]
+        assert found(flag=1) == ["b"]
+        assert found(tags=[1]) == ["b"], "arrays must be equal, not merely contain"
+        assert found(obj={"a": 1}) == ["a"], "objects must be equal, not merely contain"
+        assert found(x=None) == ["b"], "null matches null, not a missing key"
+        assert found(quote='say "hi"') == ["c"]
+        assert found(channel="whatsapp", n=2) == []
+        assert found(missing="x") == []
+        unpaged = store.list_sessions(user_id=user, metadata={"n": 1})
+        assert sorted(unpaged) == [f"{user}a", f"{user}c"]
+
+    def test_updated_after(self, store: Any) -> None:
+        user = _uid()
+        old = store.get_or_create(f"{user}old", _agent(), user_id=user)
+        time.sleep(0.05)
+        cut = datetime.now(timezone.utc)
+        time.sleep(0.05)
+        store.get_or_create(f"{user}new", _agent(), user_id=user)
+        assert store.list_sessions(user_id=user, updated_after=cut) == [f"{user}new"]
+        old.add_message(Message(role=Role.USER, content="back"))
+        assert store.list_sessions(user_id=user, updated_after=cut) == [f"{user}old", f"{user}new"]
+        later = cut + timedelta(days=1)
+        assert store.list_sessions(user_id=user, updated_after=later) == []
+
+    def test_keyset_pages_are_stable_under_concurrent_writes(self, store: Any) -> None:
+        user = _uid()
+        contexts = {
+            _sid(user, n): store.get_or_create(_sid(user, n), _agent(), user_id=user)
+            for n in range(0, 50, 2)
+        }
+        everything = store.list_sessions(user_id=user, limit=1000)
+        assert everything == sorted(contexts), "paged order is session_id ascending"
+        seen: list[str] = []
+        after = None
+        page_no = 0
+        while True:
+            page = store.list_sessions(user_id=user, limit=7, after=after)
+            if not page:
+                break
+            seen.extend(page)
+            after = page[-1]
+            page_no += 1
+            # writes between pages: sessions already seen and not yet seen move to
+            # the front of the recency order, and new sessions appear on both sides
+            for sid in list(contexts)[page_no :: 5]:
+                contexts[sid].add_message(Message(role=Role.USER, content=f"p{page_no}"))
+            store.get_or_create(_sid(user, 2 * page_no + 1), _agent(), user_id=user)
+        assert len(seen) == len(set(seen)), "no session may appear on two pages"
+        assert set(contexts) <= set(seen), "every session present all along must be listed"
+        assert seen == sorted(seen)
+
+    def test_metadata_filtered_pages_are_full(self, store: Any) -> None:
+        user = _uid()
+        for n in range(40):
+            meta = {"tier": "gold" if n % 3 == 0 else "basic"}
+            store.get_or_create(_sid(user, n), _agent(), meta, user_id=user)
+        gold = [_sid(user, n) for n in range(0, 40, 3)]
+        pages: list[list[str]] = []
+        after = None
+        while True:
+            page = store.list_sessions(
+                user_id=user, metadata={"tier": "gold"}, limit=4, after=after
+            )
+            if not page:
+                break
+            pages.append(page)
+            after = page[-1]
+        assert [len(p) for p in pages] == [4, 4, 4, 2]
+        assert [sid for p in pages for sid in p] == gold
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {"limit": 0},
+            {"limit": True},
+            {"limit": "5"},
+            {"after": ""},
+            {"user_id": ""},
+            {"user_id": 7},
+            {"metadata": {"k": float("nan")}},
+            {"metadata": ["k"]},
+            {"updated_after": datetime(2026, 1, 1)},  # naive
+            {"updated_after": "2026-01-01"},
+        ],
+    )
+    def test_bad_arguments_say_what_to_pass(self, store: Any, kwargs: dict[str, Any]) -> None:
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            store.list_sessions(**kwargs)
+
+    def test_bad_user_id_on_get_or_create(self, store: Any) -> None:
+        with pytest.raises(ValueError, match="user_id"):
+            store.get_or_create(_uid(), _agent(), user_id="")
+        with pytest.raises(ValueError, match="user_id"):
+            store.get_or_create(_uid(), _agent(), user_id="x" * 256)
+
+    def test_async_twins(self, store: Any) -> None:
+        user = _uid()
+
+        async def scenario() -> None:
+            await store.aget_or_create(f"{user}1", _agent(), {"k": "v"}, user_id=user)
+            await store.aget_or_create(f"{user}2", _agent(), user_id=user)
+            assert await store.alist_sessions(user_id=user, limit=1) == [f"{user}1"]
+            assert await store.alist_sessions(user_id=user, limit=1, after=f"{user}1") == [
+                f"{user}2"
+            ]
+            assert await store.alist_sessions(user_id=user, metadata={"k": "v"}) == [f"{user}1"]
+            exported = await store.aexport_user(user)
+            assert [s["session_id"] for s in exported["sessions"]] == [f"{user}1", f"{user}2"]
+            assert await store.aerase_user(user) == 2
+            assert await store.alist_sessions(user_id=user) == []
+
+        asyncio.run(scenario())
+
+
+@requires(Capability.USER_SCOPE)
+class ErasureAndExportTests:
+    """``erase_user`` / ``export_user`` (+ async twins): everything of one user, nothing else."""
+
+    def _populate(self, store: Any, user: str) -> dict[str, Any]:
+        call = ToolCall(id=f"call-{user}", name="lookup", args={"order": 5, "note": "ünï"})
+        ctx = store.get_or_create(f"{user}-chat", _agent(), {"phone": "+5511"}, user_id=user)
+        ctx.add_message(Message(role=Role.SYSTEM, content="be nice"))
+        ctx.add_message(Message(role=Role.USER, content="where is my order?"))
+        ctx.add_message(Message(role=Role.MODEL, content=None, tool_calls=[call]))
+        result = ToolResult(tool_call_id=call.id, name=call.name, content={"eta": "today"})
+        ctx.add_message(Message(role=Role.TOOL, tool_results=[result]))
+        ctx.add_message(Message(role=Role.MODEL, content="on its way"))
+        second = store.get_or_create(f"{user}-mail", _agent(), user_id=user)
+        second.add_message(Message(role=Role.USER, content="hello"))
+        with store.claim(f"{user}-wamid", session_id=f"{user}-chat") as claim:
+            assert claim.acquired
+            claim.response = "on its way"
+        return {f"{user}-chat": ctx, f"{user}-mail": second}
+
+    def test_export_is_complete_and_json_serialisable(self, store: Any) -> None:
+        user, other = _uid(), _uid()
+        contexts = self._populate(store, user)
+        self._populate(store, other)
+        exported = store.export_user(user)
+        text = json.dumps(exported)  # JSON-serialisable as is
+        assert json.loads(text) == exported
+        assert exported["user_id"] == user
+        assert exported["format"] == "chatflow-user-export/1"
+        by_id = {s["session_id"]: s for s in exported["sessions"]}
+        assert sorted(by_id) == sorted(contexts)
+        for sid, ctx in contexts.items():
+            got = by_id[sid]
+            assert got["user_id"] == user
+            assert got["active_agent_name"] == "support"
+            assert got["messages"] == [m.model_dump(mode="json") for m in ctx.history]
+            assert got["created_at"] and got["updated_at"]
+        assert by_id[f"{user}-chat"]["metadata"] == {"phone": "+5511"}
+        claims = by_id[f"{user}-chat"]["webhook_claims"]
+        assert [(c["message_id"], c["state"], c["response"]) for c in claims] == [
+            (f"{user}-wamid", "done", "on its way")
+        ]
+        assert other not in text
+        assert store.export_user(_uid())["sessions"] == []
+
+    def test_erase_removes_the_user_and_nothing_else(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        user, other = _uid(), _uid()
+        contexts = self._populate(store, user)
+        kept = self._populate(store, other)
+        unowned = store.get_or_create(f"{user}-unowned", _agent())
+        before = store.export_user(other)
+        assert store.erase_user(user) == 2
+        assert store.list_sessions(user_id=user) == []
+        assert store.export_user(user)["sessions"] == []
+        for sid, ctx in contexts.items():
+            assert store.get(sid) is None
+            assert sid not in store.list_sessions()
+            with pytest.raises(SessionDeletedError):
+                ctx.add_message(Message(role=Role.USER, content="still there?"))
+        assert not store.is_message_processed(f"{user}-wamid"), "the user's claims go too"
+        assert store.is_message_processed(f"{other}-wamid")
+        after = store.export_user(other)
+        assert [s["messages"] for s in after["sessions"]] == [
+            s["messages"] for s in before["sessions"]
+        ]
+        assert sorted(store.list_sessions(user_id=other)) == sorted(kept)
+        assert store.get(unowned.session_id) is not None
+        assert store.erase_user(user) == 0
+        if harness.has(Capability.SQL):
+            from sqlalchemy import text
+
+            with store.engine.connect() as conn:
+                for table in ("chatflow_messages", "chatflow_processed_messages"):
+                    left = conn.execute(
+                        text(f"SELECT COUNT(*) FROM {table} WHERE session_id LIKE :p"),
+                        {"p": f"{user}-%"},
+                    ).scalar()
+                    assert left == 0, f"{table} still holds rows of the erased user"
+
+    @requires(Capability.PERSISTENT)
+    def test_live_context_in_another_store_sees_the_erasure(self, harness: StoreHarness) -> None:
+        user = _uid()
+        first: Any = harness.open()
+        second: Any = harness.open()
+        try:
+            ctx = first.get_or_create(f"{user}-x", _agent(), user_id=user)
+            ctx.add_message(Message(role=Role.USER, content="hi"))
+            assert second.erase_user(user) == 1
+            with pytest.raises(SessionDeletedError):
+                ctx.add_message(Message(role=Role.USER, content="again"))
+            assert first.get(f"{user}-x") is None
+        finally:
+            first.close()
+            second.close()
