@@ -82,7 +82,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -94,6 +94,7 @@ if TYPE_CHECKING:
     from sqlalchemy import URL, Connection, Engine
 
     from chatflow_sqlalchemy import migrate as migrate_module
+    from chatflow_sqlalchemy.lifecycle import ListFilters
 
 __all__ = [
     "EXIT_FAILED",
@@ -966,7 +967,7 @@ def _no_session(session_id: str, url: URL) -> CliError:
 # --------------------------------------------------------------------------- sessions list
 
 
-def _session_rows(engine: Engine) -> list[Any]:
+def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[Any]:
     from sqlalchemy import Table, func, select
 
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
@@ -990,19 +991,90 @@ def _session_rows(engine: Engine) -> list[Any]:
         .order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
     )
     with _read_conn(engine) as conn:
-        return list(conn.execute(query))
+        if filters is None:
+            return list(conn.execute(query))
+        from chatflow_sqlalchemy.lifecycle import session_page
+
+        ids = session_page(conn, filters)  # the store's own filters and order
+        rows = {
+            row.session_id: row
+            for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500))
+            for row in conn.execute(query.where(sessions_t.c.session_id.in_(chunk)))
+        }
+        return [rows[sid] for sid in ids if sid in rows]
+
+
+def _list_filters(
+    user: str | None, meta: Sequence[str], updated_after: str | None,
+    limit: int | None, after: str | None,
+) -> ListFilters | None:
+    """``sessions list`` options as the store's filters (None: the plain listing)."""
+    from chatflow_sqlalchemy.lifecycle import ListFilters
+
+    if user is None and not meta and updated_after is None and limit is None and after is None:
+        return None
+    wanted: dict[str, Any] = {}
+    for item in meta:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--meta takes KEY=VALUE, got {clean(repr(item))}")
+        try:  # a JSON value (1, true, null, "1", [..]) keeps its type; anything else is text
+            wanted[key] = json.loads(raw)
+        except ValueError:
+            wanted[key] = raw
+    since = None
+    if updated_after is not None:
+        try:
+            since = datetime.fromisoformat(updated_after)
+        except ValueError:
+            raise CliError(
+                f"--updated-after takes an ISO 8601 time such as 2026-11-30T12:00:00Z, got "
+                f"{clean(repr(updated_after))}"
+            ) from None
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
+    try:
+        return ListFilters.build(
+            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after
+        )
+    except ValueError as exc:
+        raise CliError(clean(str(exc))) from None
 
 
 @sessions.command("list", epilog=EXIT_CODES_EPILOG)
+@click.option("--user", metavar="ID", help="only the sessions of this user_id")
+@click.option(
+    "--meta", metavar="KEY=VALUE", multiple=True,
+    help="only sessions whose metadata has KEY equal to VALUE (a JSON value keeps its type: "
+    "n=1 is the number, n='\"1\"' the string; other text is a string); repeat: all must match",
+)
+@click.option(
+    "--updated-after", metavar="TIME",
+    help="only sessions written after TIME (ISO 8601; without a zone it is UTC)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="at most this many (a page)")
+@click.option("--after", metavar="ID", help="the page after this session id (the last shown)")
 @_json_option
 @_url_option
-def sessions_list(as_json: bool, url: str | None) -> None:
-    """List sessions, most recently updated first (read-only)."""
+def sessions_list(
+    user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
+    after: str | None, as_json: bool, url: str | None,
+) -> None:
+    """List sessions, most recently updated first (read-only).
+
+    With --limit or --after the list is paged by session id (ascending), so
+    that walking the pages returns every session once even while they are
+    written: pass the last id shown as --after for the next page.
+    """
+    filters = _list_filters(user, meta, updated_after, limit, after)
     with _reading(url) as (_parsed, engine):
-        rows = _session_rows(engine)
+        rows = _session_rows(engine, filters)
+    full_page = limit is not None and len(rows) == limit
+    next_after = rows[-1].session_id if full_page else None
     if as_json:
         _emit_json(
             {
+                "next_after": next_after,
                 "sessions": [
                     {
                         "session_id": row.session_id,
@@ -1019,6 +1091,8 @@ def sessions_list(as_json: bool, url: str | None) -> None:
     if not rows:
         click.echo("no sessions")
         return
+    if next_after is not None:
+        click.echo(f"next page: --after {clean(repr(next_after))}", err=True)
     _table(
         ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"),
         [
@@ -1686,6 +1760,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return code
     return result if isinstance(result, int) else EXIT_OK
+
+
+# The lifecycle commands live in their own module and register on ``cli`` here.
+from chatflow_sqlalchemy import cli_users as _cli_users  # noqa: E402
+
+cli.add_command(_cli_users.users)
 
 
 def _exit() -> NoReturn:

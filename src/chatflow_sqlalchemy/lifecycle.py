@@ -62,6 +62,7 @@ __all__ = [
     "EXPORT_FORMAT",
     "ListFilters",
     "erase_sessions",
+    "erase_user_rows",
     "export_sessions",
     "json_equal",
     "matches_metadata",
@@ -282,6 +283,19 @@ def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] 
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
         ).rowcount
     return int(erased)
+
+
+def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ()) -> int:
+    """Delete everything of ``user_id``'s sessions in the caller's transaction, by subquery.
+
+    For callers without the store's up-front write lock (the CLI on SQLite):
+    no read precedes the first write, so the transaction never has to
+    upgrade a read snapshot. Returns how many sessions were deleted.
+    """
+    owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
+    for table in (_messages, _processed, *extra):
+        conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
+    return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -1,0 +1,122 @@
+"""``chatflow-sqlalchemy users erase|export``: the GDPR commands of the command line.
+
+Added to :data:`chatflow_sqlalchemy.cli.cli` when that module loads; it
+reuses its URL handling, confirmation and output helpers. Like the rest of
+the command line, importing it loads neither SQLAlchemy nor chatflow-agent.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from chatflow_sqlalchemy import cli as _cli
+
+__all__ = ["users", "users_erase", "users_export"]
+
+
+@click.group(epilog=_cli.EXIT_CODES_EPILOG, no_args_is_help=False)
+def users() -> None:
+    """Everything held about one user_id: export it, or erase it (GDPR / LGPD requests)."""
+
+
+def _validated(user_id: str) -> str:
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
+
+    try:
+        return validate_user_id(user_id)
+    except ValueError as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+
+
+def _count(engine: Any, user_id: str) -> int:
+    from chatflow_sqlalchemy.lifecycle import user_session_ids
+
+    with _cli._read_conn(engine) as conn:
+        return len(user_session_ids(conn, user_id))
+
+
+@users.command("erase", epilog=_cli.EXIT_CODES_EPILOG)
+@click.argument("user_id")
+@_cli._yes_option
+@_cli._json_option
+@_cli._url_option
+def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+    """Erase every session of USER_ID with its messages and claims, in one transaction.
+
+    Asks first unless --yes. Workers with a live context of an erased
+    session get SessionDeletedError on their next read or write.
+    """
+    from chatflow_sqlalchemy.lifecycle import erase_user_rows
+
+    _validated(user_id)
+    parsed = _cli._resolve_url(url)
+    with _cli._writing(parsed) as engine:
+        _cli._require_head(engine, parsed)
+        found = _count(engine, user_id)
+        if found:
+            _cli._confirm(
+                f"Erase {found} session(s) of user {_cli.clean(repr(user_id))} and everything "
+                "stored with them?",
+                yes,
+            )
+            with engine.begin() as conn:
+                found = erase_user_rows(conn, user_id)
+    if as_json:
+        _cli._emit_json({"user_id": user_id, "erased": found})
+    else:
+        click.echo(f"erased {found} session(s) of user {_cli.clean(repr(user_id))}")
+
+
+@users.command("export", epilog=_cli.EXIT_CODES_EPILOG)
+@click.argument("user_id")
+@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_cli._url_option
+def users_export(user_id: str, output: str | None, url: str | None) -> None:
+    """Export everything held about USER_ID as one JSON document (read-only).
+
+    {"format", "user_id", "exported_at", "sessions": [{"session_id",
+    "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
+    "messages", "webhook_claims"}]} -- what ``store.export_user`` returns. A
+    corrupt row stops the export (FILE is then left as it was).
+    """
+    document = _export(user_id, url)
+    text = _cli._json_text(document, indent=2) + "\n"
+    if output in (None, "-"):
+        sys.stdout.write(text)
+        return
+    target = Path(output)
+    sink, partial = _cli._private_temp(target)
+    try:
+        with sink:
+            sink.write(text)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    count = len(document["sessions"])
+    click.echo(f"exported {count} session(s) of user {_cli.clean(repr(user_id))} to "
+               f"{_cli.clean(str(target))}")
+
+
+def _export(user_id: str, url: str | None) -> dict[str, Any]:
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT, export_sessions, user_session_ids
+    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.store import _parse_message
+
+    _validated(user_id)
+    with _cli._reading(url) as (_parsed, engine), _cli._read_conn(engine) as conn:
+        try:
+            sessions = export_sessions(conn, user_session_ids(conn, user_id), _parse_message)
+        except CorruptRowError as exc:
+            message = f"export stopped: {_cli.clean(str(exc))}"
+            raise _cli.CliError(message, _cli.EXIT_FAILED) from None
+    return {
+        "format": EXPORT_FORMAT,
+        "user_id": user_id,
+        "exported_at": utcnow().isoformat(),
+        "sessions": sessions,
+    }
