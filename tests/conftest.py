@@ -123,7 +123,7 @@ def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreH
         spec,
         {
             Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
-            Capability.USER_SCOPE,
+            Capability.USER_SCOPE, Capability.RETENTION,
         },
         cleanup=drop_schema,
     )
@@ -154,7 +154,7 @@ def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
             Capability.CROSS_PROCESS,
             Capability.SQL,
             Capability.ASYNC_THREADPOOL,
-            Capability.USER_SCOPE,
+            Capability.USER_SCOPE, Capability.RETENTION,
         },
     )
 
@@ -168,7 +168,10 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
     return SpecHarness(
         "sqlite-shared-uri",
         StoreSpec(SQLITE_TARGET, (uri,)),
-        {Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE},
+        {
+            Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL,
+            Capability.USER_SCOPE, Capability.RETENTION,
+        },
         cleanup=anchor.close,
     )
 
@@ -184,13 +187,15 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = SpecHarness(
             name,
             StoreSpec(SQLITE_TARGET, (":memory:",)),
-            {Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE},
+            {Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION},
         )
     elif name == "sqlite-shared-uri":
         harness = _sqlite_shared_uri_harness()
     elif name == "memory":
         harness = SpecHarness(
-            name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL, Capability.USER_SCOPE}
+            name,
+            StoreSpec(MEMORY_TARGET),
+            {Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION},
         )
     elif name == "postgresql":
         try:

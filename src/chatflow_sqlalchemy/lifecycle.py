@@ -42,17 +42,22 @@ from sqlalchemy import (
     Table,
     case,
     delete,
+    func,
+    literal,
     select,
+    tuple_,
     type_coerce,
 )
 from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy.context import dump_metadata, validate_session_id
 from chatflow_sqlalchemy.models import (
+    CLAIM_ACQUIRED,
     SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
     ChatflowProcessedMessage,
     ChatflowSession,
+    UTCDateTime,
 )
 
 if TYPE_CHECKING:
@@ -60,14 +65,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPORT_FORMAT",
+    "MAX_SESSION_TTL_HOURS",
+    "SWEEP_BATCH",
     "ListFilters",
+    "SweepCursor",
+    "count_expired",
     "erase_sessions",
     "erase_user_rows",
+    "expired_query",
     "export_sessions",
     "json_equal",
     "matches_metadata",
     "session_page",
+    "sweep_candidates",
     "user_session_ids",
+    "validate_session_ttl",
+    "validate_sweep_limit",
     "validate_user_id",
 ]
 
@@ -296,6 +309,98 @@ def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ())
     for table in (_messages, _processed, *extra):
         conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
+
+
+# ---------------------------------------------------------------- retention
+
+SWEEP_BATCH = 500
+"""Sessions removed per sweep transaction: bounds lock time and transaction size."""
+
+MAX_SESSION_TTL_HOURS = 876_000
+"""Longest accepted ``session_ttl_hours``: 100 years (as the dedup window)."""
+
+
+def validate_session_ttl(value: object) -> float | None:
+    """``session_ttl_hours`` as a float (or None), if ``0 < value <= 100 years``."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_SESSION_TTL_HOURS
+    ):
+        raise ValueError(
+            "session_ttl_hours must be None (keep sessions forever) or a number of hours with "
+            f"0 < session_ttl_hours <= {MAX_SESSION_TTL_HOURS} (100 years), got {value!r}"
+        )
+    return float(value)
+
+
+def validate_sweep_limit(limit: object) -> int | None:
+    """``sweep(limit)``: None (everything expired) or a positive int."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None (no limit), got {limit!r}")
+    return limit
+
+
+def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
+    """No live acquired webhook claim names the session (its turn may be running)."""
+    live = (
+        select(_processed.c.message_id)
+        .where(
+            _processed.c.session_id == _sessions.c.session_id,
+            _processed.c.state == CLAIM_ACQUIRED,
+            _processed.c.lease_expires_at > now,
+        )
+        .exists()
+    )
+    return ~live
+
+
+def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
+    """Sessions last written before ``cutoff`` and not held by a live claim, oldest first."""
+    return (
+        select(_sessions.c.session_id, _sessions.c.updated_at)
+        .where(_sessions.c.updated_at < cutoff, _not_claimed_now(now))
+        .order_by(_sessions.c.updated_at, _sessions.c.session_id)
+    )
+
+
+@dataclass
+class SweepCursor:
+    """Where the next batch of one ``sweep()`` call starts (past sessions it skipped)."""
+
+    updated_at: datetime | None = None
+    session_id: str | None = None
+
+
+def sweep_candidates(
+    conn: Connection, cutoff: datetime, now: datetime, batch: int, cursor: SweepCursor
+) -> list[str]:
+    """Lock and return up to ``batch`` expired sessions after ``cursor``, moving it.
+
+    ``FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+): concurrent sweepers
+    take disjoint batches instead of waiting for one another; a session row
+    locked by a writer is passed over. SQLite ignores it: there the caller's
+    ``BEGIN IMMEDIATE`` serialises sweepers and writers.
+    """
+    query = expired_query(cutoff, now)
+    if cursor.updated_at is not None:
+        query = query.where(
+            tuple_(_sessions.c.updated_at, _sessions.c.session_id)
+            > tuple_(literal(cursor.updated_at, UTCDateTime()), literal(cursor.session_id))
+        )
+    rows = list(conn.execute(query.limit(batch).with_for_update(skip_locked=True)))
+    if rows:
+        cursor.updated_at, cursor.session_id = rows[-1].updated_at, rows[-1].session_id
+    return [row.session_id for row in rows]
+
+
+def count_expired(conn: Connection, cutoff: datetime, now: datetime) -> tuple[int, list[str]]:
+    """``(how many, the oldest 20 ids)`` a sweep would remove now (for ``--dry-run``)."""
+    query = expired_query(cutoff, now)
+    total = conn.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    return int(total), list(conn.execute(query.limit(20)).scalars())
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -38,9 +38,11 @@ from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     ListFilters,
     matches_metadata,
+    validate_session_ttl,
+    validate_sweep_limit,
     validate_user_id,
 )
-from chatflow_sqlalchemy.models import utcnow
+from chatflow_sqlalchemy.models import CLAIM_ACQUIRED, utcnow
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
 
 __all__ = ["SessionStore"]
@@ -61,6 +63,8 @@ class SessionStore(BaseSessionStore):
     Args:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -72,9 +76,14 @@ class SessionStore(BaseSessionStore):
     """Oldest claims are evicted beyond this many, bounding memory."""
 
     def __init__(
-        self, default_max_turns: int = 40, dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS
+        self,
+        default_max_turns: int = 40,
+        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        session_ttl_hours: float | None = None,
     ) -> None:
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
+        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
@@ -239,6 +248,37 @@ class SessionStore(BaseSessionStore):
         with self._lock:
             self._check_open()
             ids = [sid for sid, owner in self._users.items() if owner == user_id]
+            contexts = [self._drop(sid) for sid in ids]
+            for message_id, row in list(self._claim_rows.rows.items()):
+                if row.session_id in ids:
+                    del self._claim_rows.rows[message_id]
+                    self._processed.pop(message_id, None)
+        for ctx in contexts:
+            if ctx is not None:
+                ctx._deleted = True
+        return len(ids)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Remove expired sessions (and their claims), never one in a turn or held by a claim."""
+        validate_sweep_limit(limit)
+        if self.session_ttl_hours is None:
+            raise ValueError(
+                "this store keeps sessions forever: open it with session_ttl_hours=H to sweep "
+                "sessions not updated for H hours"
+            )
+        cutoff = utcnow() - timedelta(hours=self.session_ttl_hours)
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            held = {
+                row.session_id for row in self._claim_rows.rows.values()
+                if row.state == CLAIM_ACQUIRED and row.lease_until >= now
+            }
+            expired = sorted(
+                (stamp, sid) for sid, stamp in self._updated_at.items()
+                if stamp < cutoff and sid not in held and not self._sessions[sid]._in_turn
+            )[:limit]
+            ids = {sid for _, sid in expired}
             contexts = [self._drop(sid) for sid in ids]
             for message_id, row in list(self._claim_rows.rows.items()):
                 if row.session_id in ids:
@@ -435,6 +475,10 @@ class SessionStore(BaseSessionStore):
     async def aerase_user(self, user_id: str) -> int:
         """Async :meth:`erase_user`."""
         return self.erase_user(user_id)
+
+    async def asweep(self, limit: int | None = None) -> int:
+        """Async :meth:`sweep`."""
+        return self.sweep(limit)
 
     async def aexport_user(self, user_id: str) -> dict[str, Any]:
         """Async :meth:`export_user`."""

@@ -94,11 +94,16 @@ from chatflow_sqlalchemy.exceptions import (
 from chatflow_sqlalchemy.iopool import IOPool
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
+    SWEEP_BATCH,
     ListFilters,
+    SweepCursor,
     erase_sessions,
     export_sessions,
     session_page,
+    sweep_candidates,
     user_session_ids,
+    validate_session_ttl,
+    validate_sweep_limit,
     validate_user_id,
 )
 from chatflow_sqlalchemy.models import (
@@ -310,6 +315,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: An existing engine to use (the store does not dispose it).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -343,6 +350,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -350,6 +358,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
+        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._warned_agents: set[str] = set()
         self._contexts: weakref.WeakValueDictionary[str, SessionContext] = (
@@ -441,6 +450,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         default_max_turns: int,
         dedup_ttl_hours: float,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -460,6 +470,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 default_max_turns=default_max_turns,
                 dedup_ttl_hours=dedup_ttl_hours,
                 auto_migrate=auto_migrate,
+                session_ttl_hours=session_ttl_hours,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -966,6 +977,60 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._forget(session_id)
         return erased
 
+    def sweep(self, limit: int | None = None) -> int:
+        """Remove expired sessions (messages and claims too) in batches; return how many.
+
+        A session is expired when not updated for ``session_ttl_hours``. Each
+        batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
+        removed: a session whose turn is in progress (its turn lock is held,
+        on backends with one, or a turn of this store is running) or that a
+        live webhook claim holds. Many processes may sweep at once: each
+        session is removed by exactly one of them.
+
+        Raises:
+            ValueError: The store has no ``session_ttl_hours``, or ``limit`` is invalid.
+
+        """
+        ttl = self._session_ttl()
+        validate_sweep_limit(limit)
+        cutoff = utcnow() - ttl
+        cursor = SweepCursor()
+        total = 0
+        while limit is None or total < limit:
+            want = SWEEP_BATCH if limit is None else min(SWEEP_BATCH, limit - total)
+            with self._transaction(write=True) as conn:
+                found = sweep_candidates(conn, cutoff, utcnow(), want, cursor)
+                busy = self._sweep_busy(conn, found)
+                removed = [sid for sid in found if sid not in busy]
+                total += erase_sessions(conn, removed)
+            for session_id in removed:
+                self._forget(session_id)
+            if len(found) < want:
+                break
+        return total
+
+    def _session_ttl(self) -> timedelta:
+        if self.session_ttl_hours is None:
+            raise ValueError(
+                "this store keeps sessions forever: open it with session_ttl_hours=H to sweep "
+                "sessions not updated for H hours"
+            )
+        return timedelta(hours=self.session_ttl_hours)
+
+    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
+        """Of ``session_ids``, those whose turn is in progress (kept by this sweep).
+
+        The generic store knows its own running turns; backends with a
+        cross-process turn lock extend this (PostgreSQL try-locks each
+        session's advisory lock in the sweep's transaction, so no turn can
+        start on it until the sweep commits).
+        """
+        with self._cache_lock:
+            return {
+                sid for sid in session_ids
+                if (ctx := self._contexts.get(sid)) is not None and ctx._in_turn
+            }
+
     def export_user(self, user_id: str) -> dict[str, Any]:
         """Everything held about ``user_id``: sessions, messages, claims (JSON-serialisable).
 
@@ -1455,6 +1520,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
     async def aerase_user(self, user_id: str) -> int:
         """Async :meth:`erase_user`."""
         return await self._run_blocking(self.erase_user, user_id)
+
+    async def asweep(self, limit: int | None = None) -> int:
+        """Async :meth:`sweep`."""
+        return await self._run_blocking(self.sweep, limit)
 
     async def aexport_user(self, user_id: str) -> dict[str, Any]:
         """Async :meth:`export_user`."""

@@ -592,6 +592,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
@@ -629,6 +631,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
         **engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -645,6 +648,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
         )
         self._turn_locks = AdvisoryTurnLocks(
             self._connect_lock_connection,
@@ -679,6 +683,26 @@ class PostgresSessionStore(SQLAlchemySessionStore):
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
+
+    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
+        """Sessions whose turn lock is held elsewhere; the others' locks are taken here.
+
+        ``pg_try_advisory_xact_lock`` on each session's turn-lock key, in the
+        sweep's transaction: a held lock means a turn is in progress (the
+        session is kept); a lock taken here is held until the sweep commits,
+        so no turn can start on a session while it is being removed.
+        """
+        busy = super()._sweep_busy(conn, session_ids)
+        keys = {session_lock_key(sid): sid for sid in session_ids if sid not in busy}
+        if keys:
+            taken = conn.execute(
+                text("SELECT k FROM unnest(CAST(:keys AS bigint[])) AS k "
+                     "WHERE pg_try_advisory_xact_lock(k)"),
+                {"keys": list(keys)},
+            ).scalars()
+            free = {keys[int(key)] for key in taken}
+            busy |= set(keys.values()) - free
+        return busy
 
     async def _atry_turn_lock_reading_version(
         self, session_id: str

@@ -253,6 +253,8 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it, and then creates no file or directory; None (the
             default) reads ``CHATFLOW_AUTO_MIGRATE``.
@@ -277,6 +279,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -292,6 +295,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
         )
 
     @classmethod

@@ -127,6 +127,13 @@ class Capability(str, enum.Enum):
     with their async twins (see DESIGN "Lifecycle and data governance").
     """
 
+    RETENTION = "retention"
+    """``session_ttl_hours`` (a constructor keyword) and ``sweep()`` / ``asweep()``.
+
+    Sweeping never removes a session whose turn is in progress or that a
+    live webhook claim holds; with ``CROSS_PROCESS`` four processes sweep at once.
+    """
+
     def __str__(self) -> str:
         return self.value
 

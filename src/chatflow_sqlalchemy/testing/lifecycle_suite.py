@@ -22,9 +22,19 @@ import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
 
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.testing.harness import Capability, StoreHarness, requires
+from chatflow_sqlalchemy.testing.harness import (
+    Capability,
+    StoreHarness,
+    StoreSpec,
+    requires,
+    run_workers,
+)
 
-__all__ = ["ErasureAndExportTests", "UserScopeTests"]
+__all__ = ["ErasureAndExportTests", "RetentionTests", "UserScopeTests", "sweep_worker"]
+
+TINY_TTL_HOURS = 0.001
+"""3.6 seconds: sessions created before a ``time.sleep(EXPIRE_SECONDS)`` are expired."""
+EXPIRE_SECONDS = 4.0
 
 
 def _agent() -> Agent:
@@ -301,3 +311,112 @@ class ErasureAndExportTests:
         finally:
             first.close()
             second.close()
+
+
+def sweep_worker(spec: StoreSpec, ttl_hours: float, barrier: Any, results: Any) -> None:
+    """Open a store with ``session_ttl_hours``, sweep once with the others; report the count."""
+    try:
+        store: Any = spec.open(session_ttl_hours=ttl_hours)
+        try:
+            store.list_sessions(limit=1)  # connect before the race starts
+            barrier.wait(30)
+            results.put(("ok", store.sweep()))
+        finally:
+            store.close()
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@requires(Capability.RETENTION)
+class RetentionTests:
+    """``session_ttl_hours`` and ``sweep()``: expired sessions go, busy and fresh ones stay."""
+
+    def test_sweep_needs_a_ttl_and_checks_its_arguments(self, harness: StoreHarness) -> None:
+        store: Any = harness.open()
+        try:
+            with pytest.raises(ValueError, match="session_ttl_hours"):
+                store.sweep()
+        finally:
+            store.close()
+        for bad in (0, -1, float("nan"), float("inf"), True, "24"):
+            with pytest.raises(ValueError, match="session_ttl_hours"):
+                harness.open(session_ttl_hours=bad)
+        store = harness.open(session_ttl_hours=24)
+        try:
+            assert store.session_ttl_hours == 24.0
+            for limit in (0, True, 1.5):
+                with pytest.raises(ValueError, match="limit"):
+                    store.sweep(limit)
+        finally:
+            store.close()
+
+    def test_sweep_skips_sessions_in_a_turn_or_a_live_claim(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
+        try:
+            self._scenario(store)
+        finally:
+            store.close()
+
+    def _scenario(self, store: Any) -> None:
+        tag = _uid()
+        ids = {name: f"{tag}-{name}" for name in ("old", "old2", "turn", "claimed", "fresh")}
+        contexts = {name: store.get_or_create(sid, _agent()) for name, sid in ids.items()
+                    if name != "fresh"}
+        contexts["old"].add_message(Message(role=Role.USER, content="bye"))
+        with store.claim(f"{tag}-done", session_id=ids["old"]) as claim:
+            claim.response = "ok"
+        time.sleep(EXPIRE_SECONDS)
+        contexts["fresh"] = store.get_or_create(ids["fresh"], _agent())
+
+        async def sweep_during_a_turn() -> int:
+            async with contexts["turn"].lock:
+                with store.claim(f"{tag}-live", session_id=ids["claimed"]):
+                    return int(await store.asweep(limit=1)) + int(store.sweep())
+
+        assert asyncio.run(sweep_during_a_turn()) == 2, "only old and old2 were free to go"
+        left = set(store.list_sessions())
+        assert ids["old"] not in left and ids["old2"] not in left
+        assert {ids["turn"], ids["claimed"], ids["fresh"]} <= left
+        assert not store.is_message_processed(f"{tag}-done"), "a swept session's claims go too"
+        with pytest.raises(SessionDeletedError):
+            contexts["old"].add_message(Message(role=Role.USER, content="still there?"))
+        # the claim is done now, so its session is expired (a store may count the
+        # turn that just ended, without writing, as an update: that one may stay)
+        assert store.sweep() in (1, 2)
+        left = set(store.list_sessions())
+        assert ids["claimed"] not in left and ids["fresh"] in left
+        assert store.sweep() == 0
+
+    @requires(Capability.CROSS_PROCESS)
+    def test_four_processes_sweep_each_session_once(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
+        tag = _uid()
+        expired = [f"{tag}-x{n:04d}" for n in range(400)]
+        held = [f"{tag}-h{n}" for n in range(4)]
+        try:
+            for sid in expired + held:
+                ctx = store.get_or_create(sid, _agent())
+                ctx.add_message(Message(role=Role.USER, content=sid))
+            time.sleep(EXPIRE_SECONDS)
+            # (fresh sessions are tested in one process: starting the workers may take
+            # longer than the tiny TTL here, so sessions held by live claims stand for
+            # the live ones)
+            claims = [store.claim(f"{sid}-m", session_id=sid) for sid in held]
+            for claim in claims:
+                claim.__enter__()
+            try:
+                results = run_workers(
+                    sweep_worker, [(harness.spec(), TINY_TTL_HOURS)] * 4, timeout=180
+                )
+            finally:
+                for claim in claims:
+                    claim.__exit__(None, None, None)
+            errors = [r for r in results if r[0] != "ok"]
+            assert not errors, errors
+            counts = [count for _, count in results]
+            assert sum(counts) == len(expired), f"each expired session once: {counts}"
+            left = set(store.list_sessions())
+            assert not left & set(expired)
+            assert set(held) <= left, "no session held by a live claim may be swept"
+        finally:
+            store.close()

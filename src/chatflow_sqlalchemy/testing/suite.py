@@ -72,7 +72,11 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
     turns_worker,
 )
-from chatflow_sqlalchemy.testing.lifecycle_suite import ErasureAndExportTests, UserScopeTests
+from chatflow_sqlalchemy.testing.lifecycle_suite import (
+    ErasureAndExportTests,
+    RetentionTests,
+    UserScopeTests,
+)
 from chatflow_sqlalchemy.testing.plugin import MARKER
 
 __all__ = [
@@ -92,6 +96,7 @@ __all__ = [
     "TestMetadata",
     "TestOneContextPerSession",
     "TestPruning",
+    "TestRetention",
     "TestRollback",
     "TestRunnerEndToEnd",
     "TestSeedDocumentExamples",
@@ -2374,3 +2379,7 @@ class TestUserScope(UserScopeTests, StoreTestBase):
 
 class TestErasureAndExport(ErasureAndExportTests, StoreTestBase):
     """``erase_user`` / ``export_user`` (see ``lifecycle_suite``)."""
+
+
+class TestRetention(RetentionTests, StoreTestBase):
+    """``session_ttl_hours`` and ``sweep()`` (see ``lifecycle_suite``)."""

@@ -98,6 +98,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             use PyMySQL; ``mysql+mysqldb://`` uses mysqlclient if installed).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
@@ -118,6 +120,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
         **engine_options: Any,
     ) -> None:
         parsed = with_driver(make_url(url))
@@ -136,6 +139,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
             also_dispose=(lock_engine,),
         )
         self._turn_locks = NamedTurnLocks(lock_engine)
