@@ -137,3 +137,35 @@ def test_users_export_then_erase_round_trip(
         assert not store.is_message_processed("wamid-1")
     code, out, _ = run(capsys, "users", "export", "alice", "--url", url)
     assert code == 0 and json.loads(out)["sessions"] == []
+
+
+def test_sessions_sweep_dry_run_then_sweep(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from chatflow_sqlalchemy.models import ChatflowSession, utcnow
+
+    _seed(url)
+    table = ChatflowSession.__table__
+    with open_store(url) as store, store.engine.begin() as conn:
+        conn.execute(
+            update(table)
+            .where(table.c.session_id.in_(["s1", "s2", "s3"]))
+            .values(updated_at=utcnow() - timedelta(hours=48))
+        )
+    code, out, _ = run(capsys, "sessions", "sweep", "--url", url, "--ttl-hours", "24", "--dry-run")
+    assert code == 0 and "3 expired session(s) would be removed" in out
+    assert out.split()[-3:] == ["s1", "s2", "s3"]
+    code, out, err = run(capsys, "sessions", "sweep", "--url", url, "--ttl-hours", "24")
+    assert code == 2 and "pass --yes" in err
+    with open_store(url) as store:
+        assert len(store.list_sessions()) == 6, "the refused sweep removed nothing"
+    code, out, _ = run(
+        capsys, "sessions", "sweep", "--url", url, "--ttl-hours", "24", "--yes", "--json"
+    )
+    assert code == 0 and json.loads(out) == {"dry_run": False, "removed": 3}
+    with open_store(url) as store:
+        assert sorted(store.list_sessions()) == ["s0", "s4", "s5"]
+    code, out, err = run(capsys, "sessions", "sweep", "--url", url, "--ttl-hours", "0")
+    assert code == 2 and "--ttl-hours" in err

@@ -1763,9 +1763,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The lifecycle commands live in their own module and register on ``cli`` here.
-from chatflow_sqlalchemy import cli_users as _cli_users  # noqa: E402
+from chatflow_sqlalchemy import cli_lifecycle as _cli_lifecycle  # noqa: E402
 
-cli.add_command(_cli_users.users)
+cli.add_command(_cli_lifecycle.users)
+sessions.add_command(_cli_lifecycle.sessions_sweep)
 
 
 def _exit() -> NoReturn:

@@ -1,4 +1,4 @@
-"""``chatflow-sqlalchemy users erase|export``: the GDPR commands of the command line.
+"""The lifecycle commands: ``users erase|export`` (GDPR) and ``sessions sweep`` (retention).
 
 Added to :data:`chatflow_sqlalchemy.cli.cli` when that module loads; it
 reuses its URL handling, confirmation and output helpers. Like the rest of
@@ -8,6 +8,7 @@ the command line, importing it loads neither SQLAlchemy nor chatflow-agent.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import click
 
 from chatflow_sqlalchemy import cli as _cli
 
-__all__ = ["users", "users_erase", "users_export"]
+__all__ = ["sessions_sweep", "users", "users_erase", "users_export"]
 
 
 @click.group(epilog=_cli.EXIT_CODES_EPILOG, no_args_is_help=False)
@@ -120,3 +121,60 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
         "exported_at": utcnow().isoformat(),
         "sessions": sessions,
     }
+
+
+@click.command("sweep", epilog=_cli.EXIT_CODES_EPILOG)
+@click.option(
+    "--ttl-hours", type=float, required=True,
+    help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
+@click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
+@_cli._yes_option
+@_cli._json_option
+@_cli._url_option
+def sessions_sweep(
+    ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
+    url: str | None,
+) -> None:
+    """Remove expired sessions with their messages and claims (asks first unless --yes).
+
+    Sessions whose turn is in progress or that a live webhook claim holds are
+    kept (a later sweep takes them). Safe while workers run and while other
+    sweepers run.
+    """
+    from chatflow_sqlalchemy.lifecycle import count_expired, validate_session_ttl
+    from chatflow_sqlalchemy.models import utcnow
+
+    try:
+        hours = validate_session_ttl(ttl_hours)
+    except ValueError as exc:
+        raise _cli.CliError(f"--ttl-hours: {_cli.clean(str(exc))}") from None
+    assert hours is not None
+    with _cli._reading(url) as (parsed, engine), _cli._read_conn(engine) as conn:
+        now = utcnow()
+        expired, oldest = count_expired(conn, now - timedelta(hours=hours), now)
+    expired = expired if limit is None else min(expired, limit)
+    if dry_run:
+        if as_json:
+            _cli._emit_json({"dry_run": True, "expired": expired, "oldest": oldest})
+            return
+        click.echo(f"{expired} expired session(s) would be removed")
+        for session_id in oldest[:expired]:
+            click.echo(f"  {_cli.clean(session_id)}")
+        return
+    removed = 0
+    if expired:
+        _cli._confirm(f"Remove {expired} expired session(s) and their history?", yes)
+        removed = _sweep(parsed, hours, limit)
+    if as_json:
+        _cli._emit_json({"dry_run": False, "removed": removed})
+    else:
+        click.echo(f"removed {removed} expired session(s)")
+
+
+def _sweep(url: Any, hours: float, limit: int | None) -> int:
+    from chatflow_sqlalchemy.registry import open_store
+
+    with open_store(url, session_ttl_hours=hours, auto_migrate=False) as store:
+        return int(store.sweep(limit))
