@@ -123,7 +123,7 @@ def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreH
         spec,
         {
             Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
-            Capability.USER_SCOPE, Capability.RETENTION,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
         cleanup=drop_schema,
     )
@@ -154,7 +154,7 @@ def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
             Capability.CROSS_PROCESS,
             Capability.SQL,
             Capability.ASYNC_THREADPOOL,
-            Capability.USER_SCOPE, Capability.RETENTION,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
     )
 
@@ -170,7 +170,7 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
         StoreSpec(SQLITE_TARGET, (uri,)),
         {
             Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL,
-            Capability.USER_SCOPE, Capability.RETENTION,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
         cleanup=anchor.close,
     )
@@ -187,7 +187,10 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = SpecHarness(
             name,
             StoreSpec(SQLITE_TARGET, (":memory:",)),
-            {Capability.SQL, Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION},
+            {
+                Capability.SQL, Capability.EPHEMERAL,
+                Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+            },
         )
     elif name == "sqlite-shared-uri":
         harness = _sqlite_shared_uri_harness()
@@ -195,7 +198,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = SpecHarness(
             name,
             StoreSpec(MEMORY_TARGET),
-            {Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION},
+            {Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE},
         )
     elif name == "postgresql":
         try:

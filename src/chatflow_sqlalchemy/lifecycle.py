@@ -43,6 +43,7 @@ from sqlalchemy import (
     case,
     delete,
     func,
+    insert,
     literal,
     select,
     tuple_,
@@ -55,6 +56,7 @@ from chatflow_sqlalchemy.models import (
     CLAIM_ACQUIRED,
     SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
+    ChatflowMessageArchive,
     ChatflowProcessedMessage,
     ChatflowSession,
     UTCDateTime,
@@ -69,6 +71,7 @@ __all__ = [
     "SWEEP_BATCH",
     "ListFilters",
     "SweepCursor",
+    "archive_rows",
     "count_expired",
     "erase_sessions",
     "erase_user_rows",
@@ -76,9 +79,12 @@ __all__ = [
     "export_sessions",
     "json_equal",
     "matches_metadata",
+    "pruned_seqs",
     "session_page",
     "sweep_candidates",
+    "transcript_rows",
     "user_session_ids",
+    "validate_archive_pruned",
     "validate_session_ttl",
     "validate_sweep_limit",
     "validate_user_id",
@@ -96,6 +102,7 @@ _SIMPLE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
 _sessions = cast(Table, ChatflowSession.__table__)
 _messages = cast(Table, ChatflowMessage.__table__)
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
+_archive = cast(Table, ChatflowMessageArchive.__table__)
 
 
 def validate_user_id(user_id: object) -> str:
@@ -290,7 +297,7 @@ def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] 
     """
     erased = 0
     for chunk in _chunks(list(ids)):
-        for table in (_messages, _processed, *extra):
+        for table in (_messages, _processed, _archive, *extra):
             conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
         erased += conn.execute(
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
@@ -306,7 +313,7 @@ def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ())
     upgrade a read snapshot. Returns how many sessions were deleted.
     """
     owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
-    for table in (_messages, _processed, *extra):
+    for table in (_messages, _processed, _archive, *extra):
         conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
@@ -334,6 +341,13 @@ def validate_session_ttl(value: object) -> float | None:
             f"0 < session_ttl_hours <= {MAX_SESSION_TTL_HOURS} (100 years), got {value!r}"
         )
     return float(value)
+
+
+def validate_archive_pruned(value: object) -> bool:
+    """``archive_pruned`` must be a bool (a truthy string would silently mean yes)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"archive_pruned must be True or False, got {value!r}")
+    return value
 
 
 def validate_sweep_limit(limit: object) -> int | None:
@@ -403,6 +417,61 @@ def count_expired(conn: Connection, cutoff: datetime, now: datetime) -> tuple[in
     return int(total), list(conn.execute(query.limit(20)).scalars())
 
 
+# ---------------------------------------------------------------- transcript archive
+
+
+def pruned_seqs(gone: Iterable[int], kept_seqs: list[int], n_system: int) -> list[int]:
+    """Of the rows leaving the window (``gone``), those pruning dropped, to archive.
+
+    Pruning drops the oldest turns, so a pruned row's seq is below every kept
+    non-SYSTEM row's; rows removed by a rollback (newer than what is kept)
+    or by ``clear_history`` (nothing kept) are not pruned and are not archived.
+    """
+    if len(kept_seqs) <= n_system:
+        return []
+    oldest_kept = kept_seqs[n_system]
+    return sorted(seq for seq in gone if seq < oldest_kept)
+
+
+def archive_rows(conn: Connection, session_id: str, seqs: list[int], now: datetime) -> None:
+    """Copy the window rows ``seqs`` of a session into the archive (before they are deleted)."""
+    for start in range(0, len(seqs), _ID_CHUNK):
+        chunk = seqs[start : start + _ID_CHUNK]
+        source = select(
+            _messages.c.session_id, _messages.c.seq, _messages.c.role, _messages.c.content,
+            _messages.c.message_json, _messages.c.created_at,
+            literal(now, UTCDateTime()).label("archived_at"),
+        ).where(_messages.c.session_id == session_id, _messages.c.seq.in_(chunk))
+        conn.execute(
+            insert(_archive).from_select(
+                ["session_id", "seq", "role", "content", "message_json", "created_at",
+                 "archived_at"],
+                source,
+            )
+        )
+
+
+def transcript_rows(conn: Connection, session_id: str) -> list[tuple[int, Any, str]]:
+    """``(row id, seq, message_json)`` of archive + window, one per seq, in seq order.
+
+    A seq both archived and in the window (restored by a rollback) is taken
+    from the window; a seq archived twice, from its latest archive row.
+    """
+    by_seq: dict[int, tuple[int, Any, str]] = {}
+    archived = (
+        select(_archive.c.id, _archive.c.seq, _archive.c.message_json)
+        .where(_archive.c.session_id == session_id)
+        .order_by(_archive.c.id)
+    )
+    window = select(_messages.c.id, _messages.c.seq, _messages.c.message_json).where(
+        _messages.c.session_id == session_id
+    )
+    for query in (archived, window):
+        for row in conn.execute(query):
+            by_seq[row.seq] = (row.id, row.seq, row.message_json)
+    return [by_seq[seq] for seq in sorted(by_seq)]
+
+
 def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
@@ -446,6 +515,14 @@ def export_sessions(
                     "created_at": _iso(row["created_at"]),
                     "updated_at": _iso(row["updated_at"]),
                     "messages": [m.model_dump(mode="json") for m in messages],
+                    "archived_messages": [
+                        parse(sid, row.id, row.message_json).model_dump(mode="json")
+                        for row in conn.execute(
+                            select(_archive.c.id, _archive.c.message_json)
+                            .where(_archive.c.session_id == sid)
+                            .order_by(_archive.c.seq, _archive.c.id)
+                        )
+                    ],
                     "webhook_claims": _claims_of(conn, sid),
                 }
             )

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
-from chatflow_agent import Agent, BaseSessionStore
+from chatflow_agent import Agent, BaseSessionStore, Message
 
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
@@ -38,6 +38,8 @@ from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     ListFilters,
     matches_metadata,
+    pruned_seqs,
+    validate_archive_pruned,
     validate_session_ttl,
     validate_sweep_limit,
     validate_user_id,
@@ -65,6 +67,8 @@ class SessionStore(BaseSessionStore):
         dedup_ttl_hours: How long a processed webhook id stays claimed.
         session_ttl_hours: A session not updated for this many hours is expired
             and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window for
+            ``transcript()`` instead of forgetting them.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -81,9 +85,13 @@ class SessionStore(BaseSessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
     ) -> None:
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
+        self.archive_pruned = validate_archive_pruned(archive_pruned)
+        self._archive: dict[str, dict[int, Message]] = {}
+        self._window_seen: dict[str, dict[int, Message]] = {}
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
@@ -153,12 +161,37 @@ class SessionStore(BaseSessionStore):
         self._updated_at[session_id] = now
         self._created_at.setdefault(session_id, now)
 
+    def _archive_pruned(self, ctx: SessionContext) -> None:
+        """Keep what pruning dropped since the last write (under ``_lock``)."""
+        window = dict(zip(ctx._seqs, ctx._history, strict=True))
+        before = self._window_seen.get(ctx.session_id, {})
+        gone = before.keys() - window.keys()
+        if gone:
+            kept = self._archive.setdefault(ctx.session_id, {})
+            for seq in pruned_seqs(gone, ctx._seqs, ctx._n_system):
+                kept[seq] = before[seq]
+        self._window_seen[ctx.session_id] = window
+
+    def transcript(self, session_id: str) -> list[Message]:
+        """Archived messages, then the window, in order ([] for an unknown session)."""
+        validate_session_id(session_id)
+        with self._lock:
+            self._check_open()
+            ctx = self._sessions.get(session_id)
+            if ctx is None:
+                return []
+            merged = dict(self._archive.get(session_id, {}))
+            merged.update(zip(ctx._seqs, ctx._history, strict=True))
+            return [merged[seq] for seq in sorted(merged)]
+
     def _drop(self, session_id: str) -> SessionContext | None:
         """Forget a session (under ``_lock``); the caller marks its context deleted."""
         self._updated.pop(session_id, None)
         self._updated_at.pop(session_id, None)
         self._created_at.pop(session_id, None)
         self._users.pop(session_id, None)
+        self._archive.pop(session_id, None)
+        self._window_seen.pop(session_id, None)
         return self._sessions.pop(session_id, None)
 
     # The ContextOwner protocol: contexts report their writes, which only move
@@ -169,6 +202,8 @@ class SessionStore(BaseSessionStore):
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
                 self._touch(ctx.session_id)
+                if self.archive_pruned:
+                    self._archive_pruned(ctx)
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
@@ -318,6 +353,10 @@ class SessionStore(BaseSessionStore):
             "created_at": self._created_at[session_id].isoformat(),
             "updated_at": self._updated_at[session_id].isoformat(),
             "messages": [m.model_dump(mode="json") for m in ctx.history],
+            "archived_messages": [
+                message.model_dump(mode="json")
+                for _, message in sorted(self._archive.get(session_id, {}).items())
+            ],
             "webhook_claims": [
                 {
                     "message_id": message_id,
@@ -339,6 +378,8 @@ class SessionStore(BaseSessionStore):
             self._updated_at.clear()
             self._created_at.clear()
             self._users.clear()
+            self._archive.clear()
+            self._window_seen.clear()
         for ctx in contexts:
             ctx._deleted = True
 
@@ -475,6 +516,10 @@ class SessionStore(BaseSessionStore):
     async def aerase_user(self, user_id: str) -> int:
         """Async :meth:`erase_user`."""
         return self.erase_user(user_id)
+
+    async def atranscript(self, session_id: str) -> list[Message]:
+        """Async :meth:`transcript`."""
+        return self.transcript(session_id)
 
     async def asweep(self, limit: int | None = None) -> int:
         """Async :meth:`sweep`."""

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.x models of the three chatflow tables.
+"""SQLAlchemy 2.x models of the chatflow tables.
 
 The table and column names mirror what ``chatflow_agent.SQLiteSessionStore``
 creates, so a database written by upstream can be adopted in place (see
@@ -39,6 +39,7 @@ __all__ = [
     "SESSION_ID_MAX_LENGTH",
     "Base",
     "ChatflowMessage",
+    "ChatflowMessageArchive",
     "ChatflowProcessedMessage",
     "ChatflowSession",
     "UTCDateTime",
@@ -188,6 +189,32 @@ class ChatflowMessage(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
     __table_args__ = (UniqueConstraint("session_id", "seq"),)
+
+
+class ChatflowMessageArchive(Base):
+    """A message pruning dropped from a window, kept for ``store.transcript`` (revision 0005).
+
+    Written only by stores opened with ``archive_pruned=True``, in the prune's
+    transaction. ``seq`` orders the transcript; ``(session_id, seq)`` is not
+    unique (a row restored by a rollback and pruned again is archived again;
+    the transcript keeps one copy per ``seq``).
+    """
+
+    __tablename__ = "chatflow_message_archive"
+
+    id: Mapped[int] = mapped_column(MessageId, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(SESSION_ID_MAX_LENGTH),
+        ForeignKey("chatflow_sessions.session_id", ondelete="CASCADE"),
+    )
+    seq: Mapped[int] = mapped_column(BigInteger)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    message_json: Mapped[str] = mapped_column(LongText)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    archived_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "session_id", "seq"),)
 
 
 CLAIM_ACQUIRED = "acquired"

@@ -97,11 +97,15 @@ from chatflow_sqlalchemy.lifecycle import (
     SWEEP_BATCH,
     ListFilters,
     SweepCursor,
+    archive_rows,
     erase_sessions,
     export_sessions,
+    pruned_seqs,
     session_page,
     sweep_candidates,
+    transcript_rows,
     user_session_ids,
+    validate_archive_pruned,
     validate_session_ttl,
     validate_sweep_limit,
     validate_user_id,
@@ -317,6 +321,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         dedup_ttl_hours: How long a processed webhook id stays claimed.
         session_ttl_hours: A session not updated for this many hours is expired
             and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -351,6 +357,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -359,6 +366,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
+        self.archive_pruned = validate_archive_pruned(archive_pruned)
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._warned_agents: set[str] = set()
         self._contexts: weakref.WeakValueDictionary[str, SessionContext] = (
@@ -451,6 +459,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         dedup_ttl_hours: float,
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -471,6 +480,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 dedup_ttl_hours=dedup_ttl_hours,
                 auto_migrate=auto_migrate,
                 session_ttl_hours=session_ttl_hours,
+                archive_pruned=archive_pruned,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -1009,6 +1019,22 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 break
         return total
 
+    def transcript(self, session_id: str) -> list[Message]:
+        """The whole conversation: archived messages, then the window, in order.
+
+        Archived messages exist for stores opened with ``archive_pruned=True``
+        (those pruned before that are gone). An unknown session has none ([]).
+
+        Raises:
+            ValueError: For an invalid ``session_id``.
+            CorruptRowError: A stored row cannot be decoded.
+
+        """
+        validate_session_id(session_id)
+        with self._transaction() as conn:
+            rows = transcript_rows(conn, session_id)
+        return [_parse_message(session_id, row_id, text) for row_id, _, text in rows]
+
     def _session_ttl(self) -> timedelta:
         if self.session_ttl_hours is None:
             raise ValueError(
@@ -1174,7 +1200,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
     def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
         """One write transaction: on the driver path, else (or if it fails) step by step."""
         hot = self._hot_here()
-        if hot is not None and ctx._seqs:
+        if hot is not None and ctx._seqs and not self._archives_now(ctx):
             try:
                 self._driver_write(
                     lambda connection: self._write_on_driver(connection, ctx, hot, fence)
@@ -1243,6 +1269,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if not bumped:
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         gone, new_rows = self._message_diff(ctx, now)
+        if gone and self.archive_pruned:
+            archive_rows(conn, session_id, pruned_seqs(gone, ctx._seqs, ctx._n_system), now)
         if gone and not ctx._seqs:
             conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone:
@@ -1252,6 +1280,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
             raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
+
+    def _archives_now(self, ctx: SessionContext) -> bool:
+        """True if this write prunes rows to archive (it then takes the step-by-step path)."""
+        if not self.archive_pruned:
+            return False
+        durable = ctx._durable
+        assert durable is not None
+        gone = durable.seqs.difference(ctx._seqs)
+        return bool(gone and pruned_seqs(gone, ctx._seqs, ctx._n_system))
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -1520,6 +1557,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
     async def aerase_user(self, user_id: str) -> int:
         """Async :meth:`erase_user`."""
         return await self._run_blocking(self.erase_user, user_id)
+
+    async def atranscript(self, session_id: str) -> list[Message]:
+        """Async :meth:`transcript`."""
+        return await self._run_blocking(self.transcript, session_id)
 
     async def asweep(self, limit: int | None = None) -> int:
         """Async :meth:`sweep`."""

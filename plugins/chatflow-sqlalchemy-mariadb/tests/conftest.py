@@ -40,6 +40,7 @@ CAPABILITIES = {
     Capability.ASYNC_THREADPOOL,  # PyMySQL is sync: async work runs on the private pool
     Capability.USER_SCOPE,  # user_id, list_sessions filters and pages, erase/export_user
     Capability.RETENTION,  # session_ttl_hours and sweep()
+    Capability.ARCHIVE,  # archive_pruned and transcript()
 }
 
 

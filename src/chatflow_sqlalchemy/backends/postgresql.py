@@ -594,6 +594,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: How long a processed webhook id stays claimed.
         session_ttl_hours: A session not updated for this many hours is expired
             and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
@@ -632,6 +634,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         *,
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
         **engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -649,6 +652,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
             session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
         )
         self._turn_locks = AdvisoryTurnLocks(
             self._connect_lock_connection,

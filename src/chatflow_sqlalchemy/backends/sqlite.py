@@ -255,6 +255,8 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: How long a processed webhook id stays claimed.
         session_ttl_hours: A session not updated for this many hours is expired
             and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it, and then creates no file or directory; None (the
             default) reads ``CHATFLOW_AUTO_MIGRATE``.
@@ -280,6 +282,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         *,
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -296,6 +299,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
             session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
         )
 
     @classmethod

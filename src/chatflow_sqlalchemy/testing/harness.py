@@ -134,6 +134,9 @@ class Capability(str, enum.Enum):
     live webhook claim holds; with ``CROSS_PROCESS`` four processes sweep at once.
     """
 
+    ARCHIVE = "archive"
+    """``archive_pruned`` (a constructor keyword), ``transcript()`` / ``atranscript()``."""
+
     def __str__(self) -> str:
         return self.value
 

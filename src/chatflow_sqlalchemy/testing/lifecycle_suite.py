@@ -30,7 +30,13 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
 )
 
-__all__ = ["ErasureAndExportTests", "RetentionTests", "UserScopeTests", "sweep_worker"]
+__all__ = [
+    "ArchiveTests",
+    "ErasureAndExportTests",
+    "RetentionTests",
+    "UserScopeTests",
+    "sweep_worker",
+]
 
 TINY_TTL_HOURS = 0.001
 """3.6 seconds: sessions created before a ``time.sleep(EXPIRE_SECONDS)`` are expired."""
@@ -418,5 +424,121 @@ class RetentionTests:
             left = set(store.list_sessions())
             assert not left & set(expired)
             assert set(held) <= left, "no session held by a live claim may be swept"
+        finally:
+            store.close()
+
+
+def _turns(ctx: Any, first: int, last: int) -> list[Message]:
+    """Add turns ``first..last-1`` (USER + MODEL; every third with a tool call); return them."""
+    added: list[Message] = []
+    for n in range(first, last):
+        turn = [Message(role=Role.USER, content=f"u{n}")]
+        if n % 3 == 0:
+            call = ToolCall(id=f"call-{n}", name="lookup", args={"n": n})
+            result = ToolResult(tool_call_id=call.id, name=call.name, content={"n": n})
+            turn += [
+                Message(role=Role.MODEL, content=None, tool_calls=[call]),
+                Message(role=Role.TOOL, tool_results=[result]),
+            ]
+        turn.append(Message(role=Role.MODEL, content=f"m{n}"))
+        for message in turn:
+            ctx.add_message(message)
+        added += turn
+    return added
+
+
+def _dump(messages: list[Message]) -> list[dict[str, Any]]:
+    return [m.model_dump(mode="json") for m in messages]
+
+
+def _shape(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages without their timestamps (to compare two sessions fed alike)."""
+    return [m.model_dump(mode="json", exclude={"timestamp"}) for m in messages]
+
+
+@requires(Capability.ARCHIVE)
+class ArchiveTests:
+    """``archive_pruned`` and ``transcript()``: the whole conversation, the window unchanged."""
+
+    def test_transcript_is_archive_plus_window_in_order(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(archive_pruned=True, default_max_turns=2)
+        plain: Any = harness.open(default_max_turns=2)
+        try:
+            sid, other = _uid(), _uid()
+            ctx, same = store.get_or_create(sid, _agent()), plain.get_or_create(other, _agent())
+            everything = []
+            for target in (ctx, same):
+                target.add_message(Message(role=Role.SYSTEM, content="be brief"))
+            everything.append(Message(role=Role.SYSTEM, content="be brief"))
+            everything += _turns(ctx, 0, 7)
+            _turns(same, 0, 7)
+            assert _shape(ctx.history) == _shape(same.history), "the window is what it was"
+            assert [m.content for m in ctx.history if m.role == Role.USER] == ["u5", "u6"]
+            assert _shape(store.transcript(sid)) == _shape(everything)
+            assert _shape(asyncio.run(store.atranscript(sid))) == _shape(everything)
+            assert _shape(plain.transcript(other)) == _shape(same.history), "no archive: window"
+            assert store.transcript(_uid()) == []
+            if harness.has(Capability.PERSISTENT):
+                fresh: Any = harness.open()
+                try:
+                    assert _shape(fresh.transcript(sid)) == _shape(everything)
+                    assert _dump(fresh.get(sid).history) == _dump(ctx.history)
+                finally:
+                    fresh.close()
+        finally:
+            store.close()
+            plain.close()
+
+    def test_rollback_and_turns_archive_only_what_was_pruned(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(archive_pruned=True, default_max_turns=2)
+        try:
+            sid = _uid()
+            ctx = store.get_or_create(sid, _agent())
+            kept = _turns(ctx, 0, 2)
+
+            async def failed_turn() -> None:  # what the Runner does when a turn fails
+                async with ctx.lock:
+                    checkpoint = len(ctx.history)
+                    _turns(ctx, 2, 5)  # prunes turns 0 and 1 in memory
+                    ctx.rollback_to(checkpoint)
+
+            asyncio.run(failed_turn())
+            assert _shape(ctx.history) == _shape(kept)
+            assert _shape(store.transcript(sid)) == _shape(kept), "rolled back: nothing pruned"
+
+            async def locked_turns() -> None:
+                for n in range(5, 8):
+                    async with ctx.lock:
+                        _turns(ctx, n, n + 1)
+
+            asyncio.run(locked_turns())
+            messages = store.transcript(sid)
+            assert [m.content for m in messages if m.role == Role.USER] == [
+                "u0", "u1", "u5", "u6", "u7"
+            ]
+            exported = store.export_user(_uid())  # (no user: nothing)
+            assert exported["sessions"] == []
+        finally:
+            store.close()
+
+    def test_export_erase_and_sweep_cover_the_archive(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(archive_pruned=True, default_max_turns=1)
+        try:
+            user = _uid()
+            ctx = store.get_or_create(f"{user}-a", _agent(), user_id=user)
+            added = _turns(ctx, 0, 3)
+            document = store.export_user(user)["sessions"][0]
+            assert document["archived_messages"] + document["messages"] == _dump(added)
+            assert store.erase_user(user) == 1
+            assert store.transcript(f"{user}-a") == []
+            if harness.has(Capability.SQL):
+                from sqlalchemy import text
+
+                with store.engine.connect() as conn:
+                    left = conn.execute(
+                        text("SELECT COUNT(*) FROM chatflow_message_archive "
+                             "WHERE session_id = :s"), {"s": f"{user}-a"},
+                    ).scalar()
+                assert left == 0
         finally:
             store.close()

@@ -73,6 +73,7 @@ from chatflow_sqlalchemy.testing.harness import (
     turns_worker,
 )
 from chatflow_sqlalchemy.testing.lifecycle_suite import (
+    ArchiveTests,
     ErasureAndExportTests,
     RetentionTests,
     UserScopeTests,
@@ -83,6 +84,7 @@ __all__ = [
     "ScriptedEngine",
     "StoreTestBase",
     "TestAgentResolver",
+    "TestArchive",
     "TestAsyncTwins",
     "TestClear",
     "TestCorruptRows",
@@ -2383,3 +2385,7 @@ class TestErasureAndExport(ErasureAndExportTests, StoreTestBase):
 
 class TestRetention(RetentionTests, StoreTestBase):
     """``session_ttl_hours`` and ``sweep()`` (see ``lifecycle_suite``)."""
+
+
+class TestArchive(ArchiveTests, StoreTestBase):
+    """``archive_pruned`` and ``transcript()`` (see ``lifecycle_suite``)."""

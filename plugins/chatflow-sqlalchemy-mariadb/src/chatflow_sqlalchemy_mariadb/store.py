@@ -100,6 +100,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: How long a processed webhook id stays claimed.
         session_ttl_hours: A session not updated for this many hours is expired
             and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
@@ -121,6 +123,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         *,
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
         **engine_options: Any,
     ) -> None:
         parsed = with_driver(make_url(url))
@@ -140,6 +143,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
             session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
             also_dispose=(lock_engine,),
         )
         self._turn_locks = NamedTurnLocks(lock_engine)
