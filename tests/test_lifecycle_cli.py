@@ -169,3 +169,26 @@ def test_sessions_sweep_dry_run_then_sweep(url: str, capsys: pytest.CaptureFixtu
         assert sorted(store.list_sessions()) == ["s0", "s4", "s5"]
     code, out, err = run(capsys, "sessions", "sweep", "--url", url, "--ttl-hours", "0")
     assert code == 2 and "--ttl-hours" in err
+
+
+def test_show_all_and_export_include_the_archive(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with open_store(url, archive_pruned=True, default_max_turns=1) as store:
+        ctx = store.get_or_create("t", _agent())
+        for n in range(3):
+            ctx.add_message(Message(role=Role.USER, content=f"q{n}"))
+            ctx.add_message(Message(role=Role.MODEL, content=f"a{n}"))
+    code, out, _ = run(capsys, "sessions", "show", "t", "--url", url, "--json")
+    assert [m["message"]["content"] for m in json.loads(out)["messages"]] == ["q2", "a2"]
+    code, out, _ = run(capsys, "sessions", "show", "t", "--all", "--url", url, "--json")
+    assert code == 0
+    assert [m["message"]["content"] for m in json.loads(out)["messages"]] == [
+        "q0", "a0", "q1", "a1", "q2", "a2"
+    ]
+    code, out, _ = run(capsys, "sessions", "show", "t", "--all", "--url", url)
+    assert code == 0 and "q0" in out and "a2" in out
+    code, out, _ = run(capsys, "sessions", "export", "--url", url)
+    line = json.loads(out.splitlines()[0])
+    assert [m["content"] for m in line["archived_messages"]] == ["q0", "a0", "q1", "a1"]
+    assert [m["content"] for m in line["messages"]] == ["q2", "a2"]

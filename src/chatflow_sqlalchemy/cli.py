@@ -853,6 +853,7 @@ class _SessionRecord:
     metadata_raw: str | None
     metadata_error: str | None
     rows: list[_MessageRow] = field(default_factory=list)
+    archived: list[_MessageRow] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
@@ -930,7 +931,7 @@ def _messages_query(session_id: str) -> Any:
     )
 
 
-def _record(conn: Connection, row: Any) -> _SessionRecord:
+def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecord:
     metadata, raw, error = _decode_metadata(row.metadata_text)
     record = _SessionRecord(
         session_id=row.session_id,
@@ -941,14 +942,54 @@ def _record(conn: Connection, row: Any) -> _SessionRecord:
         metadata_raw=raw,
         metadata_error=error,
     )
+    if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
+        by_seq = {
+            msg.seq: msg
+            for query in (_archive_query(row.session_id), _window_by_seq(row.session_id))
+            for msg in conn.execute(query)
+        }
+        for seq in sorted(by_seq):
+            msg = by_seq[seq]
+            record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
+        return record
     for msg in conn.execute(_messages_query(row.session_id)):
         record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
+    for msg in conn.execute(_archive_query(row.session_id)):
+        record.archived.append(
+            _decode_message(msg.id, msg.role, msg.created_at, msg.message_json)
+        )
     return record
 
 
-def _read_session(conn: Connection, session_id: str) -> _SessionRecord | None:
+def _archive_query(session_id: str) -> Any:
+    from sqlalchemy import Table, select
+
+    from chatflow_sqlalchemy.models import ChatflowMessageArchive
+
+    table: Table = ChatflowMessageArchive.__table__  # type: ignore[assignment]
+    return (
+        select(table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json)
+        .where(table.c.session_id == session_id)
+        .order_by(table.c.seq, table.c.id)
+    )
+
+
+def _window_by_seq(session_id: str) -> Any:
+    from sqlalchemy import Table, select
+
+    from chatflow_sqlalchemy.models import ChatflowMessage
+
+    table: Table = ChatflowMessage.__table__  # type: ignore[assignment]
+    return select(
+        table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json
+    ).where(table.c.session_id == session_id)
+
+
+def _read_session(
+    conn: Connection, session_id: str, *, whole: bool = False
+) -> _SessionRecord | None:
     row = conn.execute(_session_query([session_id])).first()
-    return None if row is None else _record(conn, row)
+    return None if row is None else _record(conn, row, whole=whole)
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -1072,21 +1113,21 @@ def sessions_list(
     full_page = limit is not None and len(rows) == limit
     next_after = rows[-1].session_id if full_page else None
     if as_json:
-        _emit_json(
-            {
-                "next_after": next_after,
-                "sessions": [
-                    {
-                        "session_id": row.session_id,
-                        "active_agent_name": row.active_agent_name,
-                        "messages": int(row.messages),
-                        "created_at": _iso(row.created_at),
-                        "updated_at": _iso(row.updated_at),
-                    }
-                    for row in rows
-                ]
-            }
-        )
+        document: dict[str, Any] = {
+            "sessions": [
+                {
+                    "session_id": row.session_id,
+                    "active_agent_name": row.active_agent_name,
+                    "messages": int(row.messages),
+                    "created_at": _iso(row.created_at),
+                    "updated_at": _iso(row.updated_at),
+                }
+                for row in rows
+            ]
+        }
+        if limit is not None:  # paging: where the next page starts (None: this was the last)
+            document["next_after"] = next_after
+        _emit_json(document)
         return
     if not rows:
         click.echo("no sessions")
@@ -1252,16 +1293,23 @@ def _message_json(row: _MessageRow) -> Any:
 
 @sessions.command("show", epilog=EXIT_CODES_EPILOG)
 @click.argument("session_id")
+@click.option(
+    "--all", "whole", is_flag=True,
+    help="the whole transcript: archived (pruned) messages too, in order",
+)
 @_json_option
 @_url_option
-def sessions_show(session_id: str, as_json: bool, url: str | None) -> int:
+def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) -> int:
     """Print a conversation turn by turn, with timestamps (read-only).
 
-    Corrupt rows (and corrupt metadata) are shown raw and named, with exit code 1.
+    Without --all: the window the model sees. With --all: the transcript
+    (messages pruned from the window and kept by a store opened with
+    archive_pruned=True, then the window). Corrupt rows (and corrupt
+    metadata) are shown raw and named, with exit code 1.
     """
     _validate_session_id(session_id)
     with _reading(url) as (parsed, engine), _read_conn(engine) as conn:
-        record = _read_session(conn, session_id)
+        record = _read_session(conn, session_id, whole=whole)
     if record is None:
         raise _no_session(session_id, parsed)
     turns = sum(1 for row in record.rows if row.role == "user")
@@ -1336,7 +1384,7 @@ def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
     assert record.metadata is not None
-    return {
+    exported: dict[str, Any] = {
         "session_id": record.session_id,
         "active_agent_name": record.agent,
         "metadata": record.metadata,
@@ -1344,6 +1392,13 @@ def _export_record(record: _SessionRecord) -> dict[str, Any]:
             row.message.model_dump(mode="json") for row in record.rows if row.message is not None
         ],
     }
+    if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
+        exported["archived_messages"] = [
+            row.message.model_dump(mode="json")
+            for row in record.archived
+            if row.message is not None
+        ]
+    return exported
 
 
 def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, list[str]]:
@@ -1762,11 +1817,10 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else EXIT_OK
 
 
-# The lifecycle commands live in their own module and register on ``cli`` here.
-from chatflow_sqlalchemy import cli_lifecycle as _cli_lifecycle  # noqa: E402
+# The lifecycle commands (users erase|export, sessions sweep) live in their own module.
+from chatflow_sqlalchemy.cli_lifecycle import register as _register_lifecycle  # noqa: E402
 
-cli.add_command(_cli_lifecycle.users)
-sessions.add_command(_cli_lifecycle.sessions_sweep)
+_register_lifecycle(sys.modules[__name__])
 
 
 def _exit() -> NoReturn:

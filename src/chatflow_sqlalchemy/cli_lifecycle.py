@@ -1,25 +1,60 @@
 """The lifecycle commands: ``users erase|export`` (GDPR) and ``sessions sweep`` (retention).
 
-Added to :data:`chatflow_sqlalchemy.cli.cli` when that module loads; it
-reuses its URL handling, confirmation and output helpers. Like the rest of
+:func:`register` adds them to the command line when ``chatflow_sqlalchemy.cli``
+loads (also when it runs as ``python -m chatflow_sqlalchemy.cli``), and hands
+over that module, whose URL handling, confirmation and output helpers the
+commands use; this module imports nothing from it, so there is no import cycle. Like the rest of
 the command line, importing it loads neither SQLAlchemy nor chatflow-agent.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
-from chatflow_sqlalchemy import cli as _cli
+__all__ = ["register", "sessions_sweep", "users", "users_erase", "users_export"]
 
-__all__ = ["sessions_sweep", "users", "users_erase", "users_export"]
+_cli: Any = None
+"""The command-line module (set by :func:`register`)."""
+
+_T = TypeVar("_T")
 
 
-@click.group(epilog=_cli.EXIT_CODES_EPILOG, no_args_is_help=False)
+def register(cli_module: Any) -> None:
+    """Add ``users`` to the root group and ``sweep`` to ``sessions`` of ``cli_module``."""
+    global _cli
+    _cli = cli_module
+    for command in (users, users_erase, users_export, sessions_sweep):
+        command.epilog = cli_module.EXIT_CODES_EPILOG
+    cli_module.cli.add_command(users)
+    cli_module.sessions.add_command(sessions_sweep)
+
+
+def _yes_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--yes", "-y", is_flag=True, help="do not ask for confirmation (needed without a terminal)"
+    )(func)
+
+
+def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"
+    )(func)
+
+
+def _url_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--url", metavar="URL", default=None,
+        help="database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)",
+    )(func)
+
+
+@click.group(no_args_is_help=False)
 def users() -> None:
     """Everything held about one user_id: export it, or erase it (GDPR / LGPD requests)."""
 
@@ -40,11 +75,11 @@ def _count(engine: Any, user_id: str) -> int:
         return len(user_session_ids(conn, user_id))
 
 
-@users.command("erase", epilog=_cli.EXIT_CODES_EPILOG)
+@users.command("erase")
 @click.argument("user_id")
-@_cli._yes_option
-@_cli._json_option
-@_cli._url_option
+@_yes_option
+@_json_option
+@_url_option
 def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
     """Erase every session of USER_ID with its messages and claims, in one transaction.
 
@@ -72,10 +107,10 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
         click.echo(f"erased {found} session(s) of user {_cli.clean(repr(user_id))}")
 
 
-@users.command("export", epilog=_cli.EXIT_CODES_EPILOG)
+@users.command("export")
 @click.argument("user_id")
 @click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
-@_cli._url_option
+@_url_option
 def users_export(user_id: str, output: str | None, url: str | None) -> None:
     """Export everything held about USER_ID as one JSON document (read-only).
 
@@ -123,16 +158,16 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
     }
 
 
-@click.command("sweep", epilog=_cli.EXIT_CODES_EPILOG)
+@click.command("sweep")
 @click.option(
     "--ttl-hours", type=float, required=True,
     help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
 )
 @click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
 @click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
-@_cli._yes_option
-@_cli._json_option
-@_cli._url_option
+@_yes_option
+@_json_option
+@_url_option
 def sessions_sweep(
     ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
     url: str | None,
