@@ -13,12 +13,14 @@ A real WhatsApp app sends its reply through the Graph API
 (``POST /{phone-number-id}/messages``); this one returns the replies in the
 HTTP response instead, so you can see them with ``curl``.
 
-**Delivery guarantee today.** Each message id is claimed with
-``arecord_processed_message`` *before* its turn runs, so a redelivered
-webhook is skipped. If the turn then fails (a provider error, a crash), the
-id stays claimed: the platform's retry is skipped too and that message is
-lost. :func:`process_once` is the one place to change when ``store.claim``
-(which releases the id when the turn fails) is available.
+**Delivery guarantee.** Each message id is claimed with ``store.claim`` for its
+sender's session: the turn runs once, in arrival order per sender, and commits
+the claim with its messages. If the turn fails (a provider error) the claim is
+released and the app answers 500, so the platform's retry runs it again; if the
+worker dies, the retry takes the claim over after its lease. A redelivery of a
+processed id gets the stored reply back instead of a second run; one that
+arrives while another worker still runs the id is answered 409 so the
+platform retries it later.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatflow_sqlalchemy import open_store
+from chatflow_sqlalchemy import ClaimLostError, open_store
 from chatflow_sqlalchemy.demo import ScriptedEngine, build_agents
 
 __all__ = [
     "DEFAULT_DATABASE_URL",
+    "InFlightError",
     "IncomingText",
     "Reply",
     "WebhookPayload",
@@ -130,7 +133,7 @@ def text_messages(payload: WebhookPayload) -> list[IncomingText]:
 
 
 class Reply(BaseModel):
-    """What became of one message: answered (with the text) or a duplicate skipped."""
+    """What became of one message: answered now, or a duplicate (with the stored reply)."""
 
     id: str
     to: str
@@ -138,28 +141,32 @@ class Reply(BaseModel):
     text: str | None = None
 
 
+class InFlightError(Exception):
+    """Another worker is processing this message id right now: answer 409, let it retry."""
+
+
 async def process_once(
     store: Any, message: IncomingText, turn: Callable[[], Awaitable[str | None]]
 ) -> Reply:
-    """Run ``turn`` for ``message`` unless its id was already processed.
+    """Run ``turn`` for ``message`` exactly once (``store.claim``), in order per sender.
 
-    Today this claims the id with ``arecord_processed_message`` before the turn
-    (one atomic statement: exactly one delivery wins). If ``turn`` raises, the
-    id stays claimed and a redelivery is skipped. With ``store.claim`` the body
-    becomes::
+    A redelivery of a processed id returns the stored reply (``duplicate``).
+    If ``turn`` raises, the claim is released and the error propagates, so the
+    platform's retry runs the turn again.
 
-        async with store.claim(message.id, session_id=message.sender) as claim:
-            if not claim.acquired:
-                return Reply(id=message.id, to=message.sender, status="duplicate",
-                             text=claim.response)
-            text = await turn()
-            claim.response = text
-            return Reply(id=message.id, to=message.sender, status="answered", text=text)
+    Raises:
+        InFlightError: Another delivery of the id holds a live claim.
+
     """
-    if not await store.arecord_processed_message(message.id):
-        return Reply(id=message.id, to=message.sender, status="duplicate")
-    text = await turn()
-    return Reply(id=message.id, to=message.sender, status="answered", text=text)
+    async with store.claim(message.id, session_id=message.sender) as claim:
+        if claim.status == "in_flight":
+            raise InFlightError(message.id)
+        if not claim.acquired:
+            return Reply(id=message.id, to=message.sender, status="duplicate",
+                         text=claim.response)
+        text = await turn()
+        claim.response = text
+        return Reply(id=message.id, to=message.sender, status="answered", text=text)
 
 
 # ------------------------------------------------------------------ the app
@@ -204,7 +211,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
 
     @app.post("/webhook")
     async def receive(payload: WebhookPayload, request: Request) -> dict[str, list[Reply]]:
-        """Answer every new text message of the delivery; skip redelivered ones."""
+        """Answer every new text message of the delivery; replay the reply of redelivered ones."""
         store, runner = request.app.state.store, request.app.state.runner
         replies = []
         for message in text_messages(payload):
@@ -216,8 +223,10 @@ def create_app(database_url: str | None = None) -> FastAPI:
 
             try:
                 replies.append(await process_once(store, message, turn))
+            except (InFlightError, ClaimLostError):
+                raise HTTPException(409, f"{message.id} is being processed; retry") from None
             except Exception:
-                log.exception("turn failed for message %s; its id stays claimed", message.id)
+                log.exception("turn failed for message %s; its claim is released", message.id)
                 raise HTTPException(500, f"the turn for {message.id} failed") from None
         return {"replies": replies}
 

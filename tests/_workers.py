@@ -7,12 +7,13 @@ tests kill some of them mid-turn on purpose.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
 from typing import Any
 
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall, ToolResult
 from chatflow_agent.core.engines.base import EngineTurnResult
 
 
@@ -129,8 +130,50 @@ def fleet(spec: dict[str, Any], worker: str, turns: int, sessions: list[str], de
         json.dump(log, fh)
 
 
+def campaign_writer(spec: dict[str, Any], session_id: str, label: str, mode: str,
+                    seed: int) -> None:
+    """Write whole turns forever, printing ``ACK <user text>`` once each is stored.
+
+    ``mode`` ``"direct"``: every message is its own ``add_message`` outside any
+    lock (USER, MODEL tool call, TOOL result, MODEL answer), as upstream's docs
+    do. ``"locked"``: each turn runs through the real Runner inside
+    ``session.lock``, its tool pausing a little. The test kills it at random.
+    """
+    import random
+
+    rng = random.Random(seed)
+    store = open_store(spec, default_max_turns=10_000)
+    agent = Agent(name="Bot", instructions="", tools=[_pausing_lookup(rng)])
+    if mode == "locked":
+        runner = Runner(starting_agent=agent, session_store=store, engine=ToolThenAnswer())
+        for turn in itertools.count():
+            question = f"{label}-{turn}"
+            runner.run(session_id, question)
+            print(f"ACK {question}", flush=True)
+    session = store.get_or_create(session_id, agent)
+    for turn in itertools.count():
+        question = f"{label}-{turn}"
+        call = ToolCall(id=f"call-{question}", name="lookup", args={"q": question})
+        session.add_message(Message(role=Role.USER, content=question))
+        session.add_message(Message(role=Role.MODEL, tool_calls=[call]))
+        time.sleep(rng.uniform(0, 0.004))  # the tool runs
+        result = ToolResult(tool_call_id=call.id, name="lookup", content={"q": question})
+        session.add_message(Message(role=Role.TOOL, tool_results=[result]))
+        session.add_message(Message(role=Role.MODEL, content=f"answer to {question}"))
+        print(f"ACK {question}", flush=True)
+
+
+def _pausing_lookup(rng: Any) -> Any:
+    async def slow_tool(q: str) -> str:
+        await asyncio.sleep(rng.uniform(0, 0.004))
+        return f"looked up {q}"
+
+    return slow_tool
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     decoded = [json.loads(a) for a in args]
     {"kill_mid_turn": kill_mid_turn, "direct_writes_then_hang": direct_writes_then_hang,
-     "turn_lock_then_hang": turn_lock_then_hang, "fleet": fleet}[name](*decoded)
+     "turn_lock_then_hang": turn_lock_then_hang, "fleet": fleet,
+     "campaign_writer": campaign_writer}[name](*decoded)

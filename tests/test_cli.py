@@ -25,6 +25,7 @@ from chatflow_sqlalchemy import migrate
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
 from chatflow_sqlalchemy.cli import UPSTREAM_LABEL, main
 from chatflow_sqlalchemy.demo import ScriptedEngine, build_agents, run_demo
+from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage
 
 HEAD = migrate.head_revision()
@@ -963,8 +964,11 @@ def test_dedup_list_and_count(db: Path, capsys: pytest.CaptureFixture[str]) -> N
     code, out, _ = run(capsys, "--url", url, "dedup", "list")
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0].split() == ["MESSAGE", "ID", "CLAIMED", "AT", "EXPIRES", "AT", "EXPIRED"]
+    assert lines[0].split() == [
+        "MESSAGE", "ID", "STATE", "SESSION", "CLAIMED", "AT", "EXPIRES", "AT", "EXPIRED"
+    ]
     assert [line.split()[0] for line in lines[1:]] == ["wamid.new", "wamid.mid", "wamid.old"]
+    assert [line.split()[1] for line in lines[1:]] == ["done", "done", "done"]
     assert [line.split()[-1] for line in lines[1:]] == ["no", "no", "yes"]
 
     code, out, _ = run(capsys, "--url", url, "dedup", "list", "--limit", "1", "--json")
@@ -975,12 +979,41 @@ def test_dedup_list_and_count(db: Path, capsys: pytest.CaptureFixture[str]) -> N
     claimed = datetime.fromisoformat(item["processed_at"])
     assert datetime.fromisoformat(item["expires_at"]) - claimed == timedelta(hours=192)
     assert item["expired"] is False
+    assert item["state"] == "done" and item["session_id"] is None
 
     code, out, _ = run(capsys, "--url", url, "dedup", "count")
     assert code == 0
     assert "3 processed id(s): 2 live, 1 expired" in out
     code, out, _ = run(capsys, "--url", url, "dedup", "count", "--ttl-hours", "24", "--json")
     assert json.loads(out) == {"ttl_hours": 24.0, "total": 3, "expired": 2, "live": 1}
+
+
+def test_dedup_list_shows_a_held_claim_and_release_frees_it(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = url_of(db)
+    with SQLiteSessionStore(str(db)) as store:
+        # The stuck holder learns it lost the id when its block ends.
+        with pytest.raises(ClaimLostError), store.claim("wamid.stuck", session_id=SESSION) as claim:
+            assert claim.acquired
+            code, out, _ = run(capsys, "--url", url, "dedup", "list", "--json")
+            assert code == 0
+            [item] = json.loads(out)["ids"]
+            assert (item["message_id"], item["state"], item["session_id"]) == (
+                "wamid.stuck", "in_flight", SESSION
+            )
+            assert item["lease_left"] > 0 and item["lease_age"] >= 0
+            code, out, _ = run(capsys, "--url", url, "dedup", "list")
+            assert "in_flight (lease renewed" in out
+
+            code, _, err = run(capsys, "--url", url, "dedup", "release", "wamid.stuck")
+            assert code == 2 and "--yes" in assert_one_error_line(err)
+            code, out, _ = run(capsys, "--url", url, "dedup", "release", "wamid.stuck", "--yes")
+            assert code == 0 and "released wamid.stuck" in out
+            with store.claim("wamid.stuck", session_id=SESSION) as again:
+                assert again.acquired, "a released id is acquired by the next delivery"
+        code, _, err = run(capsys, "--url", url, "dedup", "release", "wamid.stuck", "--yes")
+        assert code == 1 and "not held" in assert_one_error_line(err)
 
 
 def test_dedup_purge_ttl_override_confirms_unexpired_ids(

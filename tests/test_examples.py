@@ -117,7 +117,8 @@ def test_message_duplicate_and_restart_keep_one_history(tmp_path: Path) -> None:
         (first,) = post(client, payload(("wamid.1", "Hello there")))
         assert first["status"] == "answered" and first["to"] == PHONE and first["text"]
         (again,) = post(client, payload(("wamid.1", "Hello there")))  # redelivered
-        assert again == {"id": "wamid.1", "to": PHONE, "status": "duplicate", "text": None}
+        assert again == {"id": "wamid.1", "to": PHONE, "status": "duplicate",
+                         "text": first["text"]}, "a redelivery gets the stored reply back"
         (order,) = post(client, payload(("wamid.2", "Where is order 405?")))
         assert order["status"] == "answered" and "405" in order["text"]
     before = history(db)
@@ -163,16 +164,22 @@ def test_subscription_check_echoes_the_challenge_only_for_our_token(tmp_path: Pa
         assert bad.status_code == 403
 
 
-def test_a_failed_turn_answers_500_and_its_retry_is_skipped_today(tmp_path: Path) -> None:
-    """The failure mode the README states: the id is claimed before the turn runs.
+def test_a_failed_turn_answers_500_and_its_retry_runs_it_again(tmp_path: Path) -> None:
+    """A failed turn releases its claim: the platform's retry runs the turn again.
 
-    When the example switches to ``store.claim``, the retry must be answered instead.
+    The scripted engine fails on every "crash" message, so the retry fails too; what
+    matters is that it ran (500 again, not a skipped "duplicate") and wrote nothing.
     """
+    from chatflow_sqlalchemy.claims import list_claims
+
     db = tmp_path / "webhook.db"
     with serve(db) as client:
         post(client, payload(("wamid.1", "Hello")))
         failed = client.post("/webhook", json=payload(("wamid.2", "please crash now")))
         assert failed.status_code == 500
-        (retry,) = post(client, payload(("wamid.2", "please crash now")))
-        assert retry["status"] == "duplicate"
+        retry = client.post("/webhook", json=payload(("wamid.2", "please crash now")))
+        assert retry.status_code == 500, "the retry must run the turn, not skip it"
     assert [text for role, text in history(db) if role == "user"] == ["Hello"]  # rolled back
+    with SQLiteSessionStore(db) as store:
+        states = {claim.message_id: claim.state for claim in list_claims(store)}
+    assert states == {"wamid.1": "done", "wamid.2": "released"}

@@ -420,3 +420,35 @@ def test_connection_cut_at_commit_fails_cleanly_and_leaves_whole_turns(
         assert _contents(store, "later") == ["still works"]
     finally:
         store.close()
+
+
+def test_lost_commit_acknowledgement_of_a_claimed_turn_is_not_run_twice(
+    fault_url: str, fault_schema: str, proxy: FaultProxy
+) -> None:
+    """Issue 13 item 9: the proxy cuts the connection right after the turn's COMMIT
+    reached the server. The worker gets DatabaseUnavailableError although the turn (and
+    with it the claim, fenced in the same transaction) committed; the platform's retry
+    of the webhook must see the claim done and must not store the turn a second time."""
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+
+    async def deliver() -> str:
+        async with store.claim("wamid.cut", session_id="s") as claim:
+            if not claim.acquired:
+                return claim.status
+            session = await store.aget_or_create("s", BOT)
+            proxy.set_mode(Mode.CUT_AFTER_COMMIT, cuts=1)  # the claim itself is durable
+            async with session.lock:
+                session.add_message(_user("where is my order?"))
+                session.add_message(_model("on its way"))
+            claim.response = "on its way"
+            return claim.status
+
+    try:
+        with pytest.raises(DatabaseUnavailableError):
+            _within(lambda: asyncio.run(deliver()))
+        assert proxy.cuts == 1
+        assert _within(lambda: asyncio.run(deliver())) == "done", "the retry must see it done"
+    finally:
+        store.close()
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        assert _contents(direct, "s") == ["where is my order?", "on its way"]

@@ -9,15 +9,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chatflow_agent import Role
+from chatflow_agent import Agent, Message, Role
 
 from chatflow_sqlalchemy import SQLiteSessionStore
 
@@ -121,18 +125,120 @@ def test_killed_inside_the_lock_between_tool_call_and_result_leaves_no_trace(
         store.close()
 
 
+def stored_rows(store: Any, session_id: str) -> int:
+    from sqlalchemy import text
+
+    with store.engine.connect() as conn:
+        query = text("SELECT COUNT(*) FROM chatflow_messages WHERE session_id = :sid")
+        return int(conn.execute(query, {"sid": session_id}).scalar())
+
+
 def test_writes_outside_the_lock_are_each_durable(spec: dict[str, Any]) -> None:
-    """Without the lock every message is its own unit: a killed writer loses none."""
+    """Without the lock every message is its own unit: a killed writer loses none,
+    and the tool call it never answered is not shown (providers reject it)."""
     kill_when_ready(start_worker("direct_writes_then_hang", spec))
     store = open_spec(spec)
     try:
         session = store.get("s1")
         assert session is not None
-        history = session.history
-        assert [m.content for m in history] == ["q1", "a1", "q2", None]
-        assert history[-1].tool_calls and history[-1].tool_calls[0].id == "c2"
+        assert [m.content for m in session.history] == ["q1", "a1", "q2"]
+        assert stored_rows(store, "s1") == 4, "the call's row stays until a message follows"
+        session.metadata["seen"] = True  # writes that add no message keep it
+        assert stored_rows(store, "s1") == 4
+        session.add_message(Message(role=Role.MODEL, content="sorry, the lookup failed"))
+        assert stored_rows(store, "s1") == 4, "the next message replaces the dead call"
     finally:
         store.close()
+    again = open_spec(spec)
+    try:
+        session = again.get("s1")
+        assert session is not None
+        assert [m.content for m in session.history] == [
+            "q1", "a1", "q2", "sorry, the lookup failed"
+        ]
+        assert_clean_window(session.history)
+    finally:
+        again.close()
+
+
+@dataclass
+class CampaignCounts:
+    """What a kill -9 campaign did and found."""
+
+    kills: int = 0
+    acknowledged: int = 0
+    survived: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    malformed: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def kill_campaign(spec: dict[str, Any], mode: str, kills: int, seed: int) -> CampaignCounts:
+    """Start a writer, kill -9 it at a random point, reload, check; ``kills`` times.
+
+    Every round continues the same session, so each writer also repairs what
+    the previous one left. Acknowledged turns must be stored exactly once and
+    whole; the reload must be a clean window (no dangling call, no orphan result).
+    """
+    rng = random.Random(seed)
+    counts = CampaignCounts()
+    acked: list[str] = []
+    for round_no in range(kills):
+        proc = start_worker(
+            "campaign_writer", spec, "s", f"{mode}{seed}r{round_no}", mode, rng.randrange(1 << 30)
+        )
+        assert proc.stdout is not None
+        for _ in range(rng.randint(1, 4)):
+            line = proc.stdout.readline()
+            if not line.startswith("ACK "):
+                proc.kill()
+                _, err = proc.communicate(timeout=30)
+                pytest.fail(f"campaign writer failed: {line!r}\n{err}")
+            acked.append(line.split()[1])
+        time.sleep(rng.uniform(0, 0.01))  # land the kill anywhere in the next turn
+        os.kill(proc.pid, signal.SIGKILL)
+        for line in proc.communicate(timeout=30)[0].splitlines():
+            if line.startswith("ACK "):
+                acked.append(line.split()[1])
+        counts.kills += 1
+        check_campaign_round(spec, acked, counts)
+    counts.acknowledged = len(acked)
+    return counts
+
+
+def check_campaign_round(spec: dict[str, Any], acked: list[str], counts: CampaignCounts) -> None:
+    store = open_spec(spec, default_max_turns=10_000)
+    store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
+    try:
+        session = store.get("s")
+        history = [] if session is None else session.history
+    finally:
+        store.close()
+    try:
+        assert_clean_window(history)
+    except AssertionError as exc:
+        counts.malformed += 1
+        counts.problems.append(str(exc))
+    questions = Counter(m.content for m in history if m.role == Role.USER)
+    counts.survived = sum(1 for q in acked if questions[q] == 1)
+    counts.lost = sum(1 for q in acked if questions[q] == 0)
+    counts.duplicated = sum(n - 1 for n in questions.values() if n > 1)
+    for index, message in enumerate(history):  # an acknowledged turn is whole
+        if message.role == Role.USER and message.content in acked:
+            turn = history[index : index + 4]
+            if [m.role for m in turn] != [Role.USER, Role.MODEL, Role.TOOL, Role.MODEL]:
+                counts.problems.append(f"turn {message.content} not whole")
+
+
+@pytest.mark.parametrize("mode", ["direct", "locked"])
+def test_kill_campaign_loses_and_duplicates_nothing(spec: dict[str, Any], mode: str) -> None:
+    kills = int(os.environ.get("CHATFLOW_CAMPAIGN_KILLS", "4"))
+    counts = kill_campaign(spec, mode, kills, seed=1234)
+    assert counts.kills == kills
+    assert (counts.lost, counts.duplicated, counts.malformed) == (0, 0, 0), counts
+    assert counts.survived == counts.acknowledged
+    assert not counts.problems, counts.problems
 
 
 def run_fleet(spec: dict[str, Any], tmp_path: Path, workers: int, turns: int,

@@ -15,6 +15,7 @@ Commands::
     chatflow-sqlalchemy [--url URL] dedup list [--limit N] [--ttl-hours H] [--json]
     chatflow-sqlalchemy [--url URL] dedup count [--ttl-hours H] [--json]
     chatflow-sqlalchemy [--url URL] dedup purge [--ttl-hours H] [--yes]
+    chatflow-sqlalchemy [--url URL] dedup release ID [--yes]
     chatflow-sqlalchemy backends [--json]
     chatflow-sqlalchemy demo [--db PATH]
 
@@ -48,8 +49,9 @@ that would remove ids still inside the default dedup window) ask first; with
     db check        the same plus {"ok", "drift": [text, ...]}
     db history      {"chains": [{"chain", "distribution", "version_table",
                      "revisions": [{"revision", "down_revision", "is_head", "doc"}]}]}
-    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "processed_at",
-                     "expires_at", "expired"}]}
+    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "state",
+                     "session_id", "lease_age", "lease_left", "has_response",
+                     "processed_at", "expires_at", "expired"}]}
     dedup count     {"ttl_hours", "total", "expired", "live"}
     backends        {"backends": [{"name", "from", "available", "detail"}]}
 
@@ -1534,54 +1536,95 @@ def _dedup_counts(conn: Connection, ttl_hours: float) -> tuple[int, int]:
 @_json_option
 @_url_option
 def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | None) -> None:
-    """List processed ids, newest claim first, with their expiry (read-only)."""
+    """List processed ids and their claim state, newest first (read-only).
+
+    States: in_flight (a worker holds it, lease live), expired (its worker
+    stopped renewing: the next delivery takes it over), done, released (the
+    next delivery acquires it).
+    """
     from datetime import timedelta
 
-    from sqlalchemy import select
+    from chatflow_sqlalchemy.claims import read_claims
 
     ttl = _ttl(ttl_hours)
-    table = _processed_table()
-    query = (
-        select(table.c.message_id, table.c.processed_at)
-        .order_by(table.c.processed_at.desc(), table.c.message_id)
-        .limit(limit)
-    )
     with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
-        rows = list(conn.execute(query))
+        claims = read_claims(conn, limit=limit)
         total, _ = _dedup_counts(conn, ttl)
     cutoff = _cutoff(ttl)
-    items = [
-        {
-            "message_id": row.message_id,
-            "processed_at": row.processed_at,
-            "expires_at": row.processed_at + timedelta(hours=ttl),
-            "expired": row.processed_at < cutoff,
-        }
-        for row in rows
-    ]
+    window = timedelta(hours=ttl)
     if as_json:
-        for item in items:
-            item["processed_at"] = _iso(item["processed_at"])
-            item["expires_at"] = _iso(item["expires_at"])
+        items = [
+            {
+                "message_id": claim.message_id,
+                "state": claim.state,
+                "session_id": claim.session_id,
+                "lease_age": claim.lease_age,
+                "lease_left": claim.lease_left,
+                "has_response": claim.has_response,
+                "processed_at": _iso(claim.updated_at),
+                "expires_at": _iso(claim.updated_at + window),
+                "expired": claim.updated_at < cutoff,
+            }
+            for claim in claims
+        ]
         _emit_json({"ttl_hours": ttl, "total": total, "ids": items})
         return
-    if not items:
+    if not claims:
         click.echo("no processed ids")
         return
     _table(
-        ("MESSAGE ID", "CLAIMED AT", "EXPIRES AT", "EXPIRED"),
+        ("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"),
         [
             (
-                clean(item["message_id"]),
-                _format_time(item["processed_at"]),
-                _format_time(item["expires_at"]),
-                "yes" if item["expired"] else "no",
+                clean(claim.message_id),
+                _claim_state(claim.state, claim.lease_age),
+                clean(claim.session_id or "-"),
+                _format_time(claim.updated_at),
+                _format_time(claim.updated_at + window),
+                "yes" if claim.updated_at < cutoff else "no",
             )
-            for item in items
+            for claim in claims
         ],
     )
-    if total > len(items):
-        click.echo(f"showing {len(items)} of {total}; use --limit to see more")
+    if total > len(claims):
+        click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
+
+
+def _claim_state(state: str, lease_age: float | None) -> str:
+    """``in_flight`` with how long ago its lease was last renewed, else the state."""
+    if lease_age is None:
+        return state
+    return f"{state} (lease renewed {lease_age:.0f} s ago)"
+
+
+@dedup.command("release", epilog=EXIT_CODES_EPILOG)
+@click.argument("message_id")
+@_yes_option
+@_url_option
+def dedup_release(message_id: str, yes: bool, url: str | None) -> None:
+    """Free a webhook id held by a stuck or dead worker.
+
+    The next delivery of the id acquires it at once. If the old holder is
+    alive after all, its turn gets ClaimLostError at commit and writes
+    nothing. Asks for confirmation unless --yes.
+    """
+    from chatflow_sqlalchemy.claims import free_claim
+
+    parsed = _resolve_url(url)
+    with _writing(parsed) as engine:
+        _require_head(engine, parsed)
+        _confirm(
+            f"Release the claim on {clean(message_id)!s}? The next delivery of it runs its turn.",
+            yes,
+        )
+        with engine.begin() as conn:
+            freed = free_claim(conn, message_id)
+    if not freed:
+        raise CliError(
+            f"{clean(message_id)} is not held by any worker (unknown, done or released)",
+            code=EXIT_FAILED,
+        )
+    click.echo(f"released {clean(message_id)}: the next delivery acquires it")
 
 
 @dedup.command("count", epilog=EXIT_CODES_EPILOG)

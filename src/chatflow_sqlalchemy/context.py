@@ -123,6 +123,8 @@ class ContextOwner(Protocol):
 
     async def _aend_turn(self, ctx: SessionContext) -> None: ...
 
+    async def _adiscard_turn(self, ctx: SessionContext) -> None: ...
+
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
 
 
@@ -131,6 +133,16 @@ class _Snapshot:
     history: list[Message]
     seqs: list[int]
     agent: Agent
+    cleared: bool
+
+
+@dataclass
+class _TurnSnapshot:
+    """Everything a turn may change, as it was when the turn began (restored if discarded)."""
+
+    state: _Snapshot
+    metadata_json: str
+    durable: DurableState | None
 
 
 @dataclass
@@ -141,6 +153,13 @@ class DurableState:
     seqs: set[int]
     agent_name: str
     metadata_json: str
+    incarnation: object = None
+    """What tells this session apart from a later one under the same id (the row's
+    ``created_at``); a writer that finds another incarnation writes nothing."""
+    hidden: frozenset[int] = frozenset()
+    """Rows held back from memory: a trailing tool call without its result, written
+    outside a turn by a writer that may have died. Deleted by the next write that
+    appends a message after them."""
 
 
 class _TrackedDict(dict[str, Any]):
@@ -251,6 +270,17 @@ class TurnLock:
         finally:
             self._lock.get().release()
 
+    async def discard_async(self) -> None:
+        """Close the turn without writing anything, and let the next turn in.
+
+        Memory goes back to the state the turn began with (history, active
+        agent, metadata); what the database holds is untouched.
+        """
+        try:
+            await self._ctx._adiscard_turn()
+        finally:
+            self._lock.get().release()
+
     def locked(self) -> bool:
         """Return True while a turn holds the lock."""
         return self._lock.locked()
@@ -264,7 +294,12 @@ class TurnLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.release_async()
+        # A turn that ends by any exception (an error, a cancellation such as
+        # asyncio.wait_for's timeout, KeyboardInterrupt) is discarded as a whole.
+        if exc_type is None:
+            await self.release_async()
+        else:
+            await self.discard_async()
 
 
 class SessionContext(_UpstreamSessionContext):
@@ -299,6 +334,8 @@ class SessionContext(_UpstreamSessionContext):
         self._next_seq = 1
         self._journal: list[tuple[int, _Snapshot]] = []
         self._turn_snapshot: _Snapshot | None = None
+        self._turn_start: _TurnSnapshot | None = None
+        self._cleared = False
         self._in_turn = False
         self._stale = False
         self._verified_at = float("-inf")
@@ -343,6 +380,7 @@ class SessionContext(_UpstreamSessionContext):
             undo = self._push_undo()
             self._history = list(messages)
             self._seqs = []
+            self._cleared = True  # a replacement: nothing stored before it survives a rebase
             self._regroup()
             self._changed(undo)
 
@@ -400,7 +438,12 @@ class SessionContext(_UpstreamSessionContext):
             self._changed(undo)
 
     def clear_history(self) -> None:
-        """Drop every message of the session, SYSTEM messages included."""
+        """Drop every message of the session, SYSTEM messages included.
+
+        A clear wins over what it cleared: if another writer added messages
+        before this change is written, they are dropped too (after a clear the
+        session holds no message older than it).
+        """
         with self._mutex:
             self._check_alive()
             undo = self._push_undo()
@@ -408,6 +451,7 @@ class SessionContext(_UpstreamSessionContext):
             self._seqs = []
             self._n_system = 0
             self._turns.clear()
+            self._cleared = True
             self._changed(undo)
 
     def rollback_to(self, checkpoint_len: int) -> None:
@@ -489,19 +533,45 @@ class SessionContext(_UpstreamSessionContext):
             self._in_turn = True
             self._journal.clear()
             self._turn_snapshot = self._snapshot()
+            self._turn_start = _TurnSnapshot(
+                self._turn_snapshot, dump_metadata(self._metadata), self._durable
+            )
 
-    async def _aend_turn(self) -> None:
+    def _close_turn(self) -> _TurnSnapshot | None:
         with self._mutex:
+            start = self._turn_start
             self._in_turn = False
             self._turn_snapshot = None
+            self._turn_start = None
             self._journal.clear()
+            return start
+
+    async def _aend_turn(self) -> None:
+        start = self._close_turn()
         if self._owner is not None:
             try:
                 async with self._async_writer.get():
                     await self._owner._aend_turn(self)
             except BaseException:
-                self._stale = True  # the turn was not written: reload before the next one
+                # Not written (or not known to be): memory shows what the database
+                # held when the turn began, never an unsaved turn, and is checked
+                # against the database again before the next one.
+                self._discard_to(start, stale=True)
                 raise
+
+    async def _adiscard_turn(self) -> None:
+        self._discard_to(self._close_turn(), stale=False)
+        if self._owner is not None:
+            await self._owner._adiscard_turn(self)
+
+    def _discard_to(self, start: _TurnSnapshot | None, *, stale: bool) -> None:
+        """Put back everything a turn changed (history, agent, metadata, what is durable)."""
+        with self._mutex:
+            if start is not None:
+                self._restore(start.state)
+                self._replace_metadata(json.loads(start.metadata_json))
+                self._durable = start.durable
+            self._stale = self._stale or stale
 
     # -------------------------------------------------------------- internals
 
@@ -513,12 +583,13 @@ class SessionContext(_UpstreamSessionContext):
         """Persist now, or leave it for the end of the turn.
 
         If writing fails, the change is undone in memory (``undo`` is the state
-        before it) and the context is marked stale, so the store reloads it
-        from the database before its next use: memory never claims what the
-        database does not hold.
+        before it; metadata goes back to what was last written) and the context
+        is marked stale, so the store reloads it from the database before its
+        next use: memory never claims what the database does not hold.
         """
         if self._owner is None or self._in_turn:
             return
+        durable = self._durable
         try:
             self._owner._flush_context(self)
         except BaseException:
@@ -526,6 +597,9 @@ class SessionContext(_UpstreamSessionContext):
                 self._restore(undo)
                 if self._journal and self._journal[-1][1] is undo:
                     self._journal.pop()
+            if durable is not None:
+                self._durable = durable
+                self._replace_metadata(json.loads(durable.metadata_json))
             self._stale = True
             raise
 
@@ -535,7 +609,7 @@ class SessionContext(_UpstreamSessionContext):
             self._changed()
 
     def _snapshot(self) -> _Snapshot:
-        return _Snapshot(list(self._history), list(self._seqs), self.active_agent)
+        return _Snapshot(list(self._history), list(self._seqs), self.active_agent, self._cleared)
 
     def _push_undo(self) -> _Snapshot:
         snapshot = self._snapshot()
@@ -560,6 +634,7 @@ class SessionContext(_UpstreamSessionContext):
         self._history = list(snapshot.history)
         self._seqs = list(snapshot.seqs)
         self.active_agent = snapshot.agent
+        self._cleared = snapshot.cleared
         self._reindex()
 
     def _new_seq(self) -> int:
@@ -646,10 +721,11 @@ class SessionContext(_UpstreamSessionContext):
         self._seqs = seqs
         self.active_agent = agent
         self._replace_metadata(metadata)
-        self._next_seq = max(seqs, default=0) + 1
+        self._next_seq = max(self._next_seq, max(durable.seqs | durable.hidden, default=0) + 1)
         self._journal.clear()
         self._durable = durable
         self._stale = False
+        self._cleared = False
         self._reindex()
 
     def _replace_metadata(self, metadata: dict[str, Any]) -> None:

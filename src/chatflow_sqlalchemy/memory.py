@@ -212,11 +212,16 @@ class SessionStore(BaseSessionStore):
             self._turn_starts[id(ctx)] = ctx._snapshot()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
+        ctx._check_alive()  # a turn of a session deleted meanwhile is not kept
         start = self._turn_starts.pop(id(ctx), None)
         fence = active_fence(ctx.session_id)
         if fence is not None and start is not None and _turn_changed(ctx, start):
             self._commit_claim(ctx, fence, start)
         self._flush_context(ctx)
+
+    async def _adiscard_turn(self, ctx: SessionContext) -> None:
+        """A turn ended by an exception: the context restored itself; forget its start."""
+        self._turn_starts.pop(id(ctx), None)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
+import json
 import logging
 import os
 import secrets
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from chatflow_agent import Agent, BaseSessionStore, Message, Role
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 from sqlalchemy import (
     URL,
     Connection,
@@ -173,7 +175,10 @@ _SELECT_VERSION = select(_sessions.c.version).where(
     _sessions.c.session_id == bindparam("session_id")
 )
 _SELECT_SESSION = select(
-    _sessions.c.version, _sessions.c.active_agent_name, _sessions.c.metadata_json
+    _sessions.c.version,
+    _sessions.c.active_agent_name,
+    _sessions.c.metadata_json,
+    _sessions.c.created_at,
 ).where(_sessions.c.session_id == bindparam("session_id"))
 _SELECT_MESSAGES = (
     select(_messages.c.id, _messages.c.seq, _messages.c.message_json)
@@ -308,6 +313,7 @@ class _StoredSession:
     metadata: dict[str, Any]
     messages: list[Message]
     seqs: list[int]
+    created_at: datetime | None = None
 
 
 class SQLAlchemySessionStore(BaseSessionStore):
@@ -772,14 +778,23 @@ class SQLAlchemySessionStore(BaseSessionStore):
         ctx._owner = self
         return ctx
 
-    def _install(self, ctx: SessionContext, stored: _StoredSession, agent: Agent) -> None:
+    def _install(
+        self,
+        ctx: SessionContext,
+        stored: _StoredSession,
+        agent: Agent,
+        shown: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
+        """Load ``stored`` into ``ctx``; ``shown`` are the seqs ``ctx`` shows already."""
+        messages, seqs, hidden = _repair_window(stored.messages, stored.seqs, shown)
         durable = DurableState(
             version=stored.version,
-            seqs=set(stored.seqs),
+            seqs=set(stored.seqs).difference(hidden),
             agent_name=stored.agent_name,
             metadata_json=dump_metadata(stored.metadata),
+            incarnation=stored.created_at,
+            hidden=frozenset(hidden),
         )
-        messages, seqs = _repair_window(stored.messages, stored.seqs)
         ctx._load(messages, seqs, agent, stored.metadata, durable)
 
     def _refresh(self, ctx: SessionContext) -> bool:
@@ -794,12 +809,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
             return True
         with self._transaction() as conn:  # one snapshot of the row and its messages
             stored = self._read_session(conn, ctx.session_id)
-        if stored is None:
+        if stored is None or _other_incarnation(ctx, stored):
             self._forget(ctx.session_id)
             return False
         with ctx._mutex:
             agent = self._resolve_agent(stored.agent_name, ctx.active_agent)
-            self._install(ctx, stored, agent)
+            carried = _orphaned_tool_call(ctx, stored) or _unsaved_tail_call(ctx)
+            self._install(ctx, stored, agent, set(ctx._seqs))
+            if carried is not None:
+                ctx._append(carried)  # unsaved again: written with its result
             ctx._verified_at = time.monotonic()
         return True
 
@@ -832,7 +850,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
             messages.append(_parse_message(session_id, msg_row.id, msg_row.message_json))
             seqs.append(msg_row.seq)
-        return _StoredSession(row.version, row.active_agent_name, metadata, messages, seqs)
+        return _StoredSession(
+            row.version, row.active_agent_name, metadata, messages, seqs, row.created_at
+        )
 
     # ------------------------------------------------------------ store API
 
@@ -1297,16 +1317,19 @@ class SQLAlchemySessionStore(BaseSessionStore):
         durable = ctx._durable
         assert durable is not None
         gone = durable.seqs.difference(ctx._seqs)
+        pending = ctx._pending_messages()
+        if durable.hidden and (pending or ctx._cleared):
+            gone.update(durable.hidden)  # a call no result can follow any more
         new_rows = [
             {
                 "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
                 "content": _content_column(message.content),
-                "message_json": dump_message(message),
+                "message_json": _dump_message(ctx.session_id, message),
                 "created_at": now,
             }
-            for seq, message in ctx._pending_messages()
+            for seq, message in pending
         ]
         return gone, new_rows
 
@@ -1330,7 +1353,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
             seqs=seqs,
             agent_name=ctx.active_agent.name,
             metadata_json=durable.metadata_json if metadata_json is None else metadata_json,
+            incarnation=durable.incarnation,
+            hidden=durable.hidden.difference(gone),
         )
+        ctx._cleared = False
 
     def _bump_version(
         self, conn: Connection, ctx: SessionContext, now: datetime
@@ -1362,21 +1388,32 @@ class SQLAlchemySessionStore(BaseSessionStore):
         return metadata_json, params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
-        """Another writer moved the session: replay our unsaved changes on its rows."""
+        """Another writer moved the session: replay our unsaved changes on its rows.
+
+        A session deleted meanwhile, or deleted and created anew under the same
+        id, raises :class:`SessionDeletedError`: nothing of ``ctx`` is written
+        into another conversation. An unsaved clear (or a replaced history)
+        also drops what the other writer added before it.
+        """
         durable = ctx._durable
         assert durable is not None
         pending = [message for _, message in ctx._pending_messages()]
+        cleared = ctx._cleared
         our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
         our_metadata = dict(ctx._metadata)
         metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
         stored = self._read_session(conn, ctx.session_id)
-        if stored is None:
+        if stored is None or _other_incarnation(ctx, stored):
             raise SessionDeletedError(ctx.session_id)
+        carried = None if cleared else _orphaned_tool_call(ctx, stored)
         agent = our_agent or self._resolve_agent(stored.agent_name, ctx.active_agent)
-        self._install(ctx, stored, agent)
+        self._install(ctx, stored, agent, set(ctx._seqs))
         if metadata_changed:
             ctx._replace_metadata(our_metadata)
-        for message in pending:
+        if cleared:
+            ctx._history, ctx._seqs, ctx._cleared = [], [], True
+            ctx._reindex()
+        for message in pending if carried is None else [carried, *pending]:
             ctx._append(message)
         logger.info(
             "session %r changed in another process; %d new message(s) appended after its rows",
@@ -1438,6 +1475,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
         finally:
             if self.support.cross_process_turn_lock:
                 await self._arelease_turn_lock(ctx.session_id)
+
+    async def _adiscard_turn(self, ctx: SessionContext) -> None:
+        """After a turn ended by an exception: write nothing, let other processes in."""
+        if self.support.cross_process_turn_lock:
+            await self._arelease_turn_lock(ctx.session_id)
 
     async def _atry_turn_lock(self, session_id: str) -> bool:
         """Try to take the cross-process lock of a session's turn; never waits.
@@ -1651,8 +1693,89 @@ def _greenlet_spawn() -> Callable[..., Any]:
 def _parse_message(session_id: str, row_id: object, text: str) -> Message:
     try:
         return Message.model_validate_json(text)
-    except (ValidationError, ValueError, TypeError) as exc:
+    except ValidationError as exc:
+        if _too_deep_for_pydantic_json(exc):
+            return _parse_deep_message(session_id, row_id, text)
         raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+    except (ValueError, TypeError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _too_deep_for_pydantic_json(exc: ValidationError) -> bool:
+    """True if pydantic's JSON parser gave up on nesting depth, not on the content.
+
+    pydantic writes JSON nested deeper than its own parser reads back (a tool
+    result ~200 levels deep); such a row is valid and is parsed another way.
+    """
+    errors = exc.errors()
+    return (
+        len(errors) == 1
+        and errors[0]["type"] == "json_invalid"
+        and "recursion limit" in str(errors[0].get("ctx", {}).get("error", ""))
+    )
+
+
+def _parse_deep_message(session_id: str, row_id: object, text: str) -> Message:
+    """Parse a deeply nested row with the stdlib's JSON parser, then validate it."""
+    try:
+        return Message.model_validate(json.loads(text))
+    except (ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _dump_message(session_id: str, message: Message) -> str:
+    """A message's JSON for its row, or ``ValueError`` saying why it cannot be stored."""
+    try:
+        return dump_message(message)
+    except PydanticSerializationError as exc:
+        raise ValueError(
+            f"a {message.role.value} message of session {session_id!r} cannot be stored: "
+            f"{exc}. Tool results and arguments must be JSON-serialisable and nested at "
+            "most 250 levels deep; flatten or stringify the value (the turn was not stored)"
+        ) from None
+
+
+def _other_incarnation(ctx: SessionContext, stored: _StoredSession) -> bool:
+    """True if ``stored`` is a later session under ``ctx``'s id (deleted and created anew).
+
+    Versions cannot tell: a new session starts at a random version. The row's
+    ``created_at`` can, and is read only when the version has moved.
+    """
+    durable = ctx._durable
+    known = None if durable is None else durable.incarnation
+    return known is not None and stored.created_at is not None and stored.created_at != known
+
+
+def _unsaved_tail_call(ctx: SessionContext) -> Message | None:
+    """``ctx``'s last message if it is a tool call not written yet (carried, see below)."""
+    durable = ctx._durable
+    if durable is None or not ctx._seqs or ctx._seqs[-1] in durable.seqs:
+        return None
+    message = ctx._history[-1]
+    return message if message.role == Role.MODEL and message.tool_calls else None
+
+
+def _orphaned_tool_call(ctx: SessionContext, stored: _StoredSession) -> Message | None:
+    """``ctx``'s stored trailing tool call whose row another writer deleted, if any.
+
+    A process that wrote a tool call outside a turn and is running the tool
+    still holds the call; another process that loaded the session meanwhile
+    hid the unanswered call and, when it appended a message, deleted it. The
+    call then goes after the other writer's rows again, so the result that
+    follows it is never stored without its call.
+    """
+    durable = ctx._durable
+    if durable is None:
+        return None
+    index = len(ctx._seqs) - 1
+    while index >= 0 and ctx._seqs[index] not in durable.seqs:
+        index -= 1  # skip the unsaved messages after it
+    if index < 0:
+        return None
+    message = ctx._history[index]
+    if message.role != Role.MODEL or not message.tool_calls:
+        return None
+    return None if ctx._seqs[index] in stored.seqs else message
 
 
 def _content_column(content: str | None) -> str | None:
@@ -1715,28 +1838,48 @@ def _has_changes(ctx: SessionContext) -> bool:
     assert durable is not None
     if ctx.active_agent.name != durable.agent_name or len(ctx._seqs) != len(durable.seqs):
         return True
+    if ctx._cleared:
+        return True  # also what another writer added before the clear must go
     if any(seq not in durable.seqs for seq in reversed(ctx._seqs)):  # new ones are last
         return True
     return dump_metadata(ctx._metadata) != durable.metadata_json
 
 
-def _repair_window(messages: list[Message], seqs: list[int]) -> tuple[list[Message], list[int]]:
-    """Drop leading non-USER messages (only a file written by upstream can hold them).
+def _repair_window(
+    messages: list[Message], seqs: list[int], shown: frozenset[int] | set[int] = frozenset()
+) -> tuple[list[Message], list[int], set[int]]:
+    """The window memory shows of the stored rows, and the seqs of the rows it hides.
 
-    Nothing else is repaired on load: a turn inside ``session.lock`` is written
-    in one transaction, so a crash leaves no partial turn, and a tool call
-    written outside the lock may still be waiting for its result in the
-    process that wrote it. The dropped rows are deleted by the next write.
+    * Leading non-USER messages (only a file written by upstream holds them)
+      are dropped; their rows are deleted by the next write.
+    * A trailing tool call without its result is hidden (returned as hidden):
+      it was written outside a turn by a writer that died or is still running
+      the tool. The context that wrote it (``shown``: the seqs a context shows
+      already) keeps it, so its result lands after it; the rows are deleted
+      only when a later message makes the result impossible.
     """
+    end = len(messages)
+    while (
+        end > 0
+        and messages[end - 1].role == Role.MODEL
+        and messages[end - 1].tool_calls
+        and seqs[end - 1] not in shown
+    ):
+        end -= 1
+    hidden = set(seqs[end:])
     first = 0
-    while first < len(messages) and messages[first].role == Role.SYSTEM:
+    while first < end and messages[first].role == Role.SYSTEM:
         first += 1
     start = first
-    while start < len(messages) and messages[start].role != Role.USER:
+    while start < end and messages[start].role != Role.USER:
         start += 1
-    if start == first:
-        return messages, seqs
-    return messages[:first] + messages[start:], seqs[:first] + seqs[start:]
+    if start == first and end == len(messages):
+        return messages, seqs, hidden
+    return (
+        messages[:first] + messages[start:end],
+        seqs[:first] + seqs[start:end],
+        hidden,
+    )
 
 
 def _is_connect_error(exc: sa_exc.DBAPIError) -> bool:

@@ -60,6 +60,7 @@ from chatflow_sqlalchemy import (
     SessionDeletedError,
 )
 from chatflow_sqlalchemy.claims import list_claims, release_claim
+from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.testing.claim_workers import reply_to, start_worker
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
@@ -102,6 +103,7 @@ __all__ = [
     "TestRollback",
     "TestRunnerEndToEnd",
     "TestSeedDocumentExamples",
+    "TestTurnFaults",
     "TestUserScope",
     "TestValidation",
     "TestWebhookClaims",
@@ -260,6 +262,18 @@ def random_messages(rng: random.Random, n: int) -> list[Message]:
     return messages
 
 
+def as_reloaded(history: Sequence[Message]) -> list[Message]:
+    """What a fresh store shows of ``history``: a trailing unanswered tool call is hidden.
+
+    A reload never ends on a tool call without its result (DESIGN.md behaviour
+    4): the writer may have died before the result.
+    """
+    end = len(history)
+    while end > 0 and history[end - 1].role == Role.MODEL and history[end - 1].tool_calls:
+        end -= 1
+    return list(history[:end])
+
+
 def reload(
     harness: StoreHarness,
     session_id: str,
@@ -280,7 +294,7 @@ def assert_reloads_identically(harness: StoreHarness, ctx: Any, **store_kwargs: 
     if not harness.has(Capability.PERSISTENT):
         return
     again = reload(harness, ctx.session_id, **store_kwargs)
-    assert dump(again.history) == dump(ctx.history), (
+    assert dump(again.history) == dump(as_reloaded(ctx.history)), (
         f"a fresh store reloads {outline(again.history)}, memory holds {outline(ctx.history)}"
     )
     assert again.active_agent.name == ctx.active_agent.name
@@ -520,16 +534,21 @@ class TestPruning(StoreTestBase):
         assert dump(third.history) == dump(again.history)
 
     @requires(Capability.PERSISTENT)
-    def test_fresh_store_reloads_a_pending_tool_call(self, harness: StoreHarness) -> None:
-        # Written outside a lock, message by message: the database holds exactly
-        # what memory holds, also while a tool call still waits for its result.
+    def test_fresh_store_hides_a_pending_tool_call(self, harness: StoreHarness) -> None:
+        # Written outside a lock, message by message: the writer still shows its
+        # tool call (its result comes next), a fresh store never ends on it.
         store: Any = harness.open()
         ctx = store.get_or_create(new_id(), Agent(name="Bot", instructions=""))
         pending = call("lookup", q="slow")
         ctx.add_message(user("u1"))
         ctx.add_message(model(None, [pending]))
+        assert [m.role for m in ctx.history] == [Role.USER, Role.MODEL]
         again = reload(harness, ctx.session_id)
-        assert dump(again.history) == dump(ctx.history)
+        assert contents(again.history) == ["u1"]
+        ctx.add_message(tool_result(pending, {"ok": True}))
+        final = reload(harness, ctx.session_id)
+        assert [m.role for m in final.history] == [Role.USER, Role.MODEL, Role.TOOL]
+        assert_well_formed(final.history)
 
     @requires(Capability.PERSISTENT)
     def test_other_writer_never_drops_a_pending_tool_call(self, harness: StoreHarness) -> None:
@@ -1790,13 +1809,402 @@ class TestCrossProcess(StoreTestBase):
         assert contents(after_locked.history) == ["turn 1", "answer 1"], (
             "a turn killed inside session.lock must leave nothing behind"
         )
-        # Outside a lock every message is its own write: what survives is a
-        # prefix of what was written, and it still starts with the USER message.
+        # Outside a lock every message is its own write: the USER message and the
+        # tool call were stored, but a reload never ends on a call without its
+        # result (providers reject that): the dead writer's call is not shown.
         after_unlocked = reload(harness, unlocked)
-        assert_turn_shaped(after_unlocked.history)
-        assert contents(after_unlocked.history) in (["turn 1", None], ["turn 1"])
+        assert_well_formed(after_unlocked.history)
+        assert contents(after_unlocked.history) == ["turn 1"]
         after_unlocked.add_message(user("turn 2"))
         assert_turn_shaped(reload(harness, unlocked).history)
+
+
+# ============================================== turn faults (issue 13)
+
+
+def nested(depth: int) -> Any:
+    """A JSON value nested ``depth`` levels deep (lists and objects in turn)."""
+    value: Any = "bottom"
+    for level in range(depth):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
+
+def deepest_storable_depth() -> int:
+    """The deepest tool result pydantic serialises (the installed version decides)."""
+    depth = 150
+    while depth < 1000:
+        message = tool_result(call("deep"), nested(depth + 1))
+        try:
+            dump_message(message)
+        except ValueError:
+            return depth
+        depth += 1
+    return depth
+
+
+class OneToolEngine(BaseEngine):
+    """For the real ``Runner``: a USER message gets one call of ``tool``; its result an answer."""
+
+    def __init__(self, tool_name: str) -> None:
+        self.tool_name = tool_name
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        last = history[-1]
+        if last.role == Role.USER:
+            return EngineTurnResult(tool_calls=[call(self.tool_name, q=last.content)])
+        return EngineTurnResult(text=f"done: {last.role.value}")
+
+
+class _HardStop(BaseException):
+    """Stands for KeyboardInterrupt / SystemExit: only ``session.lock`` sees it.
+
+    It is not an ``Exception``, so the Runner does not roll back.
+    """
+
+
+class TestTurnFaults(StoreTestBase):
+    """A turn is stored whole or not at all, into its own conversation, and readable."""
+
+    # ---------------------------------------------------------- deep JSON
+
+    @staticmethod
+    def _deep_runner(store: Any, depth: dict[str, int]) -> Runner:
+        async def deep_lookup(q: str) -> Any:
+            return nested(depth["now"])
+
+        agent = Agent(name="Deep", instructions="", tools=[Tool(deep_lookup, name="deep_lookup")])
+        engine = OneToolEngine("deep_lookup")
+        return Runner(starting_agent=agent, session_store=store, engine=engine)
+
+    def test_deep_tool_results_round_trip_up_to_the_deepest_storable(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        # pydantic writes JSON deeper than its own parser reads back (~200 levels):
+        # whatever a store writes, it must read back.
+        deepest = deepest_storable_depth()
+        for depth in sorted({150, 198, 199, 230, deepest}):
+            sid = new_id("deep")
+            runner = self._deep_runner(store, {"now": depth})
+            run(runner.run_async(sid, "first"))
+            run(runner.run_async(sid, "second"))
+            ctx = store.get(sid)
+            results = [m for m in ctx.history if m.role == Role.TOOL]
+            assert [r.tool_results[0].content for r in results] == [nested(depth)] * 2
+            assert_reloads_identically(harness, ctx)
+
+    def test_json_too_deep_to_store_is_refused_and_nothing_written(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        if not harness.has(Capability.SQL) and not harness.has(Capability.PERSISTENT):
+            pytest.skip("this store keeps Python objects: nothing is serialised or refused")
+        depth = {"now": 3}
+        runner = self._deep_runner(store, depth)
+        sid = new_id("deep")
+        run(runner.run_async(sid, "shallow"))
+        ctx = store.get(sid)
+        before = dump(ctx.history)
+        depth["now"] = deepest_storable_depth() + 1
+        with pytest.raises(ValueError, match="nested at most"):
+            run(runner.run_async(sid, "too deep"))
+        assert dump(ctx.history) == before, "memory must not keep the refused turn"
+        assert_reloads_identically(harness, ctx)
+        depth["now"] = 3
+        run(runner.run_async(sid, "still works"))
+        assert [m.content for m in ctx.history if m.role == Role.USER] == [
+            "shallow",
+            "still works",
+        ]
+        assert_reloads_identically(harness, ctx)
+
+    # -------------------------------------------------- cancelled turns
+
+    @staticmethod
+    def _slow_runner(store: Any, started: asyncio.Event, sid: str) -> Runner:
+        async def slow_lookup(q: str) -> str:
+            store.get(sid).metadata["during_turn"] = q  # discarded with the turn
+            started.set()
+            await asyncio.sleep(600)
+            return "never"
+
+        agent = Agent(name="Slow", instructions="", tools=[Tool(slow_lookup, name="slow_lookup")])
+        engine = OneToolEngine("slow_lookup")
+        return Runner(starting_agent=agent, session_store=store, engine=engine)
+
+    def _pre_turn(self, store: Any, sid: str, agent: Agent | None = None) -> Any:
+        agent = agent or Agent(name="Slow", instructions="")
+        ctx = store.get_or_create(sid, agent, metadata={"v": 1})
+        ctx.add_message(user("q1"))
+        ctx.add_message(model("a1"))
+        return ctx
+
+    def _assert_back_to_pre_turn(self, harness: StoreHarness, store: Any, ctx: Any) -> None:
+        assert contents(ctx.history) == ["q1", "a1"], outline(ctx.history)
+        assert ctx.metadata == {"v": 1}
+        assert not ctx.lock.locked()
+        assert_reloads_identically(harness, ctx)
+        if harness.has(Capability.PERSISTENT):
+            assert reload(harness, ctx.session_id).metadata == {"v": 1}
+
+        async def next_turn_from_another_store() -> None:
+            other: Any = harness.open() if harness.has(Capability.PERSISTENT) else store
+            again = other.get(ctx.session_id)
+            async with again.lock:  # the cross-process turn lock was released too
+                again.add_message(user("q2"))
+                again.add_message(model("a2"))
+
+        run(asyncio.wait_for(next_turn_from_another_store(), 60))
+        if harness.has(Capability.PERSISTENT):
+            assert contents(reload(harness, ctx.session_id).history) == ["q1", "a1", "q2", "a2"]
+
+    def test_turn_cancelled_inside_a_tool_writes_nothing(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("cancel")
+        started = asyncio.Event()
+        runner = self._slow_runner(store, started, sid)
+        ctx = self._pre_turn(store, sid, runner.starting_agent)
+
+        async def cancel_mid_tool() -> None:
+            task = asyncio.ensure_future(runner.run_async(sid, "slow"))
+            await asyncio.wait_for(started.wait(), 60)
+            assert [m.role for m in ctx.history][-2:] == [Role.USER, Role.MODEL]
+            task.cancel()  # what asyncio.wait_for does when its timeout expires
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        run(cancel_mid_tool())
+        self._assert_back_to_pre_turn(harness, store, ctx)
+
+    def test_wait_for_timeout_writes_nothing(self, harness: StoreHarness, store: Any) -> None:
+        sid = new_id("timeout")
+        runner = self._slow_runner(store, asyncio.Event(), sid)
+        ctx = self._pre_turn(store, sid, runner.starting_agent)
+
+        async def timed_out() -> None:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(runner.run_async(sid, "slow"), 0.5)
+
+        run(timed_out())
+        self._assert_back_to_pre_turn(harness, store, ctx)
+
+    def test_turn_ended_by_a_base_exception_writes_nothing(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("stop")
+        ctx = self._pre_turn(store, sid)
+        _, billing = make_agents()
+
+        async def interrupted() -> None:
+            async with ctx.lock:
+                ctx.add_message(user("q-stop"))
+                ctx.set_active_agent(billing)
+                ctx.metadata["v"] = 2
+                ctx.add_message(model(None, [call("lookup")]))
+                raise _HardStop
+
+        with pytest.raises(_HardStop):
+            run(interrupted())
+        assert ctx.active_agent.name == "Slow"
+        self._assert_back_to_pre_turn(harness, store, ctx)
+
+    # ------------------------------------------------- failed turns (6)
+
+    def test_failed_runner_turn_discards_its_metadata_change(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("meta")
+
+        async def note(q: str) -> str:
+            store.get(sid).metadata["v"] = 99
+            return "noted"
+
+        class FailAfterTool(OneToolEngine):
+            async def generate_turn_async(
+                self, agent: Agent, history: list[Message]
+            ) -> EngineTurnResult:
+                if history[-1].role == Role.TOOL:
+                    raise RuntimeError("model failed after the tool")
+                return await super().generate_turn_async(agent, history)
+
+        agent = Agent(name="Slow", instructions="", tools=[Tool(note, name="note")])
+        runner = Runner(starting_agent=agent, session_store=store, engine=FailAfterTool("note"))
+        ctx = self._pre_turn(store, sid, agent)
+        with pytest.raises(RuntimeError, match="model failed"):
+            run(runner.run_async(sid, "note it"))
+        self._assert_back_to_pre_turn(harness, store, ctx)
+
+    @requires(Capability.SQL)
+    def test_failed_end_of_turn_write_leaves_memory_equal_to_disk(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("endfail")
+        ctx = self._pre_turn(store, sid)
+        _, billing = make_agents()
+
+        async def turn_that_cannot_be_written() -> None:
+            async with ctx.lock:
+                ctx.add_message(user("q-unsaved"))
+                ctx.set_active_agent(billing)
+                ctx.metadata["box"] = {}
+                ctx.metadata["box"]["bad"] = {1, 2}  # nested: only the write sees it
+                ctx.add_message(model("a-unsaved"))
+
+        with pytest.raises(ValueError):
+            run(turn_that_cannot_be_written())
+        # At once, without get_or_create: memory shows what the database holds.
+        assert ctx.active_agent.name == "Slow"
+        self._assert_back_to_pre_turn(harness, store, ctx)
+
+    # ------------------------------------------- deleted and re-created (3)
+
+    def _recreating_runner(self, store: Any, other: Any, sid: str) -> Runner:
+        async def recreate(q: str) -> str:
+            assert other.delete(sid) is True
+            fresh = other.get_or_create(sid, Agent(name="Bot", instructions=""))
+            fresh.add_message(user("new conversation"))
+            return "recreated"
+
+        agent = Agent(name="Bot", instructions="", tools=[Tool(recreate, name="recreate")])
+        return Runner(starting_agent=agent, session_store=store, engine=OneToolEngine("recreate"))
+
+    def _check_recreated(self, harness: StoreHarness, store: Any, old: Any, sid: str) -> None:
+        with pytest.raises(SessionDeletedError):
+            _ = old.history
+        current = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        assert current is not old
+        assert contents(current.history) == ["new conversation"]
+        if harness.has(Capability.PERSISTENT):
+            assert contents(reload(harness, sid).history) == ["new conversation"]
+
+    def test_session_recreated_by_the_same_store_mid_turn(self, store: Any) -> None:
+        sid = new_id("recreate")
+        runner = self._recreating_runner(store, store, sid)
+        old = store.get_or_create(sid, runner.starting_agent)
+        old.add_message(user("old secret 1"))
+        with pytest.raises(SessionDeletedError):
+            run(runner.run_async(sid, "old secret 2"))
+        current = store.get(sid)
+        assert current is not old
+        assert contents(current.history) == ["new conversation"]
+
+    @requires(Capability.PERSISTENT)
+    def test_session_recreated_elsewhere_mid_turn_gets_nothing_of_the_old_turn(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("recreate")
+        other: Any = harness.open()
+        runner = self._recreating_runner(store, other, sid)
+        old = store.get_or_create(sid, runner.starting_agent)
+        old.add_message(user("old secret 1"))
+        old.add_message(model("ok"))
+        with pytest.raises(SessionDeletedError):
+            run(runner.run_async(sid, "old secret 2"))
+        self._check_recreated(harness, store, old, sid)
+
+    @requires(Capability.PERSISTENT)
+    def test_session_recreated_elsewhere_before_a_direct_write(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("recreate")
+        old = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        old.add_message(user("old secret 1"))
+        other: Any = harness.open()
+        assert other.delete(sid) is True
+        other.get_or_create(sid, Agent(name="Bot", instructions="")).add_message(
+            user("new conversation")
+        )
+        with pytest.raises(SessionDeletedError):
+            old.add_message(user("old secret 2"))
+        self._check_recreated(harness, store, old, sid)
+
+    # ------------------------------------------------ clear wins (4)
+
+    @requires(Capability.PERSISTENT)
+    def test_clear_in_a_turn_wins_over_a_concurrent_writer(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("clear")
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        for message in [system("sys"), user("private 1"), model("private answer")]:
+            ctx.add_message(message)
+        other: Any = harness.open()
+
+        async def reset_turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(user("/reset - forget everything"))
+                ctx.clear_history()
+                # Another process writes before this turn commits.
+                other.get(sid).add_message(user("private 2, written meanwhile"))
+                ctx.add_message(user("hello again"))
+                ctx.add_message(model("hi"))
+
+        run(reset_turn())
+        assert contents(ctx.history) == ["hello again", "hi"]
+        assert contents(reload(harness, sid).history) == ["hello again", "hi"]
+        ctx.add_message(user("next"))
+        assert contents(reload(harness, sid).history) == ["hello again", "hi", "next"]
+
+    @requires(Capability.PERSISTENT)
+    def test_direct_clear_wins_over_a_concurrent_writer(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("clear")
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        ctx.add_message(user("private 1"))
+        ctx.add_message(model("private answer"))
+        other: Any = harness.open()
+        other.get(sid).add_message(user("private 2"))
+        ctx.clear_history()
+        assert ctx.history == []
+        assert reload(harness, sid).history == []
+
+    @requires(Capability.PERSISTENT)
+    def test_replaced_history_is_not_merged_with_a_concurrent_writer(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid = new_id("replace")
+        ctx = store.get_or_create(sid, Agent(name="Bot", instructions=""))
+        for text in ["u1", "u2", "u3"]:
+            ctx.add_message(user(text))
+        other: Any = harness.open()
+        other.get(sid).add_message(user("meanwhile"))
+        ctx.history = ctx.history[:1]
+        assert contents(ctx.history) == ["u1"]
+        assert contents(reload(harness, sid).history) == ["u1"]
+
+    # ------------------------------------ unanswered tool calls (5)
+
+    @requires(Capability.PERSISTENT)
+    def test_live_writer_keeps_its_call_when_another_writer_appends(
+        self, harness: StoreHarness
+    ) -> None:
+        # A writes a tool call and runs the tool; B loads (the call is hidden),
+        # runs a whole turn of its own (its write drops the hidden call). A's
+        # result then lands right after its call: nothing lost, nothing dangling.
+        writer: Any = harness.open()
+        sid = new_id("live")
+        ctx = writer.get_or_create(sid, Agent(name="Bot", instructions=""))
+        pending = call("lookup", q="slow")
+        ctx.add_message(user("u1"))
+        ctx.add_message(model(None, [pending]))
+        other: Any = harness.open()
+        seen = other.get(sid)
+        assert contents(seen.history) == ["u1"]
+
+        async def other_turn() -> None:
+            async with seen.lock:
+                seen.add_message(user("u2"))
+                seen.add_message(model("m2"))
+
+        run(other_turn())
+        assert contents(reload(harness, sid).history) == ["u1", "u2", "m2"]
+        ctx.add_message(tool_result(pending, {"ok": True}))
+        ctx.add_message(model("m1"))
+        final = reload(harness, sid).history
+        assert_well_formed(final)
+        assert contents(final) == ["u1", "u2", "m2", None, None, "m1"]
+        assert dump(ctx.history) == dump(final)
 
 
 # ================================================= exact round trips (issue 13)
