@@ -28,21 +28,24 @@ SQLite file is an error naming the path, and a schema behind head is an error
 naming ``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only
 for them. Only ``db upgrade|downgrade|stamp`` change the schema.
 
-Destructive commands (``db downgrade``, ``sessions delete``, a ``dedup purge``
-that would remove ids still inside the default dedup window) ask first; with
+Destructive commands (``db downgrade``, ``sessions delete``, ``sessions sweep``,
+``users erase``, a ``dedup purge`` that would remove ids still inside the
+default dedup window) ask first; with
 ``--yes`` they do not ask, and without a terminal on stdin they refuse unless
 ``--yes`` is given.
 
 ``--json`` prints one JSON document (times are ISO 8601 with offset)::
 
     sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
-                                   "created_at", "updated_at"}]}
+                                   "created_at", "updated_at"}]}; with --limit also
+                    "next_after" (the --after of the next page, null on the last)
     sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
                      "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
                      "messages": [{"id", "role", "created_at", "message": {...} | null,
                                    "corrupt": null | {"reason", "raw"}}]}
     sessions export JSON lines {"session_id", "active_agent_name", "metadata",
-                    "messages"}; with --output and --json the summary is
+                    "messages"} (+ "archived_messages" for a session with an
+                    archive); with --output and --json the summary is
                     {"exported", "output", "skipped": [line, ...]}
     db current      {"database", "at_head", "chains": [{"chain", "distribution",
                      "current", "head", "at_head", "description"}]}
@@ -54,6 +57,10 @@ that would remove ids still inside the default dedup window) ask first; with
                      "processed_at", "expires_at", "expired"}]}
     dedup count     {"ttl_hours", "total", "expired", "live"}
     backends        {"backends": [{"name", "from", "available", "detail"}]}
+    sessions sweep  {"dry_run": true, "expired", "oldest": [id, ...]} or
+                    {"dry_run": false, "removed"}
+    users export    always JSON: what store.export_user returns
+    users erase     {"user_id", "erased"}
 
 Exit codes:
     0: success.

@@ -160,7 +160,8 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
 
 @click.command("sweep")
 @click.option(
-    "--ttl-hours", type=float, required=True,
+    "--ttl-hours", type=float, required=True, envvar="CHATFLOW_SESSION_TTL_HOURS",
+    show_envvar=True,
     help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
 )
 @click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
