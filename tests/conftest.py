@@ -123,6 +123,7 @@ def _postgres_harness(url: str, admin: Engine, async_mode: Capability) -> StoreH
         spec,
         {
             Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
+            Capability.ENCRYPTION,
             Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
         cleanup=drop_schema,
@@ -153,6 +154,7 @@ def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
             Capability.PERSISTENT,
             Capability.CROSS_PROCESS,
             Capability.SQL,
+            Capability.ENCRYPTION,
             Capability.ASYNC_THREADPOOL,
             Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
@@ -169,7 +171,7 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
         "sqlite-shared-uri",
         StoreSpec(SQLITE_TARGET, (uri,)),
         {
-            Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL,
+            Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
             Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
         cleanup=anchor.close,
@@ -188,7 +190,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
             name,
             StoreSpec(SQLITE_TARGET, (":memory:",)),
             {
-                Capability.SQL, Capability.EPHEMERAL,
+                Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
                 Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
             },
         )

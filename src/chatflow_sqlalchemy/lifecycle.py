@@ -480,6 +480,7 @@ def export_sessions(
     conn: Connection,
     ids: list[str],
     parse: Any,
+    open_metadata: Any = None,
 ) -> list[dict[str, Any]]:
     """Everything stored about the sessions ``ids``, as JSON-ready dicts.
 
@@ -511,7 +512,9 @@ def export_sessions(
                     "session_id": sid,
                     "user_id": row["user_id"],
                     "active_agent_name": row["active_agent_name"],
-                    "metadata": row["metadata_json"],
+                    "metadata": row["metadata_json"]
+                    if open_metadata is None
+                    else open_metadata(sid, row["metadata_json"]),
                     "created_at": _iso(row["created_at"]),
                     "updated_at": _iso(row["updated_at"]),
                     "messages": [m.model_dump(mode="json") for m in messages],

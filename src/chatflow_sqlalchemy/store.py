@@ -79,6 +79,7 @@ from chatflow_sqlalchemy.context import (
     validate_max_turns,
     validate_session_id,
 )
+from chatflow_sqlalchemy.crypto import AESGCMCipher, is_encrypted
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
@@ -119,6 +120,7 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     utcnow,
 )
+from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -329,6 +331,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
             and removed by ``sweep()``; None (the default) keeps sessions forever.
         archive_pruned: Keep the messages pruning drops from the window in the
             archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -364,6 +369,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -373,6 +380,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self.archive_pruned = validate_archive_pruned(archive_pruned)
+        self._sealer = Sealer(cipher, require_encryption)
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._warned_agents: set[str] = set()
         self._contexts: weakref.WeakValueDictionary[str, SessionContext] = (
@@ -466,6 +474,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -487,6 +497,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 auto_migrate=auto_migrate,
                 session_ttl_hours=session_ttl_hours,
                 archive_pruned=archive_pruned,
+                cipher=cipher,
+                require_encryption=require_encryption,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -838,7 +850,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         row = _fetch_session_row(conn, session_id)
         if row is None:
             return None
-        metadata = row.metadata_json
+        metadata = self._sealer.open_metadata(session_id, row.metadata_json)
         if not isinstance(metadata, dict):
             kind = type(metadata).__name__
             raise CorruptRowError(
@@ -848,7 +860,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         messages: list[Message] = []
         seqs: list[int] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
-            messages.append(_parse_message(session_id, msg_row.id, msg_row.message_json))
+            text = msg_row.message_json
+            if self._sealer.active or self._sealer.require or is_encrypted(text):
+                text = self._sealer.open_text(session_id, msg_row.id, text, "chatflow_messages")
+            messages.append(_parse_message(session_id, msg_row.id, text))
             seqs.append(msg_row.seq)
         return _StoredSession(
             row.version, row.active_agent_name, metadata, messages, seqs, row.created_at
@@ -927,7 +942,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                     {
                         "session_id": session_id,
                         "active_agent_name": default_agent.name,
-                        "metadata_json": metadata,
+                        "metadata_json": self._sealer.seal_metadata(session_id, metadata),
                         "version": _first_version(),
                         "created_at": now,
                         "updated_at": now,
@@ -986,6 +1001,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
             user_id=user_id, metadata=metadata, updated_after=updated_after,
             limit=limit, after=after,
         )
+        if filters.metadata and self._sealer.active:
+            raise ValueError(
+                "metadata filters cannot look inside encrypted metadata (this store has a "
+                "cipher=): filter by user_id / updated_after, or keep the key in user_id"
+            )
         with self._transaction() as conn:
             return session_page(conn, filters)
 
@@ -1053,7 +1073,33 @@ class SQLAlchemySessionStore(BaseSessionStore):
         validate_session_id(session_id)
         with self._transaction() as conn:
             rows = transcript_rows(conn, session_id)
-        return [_parse_message(session_id, row_id, text) for row_id, _, text in rows]
+        parse = self._sealer.parser(_parse_message)
+        return [parse(session_id, row_id, text) for row_id, _, text in rows]
+
+    def rotate_keys(self, batch: int = ROTATE_BATCH) -> int:
+        """Re-encrypt every row not sealed with the cipher's primary key; return how many.
+
+        Online: each batch (at most ``batch`` rows per table) is one short write
+        transaction, and turns keep running between them. Plaintext rows are
+        encrypted too. What ``chatflow-sqlalchemy keys rotate`` runs.
+
+        Raises:
+            ValueError: The store has no cipher, or ``batch`` is not a positive int.
+
+        """
+        cipher = self._sealer.cipher
+        if cipher is None:
+            raise ValueError("rotate_keys needs a store opened with cipher=")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        cursor: dict[str, str] = {}
+        total = 0
+        while True:
+            with self._transaction(write=True) as conn:
+                done, more = rotate_batch(conn, cipher, cursor, batch)
+            total += done
+            if not more:
+                return total
 
     def _session_ttl(self) -> timedelta:
         if self.session_ttl_hours is None:
@@ -1087,7 +1133,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         validate_user_id(user_id)
         with self._transaction() as conn:
-            sessions = export_sessions(conn, user_session_ids(conn, user_id), _parse_message)
+            sessions = export_sessions(
+                conn, user_session_ids(conn, user_id), self._sealer.parser(_parse_message),
+                self._sealer.open_metadata,
+            )
         return {
             "format": EXPORT_FORMAT,
             "user_id": user_id,
@@ -1325,8 +1374,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
-                "content": _content_column(message.content),
-                "message_json": _dump_message(ctx.session_id, message),
+                "content": None if self._sealer.active else _content_column(message.content),
+                "message_json": self._sealer.seal_text(
+                    ctx.session_id, _dump_message(ctx.session_id, message)
+                ),
                 "created_at": now,
             }
             for seq, message in pending
@@ -1369,8 +1420,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         statement = _BUMP_SESSION if metadata_json is None else _BUMP_SESSION_AND_METADATA
         return conn.execute(statement, params).rowcount == 1, metadata_json
 
-    @staticmethod
-    def _bump_params(ctx: SessionContext, now: datetime) -> tuple[str | None, dict[str, Any]]:
+    def _bump_params(
+        self, ctx: SessionContext, now: datetime
+    ) -> tuple[str | None, dict[str, Any]]:
         """Parameters of the compare-and-swap UPDATE, after the metadata's JSON if it changed."""
         durable = ctx._durable
         assert durable is not None
@@ -1384,7 +1436,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         metadata_json = dump_metadata(ctx._metadata)
         if metadata_json == durable.metadata_json:
             return None, params
-        params["metadata"] = dict(ctx._metadata)
+        params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
         return metadata_json, params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:

@@ -41,6 +41,7 @@ CAPABILITIES = {
     Capability.USER_SCOPE,  # user_id, list_sessions filters and pages, erase/export_user
     Capability.RETENTION,  # session_ttl_hours and sweep()
     Capability.ARCHIVE,  # archive_pruned and transcript()
+    Capability.ENCRYPTION,  # cipher=, require_encryption=, rotate_keys()
 }
 
 

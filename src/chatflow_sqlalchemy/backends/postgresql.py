@@ -24,6 +24,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     DialectSupport,
@@ -596,6 +597,9 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             and removed by ``sweep()``; None (the default) keeps sessions forever.
         archive_pruned: Keep the messages pruning drops from the window in the
             archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
@@ -635,6 +639,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         **engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -653,6 +659,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             auto_migrate=auto_migrate,
             session_ttl_hours=session_ttl_hours,
             archive_pruned=archive_pruned,
+            cipher=cipher,
+            require_encryption=require_encryption,
         )
         self._turn_locks = AdvisoryTurnLocks(
             self._connect_lock_connection,

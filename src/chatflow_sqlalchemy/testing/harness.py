@@ -137,6 +137,10 @@ class Capability(str, enum.Enum):
     ARCHIVE = "archive"
     """``archive_pruned`` (a constructor keyword), ``transcript()`` / ``atranscript()``."""
 
+    ENCRYPTION = "encryption"
+    """SQL stores: ``cipher=`` (an ``AESGCMCipher``), ``require_encryption=`` and
+    ``rotate_keys()``; rows are inspected through ``store.engine`` (needs ``SQL`` too)."""
+
     def __str__(self) -> str:
         return self.value
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
 
-from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.exceptions import CorruptRowError, SessionDeletedError
 from chatflow_sqlalchemy.testing.harness import (
     Capability,
     StoreHarness,
@@ -32,9 +34,11 @@ from chatflow_sqlalchemy.testing.harness import (
 
 __all__ = [
     "ArchiveTests",
+    "EncryptionTests",
     "ErasureAndExportTests",
     "RetentionTests",
     "UserScopeTests",
+    "encrypted_turns_worker",
     "sweep_worker",
 ]
 
@@ -542,3 +546,185 @@ class ArchiveTests:
                 assert left == 0
         finally:
             store.close()
+
+
+def _keys() -> dict[str, bytes]:
+    return {"k1": os.urandom(32), "k2": os.urandom(32)}
+
+
+def _cipher(keys: dict[str, bytes], primary: str, *ids: str) -> Any:
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+
+    return AESGCMCipher({i: keys[i] for i in (primary, *ids)}, primary)
+
+
+def _raw(store: Any, sql: str, **params: Any) -> list[Any]:
+    from sqlalchemy import text
+
+    with store.engine.connect() as conn:
+        return list(conn.execute(text(sql), params))
+
+
+def encrypted_turns_worker(
+    spec: StoreSpec, keys: dict[str, bytes], session_ids: list[str], n_turns: int,
+    barrier: Any, results: Any,
+) -> None:
+    """Run ``n_turns`` locked turns per session with cipher (k2 primary, k1); report failures."""
+    failures: list[str] = []
+    try:
+        store: Any = spec.open(cipher=_cipher(keys, "k2", "k1"))
+        try:
+            contexts = [store.get_or_create(sid, _agent()) for sid in session_ids]
+            barrier.wait(30)
+
+            async def turns() -> None:
+                for k in range(n_turns):
+                    for ctx in contexts:
+                        try:
+                            async with ctx.lock:
+                                ctx.add_message(Message(role=Role.USER, content=f"q{k}"))
+                                ctx.add_message(Message(role=Role.MODEL, content=f"a{k}"))
+                        except Exception as exc:
+                            failures.append(f"{type(exc).__name__}: {exc}")
+
+            asyncio.run(turns())
+        finally:
+            store.close()
+        results.put(("ok", failures))
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+@requires(Capability.ENCRYPTION)
+class EncryptionTests:
+    """``cipher=`` / ``require_encryption=`` / ``rotate_keys``: sealed at rest, rotated online."""
+
+    def test_content_and_metadata_are_sealed_at_rest(self, harness: StoreHarness) -> None:
+        keys = _keys()
+        store: Any = harness.open(cipher=_cipher(keys, "k1"), archive_pruned=True,
+                                  default_max_turns=1)
+        try:
+            sid = f"{_uid()}-enc"
+            ctx = store.get_or_create(sid, _agent(), {"phone": "+5511999"}, user_id="u-enc")
+            added = _turns(ctx, 0, 4)
+            rows = _raw(store, "SELECT role, content, message_json FROM chatflow_messages "
+                        "WHERE session_id = :s", s=sid)
+            archived = _raw(store, "SELECT content, message_json FROM chatflow_message_archive "
+                            "WHERE session_id = :s", s=sid)
+            assert rows and archived
+            for row in rows + [(None, *a) for a in archived]:
+                assert row[1] is None, "the readable content copy must not hold plaintext"
+                assert row[2].startswith("cfenc:1:k1:"), "every row names its key"
+                assert "\"" not in row[2], "no JSON (so no plaintext) in a sealed row"
+            assert {r[0] for r in rows} <= {"user", "model", "tool"}, "roles stay clear"
+            (meta,) = _raw(store, "SELECT metadata_json FROM chatflow_sessions "
+                           "WHERE session_id = :s", s=sid)[0]
+            assert "+5511999" not in str(meta) and "cfenc:1:k1:" in str(meta)
+            assert _shape(store.transcript(sid)) == _shape(added)
+            assert store.export_user("u-enc")["sessions"][0]["metadata"] == {"phone": "+5511999"}
+            with pytest.raises(ValueError, match="encrypted metadata"):
+                store.list_sessions(metadata={"phone": "+5511999"})
+            if harness.has(Capability.PERSISTENT):
+                fresh: Any = harness.open(cipher=_cipher(keys, "k1"), require_encryption=True)
+                try:
+                    again = fresh.get(sid)
+                    assert _shape(again.history) == _shape(ctx.history)
+                    assert again.metadata == {"phone": "+5511999"}
+                finally:
+                    fresh.close()
+        finally:
+            store.close()
+
+    @requires(Capability.PERSISTENT)
+    def test_old_keys_read_rotation_reseals_and_plaintext_is_refused(
+        self, harness: StoreHarness
+    ) -> None:
+        keys = _keys()
+        plain, old = f"{_uid()}-plain", f"{_uid()}-old"
+        with_k1: Any = harness.open(cipher=_cipher(keys, "k1"))
+        without: Any = harness.open()
+        try:
+            _turns(with_k1.get_or_create(old, _agent(), {"a": 1}), 0, 2)
+            _turns(without.get_or_create(plain, _agent(), {"b": 2}), 0, 2)
+        finally:
+            with_k1.close()
+            without.close()
+        strict: Any = harness.open(cipher=_cipher(keys, "k2", "k1"), require_encryption=True)
+        lenient: Any = harness.open(cipher=_cipher(keys, "k2", "k1"))
+        try:
+            assert [m.content for m in strict.get(old).history][:1] == ["u0"], "k1 still reads"
+            with pytest.raises(CorruptRowError, match="require_encryption"):
+                strict.get(plain)
+            assert lenient.get(plain).metadata == {"b": 2}, "without require: plaintext reads"
+            assert strict.rotate_keys(batch=3) > 0
+            for table in ("chatflow_messages", "chatflow_message_archive"):
+                stale = _raw(strict, f"SELECT COUNT(*) FROM {table} WHERE session_id IN "
+                             "(:a, :b) AND message_json NOT LIKE 'cfenc:1:k2:%'", a=plain, b=old)
+                assert stale[0][0] == 0
+        finally:
+            strict.close()
+            lenient.close()
+        only_k2: Any = harness.open(cipher=_cipher(keys, "k2"), require_encryption=True)
+        try:
+            assert only_k2.get(plain).metadata == {"b": 2}
+            assert only_k2.get(old).metadata == {"a": 1}
+            assert only_k2.rotate_keys() == 0
+        finally:
+            only_k2.close()
+
+    @requires(Capability.PERSISTENT)
+    def test_bad_options_say_what_to_pass(self, harness: StoreHarness) -> None:
+        with pytest.raises(ValueError, match="needs a cipher"):
+            harness.open(require_encryption=True)
+        with pytest.raises(ValueError, match="AESGCMCipher"):
+            harness.open(cipher="k1")
+
+    @requires(Capability.CROSS_PROCESS)
+    def test_rotation_under_load_fails_no_turn(self, harness: StoreHarness) -> None:
+        keys = _keys()
+        tag = _uid()
+        sessions = [f"{tag}-{n}" for n in range(3)]
+        seeding: Any = harness.open(cipher=_cipher(keys, "k1"))
+        try:
+            for sid in sessions:
+                _turns(seeding.get_or_create(sid, _agent(), {"n": sid}), 0, 8)
+        finally:
+            seeding.close()
+        rotator: Any = harness.open(cipher=_cipher(keys, "k2", "k1"))
+        stop = threading.Event()
+        rotated: list[int] = []
+
+        def rotate() -> None:
+            while not stop.is_set():
+                rotated.append(rotator.rotate_keys(batch=4))
+
+        thread = threading.Thread(target=rotate)
+        thread.start()
+        try:
+            results = run_workers(
+                encrypted_turns_worker,
+                [(harness.spec(), keys, [sid], 15) for sid in sessions],
+                timeout=240,
+            )
+        finally:
+            stop.set()
+            thread.join(120)
+        try:
+            assert all(r[0] == "ok" for r in results), results
+            failed = [f for _, fails in results for f in fails]
+            assert failed == [], f"turns failed during rotation: {failed}"
+            assert sum(rotated) > 0
+            rotator.rotate_keys()
+            stale = _raw(rotator, "SELECT COUNT(*) FROM chatflow_messages WHERE session_id "
+                         "LIKE :p AND message_json NOT LIKE 'cfenc:1:k2:%'", p=f"{tag}-%")
+            assert stale[0][0] == 0
+        finally:
+            rotator.close()
+        reader: Any = harness.open(cipher=_cipher(keys, "k2"), require_encryption=True)
+        try:
+            for sid in sessions:
+                ctx = reader.get(sid)
+                assert ctx.metadata == {"n": sid}
+                assert [m.content for m in ctx.history][-2:] == ["q14", "a14"]
+        finally:
+            reader.close()

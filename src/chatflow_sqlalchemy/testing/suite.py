@@ -75,6 +75,7 @@ from chatflow_sqlalchemy.testing.harness import (
 )
 from chatflow_sqlalchemy.testing.lifecycle_suite import (
     ArchiveTests,
+    EncryptionTests,
     ErasureAndExportTests,
     RetentionTests,
     UserScopeTests,
@@ -93,6 +94,7 @@ __all__ = [
     "TestCrossProcess",
     "TestDedup",
     "TestDeletion",
+    "TestEncryption",
     "TestErasureAndExport",
     "TestExactRoundTrip",
     "TestListSessions",
@@ -2797,3 +2799,7 @@ class TestRetention(RetentionTests, StoreTestBase):
 
 class TestArchive(ArchiveTests, StoreTestBase):
     """``archive_pruned`` and ``transcript()`` (see ``lifecycle_suite``)."""
+
+
+class TestEncryption(EncryptionTests, StoreTestBase):
+    """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""

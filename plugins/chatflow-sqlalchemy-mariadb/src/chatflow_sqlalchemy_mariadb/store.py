@@ -16,6 +16,7 @@ import contextlib
 import threading
 from typing import Any
 
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from sqlalchemy import URL, Engine, create_engine, make_url, select
@@ -102,6 +103,9 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             and removed by ``sweep()``; None (the default) keeps sessions forever.
         archive_pruned: Keep the messages pruning drops from the window in the
             archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
@@ -124,6 +128,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         auto_migrate: bool | None = None,
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         **engine_options: Any,
     ) -> None:
         parsed = with_driver(make_url(url))
@@ -144,6 +150,8 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             auto_migrate=auto_migrate,
             session_ttl_hours=session_ttl_hours,
             archive_pruned=archive_pruned,
+            cipher=cipher,
+            require_encryption=require_encryption,
             also_dispose=(lock_engine,),
         )
         self._turn_locks = NamedTurnLocks(lock_engine)
