@@ -192,3 +192,28 @@ def test_show_all_and_export_include_the_archive(
     line = json.loads(out.splitlines()[0])
     assert [m["content"] for m in line["archived_messages"]] == ["q0", "a0", "q1", "a1"]
     assert [m["content"] for m in line["messages"]] == ["q2", "a2"]
+
+
+def test_keys_rotate_reseals_with_the_primary(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import base64
+    import os
+
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+
+    k1, k2 = os.urandom(32), os.urandom(32)
+    with open_store(url, cipher=AESGCMCipher({"k1": k1}, "k1")) as store:
+        ctx = store.get_or_create("e", _agent(), {"secret": "x"})
+        ctx.add_message(Message(role=Role.USER, content="hi"))
+    monkeypatch.delenv("CHATFLOW_KEYS", raising=False)
+    code, _, err = run(capsys, "keys", "rotate", "--url", url)
+    assert code == 2 and "CHATFLOW_KEYS" in err
+    encoded = {k: base64.b64encode(v).decode() for k, v in (("k1", k1), ("k2", k2))}
+    monkeypatch.setenv("CHATFLOW_KEYS", f"k2:{encoded['k2']},k1:{encoded['k1']}")
+    code, out, _ = run(capsys, "keys", "rotate", "--url", url, "--json")
+    assert code == 0 and json.loads(out) == {"primary": "k2", "rewritten": 2}
+    with open_store(url, cipher=AESGCMCipher({"k2": k2}, "k2"), require_encryption=True) as s:
+        assert [m.content for m in s.get("e").history] == ["hi"]
+    code, out, _ = run(capsys, "keys", "rotate", "--url", url)
+    assert code == 0 and "re-encrypted 0 row(s)" in out

@@ -17,7 +17,15 @@ from typing import Any, TypeVar
 
 import click
 
-__all__ = ["register", "sessions_sweep", "users", "users_erase", "users_export"]
+__all__ = [
+    "keys",
+    "keys_rotate",
+    "register",
+    "sessions_sweep",
+    "users",
+    "users_erase",
+    "users_export",
+]
 
 _cli: Any = None
 """The command-line module (set by :func:`register`)."""
@@ -29,9 +37,10 @@ def register(cli_module: Any) -> None:
     """Add ``users`` to the root group and ``sweep`` to ``sessions`` of ``cli_module``."""
     global _cli
     _cli = cli_module
-    for command in (users, users_erase, users_export, sessions_sweep):
+    for command in (users, users_erase, users_export, sessions_sweep, keys, keys_rotate):
         command.epilog = cli_module.EXIT_CODES_EPILOG
     cli_module.cli.add_command(users)
+    cli_module.cli.add_command(keys)
     cli_module.sessions.add_command(sessions_sweep)
 
 
@@ -214,3 +223,41 @@ def _sweep(url: Any, hours: float, limit: int | None) -> int:
 
     with open_store(url, session_ttl_hours=hours, auto_migrate=False) as store:
         return int(store.sweep(limit))
+
+
+@click.group(no_args_is_help=False)
+def keys() -> None:
+    """Encryption keys: re-encrypt stored rows with the primary key of $CHATFLOW_KEYS."""
+
+
+@keys.command("rotate")
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=200, show_default=True,
+    help="rows per table re-encrypted in one short transaction",
+)
+@_json_option
+@_url_option
+def keys_rotate(batch: int, as_json: bool, url: str | None) -> None:
+    """Re-encrypt every row not sealed with the primary key, online, in batches.
+
+    Keys come from $CHATFLOW_KEYS ("k2:<base64>,k1:<base64>": the first is
+    the primary, the others still decrypt). Plaintext rows are encrypted
+    too. Workers keep running turns meanwhile; give them the same keys
+    first, then rotate, then drop the old key. Exit 0 when done.
+    """
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.registry import open_store
+
+    try:
+        cipher = AESGCMCipher.from_env()
+    except (ValueError, ImportError) as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+    parsed = _cli._resolve_url(url)
+    with _cli._writing(parsed) as engine:
+        _cli._require_head(engine, parsed)
+    with open_store(parsed, cipher=cipher, auto_migrate=False) as store:
+        count = int(store.rotate_keys(batch))
+    if as_json:
+        _cli._emit_json({"primary": cipher.primary, "rewritten": count})
+    else:
+        click.echo(f"re-encrypted {count} row(s) with key {_cli.clean(repr(cipher.primary))}")
