@@ -217,3 +217,11 @@ def test_keys_rotate_reseals_with_the_primary(
         assert [m.content for m in s.get("e").history] == ["hi"]
     code, out, _ = run(capsys, "keys", "rotate", "--url", url)
     assert code == 0 and "re-encrypted 0 row(s)" in out
+    with open_store(url, cipher=AESGCMCipher({"k2": k2}, "k2")) as store:
+        store.get_or_create("owned", _agent(), {"secret": "y"}, user_id="eve").add_message(
+            Message(role=Role.USER, content="private")
+        )
+    code, out, _ = run(capsys, "users", "export", "eve", "--url", url)
+    document = json.loads(out)["sessions"][0]
+    assert document["metadata"] == {"secret": "y"}
+    assert document["messages"][0]["content"] == "private"

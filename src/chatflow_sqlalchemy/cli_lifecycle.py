@@ -125,8 +125,9 @@ def users_export(user_id: str, output: str | None, url: str | None) -> None:
 
     {"format", "user_id", "exported_at", "sessions": [{"session_id",
     "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
-    "messages", "webhook_claims"}]} -- what ``store.export_user`` returns. A
-    corrupt row stops the export (FILE is then left as it was).
+    "messages", "archived_messages", "webhook_claims"}]} -- what
+    ``store.export_user`` returns. Encrypted rows are opened with the keys of
+    $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
     """
     document = _export(user_id, url)
     text = _cli._json_text(document, indent=2) + "\n"
@@ -146,6 +147,21 @@ def users_export(user_id: str, output: str | None, url: str | None) -> None:
                f"{_cli.clean(str(target))}")
 
 
+def _sealer_from_env() -> Any:
+    """Open encrypted rows with the keys of ``$CHATFLOW_KEYS`` when it is set."""
+    import os
+
+    from chatflow_sqlalchemy.crypto import KEYS_ENV_VAR, AESGCMCipher
+    from chatflow_sqlalchemy.sealing import Sealer
+
+    if not os.environ.get(KEYS_ENV_VAR):
+        return Sealer(None, False)
+    try:
+        return Sealer(AESGCMCipher.from_env(), False)
+    except (ValueError, ImportError) as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+
+
 def _export(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT, export_sessions, user_session_ids
@@ -153,9 +169,13 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.store import _parse_message
 
     _validated(user_id)
+    sealer = _sealer_from_env()
     with _cli._reading(url) as (_parsed, engine), _cli._read_conn(engine) as conn:
         try:
-            sessions = export_sessions(conn, user_session_ids(conn, user_id), _parse_message)
+            sessions = export_sessions(
+                conn, user_session_ids(conn, user_id), sealer.parser(_parse_message),
+                sealer.open_metadata,
+            )
         except CorruptRowError as exc:
             message = f"export stopped: {_cli.clean(str(exc))}"
             raise _cli.CliError(message, _cli.EXIT_FAILED) from None
