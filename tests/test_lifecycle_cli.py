@@ -225,3 +225,10 @@ def test_keys_rotate_reseals_with_the_primary(
     document = json.loads(out)["sessions"][0]
     assert document["metadata"] == {"secret": "y"}
     assert document["messages"][0]["content"] == "private"
+    code, out, _ = run(capsys, "sessions", "show", "owned", "--url", url, "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["metadata"] == {"secret": "y"}
+    assert shown["messages"][0]["message"]["content"] == "private"
+    monkeypatch.delenv("CHATFLOW_KEYS")
+    code, out, _ = run(capsys, "sessions", "show", "owned", "--url", url, "--json")
+    assert code == 1 and "private" not in out, "without keys: shown as unreadable, never clear"

@@ -941,9 +941,14 @@ def _messages_query(session_id: str) -> Any:
 
 
 def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecord:
+    from chatflow_sqlalchemy.cli_lifecycle import open_row
+
+    sid = row.session_id
     metadata, raw, error = _decode_metadata(row.metadata_text)
+    if metadata is not None:
+        metadata = open_row(sid, metadata)
     record = _SessionRecord(
-        session_id=row.session_id,
+        session_id=sid,
         agent=row.active_agent_name,
         created_at=row.created_at,
         updated_at=row.updated_at,
@@ -951,22 +956,20 @@ def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecor
         metadata_raw=raw,
         metadata_error=error,
     )
+
+    def decode(msg: Any) -> _MessageRow:
+        return _decode_message(msg.id, msg.role, msg.created_at, open_row(sid, msg.message_json))
+
     if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
         by_seq = {
             msg.seq: msg
-            for query in (_archive_query(row.session_id), _window_by_seq(row.session_id))
+            for query in (_archive_query(sid), _window_by_seq(sid))
             for msg in conn.execute(query)
         }
-        for seq in sorted(by_seq):
-            msg = by_seq[seq]
-            record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
+        record.rows.extend(decode(by_seq[seq]) for seq in sorted(by_seq))
         return record
-    for msg in conn.execute(_messages_query(row.session_id)):
-        record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
-    for msg in conn.execute(_archive_query(row.session_id)):
-        record.archived.append(
-            _decode_message(msg.id, msg.role, msg.created_at, msg.message_json)
-        )
+    record.rows.extend(decode(msg) for msg in conn.execute(_messages_query(sid)))
+    record.archived.extend(decode(msg) for msg in conn.execute(_archive_query(sid)))
     return record
 
 

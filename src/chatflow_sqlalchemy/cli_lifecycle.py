@@ -20,6 +20,7 @@ import click
 __all__ = [
     "keys",
     "keys_rotate",
+    "open_row",
     "register",
     "sessions_sweep",
     "users",
@@ -145,6 +146,32 @@ def users_export(user_id: str, output: str | None, url: str | None) -> None:
     count = len(document["sessions"])
     click.echo(f"exported {count} session(s) of user {_cli.clean(repr(user_id))} to "
                f"{_cli.clean(str(target))}")
+
+
+def open_row(session_id: str, stored: Any) -> Any:
+    """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
+
+    For the read commands: without keys, or when a value does not open,
+    it is returned as stored (and shown as unreadable).
+    """
+    from chatflow_sqlalchemy.crypto import is_encrypted
+
+    sealed = is_encrypted(stored) or (
+        isinstance(stored, dict) and set(stored) == {"_enc"}
+    )
+    if not sealed:
+        return stored
+    sealer = _sealer_from_env()
+    if not sealer.active:
+        return stored
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    try:
+        if isinstance(stored, dict):
+            return sealer.open_metadata(session_id, stored)
+        return sealer.open_text(session_id, None, stored, "chatflow_messages")
+    except CorruptRowError:
+        return stored
 
 
 def _sealer_from_env() -> Any:
