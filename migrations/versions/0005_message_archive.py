@@ -62,5 +62,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index(_INDEX, _TABLE)
+    # Dropping the table drops its index too; MySQL/MariaDB refuse to drop the index
+    # alone while the foreign key relies on it.
     op.drop_table(_TABLE)
