@@ -16,7 +16,13 @@ from chatflow_agent import Agent, Message, Role
 from sqlalchemy import create_engine, text
 
 from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
-from chatflow_sqlalchemy.claims import free_claim, list_claims, read_claims, release_claim
+from chatflow_sqlalchemy.claims import (
+    _SYNC_RENEWALS,
+    free_claim,
+    list_claims,
+    read_claims,
+    release_claim,
+)
 
 
 def _engine_at(url: str, revision: str) -> Any:
@@ -157,3 +163,101 @@ def test_operator_functions_on_a_plain_connection(tmp_path: Path) -> None:
             assert {i.message_id: i.state for i in read_claims(conn)} == {
                 "held-id": "released", "done-id": "done"
             }
+
+
+def test_sqlite_0003_downgrade_keeps_unprocessed_ids_retryable(tmp_path: Path) -> None:
+    """A released (failed) or still-acquired claim was never processed: after a
+    downgrade to 0002 (where any row means "processed forever") and back, its next
+    delivery must still do the work, or the user's message is lost."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        with store.claim("done", session_id="s") as claim:
+            claim.response = "hi"
+        with pytest.raises(ValueError), store.claim("failed", session_id="s"):
+            raise ValueError("turn failed")
+        held = store.claim("held", session_id="s")
+        held.__enter__()  # its worker dies here
+        held._stop.set()  # and nothing of it stays behind in this thread:
+        _SYNC_RENEWALS.discard(held)
+        held._reset_var()
+    engine = create_engine(url)
+    migrate.downgrade(engine, "0002")
+    migrate.upgrade(engine)
+    engine.dispose()
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        assert store.record_processed_message("done") is False
+        for retried in ("failed", "held"):
+            with store.claim(retried, session_id="s", lease_seconds=0.001) as claim:
+                assert claim.acquired, retried
+
+
+def test_a_committed_claim_is_not_reported_lost_by_its_renewal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the turn committed the claim (state done) the renewal finds nothing to
+    extend; that is not a lost lease, and the log must not say the turn was dropped."""
+
+    async def main(store: Any) -> Any:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        claim = store.claim("m", session_id="s", lease_seconds=0.3)
+        renewals: list[bool] = []
+        renew = claim._backend.renew
+        claim._backend.renew = lambda c: renewals.append(renew(c)) or renewals[-1]
+        async with claim:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hi"))
+            for _ in range(600):  # until a renewal ran after the commit (a guard, no bound)
+                if False in renewals:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
+            claim.response = "sent"
+        return claim, [m.content for m in ctx.history]
+
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        claim, history = asyncio.run(main(store))
+        assert history == ["hi"]
+        assert not claim.lost
+        assert "lost its lease" not in caplog.text
+        with store.claim("m", session_id="s") as again:
+            assert (again.status, again.response) == ("done", "sent")
+
+
+def test_a_handler_cancelled_while_acquiring_does_not_leave_the_id_held(tmp_path: Path) -> None:
+    """A webhook handler cancelled (client gone) while its acquire runs on the I/O
+    thread: the acquire still completes there; the claim it took must be given back,
+    not left "in_flight" for a whole lease (holding the session's later claims too)."""
+    import threading
+
+    async def main(store: Any) -> Any:
+        claim = store.claim("m", session_id="s", lease_seconds=600)
+        started, go_on = threading.Event(), threading.Event()
+        acquire = claim._backend.acquire
+
+        def slow_acquire(c: Any) -> None:
+            started.set()
+            go_on.wait(60)
+            acquire(c)
+
+        claim._backend.acquire = slow_acquire
+        entered: list[bool] = []
+
+        async def handler() -> None:
+            async with claim:
+                entered.append(True)
+
+        task = asyncio.create_task(handler())
+        await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        go_on.set()
+        del claim._backend.acquire
+        for _ in range(600):  # until the late acquire was given back (a guard, no bound)
+            if [i.state for i in list_claims(store)] == ["released"]:
+                break
+            await asyncio.sleep(0.05)
+        async with store.claim("m", session_id="s") as retry:
+            return entered, retry.acquired
+
+    with SQLiteSessionStore(tmp_path / "x.db") as store:
+        assert asyncio.run(main(store)) == ([], True)

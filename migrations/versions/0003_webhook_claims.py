@@ -58,6 +58,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Revision 0002 reads any row as "processed forever": a released or still-acquired
+    # claim never committed its turn, so drop it and its next delivery does the work.
+    op.execute(sa.text(f"DELETE FROM {_TABLE} WHERE state <> 'done'"))
     op.drop_index(_INDEX, _TABLE)
     with op.batch_alter_table(_TABLE) as batch:
         for column in (

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "FENCE_CLAIM",
+    "MAX_LEASE_SECONDS",
     "ClaimFence",
     "ClaimInfo",
     "ClaimStatus",
@@ -96,6 +97,8 @@ _T = TypeVar("_T")
 logger = logging.getLogger("chatflow_sqlalchemy")
 
 DEFAULT_LEASE_SECONDS = 60.0
+MAX_LEASE_SECONDS = 30 * 86400.0
+"""Longest lease accepted (longer ones overflow date arithmetic, or never lapse in practice)."""
 
 ClaimStatus = Literal["acquired", "done", "in_flight"]
 
@@ -172,6 +175,9 @@ _LIST = select(
     _c.response.is_not(None).label("has_response"),
 )
 
+_LATE_RELEASES: set[asyncio.Future[bool]] = set()
+"""Releases of claims acquired after their handler was cancelled (kept until done)."""
+
 _ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
     "chatflow_webhook_claim", default=None
 )
@@ -179,8 +185,15 @@ _ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
 
 def validate_lease(value: object) -> float:
     """Return ``value`` as seconds if it is a usable lease, else raise ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"lease_seconds must be a positive number of seconds, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_LEASE_SECONDS  # also refuses NaN
+    ):
+        raise ValueError(
+            f"lease_seconds must be a positive number of seconds, at most "
+            f"{MAX_LEASE_SECONDS:.0f} (30 days), got {value!r}"
+        )
     return float(value)
 
 
@@ -336,7 +349,14 @@ class WebhookClaim:
 
     async def __aenter__(self) -> WebhookClaim:
         self._enter_once()
-        await self._backend.run(self._backend.acquire, self)
+        acquiring = asyncio.ensure_future(self._backend.run(self._backend.acquire, self))
+        try:
+            await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            # The acquire goes on in the I/O thread: a claim it takes is given back, or
+            # the id would stay in flight (and hold its session's later claims) a lease.
+            acquiring.add_done_callback(self._give_back_late_acquire)
+            raise
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)
@@ -347,6 +367,14 @@ class WebhookClaim:
             await self._aclose(failed=True)
             raise
         return self
+
+    def _give_back_late_acquire(self, acquiring: asyncio.Future[None]) -> None:
+        if acquiring.cancelled() or acquiring.exception() is not None or not self.acquired:
+            return
+        release = self._finish_or_release(failed=True)
+        task = asyncio.ensure_future(self._backend.run(release))
+        _LATE_RELEASES.add(task)
+        task.add_done_callback(_LATE_RELEASES.discard)
 
     async def __aexit__(
         self,
@@ -453,6 +481,8 @@ class WebhookClaim:
             self._var_token = None
 
     def _mark_lost(self) -> None:
+        if self._fence is not None and self._fence.committed:
+            return  # our own turn made it done: nothing left to renew, nothing lost
         self.lost = True
         logger.warning(
             "webhook claim %r lost its lease (another delivery took it over); "

@@ -85,13 +85,22 @@ def dump_metadata(metadata: object) -> str:
     """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``.
 
     Refused, so that what is accepted reads back the same on every backend:
-    NaN and infinities (JSON has no such numbers) and the NUL character
-    anywhere in a key or string (PostgreSQL's ``jsonb`` cannot hold it).
+    NaN and infinities (JSON has no such numbers), the NUL character and
+    lone surrogates anywhere in a key or string (PostgreSQL's ``jsonb``
+    cannot hold them).
     """
     try:
         text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
+    if "\\ud" in text:  # a surrogate escape: fine in a pair, not alone (not UTF-8 text)
+        try:
+            json.dumps(metadata, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "metadata must not contain a lone surrogate ('\\ud800'-'\\udfff') in a key "
+                "or string value (it is not UTF-8 text): decode the bytes it came from properly"
+            ) from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):
         raise ValueError(
             "metadata must not contain the NUL character ('\\x00') in a key or string value "

@@ -67,6 +67,7 @@ from sqlalchemy import (
     inspect,
     make_url,
 )
+from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
@@ -736,7 +737,8 @@ def ensure_schema(
     if not allowed:
         require_existing_database(engine)
     with alembic_chatter_at_debug():
-        behind = [status for status in chain_status(engine) if not status.at_head]
+        behind = [status for status in _chain_status_beside_migrators(engine, support)
+                  if not status.at_head]
         if not behind:
             return
         for status in behind:
@@ -744,6 +746,25 @@ def ensure_schema(
         if not allowed:
             _refuse(engine, behind[0])
         _run(engine, [(status.chain, "upgrade", "head") for status in behind], support)
+
+
+def _chain_status_beside_migrators(engine: Engine, support: DialectSupport) -> list[ChainStatus]:
+    """:func:`chain_status`, read again under the migration lock if the quick read fails.
+
+    Reading the catalog while another process runs migration DDL can fail on
+    databases whose DDL is not transactional (MariaDB: error 1684, "skipped
+    since its definition is being modified by concurrent DDL statement").
+    That process holds the migration lock while it migrates, so the status is
+    read again once this one holds the lock.
+    """
+    try:
+        return chain_status(engine)
+    except sa_exc.OperationalError as exc:
+        if exc.connection_invalidated:
+            raise
+        logger.debug("schema status unreadable beside a migration (%s); reading it locked", exc)
+    with locked_connection(engine, support):
+        return chain_status(engine)
 
 
 def _database(engine: Engine) -> str:

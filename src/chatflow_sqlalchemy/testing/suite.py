@@ -2280,6 +2280,18 @@ class TestExactRoundTrip(StoreTestBase):
         ctx.metadata["path"] = "C:\\u0000"
         assert ctx.metadata["path"] == "C:\\u0000"
 
+    def test_metadata_with_a_lone_surrogate_is_refused_everywhere(self, store: Any) -> None:
+        """Not UTF-8 text: PostgreSQL's ``jsonb`` rejects it with a raw driver error."""
+        agent = Agent(name="Bot", instructions="")
+        for bad in ({"x": "a\ud800"}, {"\udc00": 1}, {"x": ["\udbff\udbff"]}):
+            with pytest.raises(ValueError, match="surrogate"):
+                store.get_or_create(new_id(), agent, metadata=bad)
+        ctx = store.get_or_create(new_id(), agent, metadata={"emoji": "\U0001f600"})
+        with pytest.raises(ValueError, match="surrogate"):
+            ctx.metadata["y"] = "\ud83d"
+        assert ctx.metadata == {"emoji": "\U0001f600"}
+        assert store.list_sessions() == [ctx.session_id]
+
     def test_nan_and_infinity_in_tool_calls_round_trip(
         self, harness: StoreHarness, store: Any
     ) -> None:
@@ -2616,7 +2628,7 @@ class TestWebhookClaims(StoreTestBase):
             run(scenario())
 
     def test_invalid_arguments_are_refused(self, store: Any) -> None:
-        for lease in (0, -1.0, "60", True, None):
+        for lease in (0, -1.0, "60", True, None, float("nan"), float("inf"), 1e12):
             with pytest.raises(ValueError, match="lease_seconds"):
                 store.claim(new_id("wamid"), lease_seconds=lease)
         for bad_id in ("", None, 7):
