@@ -129,7 +129,11 @@ def _postgres_harness(
     return SpecHarness(
         "postgresql-generic" if generic else "postgresql",
         spec,
-        {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
+        {
+            Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
+            Capability.ENCRYPTION,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+        },
         cleanup=drop_schema,
     )
 
@@ -199,7 +203,9 @@ def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
             Capability.PERSISTENT,
             Capability.CROSS_PROCESS,
             Capability.SQL,
+            Capability.ENCRYPTION,
             Capability.ASYNC_THREADPOOL,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
     )
 
@@ -213,7 +219,10 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
     return SpecHarness(
         "sqlite-shared-uri",
         StoreSpec(SQLITE_TARGET, (uri,)),
-        {Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL},
+        {
+            Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+        },
         cleanup=anchor.close,
     )
 
@@ -227,12 +236,21 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = _sqlite_file_harness(tmp_path)
     elif name == "sqlite-memory":
         harness = SpecHarness(
-            name, StoreSpec(SQLITE_TARGET, (":memory:",)), {Capability.SQL, Capability.EPHEMERAL}
+            name,
+            StoreSpec(SQLITE_TARGET, (":memory:",)),
+            {
+                Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
+                Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+            },
         )
     elif name == "sqlite-shared-uri":
         harness = _sqlite_shared_uri_harness()
     elif name == "memory":
-        harness = SpecHarness(name, StoreSpec(MEMORY_TARGET), {Capability.EPHEMERAL})
+        harness = SpecHarness(
+            name,
+            StoreSpec(MEMORY_TARGET),
+            {Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE},
+        )
     elif name in ("postgresql", "postgresql-generic"):
         try:
             url: str = request.getfixturevalue("postgres_url")

@@ -28,21 +28,24 @@ SQLite file is an error naming the path, and a schema behind head is an error
 naming ``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only
 for them. Only ``db upgrade|downgrade|stamp`` change the schema.
 
-Destructive commands (``db downgrade``, ``sessions delete``, a ``dedup purge``
-that would remove ids still inside the default dedup window) ask first; with
+Destructive commands (``db downgrade``, ``sessions delete``, ``sessions sweep``,
+``users erase``, a ``dedup purge`` that would remove ids still inside the
+default dedup window) ask first; with
 ``--yes`` they do not ask, and without a terminal on stdin they refuse unless
 ``--yes`` is given.
 
 ``--json`` prints one JSON document (times are ISO 8601 with offset)::
 
     sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
-                                   "created_at", "updated_at"}]}
+                                   "created_at", "updated_at"}]}; with --limit also
+                    "next_after" (the --after of the next page, null on the last)
     sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
                      "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
                      "messages": [{"id", "role", "created_at", "message": {...} | null,
                                    "corrupt": null | {"reason", "raw"}}]}
     sessions export JSON lines {"session_id", "active_agent_name", "metadata",
-                    "messages"}; with --output and --json the summary is
+                    "messages"} (+ "archived_messages" for a session with an
+                    archive); with --output and --json the summary is
                     {"exported", "output", "skipped": [line, ...]}
     db current      {"database", "at_head", "chains": [{"chain", "distribution",
                      "current", "head", "at_head", "description"}]}
@@ -54,6 +57,10 @@ that would remove ids still inside the default dedup window) ask first; with
                      "processed_at", "expires_at", "expired"}]}
     dedup count     {"ttl_hours", "total", "expired", "live"}
     backends        {"backends": [{"name", "from", "available", "detail"}]}
+    sessions sweep  {"dry_run": true, "expired", "oldest": [id, ...]} or
+                    {"dry_run": false, "removed"}
+    users export    always JSON: what store.export_user returns
+    users erase     {"user_id", "erased"}
 
 Exit codes:
     0: success.
@@ -84,7 +91,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -96,6 +103,7 @@ if TYPE_CHECKING:
     from sqlalchemy import URL, Connection, Engine
 
     from chatflow_sqlalchemy import migrate as migrate_module
+    from chatflow_sqlalchemy.lifecycle import ListFilters
 
 __all__ = [
     "EXIT_FAILED",
@@ -854,6 +862,7 @@ class _SessionRecord:
     metadata_raw: str | None
     metadata_error: str | None
     rows: list[_MessageRow] = field(default_factory=list)
+    archived: list[_MessageRow] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
@@ -931,10 +940,15 @@ def _messages_query(session_id: str) -> Any:
     )
 
 
-def _record(conn: Connection, row: Any) -> _SessionRecord:
+def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecord:
+    from chatflow_sqlalchemy.cli_lifecycle import open_row
+
+    sid = row.session_id
     metadata, raw, error = _decode_metadata(row.metadata_text)
+    if metadata is not None:
+        metadata = open_row(sid, metadata)
     record = _SessionRecord(
-        session_id=row.session_id,
+        session_id=sid,
         agent=row.active_agent_name,
         created_at=row.created_at,
         updated_at=row.updated_at,
@@ -942,14 +956,52 @@ def _record(conn: Connection, row: Any) -> _SessionRecord:
         metadata_raw=raw,
         metadata_error=error,
     )
-    for msg in conn.execute(_messages_query(row.session_id)):
-        record.rows.append(_decode_message(msg.id, msg.role, msg.created_at, msg.message_json))
+
+    def decode(msg: Any) -> _MessageRow:
+        return _decode_message(msg.id, msg.role, msg.created_at, open_row(sid, msg.message_json))
+
+    if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
+        by_seq = {
+            msg.seq: msg
+            for query in (_archive_query(sid), _window_by_seq(sid))
+            for msg in conn.execute(query)
+        }
+        record.rows.extend(decode(by_seq[seq]) for seq in sorted(by_seq))
+        return record
+    record.rows.extend(decode(msg) for msg in conn.execute(_messages_query(sid)))
+    record.archived.extend(decode(msg) for msg in conn.execute(_archive_query(sid)))
     return record
 
 
-def _read_session(conn: Connection, session_id: str) -> _SessionRecord | None:
+def _archive_query(session_id: str) -> Any:
+    from sqlalchemy import Table, select
+
+    from chatflow_sqlalchemy.models import ChatflowMessageArchive
+
+    table: Table = ChatflowMessageArchive.__table__  # type: ignore[assignment]
+    return (
+        select(table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json)
+        .where(table.c.session_id == session_id)
+        .order_by(table.c.seq, table.c.id)
+    )
+
+
+def _window_by_seq(session_id: str) -> Any:
+    from sqlalchemy import Table, select
+
+    from chatflow_sqlalchemy.models import ChatflowMessage
+
+    table: Table = ChatflowMessage.__table__  # type: ignore[assignment]
+    return select(
+        table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json
+    ).where(table.c.session_id == session_id)
+
+
+def _read_session(
+    conn: Connection, session_id: str, *, whole: bool = False
+) -> _SessionRecord | None:
     row = conn.execute(_session_query([session_id])).first()
-    return None if row is None else _record(conn, row)
+    return None if row is None else _record(conn, row, whole=whole)
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -968,7 +1020,7 @@ def _no_session(session_id: str, url: URL) -> CliError:
 # --------------------------------------------------------------------------- sessions list
 
 
-def _session_rows(engine: Engine) -> list[Any]:
+def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[Any]:
     from sqlalchemy import Table, func, select
 
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
@@ -992,35 +1044,108 @@ def _session_rows(engine: Engine) -> list[Any]:
         .order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
     )
     with _read_conn(engine) as conn:
-        return list(conn.execute(query))
+        if filters is None:
+            return list(conn.execute(query))
+        from chatflow_sqlalchemy.lifecycle import session_page
+
+        ids = session_page(conn, filters)  # the store's own filters and order
+        rows = {
+            row.session_id: row
+            for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500))
+            for row in conn.execute(query.where(sessions_t.c.session_id.in_(chunk)))
+        }
+        return [rows[sid] for sid in ids if sid in rows]
+
+
+def _list_filters(
+    user: str | None, meta: Sequence[str], updated_after: str | None,
+    limit: int | None, after: str | None,
+) -> ListFilters | None:
+    """``sessions list`` options as the store's filters (None: the plain listing)."""
+    from chatflow_sqlalchemy.lifecycle import ListFilters
+
+    if user is None and not meta and updated_after is None and limit is None and after is None:
+        return None
+    wanted: dict[str, Any] = {}
+    for item in meta:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--meta takes KEY=VALUE, got {clean(repr(item))}")
+        try:  # a JSON value (1, true, null, "1", [..]) keeps its type; anything else is text
+            wanted[key] = json.loads(raw)
+        except ValueError:
+            wanted[key] = raw
+    since = None
+    if updated_after is not None:
+        try:
+            since = datetime.fromisoformat(updated_after)
+        except ValueError:
+            raise CliError(
+                f"--updated-after takes an ISO 8601 time such as 2026-11-30T12:00:00Z, got "
+                f"{clean(repr(updated_after))}"
+            ) from None
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
+    try:
+        return ListFilters.build(
+            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after
+        )
+    except ValueError as exc:
+        raise CliError(clean(str(exc))) from None
 
 
 @sessions.command("list", epilog=EXIT_CODES_EPILOG)
+@click.option("--user", metavar="ID", help="only the sessions of this user_id")
+@click.option(
+    "--meta", metavar="KEY=VALUE", multiple=True,
+    help="only sessions whose metadata has KEY equal to VALUE (a JSON value keeps its type: "
+    "n=1 is the number, n='\"1\"' the string; other text is a string); repeat: all must match",
+)
+@click.option(
+    "--updated-after", metavar="TIME",
+    help="only sessions written after TIME (ISO 8601; without a zone it is UTC)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="at most this many (a page)")
+@click.option("--after", metavar="ID", help="the page after this session id (the last shown)")
 @_json_option
 @_url_option
-def sessions_list(as_json: bool, url: str | None) -> None:
-    """List sessions, most recently updated first (read-only)."""
+def sessions_list(
+    user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
+    after: str | None, as_json: bool, url: str | None,
+) -> None:
+    """List sessions, most recently updated first (read-only).
+
+    With --limit or --after the list is paged by session id (ascending), so
+    that walking the pages returns every session once even while they are
+    written: pass the last id shown as --after for the next page.
+    """
+    filters = _list_filters(user, meta, updated_after, limit, after)
     with _reading(url) as (_parsed, engine):
-        rows = _session_rows(engine)
+        rows = _session_rows(engine, filters)
+    full_page = limit is not None and len(rows) == limit
+    next_after = rows[-1].session_id if full_page else None
     if as_json:
-        _emit_json(
-            {
-                "sessions": [
-                    {
-                        "session_id": row.session_id,
-                        "active_agent_name": row.active_agent_name,
-                        "messages": int(row.messages),
-                        "created_at": _iso(row.created_at),
-                        "updated_at": _iso(row.updated_at),
-                    }
-                    for row in rows
-                ]
-            }
-        )
+        document: dict[str, Any] = {
+            "sessions": [
+                {
+                    "session_id": row.session_id,
+                    "active_agent_name": row.active_agent_name,
+                    "messages": int(row.messages),
+                    "created_at": _iso(row.created_at),
+                    "updated_at": _iso(row.updated_at),
+                }
+                for row in rows
+            ]
+        }
+        if limit is not None:  # paging: where the next page starts (None: this was the last)
+            document["next_after"] = next_after
+        _emit_json(document)
         return
     if not rows:
         click.echo("no sessions")
         return
+    if next_after is not None:
+        click.echo(f"next page: --after {clean(repr(next_after))}", err=True)
     _table(
         ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"),
         [
@@ -1180,16 +1305,23 @@ def _message_json(row: _MessageRow) -> Any:
 
 @sessions.command("show", epilog=EXIT_CODES_EPILOG)
 @click.argument("session_id")
+@click.option(
+    "--all", "whole", is_flag=True,
+    help="the whole transcript: archived (pruned) messages too, in order",
+)
 @_json_option
 @_url_option
-def sessions_show(session_id: str, as_json: bool, url: str | None) -> int:
+def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) -> int:
     """Print a conversation turn by turn, with timestamps (read-only).
 
-    Corrupt rows (and corrupt metadata) are shown raw and named, with exit code 1.
+    Without --all: the window the model sees. With --all: the transcript
+    (messages pruned from the window and kept by a store opened with
+    archive_pruned=True, then the window). Corrupt rows (and corrupt
+    metadata) are shown raw and named, with exit code 1.
     """
     _validate_session_id(session_id)
     with _reading(url) as (parsed, engine), _read_conn(engine) as conn:
-        record = _read_session(conn, session_id)
+        record = _read_session(conn, session_id, whole=whole)
     if record is None:
         raise _no_session(session_id, parsed)
     turns = sum(1 for row in record.rows if row.role == "user")
@@ -1264,7 +1396,7 @@ def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
     assert record.metadata is not None
-    return {
+    exported: dict[str, Any] = {
         "session_id": record.session_id,
         "active_agent_name": record.agent,
         "metadata": record.metadata,
@@ -1272,6 +1404,13 @@ def _export_record(record: _SessionRecord) -> dict[str, Any]:
             row.message.model_dump(mode="json") for row in record.rows if row.message is not None
         ],
     }
+    if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
+        exported["archived_messages"] = [
+            row.message.model_dump(mode="json")
+            for row in record.archived
+            if row.message is not None
+        ]
+    return exported
 
 
 def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, list[str]]:
@@ -1729,6 +1868,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return code
     return result if isinstance(result, int) else EXIT_OK
+
+
+# The lifecycle commands (users erase|export, sessions sweep) live in their own module.
+from chatflow_sqlalchemy.cli_lifecycle import register as _register_lifecycle  # noqa: E402
+
+_register_lifecycle(sys.modules[__name__])
 
 
 def _exit() -> NoReturn:

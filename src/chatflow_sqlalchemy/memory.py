@@ -8,14 +8,16 @@ is atomic under one lock with a TTL and a bounded number of entries.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
-from chatflow_agent import Agent, BaseSessionStore
+from chatflow_agent import Agent, BaseSessionStore, Message
 
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
@@ -32,6 +34,17 @@ from chatflow_sqlalchemy.context import (
     validate_session_id,
 )
 from chatflow_sqlalchemy.exceptions import ClaimLostError
+from chatflow_sqlalchemy.lifecycle import (
+    EXPORT_FORMAT,
+    ListFilters,
+    matches_metadata,
+    pruned_seqs,
+    validate_archive_pruned,
+    validate_session_ttl,
+    validate_sweep_limit,
+    validate_user_id,
+)
+from chatflow_sqlalchemy.models import CLAIM_ACQUIRED, utcnow
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
 
 __all__ = ["SessionStore"]
@@ -52,6 +65,10 @@ class SessionStore(BaseSessionStore):
     Args:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window for
+            ``transcript()`` instead of forgetting them.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -63,13 +80,25 @@ class SessionStore(BaseSessionStore):
     """Oldest claims are evicted beyond this many, bounding memory."""
 
     def __init__(
-        self, default_max_turns: int = 40, dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS
+        self,
+        default_max_turns: int = 40,
+        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
+        *,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
     ) -> None:
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
+        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
+        self.archive_pruned = validate_archive_pruned(archive_pruned)
+        self._archive: dict[str, dict[int, Message]] = {}
+        self._window_seen: dict[str, dict[int, Message]] = {}
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
         self._updated: dict[str, float] = {}
+        self._updated_at: dict[str, datetime] = {}
+        self._created_at: dict[str, datetime] = {}
+        self._users: dict[str, str] = {}
         self._processed: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
@@ -86,12 +115,32 @@ class SessionStore(BaseSessionStore):
         self._agent_resolver = resolver
 
     def get_or_create(
-        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
-        """Return the session's context, creating it (with ``metadata``) if needed."""
+        """Return the session's context, creating it (with ``metadata``) if needed.
+
+        ``user_id`` records whose session it is (as on the SQL stores).
+
+        Raises:
+            ValueError: Invalid arguments, or a ``user_id`` other than the session's own.
+
+        """
         validate_session_id(session_id)
+        if user_id is not None:
+            validate_user_id(user_id)
         dump_metadata(metadata or {})
         with self._lock:
+            owner = self._users.get(session_id)
+            if user_id is not None and owner is not None and owner != user_id:
+                raise ValueError(
+                    f"session {session_id!r} belongs to another user_id; a session has one "
+                    "owner (use a session id of this user's, or erase_user the other one first)"
+                )
             self._check_open()
             ctx = self._sessions.get(session_id)
             if ctx is None:
@@ -101,8 +150,49 @@ class SessionStore(BaseSessionStore):
                 )
                 ctx._owner = self
                 self._sessions[session_id] = ctx
-                self._updated[session_id] = time.monotonic()
+                self._touch(session_id)
+            if user_id is not None:
+                self._users[session_id] = user_id
             return ctx
+
+    def _touch(self, session_id: str) -> None:
+        now = utcnow()
+        self._updated[session_id] = time.monotonic()
+        self._updated_at[session_id] = now
+        self._created_at.setdefault(session_id, now)
+
+    def _archive_pruned(self, ctx: SessionContext) -> None:
+        """Keep what pruning dropped since the last write (under ``_lock``)."""
+        window = dict(zip(ctx._seqs, ctx._history, strict=True))
+        before = self._window_seen.get(ctx.session_id, {})
+        gone = before.keys() - window.keys()
+        if gone:
+            kept = self._archive.setdefault(ctx.session_id, {})
+            for seq in pruned_seqs(gone, ctx._seqs, ctx._n_system):
+                kept[seq] = before[seq]
+        self._window_seen[ctx.session_id] = window
+
+    def transcript(self, session_id: str) -> list[Message]:
+        """Archived messages, then the window, in order ([] for an unknown session)."""
+        validate_session_id(session_id)
+        with self._lock:
+            self._check_open()
+            ctx = self._sessions.get(session_id)
+            if ctx is None:
+                return []
+            merged = dict(self._archive.get(session_id, {}))
+            merged.update(zip(ctx._seqs, ctx._history, strict=True))
+            return [merged[seq] for seq in sorted(merged)]
+
+    def _drop(self, session_id: str) -> SessionContext | None:
+        """Forget a session (under ``_lock``); the caller marks its context deleted."""
+        self._updated.pop(session_id, None)
+        self._updated_at.pop(session_id, None)
+        self._created_at.pop(session_id, None)
+        self._users.pop(session_id, None)
+        self._archive.pop(session_id, None)
+        self._window_seen.pop(session_id, None)
+        return self._sessions.pop(session_id, None)
 
     # The ContextOwner protocol: contexts report their writes, which only move
     # the session to the front of list_sessions (there is nothing to persist).
@@ -111,7 +201,9 @@ class SessionStore(BaseSessionStore):
         with self._lock:
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
-                self._updated[ctx.session_id] = time.monotonic()
+                self._touch(ctx.session_id)
+                if self.archive_pruned:
+                    self._archive_pruned(ctx)
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
@@ -153,18 +245,133 @@ class SessionStore(BaseSessionStore):
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
-            ctx = self._sessions.pop(session_id, None)
-            self._updated.pop(session_id, None)
+            ctx = self._drop(session_id)
         if ctx is None:
             return False
         ctx._deleted = True
         return True
 
-    def list_sessions(self) -> list[str]:
-        """Session ids, most recently updated first."""
+    def list_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
+        """Session ids: most recently updated first, or filtered and paged as the SQL stores."""
+        filters = ListFilters.build(
+            user_id=user_id, metadata=metadata, updated_after=updated_after,
+            limit=limit, after=after,
+        )
         with self._lock:
             self._check_open()
-            return sorted(self._updated, key=self._updated.__getitem__, reverse=True)
+            if filters.paged:
+                ids = sorted(sid for sid in self._updated if after is None or sid > after)
+            else:
+                ids = sorted(self._updated, key=self._updated.__getitem__, reverse=True)
+            found = [sid for sid in ids if self._matches(sid, filters)]
+        return found if limit is None else found[:limit]
+
+    def _matches(self, session_id: str, filters: ListFilters) -> bool:
+        if filters.user_id is not None and self._users.get(session_id) != filters.user_id:
+            return False
+        stamp = self._updated_at[session_id]
+        if filters.updated_after is not None and not stamp > filters.updated_after:
+            return False
+        return matches_metadata(self._sessions[session_id].metadata, filters.metadata)
+
+    def erase_user(self, user_id: str) -> int:
+        """Erase ``user_id``'s sessions and their claims at once; return how many."""
+        validate_user_id(user_id)
+        with self._lock:
+            self._check_open()
+            ids = [sid for sid, owner in self._users.items() if owner == user_id]
+            contexts = [self._drop(sid) for sid in ids]
+            for message_id, row in list(self._claim_rows.rows.items()):
+                if row.session_id in ids:
+                    del self._claim_rows.rows[message_id]
+                    self._processed.pop(message_id, None)
+        for ctx in contexts:
+            if ctx is not None:
+                ctx._deleted = True
+        return len(ids)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Remove expired sessions (and their claims), never one in a turn or held by a claim."""
+        validate_sweep_limit(limit)
+        if self.session_ttl_hours is None:
+            raise ValueError(
+                "this store keeps sessions forever: open it with session_ttl_hours=H to sweep "
+                "sessions not updated for H hours"
+            )
+        cutoff = utcnow() - timedelta(hours=self.session_ttl_hours)
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            held = {
+                row.session_id for row in self._claim_rows.rows.values()
+                if row.state == CLAIM_ACQUIRED and row.lease_until >= now
+            }
+            expired = sorted(
+                (stamp, sid) for sid, stamp in self._updated_at.items()
+                if stamp < cutoff and sid not in held and not self._sessions[sid]._in_turn
+            )[:limit]
+            ids = {sid for _, sid in expired}
+            contexts = [self._drop(sid) for sid in ids]
+            for message_id, row in list(self._claim_rows.rows.items()):
+                if row.session_id in ids:
+                    del self._claim_rows.rows[message_id]
+                    self._processed.pop(message_id, None)
+        for ctx in contexts:
+            if ctx is not None:
+                ctx._deleted = True
+        return len(ids)
+
+    def export_user(self, user_id: str) -> dict[str, Any]:
+        """Everything held about ``user_id`` (the SQL stores' document)."""
+        validate_user_id(user_id)
+        with self._lock:
+            self._check_open()
+            ids = sorted(sid for sid, owner in self._users.items() if owner == user_id)
+            sessions = [self._export_session(sid, user_id) for sid in ids]
+        return {
+            "format": EXPORT_FORMAT,
+            "user_id": user_id,
+            "exported_at": utcnow().isoformat(),
+            "sessions": sessions,
+        }
+
+    def _export_session(self, session_id: str, user_id: str) -> dict[str, Any]:
+        ctx = self._sessions[session_id]
+        claims = sorted(
+            (row.ticket, message_id, row)
+            for message_id, row in self._claim_rows.rows.items()
+            if row.session_id == session_id
+        )
+        return {
+            "session_id": session_id,
+            "user_id": user_id,
+            "active_agent_name": ctx.active_agent.name,
+            "metadata": json.loads(dump_metadata(ctx.metadata)),
+            "created_at": self._created_at[session_id].isoformat(),
+            "updated_at": self._updated_at[session_id].isoformat(),
+            "messages": [m.model_dump(mode="json") for m in ctx.history],
+            "archived_messages": [
+                message.model_dump(mode="json")
+                for _, message in sorted(self._archive.get(session_id, {}).items())
+            ],
+            "webhook_claims": [
+                {
+                    "message_id": message_id,
+                    "state": row.state,
+                    "processed_at": row.updated_at.isoformat(),
+                    "response": row.response,
+                }
+                for _, message_id, row in claims
+            ],
+        }
 
     def clear(self) -> None:
         """Delete every session (processed webhook ids are kept)."""
@@ -173,6 +380,11 @@ class SessionStore(BaseSessionStore):
             contexts = list(self._sessions.values())
             self._sessions.clear()
             self._updated.clear()
+            self._updated_at.clear()
+            self._created_at.clear()
+            self._users.clear()
+            self._archive.clear()
+            self._window_seen.clear()
         for ctx in contexts:
             ctx._deleted = True
 
@@ -273,10 +485,15 @@ class SessionStore(BaseSessionStore):
         await self.aclose()
 
     async def aget_or_create(
-        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
         """Async :meth:`get_or_create` (no I/O: runs directly)."""
-        return self.get_or_create(session_id, default_agent, metadata)
+        return self.get_or_create(session_id, default_agent, metadata, user_id=user_id)
 
     async def aget(self, session_id: str) -> SessionContext | None:
         """Async :meth:`get`."""
@@ -286,9 +503,36 @@ class SessionStore(BaseSessionStore):
         """Async :meth:`delete`."""
         return self.delete(session_id)
 
-    async def alist_sessions(self) -> list[str]:
+    async def alist_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
         """Async :meth:`list_sessions`."""
-        return self.list_sessions()
+        return self.list_sessions(
+            user_id=user_id, metadata=metadata, updated_after=updated_after,
+            limit=limit, after=after,
+        )
+
+    async def aerase_user(self, user_id: str) -> int:
+        """Async :meth:`erase_user`."""
+        return self.erase_user(user_id)
+
+    async def atranscript(self, session_id: str) -> list[Message]:
+        """Async :meth:`transcript`."""
+        return self.transcript(session_id)
+
+    async def asweep(self, limit: int | None = None) -> int:
+        """Async :meth:`sweep`."""
+        return self.sweep(limit)
+
+    async def aexport_user(self, user_id: str) -> dict[str, Any]:
+        """Async :meth:`export_user`."""
+        return self.export_user(user_id)
 
     async def aclear(self) -> None:
         """Async :meth:`clear`."""

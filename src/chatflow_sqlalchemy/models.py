@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.x models of the three chatflow tables.
+"""SQLAlchemy 2.x models of the chatflow tables.
 
 The table and column names mirror what ``chatflow_agent.SQLiteSessionStore``
 creates, so a database written by upstream can be adopted in place (see
@@ -39,6 +39,7 @@ __all__ = [
     "SESSION_ID_MAX_LENGTH",
     "Base",
     "ChatflowMessage",
+    "ChatflowMessageArchive",
     "ChatflowProcessedMessage",
     "ChatflowSession",
     "UTCDateTime",
@@ -144,6 +145,9 @@ class ChatflowSession(Base):
     context can tell in one indexed read whether another process changed the
     session since it loaded it, and writers can detect concurrent changes
     instead of silently merging them.
+
+    ``user_id`` (revision 0004) records whose session it is, for
+    ``list_sessions(user_id=...)``, ``erase_user`` and ``export_user``.
     """
 
     __tablename__ = "chatflow_sessions"
@@ -154,8 +158,9 @@ class ChatflowSession(Base):
     version: Mapped[int] = mapped_column(BigInteger, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    user_id: Mapped[str | None] = mapped_column(String(SESSION_ID_MAX_LENGTH), nullable=True)
 
-    __table_args__ = (Index(None, "updated_at"),)
+    __table_args__ = (Index(None, "updated_at"), Index(None, "user_id"))
 
 
 class ChatflowMessage(Base):
@@ -184,6 +189,32 @@ class ChatflowMessage(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
     __table_args__ = (UniqueConstraint("session_id", "seq"),)
+
+
+class ChatflowMessageArchive(Base):
+    """A message pruning dropped from a window, kept for ``store.transcript`` (revision 0005).
+
+    Written only by stores opened with ``archive_pruned=True``, in the prune's
+    transaction. ``seq`` orders the transcript; ``(session_id, seq)`` is not
+    unique (a row restored by a rollback and pruned again is archived again;
+    the transcript keeps one copy per ``seq``).
+    """
+
+    __tablename__ = "chatflow_message_archive"
+
+    id: Mapped[int] = mapped_column(MessageId, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(SESSION_ID_MAX_LENGTH),
+        ForeignKey("chatflow_sessions.session_id", ondelete="CASCADE"),
+    )
+    seq: Mapped[int] = mapped_column(BigInteger)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    message_json: Mapped[str] = mapped_column(LongText)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    archived_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "session_id", "seq"),)
 
 
 CLAIM_ACQUIRED = "acquired"

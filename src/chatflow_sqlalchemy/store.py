@@ -79,6 +79,7 @@ from chatflow_sqlalchemy.context import (
     validate_max_turns,
     validate_session_id,
 )
+from chatflow_sqlalchemy.crypto import AESGCMCipher, is_encrypted
 from chatflow_sqlalchemy.dialect import DialectSupport, TurnLocks
 from chatflow_sqlalchemy.driver import (
     DriverConnection,
@@ -94,6 +95,24 @@ from chatflow_sqlalchemy.exceptions import (
     SessionDeletedError,
 )
 from chatflow_sqlalchemy.iopool import IOPool
+from chatflow_sqlalchemy.lifecycle import (
+    EXPORT_FORMAT,
+    SWEEP_BATCH,
+    ListFilters,
+    SweepCursor,
+    archive_rows,
+    erase_sessions,
+    export_sessions,
+    pruned_seqs,
+    session_page,
+    sweep_candidates,
+    transcript_rows,
+    user_session_ids,
+    validate_archive_pruned,
+    validate_session_ttl,
+    validate_sweep_limit,
+    validate_user_id,
+)
 from chatflow_sqlalchemy.models import (
     SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
@@ -101,6 +120,7 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     utcnow,
 )
+from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -307,6 +327,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
         engine: An existing engine to use (the store does not dispose it).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -340,6 +367,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -347,6 +378,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
+        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
+        self.archive_pruned = validate_archive_pruned(archive_pruned)
+        self._sealer = Sealer(cipher, require_encryption)
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._warned_agents: set[str] = set()
         self._contexts: weakref.WeakValueDictionary[str, SessionContext] = (
@@ -445,6 +479,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         default_max_turns: int,
         dedup_ttl_hours: float,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         also_dispose: tuple[Engine, ...] = (),
     ) -> Engine:
         """For server backends: create the engine, open the store on it, and own it.
@@ -465,6 +503,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 default_max_turns=default_max_turns,
                 dedup_ttl_hours=dedup_ttl_hours,
                 auto_migrate=auto_migrate,
+                session_ttl_hours=session_ttl_hours,
+                archive_pruned=archive_pruned,
+                cipher=cipher,
+                require_encryption=require_encryption,
             )
         except BaseException:
             for owned in (engine, *also_dispose):
@@ -822,7 +864,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         row = _fetch_session_row(conn, session_id)
         if row is None:
             return None
-        metadata = row.metadata_json
+        metadata = self._sealer.open_metadata(session_id, row.metadata_json)
         if not isinstance(metadata, dict):
             kind = type(metadata).__name__
             raise CorruptRowError(
@@ -832,7 +874,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
         messages: list[Message] = []
         seqs: list[int] = []
         for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
-            messages.append(_parse_message(session_id, msg_row.id, msg_row.message_json))
+            text = msg_row.message_json
+            if self._sealer.active or self._sealer.require or is_encrypted(text):
+                text = self._sealer.open_text(session_id, msg_row.id, text, "chatflow_messages")
+            messages.append(_parse_message(session_id, msg_row.id, text))
             seqs.append(msg_row.seq)
         return _StoredSession(
             row.version, row.active_agent_name, metadata, messages, seqs, row.created_at
@@ -845,18 +890,58 @@ class SQLAlchemySessionStore(BaseSessionStore):
         session_id: str,
         default_agent: Agent,
         metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
         """Return the session's context, creating the session if it does not exist.
 
-        ``metadata`` is stored only when the session is created. The same
-        context object is returned for a session while anyone holds it, so its
-        ``lock`` serialises turns within the process.
+        ``metadata`` is stored only when the session is created. ``user_id``
+        records whose session it is (on creation, or on a session that has
+        none yet). The same context object is returned for a session while
+        anyone holds it, so its ``lock`` serialises turns within the process.
 
         Raises:
-            ValueError: For an invalid ``session_id`` or non-JSON ``metadata``.
+            ValueError: For an invalid ``session_id``, ``user_id`` or non-JSON
+                ``metadata``, or a ``user_id`` other than the session's own.
 
         """
         validate_session_id(session_id)
+        if user_id is not None:
+            validate_user_id(user_id)
+            ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+            self._record_owner(session_id, user_id)
+            return ctx
+        return self._get_or_create(session_id, default_agent, metadata, None)
+
+    def _record_owner(self, session_id: str, user_id: str) -> None:
+        """Make ``user_id`` the session's owner, unless it already has another one."""
+        with self._transaction() as conn:
+            owner = conn.execute(
+                select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
+            ).scalar()
+        if owner is None:
+            with self._transaction(write=True) as conn:
+                conn.execute(
+                    update(_sessions)
+                    .where(_sessions.c.session_id == session_id, _sessions.c.user_id.is_(None))
+                    .values(user_id=user_id)
+                )
+                owner = conn.execute(
+                    select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
+                ).scalar()
+        if owner is not None and owner != user_id:
+            raise ValueError(
+                f"session {session_id!r} belongs to another user_id; a session has one owner "
+                "(use a session id of this user's, or erase_user the other one first)"
+            )
+
+    def _get_or_create(
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None,
+        user_id: str | None,
+    ) -> SessionContext:
         metadata = dict(metadata or {})
         if metadata:
             dump_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
@@ -871,10 +956,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
                     {
                         "session_id": session_id,
                         "active_agent_name": default_agent.name,
-                        "metadata_json": metadata,
+                        "metadata_json": self._sealer.seal_metadata(session_id, metadata),
                         "version": _first_version(),
                         "created_at": now,
                         "updated_at": now,
+                        "user_id": user_id,
                     },
                 )
                 stored = self._read_session(conn, session_id)
@@ -905,13 +991,172 @@ class SQLAlchemySessionStore(BaseSessionStore):
         self._forget(session_id)
         return bool(result.rowcount)
 
-    def list_sessions(self) -> list[str]:
-        """Return every session id, most recently updated first."""
-        query = select(_sessions.c.session_id).order_by(
-            _sessions.c.updated_at.desc(), _sessions.c.session_id
+    def list_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
+        """Session ids, filtered and paged (see :mod:`chatflow_sqlalchemy.lifecycle`).
+
+        Without arguments: every id, most recently updated first (as 0.3.4).
+        ``user_id``, ``metadata`` (key -> value, all must match, compared by
+        JSON type) and ``updated_after`` filter; ``limit`` and ``after`` (the
+        last id of the previous page) page by keyset in ``session_id`` order.
+
+        Raises:
+            ValueError: For an invalid argument (the message says which).
+
+        """
+        filters = ListFilters.build(
+            user_id=user_id, metadata=metadata, updated_after=updated_after,
+            limit=limit, after=after,
         )
+        if filters.metadata and self._sealer.active:
+            raise ValueError(
+                "metadata filters cannot look inside encrypted metadata (this store has a "
+                "cipher=): filter by user_id / updated_after, or keep the key in user_id"
+            )
         with self._transaction() as conn:
-            return list(conn.execute(query).scalars())
+            return session_page(conn, filters)
+
+    def erase_user(self, user_id: str) -> int:
+        """Erase every session of ``user_id`` with its messages and claims, in one transaction.
+
+        Live contexts of the erased sessions then raise ``SessionDeletedError``.
+        Returns how many sessions were erased.
+
+        Raises:
+            ValueError: For an invalid ``user_id``.
+
+        """
+        validate_user_id(user_id)
+        with self._transaction(write=True) as conn:
+            ids = user_session_ids(conn, user_id, lock=True)
+            erased = erase_sessions(conn, ids)
+        for session_id in ids:
+            self._forget(session_id)
+        return erased
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Remove expired sessions (messages and claims too) in batches; return how many.
+
+        A session is expired when not updated for ``session_ttl_hours``. Each
+        batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
+        removed: a session whose turn is in progress (its turn lock is held,
+        on backends with one, or a turn of this store is running) or that a
+        live webhook claim holds. Many processes may sweep at once: each
+        session is removed by exactly one of them.
+
+        Raises:
+            ValueError: The store has no ``session_ttl_hours``, or ``limit`` is invalid.
+
+        """
+        ttl = self._session_ttl()
+        validate_sweep_limit(limit)
+        cutoff = utcnow() - ttl
+        cursor = SweepCursor()
+        total = 0
+        while limit is None or total < limit:
+            want = SWEEP_BATCH if limit is None else min(SWEEP_BATCH, limit - total)
+            with self._transaction(write=True) as conn:
+                found = sweep_candidates(conn, cutoff, utcnow(), want, cursor)
+                busy = self._sweep_busy(conn, found)
+                removed = [sid for sid in found if sid not in busy]
+                total += erase_sessions(conn, removed)
+            for session_id in removed:
+                self._forget(session_id)
+            if len(found) < want:
+                break
+        return total
+
+    def transcript(self, session_id: str) -> list[Message]:
+        """The whole conversation: archived messages, then the window, in order.
+
+        Archived messages exist for stores opened with ``archive_pruned=True``
+        (those pruned before that are gone). An unknown session has none ([]).
+
+        Raises:
+            ValueError: For an invalid ``session_id``.
+            CorruptRowError: A stored row cannot be decoded.
+
+        """
+        validate_session_id(session_id)
+        with self._transaction() as conn:
+            rows = transcript_rows(conn, session_id)
+        parse = self._sealer.parser(_parse_message)
+        return [parse(session_id, row_id, text) for row_id, _, text in rows]
+
+    def rotate_keys(self, batch: int = ROTATE_BATCH) -> int:
+        """Re-encrypt every row not sealed with the cipher's primary key; return how many.
+
+        Online: each batch (at most ``batch`` rows per table) is one short write
+        transaction, and turns keep running between them. Plaintext rows are
+        encrypted too. What ``chatflow-sqlalchemy keys rotate`` runs.
+
+        Raises:
+            ValueError: The store has no cipher, or ``batch`` is not a positive int.
+
+        """
+        cipher = self._sealer.cipher
+        if cipher is None:
+            raise ValueError("rotate_keys needs a store opened with cipher=")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        cursor: dict[str, str] = {}
+        total = 0
+        while True:
+            with self._transaction(write=True) as conn:
+                done, more = rotate_batch(conn, cipher, cursor, batch)
+            total += done
+            if not more:
+                return total
+
+    def _session_ttl(self) -> timedelta:
+        if self.session_ttl_hours is None:
+            raise ValueError(
+                "this store keeps sessions forever: open it with session_ttl_hours=H to sweep "
+                "sessions not updated for H hours"
+            )
+        return timedelta(hours=self.session_ttl_hours)
+
+    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
+        """Of ``session_ids``, those whose turn is in progress (kept by this sweep).
+
+        The generic store knows its own running turns; backends with a
+        cross-process turn lock extend this (PostgreSQL try-locks each
+        session's advisory lock in the sweep's transaction, so no turn can
+        start on it until the sweep commits).
+        """
+        with self._cache_lock:
+            return {
+                sid for sid in session_ids
+                if (ctx := self._contexts.get(sid)) is not None and ctx._in_turn
+            }
+
+    def export_user(self, user_id: str) -> dict[str, Any]:
+        """Everything held about ``user_id``: sessions, messages, claims (JSON-serialisable).
+
+        Raises:
+            ValueError: For an invalid ``user_id``.
+            CorruptRowError: A stored row of the user's cannot be decoded.
+
+        """
+        validate_user_id(user_id)
+        with self._transaction() as conn:
+            sessions = export_sessions(
+                conn, user_session_ids(conn, user_id), self._sealer.parser(_parse_message),
+                self._sealer.open_metadata,
+            )
+        return {
+            "format": EXPORT_FORMAT,
+            "user_id": user_id,
+            "exported_at": utcnow().isoformat(),
+            "sessions": sessions,
+        }
 
     def clear(self) -> None:
         """Delete every session and message (processed webhook ids are kept)."""
@@ -1038,7 +1283,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
     def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
         """One write transaction: on the driver path, else (or if it fails) step by step."""
         hot = self._hot_here()
-        if hot is not None and ctx._seqs:
+        if hot is not None and ctx._seqs and not self._archives_now(ctx):
             try:
                 self._driver_write(
                     lambda connection: self._write_on_driver(connection, ctx, hot, fence)
@@ -1107,6 +1352,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if not bumped:
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         gone, new_rows = self._message_diff(ctx, now)
+        if gone and self.archive_pruned:
+            archive_rows(conn, session_id, pruned_seqs(gone, ctx._seqs, ctx._n_system), now)
         if gone and not ctx._seqs:
             conn.execute(_DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone:
@@ -1116,6 +1363,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
             raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
+
+    def _archives_now(self, ctx: SessionContext) -> bool:
+        """True if this write prunes rows to archive (it then takes the step-by-step path)."""
+        if not self.archive_pruned:
+            return False
+        durable = ctx._durable
+        assert durable is not None
+        gone = durable.seqs.difference(ctx._seqs)
+        return bool(gone and pruned_seqs(gone, ctx._seqs, ctx._n_system))
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -1132,8 +1388,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 "session_id": ctx.session_id,
                 "seq": seq,
                 "role": message.role.value,
-                "content": _content_column(message.content),
-                "message_json": _dump_message(ctx.session_id, message),
+                "content": None if self._sealer.active else _content_column(message.content),
+                "message_json": self._sealer.seal_text(
+                    ctx.session_id, _dump_message(ctx.session_id, message)
+                ),
                 "created_at": now,
             }
             for seq, message in pending
@@ -1176,8 +1434,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
         statement = _BUMP_SESSION if metadata_json is None else _BUMP_SESSION_AND_METADATA
         return conn.execute(statement, params).rowcount == 1, metadata_json
 
-    @staticmethod
-    def _bump_params(ctx: SessionContext, now: datetime) -> tuple[str | None, dict[str, Any]]:
+    def _bump_params(
+        self, ctx: SessionContext, now: datetime
+    ) -> tuple[str | None, dict[str, Any]]:
         """Parameters of the compare-and-swap UPDATE, after the metadata's JSON if it changed."""
         durable = ctx._durable
         assert durable is not None
@@ -1191,7 +1450,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         metadata_json = dump_metadata(ctx._metadata)
         if metadata_json == durable.metadata_json:
             return None, params
-        params["metadata"] = dict(ctx._metadata)
+        params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
         return metadata_json, params
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
@@ -1338,10 +1597,20 @@ class SQLAlchemySessionStore(BaseSessionStore):
     # ------------------------------------------------------------ async twins
 
     async def aget_or_create(
-        self, session_id: str, default_agent: Agent, metadata: dict[str, Any] | None = None
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any] | None = None,
+        *,
+        user_id: str | None = None,
     ) -> SessionContext:
         """Async :meth:`get_or_create`."""
-        return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
+        if user_id is None:
+            return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
+        return await self._run_blocking(
+            functools.partial(self.get_or_create, user_id=user_id),
+            session_id, default_agent, metadata,
+        )
 
     async def aget(self, session_id: str) -> SessionContext | None:
         """Async :meth:`get`."""
@@ -1351,9 +1620,38 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """Async :meth:`delete`."""
         return await self._run_blocking(self.delete, session_id)
 
-    async def alist_sessions(self) -> list[str]:
+    async def alist_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> list[str]:
         """Async :meth:`list_sessions`."""
-        return await self._run_blocking(self.list_sessions)
+        return await self._run_blocking(
+            functools.partial(
+                self.list_sessions, user_id=user_id, metadata=metadata,
+                updated_after=updated_after, limit=limit, after=after,
+            )
+        )
+
+    async def aerase_user(self, user_id: str) -> int:
+        """Async :meth:`erase_user`."""
+        return await self._run_blocking(self.erase_user, user_id)
+
+    async def atranscript(self, session_id: str) -> list[Message]:
+        """Async :meth:`transcript`."""
+        return await self._run_blocking(self.transcript, session_id)
+
+    async def asweep(self, limit: int | None = None) -> int:
+        """Async :meth:`sweep`."""
+        return await self._run_blocking(self.sweep, limit)
+
+    async def aexport_user(self, user_id: str) -> dict[str, Any]:
+        """Async :meth:`export_user`."""
+        return await self._run_blocking(self.export_user, user_id)
 
     async def aclear(self) -> None:
         """Async :meth:`clear`."""

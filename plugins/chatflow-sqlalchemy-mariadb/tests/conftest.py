@@ -39,6 +39,10 @@ CAPABILITIES = {
     Capability.CROSS_PROCESS,  # spawned workers open it from the StoreSpec
     Capability.SQL,  # store.engine over the chatflow tables
     Capability.ASYNC_THREADPOOL,  # PyMySQL is sync: async work runs on the private pool
+    Capability.USER_SCOPE,  # user_id, list_sessions filters and pages, erase/export_user
+    Capability.RETENTION,  # session_ttl_hours and sweep()
+    Capability.ARCHIVE,  # archive_pruned and transcript()
+    Capability.ENCRYPTION,  # cipher=, require_encryption=, rotate_keys()
 }
 
 

@@ -310,7 +310,8 @@ def test_processes_starting_at_once_migrate_once(mariadb_database: URL, tmp_path
                 proc.kill()
                 proc.wait()
     steps = [line for lines in ran for line in lines]
-    assert len(steps) == 4, f"core 0001-0003 and the plugin's 0001, once in all: {steps}"
+    core = int(migrate.head_revision())  # the core chain's revisions are 0001, 0002, ...
+    assert len(steps) == core + 1, f"core 0001-{core:04d} and the plugin's 0001, once: {steps}"
     assert sum(1 for lines in ran if lines) == 1
 
 

@@ -25,6 +25,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     ConnectArguments,
@@ -697,6 +698,13 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
@@ -734,6 +742,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         **engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -750,6 +762,10 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
+            cipher=cipher,
+            require_encryption=require_encryption,
         )
         locks = cast(AdvisoryTurnLocks, self._turn_locks)
         locks.lease_seconds = self.turn_lock_lease_seconds
@@ -778,6 +794,26 @@ class PostgresSessionStore(SQLAlchemySessionStore):
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
+
+    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
+        """Sessions whose turn lock is held elsewhere; the others' locks are taken here.
+
+        ``pg_try_advisory_xact_lock`` on each session's turn-lock key, in the
+        sweep's transaction: a held lock means a turn is in progress (the
+        session is kept); a lock taken here is held until the sweep commits,
+        so no turn can start on a session while it is being removed.
+        """
+        busy = super()._sweep_busy(conn, session_ids)
+        keys = {session_lock_key(sid): sid for sid in session_ids if sid not in busy}
+        if keys:
+            taken = conn.execute(
+                text("SELECT k FROM unnest(CAST(:keys AS bigint[])) AS k "
+                     "WHERE pg_try_advisory_xact_lock(k)"),
+                {"keys": list(keys)},
+            ).scalars()
+            free = {keys[int(key)] for key in taken}
+            busy |= set(keys.values()) - free
+        return busy
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:

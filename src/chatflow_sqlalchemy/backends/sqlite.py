@@ -22,6 +22,7 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import RECLAIMED_AS_DONE, DialectSupport, on_conflict_acquire
 from chatflow_sqlalchemy.driver import first_time_on
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
@@ -253,6 +254,13 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it, and then creates no file or directory; None (the
             default) reads ``CHATFLOW_AUTO_MIGRATE``.
@@ -277,6 +285,10 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -292,6 +304,10 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
+            cipher=cipher,
+            require_encryption=require_encryption,
         )
 
     @classmethod

@@ -119,6 +119,28 @@ class Capability(str, enum.Enum):
     thread hop) and create no thread pool.
     """
 
+    USER_SCOPE = "user_scope"
+    """Lifecycle and data governance: per-user scope and GDPR.
+
+    ``get_or_create(..., user_id=)``, ``list_sessions(user_id=, metadata=,
+    updated_after=, limit=, after=)``, ``erase_user`` and ``export_user``
+    with their async twins (see DESIGN "Lifecycle and data governance").
+    """
+
+    RETENTION = "retention"
+    """``session_ttl_hours`` (a constructor keyword) and ``sweep()`` / ``asweep()``.
+
+    Sweeping never removes a session whose turn is in progress or that a
+    live webhook claim holds; with ``CROSS_PROCESS`` four processes sweep at once.
+    """
+
+    ARCHIVE = "archive"
+    """``archive_pruned`` (a constructor keyword), ``transcript()`` / ``atranscript()``."""
+
+    ENCRYPTION = "encryption"
+    """SQL stores: ``cipher=`` (an ``AESGCMCipher``), ``require_encryption=`` and
+    ``rotate_keys()``; rows are inspected through ``store.engine`` (needs ``SQL`` too)."""
+
     def __str__(self) -> str:
         return self.value
 

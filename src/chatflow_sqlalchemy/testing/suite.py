@@ -73,12 +73,20 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
     turns_worker,
 )
+from chatflow_sqlalchemy.testing.lifecycle_suite import (
+    ArchiveTests,
+    EncryptionTests,
+    ErasureAndExportTests,
+    RetentionTests,
+    UserScopeTests,
+)
 from chatflow_sqlalchemy.testing.plugin import MARKER
 
 __all__ = [
     "ScriptedEngine",
     "StoreTestBase",
     "TestAgentResolver",
+    "TestArchive",
     "TestAsyncTwins",
     "TestClear",
     "TestCorruptRows",
@@ -86,15 +94,19 @@ __all__ = [
     "TestCrossProcess",
     "TestDedup",
     "TestDeletion",
+    "TestEncryption",
+    "TestErasureAndExport",
     "TestExactRoundTrip",
     "TestListSessions",
     "TestMetadata",
     "TestOneContextPerSession",
     "TestPruning",
+    "TestRetention",
     "TestRollback",
     "TestRunnerEndToEnd",
     "TestSeedDocumentExamples",
     "TestTurnFaults",
+    "TestUserScope",
     "TestValidation",
     "TestWebhookClaims",
     "TestWebhookClaimsAcrossProcesses",
@@ -2772,3 +2784,26 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             assert again.outcomes() == [(mid, "done", reply_to("hello"), None)]
         finally:
             again.stop()
+
+
+# ================================================ lifecycle and data governance
+
+
+class TestUserScope(UserScopeTests, StoreTestBase):
+    """Per-user scope, ``list_sessions`` filters and keyset pages (see ``lifecycle_suite``)."""
+
+
+class TestErasureAndExport(ErasureAndExportTests, StoreTestBase):
+    """``erase_user`` / ``export_user`` (see ``lifecycle_suite``)."""
+
+
+class TestRetention(RetentionTests, StoreTestBase):
+    """``session_ttl_hours`` and ``sweep()`` (see ``lifecycle_suite``)."""
+
+
+class TestArchive(ArchiveTests, StoreTestBase):
+    """``archive_pruned`` and ``transcript()`` (see ``lifecycle_suite``)."""
+
+
+class TestEncryption(EncryptionTests, StoreTestBase):
+    """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""

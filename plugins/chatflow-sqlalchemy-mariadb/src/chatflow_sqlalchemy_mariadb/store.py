@@ -17,6 +17,7 @@ import contextlib
 import threading
 from typing import Any
 
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from sqlalchemy import URL, Engine, make_url, select
@@ -127,6 +128,13 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             use PyMySQL; ``mysql+mysqldb://`` uses mysqlclient if installed).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
+        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
+            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
+        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
@@ -147,6 +155,10 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
         *,
         auto_migrate: bool | None = None,
+        session_ttl_hours: float | None = None,
+        archive_pruned: bool = False,
+        cipher: AESGCMCipher | None = None,
+        require_encryption: bool = False,
         **engine_options: Any,
     ) -> None:
         parsed = with_driver(make_url(url))
@@ -158,6 +170,10 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
+            session_ttl_hours=session_ttl_hours,
+            archive_pruned=archive_pruned,
+            cipher=cipher,
+            require_encryption=require_encryption,
         )
 
     @classmethod

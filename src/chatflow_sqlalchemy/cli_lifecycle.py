@@ -1,0 +1,310 @@
+"""The lifecycle commands: ``users erase|export`` (GDPR) and ``sessions sweep`` (retention).
+
+:func:`register` adds them to the command line when ``chatflow_sqlalchemy.cli``
+loads (also when it runs as ``python -m chatflow_sqlalchemy.cli``), and hands
+over that module, whose URL handling, confirmation and output helpers the
+commands use; this module imports nothing from it, so there is no import cycle. Like the rest of
+the command line, importing it loads neither SQLAlchemy nor chatflow-agent.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+__all__ = [
+    "keys",
+    "keys_rotate",
+    "open_row",
+    "register",
+    "sessions_sweep",
+    "users",
+    "users_erase",
+    "users_export",
+]
+
+_cli: Any = None
+"""The command-line module (set by :func:`register`)."""
+
+_T = TypeVar("_T")
+
+
+def register(cli_module: Any) -> None:
+    """Add ``users`` to the root group and ``sweep`` to ``sessions`` of ``cli_module``."""
+    global _cli
+    _cli = cli_module
+    for command in (users, users_erase, users_export, sessions_sweep, keys, keys_rotate):
+        command.epilog = cli_module.EXIT_CODES_EPILOG
+    cli_module.cli.add_command(users)
+    cli_module.cli.add_command(keys)
+    cli_module.sessions.add_command(sessions_sweep)
+
+
+def _yes_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--yes", "-y", is_flag=True, help="do not ask for confirmation (needed without a terminal)"
+    )(func)
+
+
+def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"
+    )(func)
+
+
+def _url_option(func: Callable[..., _T]) -> Callable[..., _T]:
+    return click.option(
+        "--url", metavar="URL", default=None,
+        help="database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)",
+    )(func)
+
+
+@click.group(no_args_is_help=False)
+def users() -> None:
+    """Everything held about one user_id: export it, or erase it (GDPR / LGPD requests)."""
+
+
+def _validated(user_id: str) -> str:
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
+
+    try:
+        return validate_user_id(user_id)
+    except ValueError as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+
+
+def _count(engine: Any, user_id: str) -> int:
+    from chatflow_sqlalchemy.lifecycle import user_session_ids
+
+    with _cli._read_conn(engine) as conn:
+        return len(user_session_ids(conn, user_id))
+
+
+@users.command("erase")
+@click.argument("user_id")
+@_yes_option
+@_json_option
+@_url_option
+def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+    """Erase every session of USER_ID with its messages and claims, in one transaction.
+
+    Asks first unless --yes. Workers with a live context of an erased
+    session get SessionDeletedError on their next read or write.
+    """
+    from chatflow_sqlalchemy.lifecycle import erase_user_rows
+
+    _validated(user_id)
+    parsed = _cli._resolve_url(url)
+    with _cli._writing(parsed) as engine:
+        _cli._require_head(engine, parsed)
+        found = _count(engine, user_id)
+        if found:
+            _cli._confirm(
+                f"Erase {found} session(s) of user {_cli.clean(repr(user_id))} and everything "
+                "stored with them?",
+                yes,
+            )
+            with engine.begin() as conn:
+                found = erase_user_rows(conn, user_id)
+    if as_json:
+        _cli._emit_json({"user_id": user_id, "erased": found})
+    else:
+        click.echo(f"erased {found} session(s) of user {_cli.clean(repr(user_id))}")
+
+
+@users.command("export")
+@click.argument("user_id")
+@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_url_option
+def users_export(user_id: str, output: str | None, url: str | None) -> None:
+    """Export everything held about USER_ID as one JSON document (read-only).
+
+    {"format", "user_id", "exported_at", "sessions": [{"session_id",
+    "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
+    "messages", "archived_messages", "webhook_claims"}]} -- what
+    ``store.export_user`` returns. Encrypted rows are opened with the keys of
+    $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
+    """
+    document = _export(user_id, url)
+    text = _cli._json_text(document, indent=2) + "\n"
+    if output in (None, "-"):
+        sys.stdout.write(text)
+        return
+    target = Path(output)
+    sink, partial = _cli._private_temp(target)
+    try:
+        with sink:
+            sink.write(text)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    count = len(document["sessions"])
+    click.echo(f"exported {count} session(s) of user {_cli.clean(repr(user_id))} to "
+               f"{_cli.clean(str(target))}")
+
+
+def open_row(session_id: str, stored: Any) -> Any:
+    """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
+
+    For the read commands: without keys, or when a value does not open,
+    it is returned as stored (and shown as unreadable).
+    """
+    from chatflow_sqlalchemy.crypto import is_encrypted
+
+    sealed = is_encrypted(stored) or (
+        isinstance(stored, dict) and set(stored) == {"_enc"}
+    )
+    if not sealed:
+        return stored
+    sealer = _sealer_from_env()
+    if not sealer.active:
+        return stored
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    try:
+        if isinstance(stored, dict):
+            return sealer.open_metadata(session_id, stored)
+        return sealer.open_text(session_id, None, stored, "chatflow_messages")
+    except CorruptRowError:
+        return stored
+
+
+def _sealer_from_env() -> Any:
+    """Open encrypted rows with the keys of ``$CHATFLOW_KEYS`` when it is set."""
+    import os
+
+    from chatflow_sqlalchemy.crypto import KEYS_ENV_VAR, AESGCMCipher
+    from chatflow_sqlalchemy.sealing import Sealer
+
+    if not os.environ.get(KEYS_ENV_VAR):
+        return Sealer(None, False)
+    try:
+        return Sealer(AESGCMCipher.from_env(), False)
+    except (ValueError, ImportError) as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+
+
+def _export(user_id: str, url: str | None) -> dict[str, Any]:
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT, export_sessions, user_session_ids
+    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.store import _parse_message
+
+    _validated(user_id)
+    sealer = _sealer_from_env()
+    with _cli._reading(url) as (_parsed, engine), _cli._read_conn(engine) as conn:
+        try:
+            sessions = export_sessions(
+                conn, user_session_ids(conn, user_id), sealer.parser(_parse_message),
+                sealer.open_metadata,
+            )
+        except CorruptRowError as exc:
+            message = f"export stopped: {_cli.clean(str(exc))}"
+            raise _cli.CliError(message, _cli.EXIT_FAILED) from None
+    return {
+        "format": EXPORT_FORMAT,
+        "user_id": user_id,
+        "exported_at": utcnow().isoformat(),
+        "sessions": sessions,
+    }
+
+
+@click.command("sweep")
+@click.option(
+    "--ttl-hours", type=float, required=True, envvar="CHATFLOW_SESSION_TTL_HOURS",
+    show_envvar=True,
+    help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
+@click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
+@_yes_option
+@_json_option
+@_url_option
+def sessions_sweep(
+    ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
+    url: str | None,
+) -> None:
+    """Remove expired sessions with their messages and claims (asks first unless --yes).
+
+    Sessions whose turn is in progress or that a live webhook claim holds are
+    kept (a later sweep takes them). Safe while workers run and while other
+    sweepers run.
+    """
+    from chatflow_sqlalchemy.lifecycle import count_expired, validate_session_ttl
+    from chatflow_sqlalchemy.models import utcnow
+
+    try:
+        hours = validate_session_ttl(ttl_hours)
+    except ValueError as exc:
+        raise _cli.CliError(f"--ttl-hours: {_cli.clean(str(exc))}") from None
+    assert hours is not None
+    with _cli._reading(url) as (parsed, engine), _cli._read_conn(engine) as conn:
+        now = utcnow()
+        expired, oldest = count_expired(conn, now - timedelta(hours=hours), now)
+    expired = expired if limit is None else min(expired, limit)
+    if dry_run:
+        if as_json:
+            _cli._emit_json({"dry_run": True, "expired": expired, "oldest": oldest})
+            return
+        click.echo(f"{expired} expired session(s) would be removed")
+        for session_id in oldest[:expired]:
+            click.echo(f"  {_cli.clean(session_id)}")
+        return
+    removed = 0
+    if expired:
+        _cli._confirm(f"Remove {expired} expired session(s) and their history?", yes)
+        removed = _sweep(parsed, hours, limit)
+    if as_json:
+        _cli._emit_json({"dry_run": False, "removed": removed})
+    else:
+        click.echo(f"removed {removed} expired session(s)")
+
+
+def _sweep(url: Any, hours: float, limit: int | None) -> int:
+    from chatflow_sqlalchemy.registry import open_store
+
+    with open_store(url, session_ttl_hours=hours, auto_migrate=False) as store:
+        return int(store.sweep(limit))
+
+
+@click.group(no_args_is_help=False)
+def keys() -> None:
+    """Encryption keys: re-encrypt stored rows with the primary key of $CHATFLOW_KEYS."""
+
+
+@keys.command("rotate")
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=200, show_default=True,
+    help="rows per table re-encrypted in one short transaction",
+)
+@_json_option
+@_url_option
+def keys_rotate(batch: int, as_json: bool, url: str | None) -> None:
+    """Re-encrypt every row not sealed with the primary key, online, in batches.
+
+    Keys come from $CHATFLOW_KEYS ("k2:<base64>,k1:<base64>": the first is
+    the primary, the others still decrypt). Plaintext rows are encrypted
+    too. Workers keep running turns meanwhile; give them the same keys
+    first, then rotate, then drop the old key. Exit 0 when done.
+    """
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.registry import open_store
+
+    try:
+        cipher = AESGCMCipher.from_env()
+    except (ValueError, ImportError) as exc:
+        raise _cli.CliError(_cli.clean(str(exc))) from None
+    parsed = _cli._resolve_url(url)
+    with _cli._writing(parsed) as engine:
+        _cli._require_head(engine, parsed)
+    with open_store(parsed, cipher=cipher, auto_migrate=False) as store:
+        count = int(store.rotate_keys(batch))
+    if as_json:
+        _cli._emit_json({"primary": cipher.primary, "rewritten": count})
+    else:
+        click.echo(f"re-encrypted {count} row(s) with key {_cli.clean(repr(cipher.primary))}")

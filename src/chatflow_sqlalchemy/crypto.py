@@ -1,0 +1,187 @@
+"""AES-GCM encryption of stored text, with named keys for rotation.
+
+``AESGCMCipher(keys={"k1": key_bytes}, primary="k1")`` encrypts with the
+primary key and decrypts with any key it holds, so a key can be rotated:
+add the new key as primary, keep the old ones for reading, re-encrypt, then
+drop the old ones. Every token names its key id::
+
+    cfenc:1:<key id>:<base64url(12-byte nonce || ciphertext || 16-byte tag)>
+
+Associated data (for the stores: the session id) is authenticated but not
+stored, so a token copied to another session does not decrypt there.
+
+The ``cryptography`` package is an optional extra: this module imports
+without it, and building a cipher says which extra to install.
+
+Keys from the environment: ``CHATFLOW_KEYS="k2:<base64>,k1:<base64>"`` (the
+first is the primary), read by :meth:`AESGCMCipher.from_env`; a key is 16,
+24 or 32 random bytes (AES-128/192/256), e.g. ``base64.b64encode(os.urandom(32))``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+
+__all__ = [
+    "CRYPTO_INSTALL_HINT",
+    "KEYS_ENV_VAR",
+    "TOKEN_PREFIX",
+    "AESGCMCipher",
+    "CipherError",
+    "is_encrypted",
+    "token_key_id",
+]
+
+CRYPTO_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[crypto]'"
+KEYS_ENV_VAR = "CHATFLOW_KEYS"
+TOKEN_PREFIX = "cfenc:1:"
+"""Every encrypted value starts with it (then the key id, a colon and the payload)."""
+
+_KEY_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
+_NONCE_BYTES = 12
+_KEY_SIZES = (16, 24, 32)
+
+
+class CipherError(ChatflowStoreError):
+    """A token cannot be decrypted (unknown key id, wrong key, tampered or truncated)."""
+
+
+def is_encrypted(text: object) -> bool:
+    """True if ``text`` is a token written by :class:`AESGCMCipher`."""
+    return isinstance(text, str) and text.startswith(TOKEN_PREFIX)
+
+
+def token_key_id(text: str) -> str | None:
+    """The key id named by a token, None for plaintext."""
+    if not is_encrypted(text):
+        return None
+    key_id, sep, _ = text[len(TOKEN_PREFIX) :].partition(":")
+    return key_id if sep else None
+
+
+def _aesgcm() -> Any:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:
+        raise ImportError(
+            f"encryption needs the 'cryptography' package: {CRYPTO_INSTALL_HINT} ({exc})"
+        ) from exc
+    return AESGCM
+
+
+class AESGCMCipher:
+    """AES-GCM with several named keys: encrypts with ``primary``, decrypts with any.
+
+    Args:
+        keys: Key id -> key bytes (16, 24 or 32 bytes). Ids: 1-32 of
+            ``A-Z a-z 0-9 _ . -``.
+        primary: The id of the key new values are encrypted with.
+
+    Raises:
+        ValueError: A bad key id, key length, or a ``primary`` not in ``keys``.
+        ImportError: ``cryptography`` is not installed (names the extra).
+
+    """
+
+    def __init__(self, keys: Mapping[str, bytes], primary: str) -> None:
+        aesgcm = _aesgcm()
+        if not keys:
+            raise ValueError("keys must hold at least one key id -> key bytes")
+        for key_id, key in keys.items():
+            if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+                raise ValueError(
+                    f"key id {key_id!r} must be 1-32 characters of A-Z a-z 0-9 _ . -"
+                )
+            if not isinstance(key, (bytes, bytearray)) or len(key) not in _KEY_SIZES:
+                size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+                raise ValueError(
+                    f"key {key_id!r} must be 16, 24 or 32 bytes (AES-128/192/256), got {size}; "
+                    "make one with os.urandom(32)"
+                )
+        if primary not in keys:
+            raise ValueError(f"primary {primary!r} is not one of the key ids {sorted(keys)}")
+        self.primary = primary
+        self._ciphers = {key_id: aesgcm(bytes(key)) for key_id, key in keys.items()}
+
+    @property
+    def key_ids(self) -> frozenset[str]:
+        """Every key id this cipher can decrypt with."""
+        return frozenset(self._ciphers)
+
+    def encrypt(self, plaintext: str, associated_data: str = "") -> str:
+        """Encrypt ``plaintext`` with the primary key; return a token naming that key."""
+        nonce = os.urandom(_NONCE_BYTES)
+        sealed = self._ciphers[self.primary].encrypt(
+            nonce, plaintext.encode("utf-8"), associated_data.encode("utf-8")
+        )
+        payload = base64.urlsafe_b64encode(nonce + sealed).decode("ascii")
+        return f"{TOKEN_PREFIX}{self.primary}:{payload}"
+
+    def decrypt(self, token: str, associated_data: str = "") -> str:
+        """Decrypt a token with the key it names.
+
+        Raises:
+            CipherError: Not a token, an unknown key id, or a token that fails
+                authentication (wrong key, tampered, or other associated data).
+
+        """
+        key_id = token_key_id(token)
+        if key_id is None:
+            raise CipherError("not an encrypted value (no 'cfenc:1:<key id>:' prefix)")
+        cipher = self._ciphers.get(key_id)
+        if cipher is None:
+            raise CipherError(
+                f"encrypted with key {key_id!r}, which this cipher does not hold "
+                f"(it has {sorted(self._ciphers)}): add that key to keys= / {KEYS_ENV_VAR}"
+            )
+        try:
+            raw = base64.urlsafe_b64decode(token[len(TOKEN_PREFIX) + len(key_id) + 1 :])
+            plain = cipher.decrypt(
+                raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], associated_data.encode("utf-8")
+            )
+        except (binascii.Error, ValueError) as exc:
+            raise CipherError(f"malformed token for key {key_id!r}: {exc}") from None
+        except Exception as exc:  # cryptography's InvalidTag
+            raise CipherError(
+                f"token does not authenticate with key {key_id!r} (wrong key, tampered, or "
+                f"moved from another session): {type(exc).__name__}"
+            ) from None
+        return bytes(plain).decode("utf-8")
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> AESGCMCipher:
+        """Build from ``"k2:<base64>,k1:<base64>"`` (default: ``$CHATFLOW_KEYS``); first = primary.
+
+        Raises:
+            ValueError: The variable is unset or malformed (says the format).
+
+        """
+        text = os.environ.get(KEYS_ENV_VAR, "") if value is None else value
+        keys: dict[str, bytes] = {}
+        primary = None
+        for item in (part.strip() for part in text.split(",") if part.strip()):
+            key_id, sep, encoded = item.partition(":")
+            try:
+                key = base64.b64decode(encoded, validate=True) if sep else b""
+            except binascii.Error:
+                key = b""
+            if not sep or not key:
+                raise ValueError(
+                    f"{KEYS_ENV_VAR} must be 'id:base64key[,id:base64key...]' (the first is "
+                    f"the primary), got an entry for {key_id!r} that is not"
+                )
+            keys[key_id] = key
+            primary = primary or key_id
+        if primary is None:
+            raise ValueError(f"{KEYS_ENV_VAR} is empty: set it to 'k1:<base64 of 32 bytes>'")
+        return cls(keys, primary)
+
+    def __repr__(self) -> str:  # never the key bytes
+        return f"<AESGCMCipher primary={self.primary!r} keys={sorted(self._ciphers)}>"

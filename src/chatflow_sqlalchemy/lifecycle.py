@@ -1,0 +1,554 @@
+"""Lifecycle and data governance on the SQL stores: per-user scope, filters, pages, GDPR.
+
+Kept apart from :mod:`chatflow_sqlalchemy.store` so that the store only
+hooks in (``get_or_create(..., user_id=)``, ``list_sessions(...)``,
+``erase_user``, ``export_user``); every query here is SQLAlchemy Core on the
+shared models, so every SQL backend (and third-party ones) gets it.
+
+Listing order, fixed here and documented:
+
+* without ``limit`` and ``after``: most recently updated first (0.3.4's
+  order, also when filters are given);
+* with ``limit`` or ``after`` (paging): ``session_id`` ascending, and
+  ``after`` is the last id of the previous page. The key of a session never
+  changes, so a walk over all pages returns every session that exists
+  throughout it exactly once, whatever is written meanwhile (an order by
+  ``updated_at`` would move a session written during the walk from a later
+  page to an earlier one, so that it is missed).
+
+Metadata filters (``{key: value}``, all must match) compare values with
+their JSON type: ``1`` matches ``1`` and ``1.0`` but neither ``"1"`` nor
+``true``; objects and arrays must be equal, not merely contain the value. The
+database narrows the rows first (JSONB containment on PostgreSQL, the
+unquoted JSON value of string filters on SQLite and MySQL/MariaDB), and
+every candidate is then checked exactly, so no dialect's loose JSON
+comparison can let a wrong row through; pages are filled in batches until
+``limit`` rows matched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from chatflow_agent import Role
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Select,
+    Table,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    tuple_,
+    type_coerce,
+)
+from sqlalchemy.dialects import postgresql
+
+from chatflow_sqlalchemy.context import dump_metadata, validate_session_id
+from chatflow_sqlalchemy.models import (
+    CLAIM_ACQUIRED,
+    SESSION_ID_MAX_LENGTH,
+    ChatflowMessage,
+    ChatflowMessageArchive,
+    ChatflowProcessedMessage,
+    ChatflowSession,
+    UTCDateTime,
+)
+
+if TYPE_CHECKING:
+    from chatflow_agent import Message
+
+__all__ = [
+    "EXPORT_FORMAT",
+    "MAX_SESSION_TTL_HOURS",
+    "SWEEP_BATCH",
+    "ListFilters",
+    "SweepCursor",
+    "archive_rows",
+    "count_expired",
+    "erase_sessions",
+    "erase_user_rows",
+    "expired_query",
+    "export_sessions",
+    "json_equal",
+    "matches_metadata",
+    "pruned_seqs",
+    "session_page",
+    "sweep_candidates",
+    "transcript_rows",
+    "user_session_ids",
+    "validate_archive_pruned",
+    "validate_session_ttl",
+    "validate_sweep_limit",
+    "validate_user_id",
+]
+
+EXPORT_FORMAT = "chatflow-user-export/1"
+"""``format`` of :meth:`export_user` documents; bumped if their shape changes."""
+
+_ID_CHUNK = 500
+"""Ids per ``IN (...)`` list: far below every dialect's bound-parameter limit."""
+
+_SIMPLE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
+"""Metadata keys whose JSON path every dialect quotes alike (others are checked in Python)."""
+
+_sessions = cast(Table, ChatflowSession.__table__)
+_messages = cast(Table, ChatflowMessage.__table__)
+_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_archive = cast(Table, ChatflowMessageArchive.__table__)
+
+
+def validate_user_id(user_id: object) -> str:
+    """Return ``user_id`` if usable (same rules as a session id), else raise ``ValueError``."""
+    if not isinstance(user_id, str):
+        raise ValueError(f"user_id must be a str, got {type(user_id).__name__}")
+    if not user_id:
+        raise ValueError("user_id must be a non-empty string")
+    if len(user_id) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(
+            f"user_id is {len(user_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
+        )
+    if "\x00" in user_id:
+        raise ValueError("user_id must not contain the NUL character ('\\x00')")
+    return user_id
+
+
+@dataclass(frozen=True)
+class ListFilters:
+    """The validated arguments of ``list_sessions`` (every store builds one).
+
+    Raises:
+        ValueError: From :meth:`build`, naming the bad argument.
+
+    """
+
+    user_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    updated_after: datetime | None = None
+    limit: int | None = None
+    after: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        user_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> ListFilters:
+        """Check every argument; bad input raises ``ValueError`` saying what to pass."""
+        if user_id is not None:
+            validate_user_id(user_id)
+        wanted = _validate_metadata_filter(metadata)
+        if updated_after is not None and (
+            not isinstance(updated_after, datetime) or updated_after.tzinfo is None
+        ):
+            raise ValueError(
+                "updated_after must be a timezone-aware datetime "
+                f"(e.g. datetime.now(timezone.utc) - timedelta(days=1)), got {updated_after!r}"
+            )
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+        if after is not None:
+            try:
+                validate_session_id(after)
+            except ValueError as exc:
+                reason = f"after must be a session id (the last of a page): {exc}"
+                raise ValueError(reason) from None
+        return cls(user_id, wanted, updated_after, limit, after)
+
+    @property
+    def paged(self) -> bool:
+        """Paging (``limit`` or ``after`` given): keyset order by ``session_id``."""
+        return self.limit is not None or self.after is not None
+
+
+def _validate_metadata_filter(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise ValueError(
+            f"metadata must be a dict of str keys to JSON values, got {metadata!r}"
+        )
+    wanted = dict(metadata)
+    dump_metadata(wanted)  # refuses NaN, NUL and non-JSON values, as stored metadata does
+    return wanted
+
+
+def json_equal(left: object, right: object) -> bool:
+    """Equality of two decoded JSON values, by JSON type.
+
+    Numbers compare by value (``1 == 1.0``); booleans are not numbers;
+    strings, null, arrays (in order) and objects (key for key) must match
+    exactly.
+    """
+    if isinstance(left, bool) or isinstance(right, bool):
+        return isinstance(left, bool) and isinstance(right, bool) and left == right
+    if isinstance(left, (int, float)) and isinstance(right, (int, float)):
+        return left == right
+    if isinstance(left, str) or isinstance(right, str):
+        return isinstance(left, str) and isinstance(right, str) and left == right
+    if left is None or right is None:
+        return left is None and right is None
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(json_equal(left[k], right[k]) for k in left)
+    if isinstance(left, list) and isinstance(right, list):
+        return len(left) == len(right) and all(
+            json_equal(a, b) for a, b in zip(left, right, strict=True)
+        )
+    return False
+
+
+def matches_metadata(stored: object, wanted: Mapping[str, Any]) -> bool:
+    """True if ``stored`` (a session's metadata) has every key of ``wanted`` with an equal value."""
+    if not isinstance(stored, dict):
+        return not wanted
+    return all(key in stored and json_equal(stored[key], value) for key, value in wanted.items())
+
+
+def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnElement[bool]]:
+    """Conditions that keep every matching row (and drop most others) in SQL."""
+    column = _sessions.c.metadata_json
+    if dialect_name == "postgresql":  # JSONB containment: exact for scalars, a superset otherwise
+        return [type_coerce(column, postgresql.JSONB).contains(dict(wanted))]
+    return [
+        column[key].as_string() == value
+        for key, value in wanted.items()
+        if isinstance(value, str) and _SIMPLE_KEY.match(key)
+    ]
+
+
+def _filtered(query: Select[Any], dialect_name: str, filters: ListFilters) -> Select[Any]:
+    if filters.user_id is not None:
+        query = query.where(_sessions.c.user_id == filters.user_id)
+    if filters.updated_after is not None:
+        query = query.where(_sessions.c.updated_at > filters.updated_after)
+    if filters.metadata:
+        query = query.where(*_narrowing(dialect_name, filters.metadata))
+    return query
+
+
+def session_page(conn: Connection, filters: ListFilters) -> list[str]:
+    """Session ids matching ``filters``, in the order the module docstring defines."""
+    dialect_name = conn.dialect.name
+    columns = [_sessions.c.session_id]
+    if filters.metadata:
+        columns.append(_sessions.c.metadata_json)
+    query = _filtered(select(*columns), dialect_name, filters)
+    if not filters.paged:
+        query = query.order_by(_sessions.c.updated_at.desc(), _sessions.c.session_id)
+        return [row.session_id for row in conn.execute(query) if _keep(row, filters)]
+    query = query.order_by(_sessions.c.session_id)
+    found: list[str] = []
+    cursor = filters.after
+    batch = None if filters.limit is None else max(filters.limit, 100 if filters.metadata else 0)
+    while True:
+        page = query if cursor is None else query.where(_sessions.c.session_id > cursor)
+        rows = list(conn.execute(page if batch is None else page.limit(batch)))
+        for row in rows:
+            if _keep(row, filters):
+                found.append(row.session_id)
+                if filters.limit is not None and len(found) == filters.limit:
+                    return found
+        if batch is None or len(rows) < batch:
+            return found
+        cursor = rows[-1].session_id
+
+
+def _keep(row: Any, filters: ListFilters) -> bool:
+    return not filters.metadata or matches_metadata(row.metadata_json, filters.metadata)
+
+
+def user_session_ids(conn: Connection, user_id: str, *, lock: bool = False) -> list[str]:
+    """The ids of ``user_id``'s sessions, in id order (``lock``: row-locked until commit)."""
+    query = (
+        select(_sessions.c.session_id)
+        .where(_sessions.c.user_id == user_id)
+        .order_by(_sessions.c.session_id)
+    )
+    if lock:
+        query = query.with_for_update()
+    return list(conn.execute(query).scalars())
+
+
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(ids), _ID_CHUNK):
+        yield ids[start : start + _ID_CHUNK]
+
+
+def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] = ()) -> int:
+    """Delete the sessions ``ids`` with their messages, claims and rows in ``extra``.
+
+    Runs in the caller's transaction: the caller commits once, so either
+    everything about these sessions goes or nothing does. ``extra``: more
+    tables with a ``session_id`` column (the transcript archive).
+    Returns how many session rows were deleted.
+    """
+    erased = 0
+    for chunk in _chunks(list(ids)):
+        for table in (_messages, _processed, _archive, *extra):
+            conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
+        erased += conn.execute(
+            delete(_sessions).where(_sessions.c.session_id.in_(chunk))
+        ).rowcount
+    return int(erased)
+
+
+def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ()) -> int:
+    """Delete everything of ``user_id``'s sessions in the caller's transaction, by subquery.
+
+    For callers without the store's up-front write lock (the CLI on SQLite):
+    no read precedes the first write, so the transaction never has to
+    upgrade a read snapshot. Returns how many sessions were deleted.
+    """
+    owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
+    for table in (_messages, _processed, _archive, *extra):
+        conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
+    return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
+
+
+# ---------------------------------------------------------------- retention
+
+SWEEP_BATCH = 500
+"""Sessions removed per sweep transaction: bounds lock time and transaction size."""
+
+MAX_SESSION_TTL_HOURS = 876_000
+"""Longest accepted ``session_ttl_hours``: 100 years (as the dedup window)."""
+
+
+def validate_session_ttl(value: object) -> float | None:
+    """``session_ttl_hours`` as a float (or None), if ``0 < value <= 100 years``."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_SESSION_TTL_HOURS
+    ):
+        raise ValueError(
+            "session_ttl_hours must be None (keep sessions forever) or a number of hours with "
+            f"0 < session_ttl_hours <= {MAX_SESSION_TTL_HOURS} (100 years), got {value!r}"
+        )
+    return float(value)
+
+
+def validate_archive_pruned(value: object) -> bool:
+    """``archive_pruned`` must be a bool (a truthy string would silently mean yes)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"archive_pruned must be True or False, got {value!r}")
+    return value
+
+
+def validate_sweep_limit(limit: object) -> int | None:
+    """``sweep(limit)``: None (everything expired) or a positive int."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None (no limit), got {limit!r}")
+    return limit
+
+
+def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
+    """No live acquired webhook claim names the session (its turn may be running)."""
+    live = (
+        select(_processed.c.message_id)
+        .where(
+            _processed.c.session_id == _sessions.c.session_id,
+            _processed.c.state == CLAIM_ACQUIRED,
+            _processed.c.lease_expires_at > now,
+        )
+        .exists()
+    )
+    return ~live
+
+
+def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
+    """Sessions last written before ``cutoff`` and not held by a live claim, oldest first."""
+    return (
+        select(_sessions.c.session_id, _sessions.c.updated_at)
+        .where(_sessions.c.updated_at < cutoff, _not_claimed_now(now))
+        .order_by(_sessions.c.updated_at, _sessions.c.session_id)
+    )
+
+
+@dataclass
+class SweepCursor:
+    """Where the next batch of one ``sweep()`` call starts (past sessions it skipped)."""
+
+    updated_at: datetime | None = None
+    session_id: str | None = None
+
+
+def sweep_candidates(
+    conn: Connection, cutoff: datetime, now: datetime, batch: int, cursor: SweepCursor
+) -> list[str]:
+    """Lock and return up to ``batch`` expired sessions after ``cursor``, moving it.
+
+    ``FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+): concurrent sweepers
+    take disjoint batches instead of waiting for one another; a session row
+    locked by a writer is passed over. SQLite ignores it: there the caller's
+    ``BEGIN IMMEDIATE`` serialises sweepers and writers.
+    """
+    query = expired_query(cutoff, now)
+    if cursor.updated_at is not None:
+        query = query.where(
+            tuple_(_sessions.c.updated_at, _sessions.c.session_id)
+            > tuple_(literal(cursor.updated_at, UTCDateTime()), literal(cursor.session_id))
+        )
+    rows = list(conn.execute(query.limit(batch).with_for_update(skip_locked=True)))
+    if rows:
+        cursor.updated_at, cursor.session_id = rows[-1].updated_at, rows[-1].session_id
+    return [row.session_id for row in rows]
+
+
+def count_expired(conn: Connection, cutoff: datetime, now: datetime) -> tuple[int, list[str]]:
+    """``(how many, the oldest 20 ids)`` a sweep would remove now (for ``--dry-run``)."""
+    query = expired_query(cutoff, now)
+    total = conn.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    return int(total), list(conn.execute(query.limit(20)).scalars())
+
+
+# ---------------------------------------------------------------- transcript archive
+
+
+def pruned_seqs(gone: Iterable[int], kept_seqs: list[int], n_system: int) -> list[int]:
+    """Of the rows leaving the window (``gone``), those pruning dropped, to archive.
+
+    Pruning drops the oldest turns, so a pruned row's seq is below every kept
+    non-SYSTEM row's; rows removed by a rollback (newer than what is kept)
+    or by ``clear_history`` (nothing kept) are not pruned and are not archived.
+    """
+    if len(kept_seqs) <= n_system:
+        return []
+    oldest_kept = kept_seqs[n_system]
+    return sorted(seq for seq in gone if seq < oldest_kept)
+
+
+def archive_rows(conn: Connection, session_id: str, seqs: list[int], now: datetime) -> None:
+    """Copy the window rows ``seqs`` of a session into the archive (before they are deleted)."""
+    for start in range(0, len(seqs), _ID_CHUNK):
+        chunk = seqs[start : start + _ID_CHUNK]
+        source = select(
+            _messages.c.session_id, _messages.c.seq, _messages.c.role, _messages.c.content,
+            _messages.c.message_json, _messages.c.created_at,
+            literal(now, UTCDateTime()).label("archived_at"),
+        ).where(_messages.c.session_id == session_id, _messages.c.seq.in_(chunk))
+        conn.execute(
+            insert(_archive).from_select(
+                ["session_id", "seq", "role", "content", "message_json", "created_at",
+                 "archived_at"],
+                source,
+            )
+        )
+
+
+def transcript_rows(conn: Connection, session_id: str) -> list[tuple[int, Any, str]]:
+    """``(row id, seq, message_json)`` of archive + window, one per seq, in seq order.
+
+    A seq both archived and in the window (restored by a rollback) is taken
+    from the window; a seq archived twice, from its latest archive row.
+    """
+    by_seq: dict[int, tuple[int, Any, str]] = {}
+    archived = (
+        select(_archive.c.id, _archive.c.seq, _archive.c.message_json)
+        .where(_archive.c.session_id == session_id)
+        .order_by(_archive.c.id)
+    )
+    window = select(_messages.c.id, _messages.c.seq, _messages.c.message_json).where(
+        _messages.c.session_id == session_id
+    )
+    for query in (archived, window):
+        for row in conn.execute(query):
+            by_seq[row.seq] = (row.id, row.seq, row.message_json)
+    return [by_seq[seq] for seq in sorted(by_seq)]
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def export_sessions(
+    conn: Connection,
+    ids: list[str],
+    parse: Any,
+    open_metadata: Any = None,
+) -> list[dict[str, Any]]:
+    """Everything stored about the sessions ``ids``, as JSON-ready dicts.
+
+    ``parse(session_id, row_id, message_json) -> Message`` decodes a message
+    row (the store's decoder: a corrupt row raises ``CorruptRowError``).
+    """
+    exported: list[dict[str, Any]] = []
+    for chunk in _chunks(ids):
+        rows = conn.execute(
+            select(_sessions).where(_sessions.c.session_id.in_(chunk)).order_by(
+                _sessions.c.session_id
+            )
+        ).mappings()
+        for row in rows:
+            sid = row["session_id"]
+            messages: list[Message] = [
+                parse(sid, msg.id, msg.message_json)
+                for msg in conn.execute(
+                    select(_messages.c.id, _messages.c.message_json)
+                    .where(_messages.c.session_id == sid)
+                    .order_by(
+                        case((_messages.c.role == Role.SYSTEM.value, 0), else_=1),
+                        _messages.c.seq,
+                    )
+                )
+            ]
+            exported.append(
+                {
+                    "session_id": sid,
+                    "user_id": row["user_id"],
+                    "active_agent_name": row["active_agent_name"],
+                    "metadata": row["metadata_json"]
+                    if open_metadata is None
+                    else open_metadata(sid, row["metadata_json"]),
+                    "created_at": _iso(row["created_at"]),
+                    "updated_at": _iso(row["updated_at"]),
+                    "messages": [m.model_dump(mode="json") for m in messages],
+                    "archived_messages": [
+                        parse(sid, row.id, row.message_json).model_dump(mode="json")
+                        for row in conn.execute(
+                            select(_archive.c.id, _archive.c.message_json)
+                            .where(_archive.c.session_id == sid)
+                            .order_by(_archive.c.seq, _archive.c.id)
+                        )
+                    ],
+                    "webhook_claims": _claims_of(conn, sid),
+                }
+            )
+    return exported
+
+
+def _claims_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
+    query = (
+        select(
+            _processed.c.message_id,
+            _processed.c.state,
+            _processed.c.processed_at,
+            _processed.c.response,
+        )
+        .where(_processed.c.session_id == session_id)
+        .order_by(_processed.c.ticket, _processed.c.message_id)
+    )
+    return [
+        {
+            "message_id": row.message_id,
+            "state": row.state,
+            "processed_at": _iso(row.processed_at),
+            "response": row.response,
+        }
+        for row in conn.execute(query)
+    ]

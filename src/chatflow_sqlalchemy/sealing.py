@@ -1,0 +1,208 @@
+"""Encryption at rest in the SQL stores: what is sealed, how rows are opened, key rotation.
+
+Sealed with the store's ``cipher`` (an :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`),
+each with the session id as associated data:
+
+* ``chatflow_messages.message_json`` (content, tool calls with their
+  arguments, tool results) and the same column of the archive;
+* ``chatflow_sessions.metadata_json``, stored as ``{"_enc": "<token>"}`` (the
+  column stays a JSON object).
+
+In clear: ids (session, message, webhook), ``seq``, ``role``, timestamps,
+``version``, ``active_agent_name``, ``user_id``, and the webhook claims
+(state, lease, stored reply). The readable ``content`` column copy is left
+NULL for sealed rows, so it holds no plaintext. Every token names its key id.
+
+Metadata filters of ``list_sessions`` cannot look inside sealed metadata:
+a store with a cipher refuses them with ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, cast
+
+from chatflow_agent import Message
+from sqlalchemy import Connection, Table, and_, not_, select, update
+
+from chatflow_sqlalchemy.crypto import TOKEN_PREFIX, AESGCMCipher, CipherError, is_encrypted
+from chatflow_sqlalchemy.exceptions import CorruptRowError
+from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive, ChatflowSession
+
+__all__ = [
+    "ROTATE_BATCH",
+    "Sealer",
+    "rotate_batch",
+]
+
+ROTATE_BATCH = 200
+"""Rows re-encrypted per transaction by ``keys rotate``."""
+
+_SEALED_KEY = "_enc"
+
+_sessions = cast(Table, ChatflowSession.__table__)
+_messages = cast(Table, ChatflowMessage.__table__)
+_archive = cast(Table, ChatflowMessageArchive.__table__)
+
+
+class Sealer:
+    """Seals and opens one store's rows with its cipher (or passes them through).
+
+    Args:
+        cipher: The cipher, or None (plaintext rows).
+        require_encryption: Refuse a plaintext row with ``CorruptRowError``.
+
+    Raises:
+        ValueError: ``require_encryption`` without a cipher, or a cipher of the wrong type.
+
+    """
+
+    def __init__(self, cipher: AESGCMCipher | None, require_encryption: bool) -> None:
+        if cipher is not None and not isinstance(cipher, AESGCMCipher):
+            raise ValueError(
+                f"cipher must be a chatflow_sqlalchemy.crypto.AESGCMCipher, got {cipher!r}"
+            )
+        if not isinstance(require_encryption, bool):
+            raise ValueError(
+                f"require_encryption must be True or False, got {require_encryption!r}"
+            )
+        if require_encryption and cipher is None:
+            raise ValueError("require_encryption=True needs a cipher= to read and write with")
+        self.cipher = cipher
+        self.require = require_encryption
+
+    @property
+    def active(self) -> bool:
+        """True if this store seals what it writes."""
+        return self.cipher is not None
+
+    def seal_text(self, session_id: str, text: str) -> str:
+        """``message_json`` as stored."""
+        return text if self.cipher is None else self.cipher.encrypt(text, session_id)
+
+    def seal_metadata(self, session_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """``metadata_json`` as stored."""
+        if self.cipher is None:
+            return metadata
+        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
+
+    def open_text(self, session_id: str, row_id: object, text: str, table: str) -> str:
+        """A stored ``message_json`` in clear; plaintext is refused when encryption is required."""
+        if not is_encrypted(text):
+            if self.require:
+                raise CorruptRowError(
+                    session_id, row_id,
+                    "plaintext row while require_encryption=True (encrypt it with "
+                    "chatflow-sqlalchemy keys rotate)", table=table,
+                )
+            return text
+        if self.cipher is None:
+            raise CorruptRowError(
+                session_id, row_id, "encrypted row, but the store has no cipher= to read it",
+                table=table,
+            )
+        try:
+            return self.cipher.decrypt(text, session_id)
+        except CipherError as exc:
+            raise CorruptRowError(session_id, row_id, str(exc), table=table) from exc
+
+    def open_metadata(self, session_id: str, stored: Any) -> Any:
+        """A stored ``metadata_json`` in clear (a dict, or what was stored if not one)."""
+        if isinstance(stored, dict) and set(stored) == {_SEALED_KEY}:
+            text = self.open_text(session_id, None, stored[_SEALED_KEY], "chatflow_sessions")
+            try:
+                return json.loads(text)
+            except ValueError as exc:
+                raise CorruptRowError(
+                    session_id, None, f"sealed metadata is not JSON ({exc})",
+                    table="chatflow_sessions",
+                ) from exc
+        if self.require:
+            raise CorruptRowError(
+                session_id, None, "plaintext metadata while require_encryption=True (encrypt "
+                "it with chatflow-sqlalchemy keys rotate)", table="chatflow_sessions",
+            )
+        return stored
+
+    def parser(self, parse: Callable[[str, object, str], Message]) -> Callable[..., Message]:
+        """``parse`` (the store's row decoder) opening each message row first."""
+        def parse_sealed(session_id: str, row_id: object, text: str) -> Message:
+            return parse(session_id, row_id, self.open_text(
+                session_id, row_id, text, "chatflow_messages"
+            ))
+        return parse_sealed
+
+
+def _stale(column: Any, primary: str) -> Any:
+    """Rows not yet sealed with the primary key (plaintext or an older key)."""
+    return not_(column.startswith(f"{TOKEN_PREFIX}{primary}:", autoescape=True))
+
+
+def rotate_batch(
+    conn: Connection, cipher: AESGCMCipher, cursor: dict[str, str], batch: int = ROTATE_BATCH
+) -> tuple[int, bool]:
+    """Re-seal up to ``batch`` rows of each table with the primary key.
+
+    Returns ``(rows rewritten, whether more rows may remain)``.
+
+    Runs in the caller's (write) transaction. Message and archive rows are
+    never updated by turns (only inserted or deleted), so each is rewritten
+    by id; a session's metadata is rewritten only if its ``version`` is
+    still the one read, so a concurrent turn's metadata is never overwritten.
+    Plaintext rows are sealed too (this is how an existing database is
+    encrypted). ``cursor`` carries the last session id whose metadata was
+    looked at, from batch to batch of one rotation.
+    """
+    done, more = 0, False
+    for table in (_messages, _archive):
+        rows = conn.execute(
+            select(table.c.id, table.c.session_id, table.c.message_json)
+            .where(_stale(table.c.message_json, cipher.primary))
+            .order_by(table.c.id)
+            .limit(batch)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for row in rows:
+            text = row.message_json
+            if is_encrypted(text):
+                text = cipher.decrypt(text, row.session_id)
+            sealed = cipher.encrypt(text, row.session_id)
+            conn.execute(
+                update(table).where(table.c.id == row.id).values(message_json=sealed, content=None)
+            )
+        done += len(rows)
+        more = more or len(rows) == batch
+    rewritten, scanned = _rotate_metadata(conn, cipher, batch, cursor)
+    return done + rewritten, more or scanned == batch
+
+
+def _rotate_metadata(
+    conn: Connection, cipher: AESGCMCipher, batch: int, cursor: dict[str, str]
+) -> tuple[int, int]:
+    sealer = Sealer(cipher, False)
+    query = (
+        select(_sessions.c.session_id, _sessions.c.version, _sessions.c.metadata_json)
+        .order_by(_sessions.c.session_id)
+        .limit(batch)
+    )
+    if "session" in cursor:
+        query = query.where(_sessions.c.session_id > cursor["session"])
+    done = 0
+    rows = conn.execute(query).all()
+    for row in rows:
+        cursor["session"] = row.session_id
+        stored = row.metadata_json
+        token = stored.get(_SEALED_KEY) if isinstance(stored, dict) else None
+        if isinstance(token, str) and token.startswith(f"{TOKEN_PREFIX}{cipher.primary}:"):
+            continue
+        metadata = sealer.open_metadata(row.session_id, stored)
+        conn.execute(
+            update(_sessions)
+            .where(and_(_sessions.c.session_id == row.session_id,
+                        _sessions.c.version == row.version))
+            .values(metadata_json=sealer.seal_metadata(row.session_id, metadata))
+        )
+        done += 1
+    return done, len(rows)
