@@ -39,6 +39,8 @@ def test_keys_without_session_id_are_the_ones_docs_scaling_lists() -> None:
         # Distributed, the primary key would become (session_id, id); (session_id, seq)
         # is already unique and is what every query of the store uses.
         "chatflow_messages": ["id"],
+        # The transcript archive (issue 16) is keyed like the messages it keeps.
+        "chatflow_message_archive": ["id"],
         # Webhook ids are global (a delivery names no session until it is claimed):
         # the claims table stays a local table on the coordinator, or is distributed
         # by message_id on its own.
