@@ -260,6 +260,18 @@ def _describe(url: URL) -> str:
     return f"{url.get_backend_name()} database {url.database!r} on {host} as {url.username!r}"
 
 
+_SWEEP_DEADLOCK_RETRIES = 5
+
+
+def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
+    """The database rolled the transaction back as a deadlock victim (SQLSTATE 40001/40P01)."""
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) in ("40001", "40P01"):
+        return True
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
+
+
 def _validate_message_id(message_id: object) -> str:
     if not isinstance(message_id, str) or not message_id:
         raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
@@ -1062,16 +1074,38 @@ class SQLAlchemySessionStore(BaseSessionStore):
         total = 0
         while limit is None or total < limit:
             want = SWEEP_BATCH if limit is None else min(SWEEP_BATCH, limit - total)
-            with self._transaction(write=True) as conn:
-                found = sweep_candidates(conn, cutoff, utcnow(), want, cursor)
-                busy = self._sweep_busy(conn, found)
-                removed = [sid for sid in found if sid not in busy]
-                total += erase_sessions(conn, removed)
+            found, removed = self._sweep_batch(cutoff, want, cursor)
+            total += len(removed)
             for session_id in removed:
                 self._forget(session_id)
             if len(found) < want:
                 break
         return total
+
+    def _sweep_batch(
+        self, cutoff: datetime, want: int, cursor: SweepCursor
+    ) -> tuple[list[str], list[str]]:
+        """One sweep transaction: (candidates found, sessions removed).
+
+        Sweepers racing on the same rows can be chosen as a deadlock victim
+        (InnoDB); the database rolled that transaction back whole, so it is
+        run again, a bounded number of times.
+        """
+        start = (cursor.updated_at, cursor.session_id)
+        for attempt in range(_SWEEP_DEADLOCK_RETRIES):
+            cursor.updated_at, cursor.session_id = start  # a rolled-back batch is redone whole
+            try:
+                with self._transaction(write=True) as conn:
+                    found = sweep_candidates(conn, cutoff, utcnow(), want, cursor)
+                    busy = self._sweep_busy(conn, found)
+                    removed = [sid for sid in found if sid not in busy]
+                    erase_sessions(conn, removed)
+                return found, removed
+            except sa_exc.OperationalError as exc:
+                if not _is_deadlock(exc) or attempt == _SWEEP_DEADLOCK_RETRIES - 1:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def transcript(self, session_id: str) -> list[Message]:
         """The whole conversation: archived messages, then the window, in order.
