@@ -80,8 +80,10 @@ def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_module_imports_without_cryptography_and_names_the_extra() -> None:
+    # Hide only the AEAD module the cipher needs: chatflow-agent's own dependencies
+    # (google-auth) import other parts of cryptography when they are installed.
     code = (
-        "import sys; sys.modules['cryptography'] = None\n"
+        "import sys; sys.modules['cryptography.hazmat.primitives.ciphers.aead'] = None\n"
         "from chatflow_sqlalchemy.crypto import AESGCMCipher\n"
         "try:\n    AESGCMCipher(keys={'k1': b'0' * 32}, primary='k1')\n"
         "except ImportError as exc:\n    print(exc)\n"
