@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -42,6 +44,8 @@ __all__ = [
 
 _BLOCKING_IO_WORKERS = 4
 """Threads in each on-disk store's private pool for the async API (0.4.0rc1)."""
+
+_WAL_RETRY_SECONDS = 0.005
 
 BUSY_TIMEOUT_MS = 30_000
 """How long a writer waits for another connection's write lock before failing."""
@@ -141,7 +145,7 @@ class SQLiteDialectSupport(DialectSupport):
                 cursor.execute("PRAGMA foreign_keys = ON")
                 cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
                 if not ephemeral:
-                    cursor.execute("PRAGMA journal_mode = WAL")
+                    _enter_wal(cursor)
                     cursor.execute("PRAGMA synchronous = NORMAL")
             finally:
                 cursor.close()
@@ -193,6 +197,24 @@ class SQLiteDialectSupport(DialectSupport):
     def end_migration(self, connection: Connection) -> None:
         """Turn foreign keys back on (the migration checked our tables before committing)."""
         _raw(connection).execute("PRAGMA foreign_keys = ON")
+
+
+def _enter_wal(cursor: Any) -> None:
+    """Switch the file to WAL, waiting out other connections doing the same.
+
+    The switch needs the exclusive lock; when several connections open a new
+    file at once, SQLite answers ``database is locked`` at once instead of
+    calling the busy handler (waiting could deadlock), so we wait here.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(_WAL_RETRY_SECONDS)
 
 
 def database_file(url: URL) -> Path | None:
