@@ -403,6 +403,7 @@ class SessionContext(_UpstreamSessionContext):
         self._in_turn = False
         self._stale = False
         self._verified_at = float("-inf")
+        self._touched_at = float("-inf")  # this process last moved updated_at (write, turn)
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
         self._async_writer = _AnyLoopLock()

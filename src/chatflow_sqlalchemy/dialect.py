@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, cast, runtime_checkable
 
 from sqlalchemy import (
@@ -305,6 +306,33 @@ class DialectSupport:
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """Make a session-row SELECT lock the row for the rest of the transaction."""
         return select.with_for_update()
+
+    def lock_batch(self, select: Select[Any], connection: Connection) -> Select[Any]:
+        """Lock the rows a batch job picked (sweep, key rotation) for its transaction.
+
+        Default ``FOR UPDATE SKIP LOCKED``: concurrent jobs take disjoint
+        batches and a row a writer holds is passed over, not waited for.
+        Backends whose server may lack ``SKIP LOCKED`` decide from
+        ``connection``'s server version (jobs then wait for one another).
+        SQLite ignores row locks.
+        """
+        return select.with_for_update(skip_locked=True)
+
+    def hold_turns(
+        self, connection: Connection, session_ids: Sequence[str]
+    ) -> AbstractContextManager[set[str]]:
+        """Keep turns off sessions a sweep is about to remove.
+
+        Entered inside the sweep's write transaction and left after it
+        committed. Yields the sessions whose turn is in progress in any
+        process (the sweep keeps them); no turn can start on the others
+        until the context is left. Default, for dialects without
+        :meth:`turn_locks`: none is known to be busy here (the store adds
+        its own running turns; other processes' turns are detected by the
+        session's ``updated_at``, which a turn moves when it starts on an
+        idle session, see :data:`~chatflow_sqlalchemy.lifecycle.TURN_TOUCH_SECONDS`).
+        """
+        return nullcontext(set())
 
     def table_options(self, dialect: Dialect) -> dict[str, Any]:
         """Extra ``create_table`` keyword arguments for the chatflow tables.

@@ -29,9 +29,9 @@ comparison can let a wrong row through; pages are filled in batches until
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from chatflow_agent import Role
@@ -48,6 +48,7 @@ from sqlalchemy import (
     select,
     tuple_,
     type_coerce,
+    update,
 )
 from sqlalchemy.dialects import postgresql
 
@@ -69,6 +70,7 @@ __all__ = [
     "EXPORT_FORMAT",
     "MAX_SESSION_TTL_HOURS",
     "SWEEP_BATCH",
+    "TURN_TOUCH_SECONDS",
     "ListFilters",
     "SweepCursor",
     "archive_rows",
@@ -82,6 +84,8 @@ __all__ = [
     "pruned_seqs",
     "session_page",
     "sweep_candidates",
+    "touch_interval",
+    "touch_session",
     "transcript_rows",
     "user_session_ids",
     "validate_archive_pruned",
@@ -357,6 +361,32 @@ def validate_sweep_limit(limit: object) -> int | None:
     return limit
 
 
+TURN_TOUCH_SECONDS = 60.0
+"""On dialects without cross-process turn locks, a turn starting on a session this
+process has not written for this long (or for a quarter of the store's
+``session_ttl_hours``, if shorter) first moves the session's ``updated_at`` to now,
+so that no sweep in another process takes a session while its turn runs."""
+
+
+def touch_interval(session_ttl_hours: float | None) -> float:
+    """Seconds after which a turn start moves ``updated_at`` again (:data:`TURN_TOUCH_SECONDS`)."""
+    if session_ttl_hours is None:
+        return TURN_TOUCH_SECONDS
+    return min(TURN_TOUCH_SECONDS, session_ttl_hours * 3600 / 4)
+
+
+def touch_session(conn: Connection, session_id: str, now: datetime, interval: float) -> None:
+    """Move the session's ``updated_at`` to ``now`` unless it is already that recent."""
+    conn.execute(
+        update(_sessions)
+        .where(
+            _sessions.c.session_id == session_id,
+            _sessions.c.updated_at < now - timedelta(seconds=interval),
+        )
+        .values(updated_at=now)
+    )
+
+
 def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
     """No live acquired webhook claim names the session (its turn may be running)."""
     live = (
@@ -389,13 +419,19 @@ class SweepCursor:
 
 
 def sweep_candidates(
-    conn: Connection, cutoff: datetime, now: datetime, batch: int, cursor: SweepCursor
+    conn: Connection,
+    cutoff: datetime,
+    now: datetime,
+    batch: int,
+    cursor: SweepCursor,
+    lock: Callable[[Select[Any], Connection], Select[Any]],
 ) -> list[str]:
     """Lock and return up to ``batch`` expired sessions after ``cursor``, moving it.
 
-    ``FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+): concurrent sweepers
-    take disjoint batches instead of waiting for one another; a session row
-    locked by a writer is passed over. SQLite ignores it: there the caller's
+    ``lock`` is the dialect's :meth:`~chatflow_sqlalchemy.dialect.DialectSupport.lock_batch`:
+    with ``FOR UPDATE SKIP LOCKED`` concurrent sweepers take disjoint batches
+    instead of waiting for one another and a session row locked by a writer
+    is passed over. SQLite ignores row locks: there the caller's
     ``BEGIN IMMEDIATE`` serialises sweepers and writers.
     """
     query = expired_query(cutoff, now)
@@ -404,7 +440,7 @@ def sweep_candidates(
             tuple_(_sessions.c.updated_at, _sessions.c.session_id)
             > tuple_(literal(cursor.updated_at, UTCDateTime()), literal(cursor.session_id))
         )
-    rows = list(conn.execute(query.limit(batch).with_for_update(skip_locked=True)))
+    rows = list(conn.execute(lock(query.limit(batch), conn)))
     if rows:
         cursor.updated_at, cursor.session_id = rows[-1].updated_at, rows[-1].session_id
     return [row.session_id for row in rows]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from chatflow_agent import Message
-from sqlalchemy import Connection, Table, and_, not_, select, update
+from sqlalchemy import Connection, Select, Table, and_, not_, select, update
 
 from chatflow_sqlalchemy.crypto import TOKEN_PREFIX, AESGCMCipher, CipherError, is_encrypted
 from chatflow_sqlalchemy.exceptions import CorruptRowError
@@ -141,11 +141,17 @@ def _stale(column: Any, primary: str) -> Any:
 
 
 def rotate_batch(
-    conn: Connection, cipher: AESGCMCipher, cursor: dict[str, str], batch: int = ROTATE_BATCH
+    conn: Connection,
+    cipher: AESGCMCipher,
+    cursor: dict[str, str],
+    batch: int,
+    lock: Callable[[Select[Any], Connection], Select[Any]],
 ) -> tuple[int, bool]:
     """Re-seal up to ``batch`` rows of each table with the primary key.
 
-    Returns ``(rows rewritten, whether more rows may remain)``.
+    Returns ``(rows rewritten, whether more rows may remain)``. ``lock`` is
+    the dialect's :meth:`~chatflow_sqlalchemy.dialect.DialectSupport.lock_batch`
+    (concurrent rotations skip each other's rows where the server can).
 
     Runs in the caller's (write) transaction. Message and archive rows are
     never updated by turns (only inserted or deleted), so each is rewritten
@@ -157,13 +163,13 @@ def rotate_batch(
     """
     done, more = 0, False
     for table in (_messages, _archive):
-        rows = conn.execute(
+        rows = conn.execute(lock(
             select(table.c.id, table.c.session_id, table.c.message_json)
             .where(_stale(table.c.message_json, cipher.primary))
             .order_by(table.c.id)
-            .limit(batch)
-            .with_for_update(skip_locked=True)
-        ).all()
+            .limit(batch),
+            conn,
+        )).all()
         for row in rows:
             text = row.message_json
             if is_encrypted(text):

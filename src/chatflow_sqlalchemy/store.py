@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -106,6 +106,8 @@ from chatflow_sqlalchemy.lifecycle import (
     pruned_seqs,
     session_page,
     sweep_candidates,
+    touch_interval,
+    touch_session,
     transcript_rows,
     user_session_ids,
     validate_archive_pruned,
@@ -181,6 +183,7 @@ _SELECT_SESSION = select(
     _sessions.c.active_agent_name,
     _sessions.c.metadata_json,
     _sessions.c.created_at,
+    _sessions.c.updated_at,
 ).where(_sessions.c.session_id == bindparam("session_id"))
 _SELECT_MESSAGES = (
     select(_messages.c.id, _messages.c.seq, _messages.c.message_json)
@@ -328,6 +331,7 @@ class _StoredSession:
     messages: list[Message]
     seqs: list[int]
     created_at: datetime | None = None
+    updated_at: datetime | None = None
 
 
 class SQLAlchemySessionStore(BaseSessionStore):
@@ -834,6 +838,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
             hidden=frozenset(hidden),
         )
         ctx._load(messages, seqs, agent, stored.metadata, durable)
+        if stored.updated_at is not None:
+            age = max((utcnow() - stored.updated_at).total_seconds(), 0.0)
+            ctx._touched_at = max(ctx._touched_at, time.monotonic() - age)
 
     def _refresh(self, ctx: SessionContext) -> bool:
         """Catch ``ctx`` up with the database; False if its session is gone."""
@@ -892,7 +899,13 @@ class SQLAlchemySessionStore(BaseSessionStore):
             messages.append(_parse_message(session_id, msg_row.id, text))
             seqs.append(msg_row.seq)
         return _StoredSession(
-            row.version, row.active_agent_name, metadata, messages, seqs, row.created_at
+            row.version,
+            row.active_agent_name,
+            metadata,
+            messages,
+            seqs,
+            row.created_at,
+            row.updated_at,
         )
 
     # ------------------------------------------------------------ store API
@@ -1095,10 +1108,16 @@ class SQLAlchemySessionStore(BaseSessionStore):
         for attempt in range(_SWEEP_DEADLOCK_RETRIES):
             cursor.updated_at, cursor.session_id = start  # a rolled-back batch is redone whole
             try:
-                with self._transaction(write=True) as conn:
-                    found = sweep_candidates(conn, cutoff, utcnow(), want, cursor)
-                    busy = self._sweep_busy(conn, found)
-                    removed = [sid for sid in found if sid not in busy]
+                # Left in reverse order: turn locks held until the transaction committed.
+                with ExitStack() as held, self._transaction(write=True) as conn:
+                    found = sweep_candidates(
+                        conn, cutoff, utcnow(), want, cursor, self.support.lock_batch
+                    )
+                    ours = self._sweep_busy(found)
+                    others = held.enter_context(
+                        self.support.hold_turns(conn, [s for s in found if s not in ours])
+                    )
+                    removed = [sid for sid in found if sid not in ours | others]
                     erase_sessions(conn, removed)
                 return found, removed
             except sa_exc.OperationalError as exc:
@@ -1144,7 +1163,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         total = 0
         while True:
             with self._transaction(write=True) as conn:
-                done, more = rotate_batch(conn, cipher, cursor, batch)
+                done, more = rotate_batch(conn, cipher, cursor, batch, self.support.lock_batch)
             total += done
             if not more:
                 return total
@@ -1157,13 +1176,10 @@ class SQLAlchemySessionStore(BaseSessionStore):
             )
         return timedelta(hours=self.session_ttl_hours)
 
-    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
-        """Of ``session_ids``, those whose turn is in progress (kept by this sweep).
+    def _sweep_busy(self, session_ids: list[str]) -> set[str]:
+        """Of ``session_ids``, those whose turn is running in this store.
 
-        The generic store knows its own running turns; backends with a
-        cross-process turn lock extend this (PostgreSQL try-locks each
-        session's advisory lock in the sweep's transaction, so no turn can
-        start on it until the sweep commits).
+        Other processes' turns are found by :meth:`DialectSupport.hold_turns`.
         """
         with self._cache_lock:
             return {
@@ -1302,7 +1318,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 return
             try:
                 self._write_context(ctx, fence)
-                ctx._verified_at = time.monotonic()
+                ctx._verified_at = ctx._touched_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
                 raise
@@ -1528,6 +1544,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         contended session never pins one of the I/O threads.
         """
         locks = self._turn_locks
+        if locks is None:
+            await self._touch_if_idle(ctx)
         if locks is None and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
             return  # the Runner's get_or_create checked the version a moment ago
         delay = 0.002
@@ -1548,6 +1566,23 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if locks is not None:
                 await locks.release(ctx.session_id)
             raise
+
+    async def _touch_if_idle(self, ctx: SessionContext) -> None:
+        """Without turn locks: mark the session as in use, so no sweep takes it mid-turn.
+
+        Another process's sweep cannot see this turn; it keeps sessions
+        updated within its TTL, so a turn on a session idle for a while
+        moves ``updated_at`` first (one statement; see ``touch_interval``).
+        """
+        interval = touch_interval(self.session_ttl_hours)
+        if time.monotonic() - ctx._touched_at < interval:
+            return
+        await self._run_blocking(self._touch, ctx.session_id, interval)
+        ctx._touched_at = time.monotonic()
+
+    def _touch(self, session_id: str, interval: float) -> None:
+        with self._transaction(single=True) as conn:
+            touch_session(conn, session_id, utcnow(), interval)
 
     def _locked_version_matches(
         self, ctx: SessionContext, known: bool, version: int | None

@@ -26,9 +26,9 @@ from chatflow_sqlalchemy import (
     open_store,
 )
 from chatflow_sqlalchemy.cli import main
-from chatflow_sqlalchemy.models import ChatflowProcessedMessage, utcnow
+from chatflow_sqlalchemy.models import ChatflowProcessedMessage, ChatflowSession, utcnow
 from chatflow_sqlalchemy.testing.suite import ScriptedEngine
-from sqlalchemy import URL, create_engine, inspect, text
+from sqlalchemy import URL, create_engine, inspect, select, text
 
 from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
 from chatflow_sqlalchemy_mariadb.dialect import lock_name
@@ -89,7 +89,57 @@ def test_purge_statement_is_a_bounded_delete() -> None:
     assert "LIMIT 1000" in sql and " IN " not in sql
 
 
+@pytest.mark.parametrize(
+    ("mariadb", "version", "skips"),
+    [
+        (True, (10, 5, 22), False),
+        (True, (10, 6, 0), True),
+        (True, (11, 4, 2), True),
+        (False, (5, 7, 44), False),
+        (False, (8, 0, 0), False),
+        (False, (8, 0, 1), True),
+        (True, None, True),  # not connected (offline SQL): assumed recent
+    ],
+)
+def test_batch_jobs_skip_locked_rows_only_where_the_server_can(
+    mariadb: bool, version: tuple[int, ...] | None, skips: bool
+) -> None:
+    from sqlalchemy.dialects import mysql
+
+    from chatflow_sqlalchemy_mariadb.dialect import skips_locked_rows
+
+    dialect: Any = mysql.dialect()
+    dialect.is_mariadb = mariadb
+    dialect.server_version_info = version
+    assert skips_locked_rows(dialect) is skips
+    sessions: Any = ChatflowSessionTable
+    sql = str(
+        select(sessions.c.session_id)
+        .with_for_update(skip_locked=skips_locked_rows(dialect))
+        .compile(dialect=dialect)
+    )
+    assert sql.endswith("FOR UPDATE SKIP LOCKED") is skips and sql.endswith(("UPDATE", "LOCKED"))
+
+
+ChatflowSessionTable = ChatflowSession.__table__
+
+
 # --------------------------------------------------------------------------- with a server
+
+
+def test_sweep_locks_its_batch_as_this_server_allows(mariadb_database: URL) -> None:
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
+
+    engine = create_engine(mariadb_database)
+    try:
+        with engine.connect() as conn:
+            sessions: Any = ChatflowSessionTable
+            query = MariaDBDialectSupport().lock_batch(select(sessions.c.session_id), conn)
+            sql = str(query.compile(dialect=conn.dialect))
+            version = conn.dialect.server_version_info
+            assert ("SKIP LOCKED" in sql) is (tuple(version or ()) >= (10, 6)), (version, sql)
+    finally:
+        engine.dispose()
 
 
 def test_every_url_form_opens_the_backend(mariadb_database: URL) -> None:

@@ -17,7 +17,8 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
@@ -636,6 +637,26 @@ class PostgresDialectSupport(DialectSupport):
                 return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
 
+    @contextmanager
+    def hold_turns(self, connection: Connection, session_ids: Sequence[str]) -> Iterator[set[str]]:
+        """Try each session's turn lock in the sweep's transaction; a held one is busy.
+
+        ``pg_try_advisory_xact_lock`` on the key :class:`AdvisoryTurnLocks`
+        takes for a turn: a lock taken here is held until the sweep commits,
+        so no turn starts on a session while it is being removed.
+        """
+        keys = {session_lock_key(sid): sid for sid in session_ids}
+        if not keys:
+            yield set()
+            return
+        taken = connection.execute(
+            text("SELECT k FROM unnest(CAST(:keys AS bigint[])) AS k "
+                 "WHERE pg_try_advisory_xact_lock(k)"),
+            {"keys": list(keys)},
+        ).scalars()
+        free = {keys[int(key)] for key in taken}
+        yield set(keys.values()) - free
+
     def lock_migrations(self, connection: Connection) -> None:
         """Wait for the advisory lock; it is released when the transaction ends."""
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
@@ -794,26 +815,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
                 f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
-
-    def _sweep_busy(self, conn: Connection, session_ids: list[str]) -> set[str]:
-        """Sessions whose turn lock is held elsewhere; the others' locks are taken here.
-
-        ``pg_try_advisory_xact_lock`` on each session's turn-lock key, in the
-        sweep's transaction: a held lock means a turn is in progress (the
-        session is kept); a lock taken here is held until the sweep commits,
-        so no turn can start on a session while it is being removed.
-        """
-        busy = super()._sweep_busy(conn, session_ids)
-        keys = {session_lock_key(sid): sid for sid in session_ids if sid not in busy}
-        if keys:
-            taken = conn.execute(
-                text("SELECT k FROM unnest(CAST(:keys AS bigint[])) AS k "
-                     "WHERE pg_try_advisory_xact_lock(k)"),
-                {"keys": list(keys)},
-            ).scalars()
-            free = {keys[int(key)] for key in taken}
-            busy |= set(keys.values()) - free
-        return busy
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ __all__ = [
     "UserScopeTests",
     "encrypted_turns_worker",
     "sweep_worker",
+    "turn_holder",
 ]
 
 TINY_TTL_HOURS = 0.001
@@ -337,6 +339,27 @@ def sweep_worker(spec: StoreSpec, ttl_hours: float, barrier: Any, results: Any) 
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def turn_holder(spec: StoreSpec, session_id: str, started: Any, finish: Any, results: Any) -> None:
+    """Run one turn on ``session_id`` that lasts until ``finish`` is set; report its history."""
+    try:
+        store: Any = spec.open(session_ttl_hours=TINY_TTL_HOURS)
+        try:
+            ctx = store.get_or_create(session_id, _agent())
+
+            async def turn() -> None:
+                async with ctx.lock:
+                    started.set()
+                    await asyncio.to_thread(finish.wait, 60)
+                    ctx.add_message(Message(role=Role.USER, content="written after the sweep"))
+
+            asyncio.run(turn())
+            results.put(("ok", [m.content for m in ctx.history]))
+        finally:
+            store.close()
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
 @requires(Capability.RETENTION)
 class RetentionTests:
     """``session_ttl_hours`` and ``sweep()``: expired sessions go, busy and fresh ones stay."""
@@ -396,6 +419,42 @@ class RetentionTests:
         left = set(store.list_sessions())
         assert ids["claimed"] not in left and ids["fresh"] in left
         assert store.sweep() == 0
+
+    @requires(Capability.CROSS_PROCESS)
+    def test_sweep_keeps_a_session_whose_turn_runs_in_another_process(
+        self, harness: StoreHarness
+    ) -> None:
+        store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
+        tag = _uid()
+        busy, idle = f"{tag}-busy", f"{tag}-idle"
+        spawn = multiprocessing.get_context("spawn")
+        started, finish, results = spawn.Event(), spawn.Event(), spawn.Queue()
+        try:
+            for sid in (busy, idle):
+                store.get_or_create(sid, _agent()).add_message(
+                    Message(role=Role.USER, content="before")
+                )
+            time.sleep(EXPIRE_SECONDS)
+            worker = spawn.Process(
+                target=turn_holder,
+                args=(harness.spec(), busy, started, finish, results),
+                daemon=True,
+            )
+            worker.start()
+            try:
+                assert started.wait(120), "the other process never started its turn"
+                assert store.sweep() == 1, "only the idle session may go"
+                assert set(store.list_sessions()) >= {busy} and idle not in store.list_sessions()
+            finally:
+                finish.set()
+                outcome = results.get(timeout=120)
+                worker.join(30)
+            assert outcome == ("ok", ["before", "written after the sweep"]), outcome
+            assert [m.content for m in store.get(busy).history] == [
+                "before", "written after the sweep"
+            ]
+        finally:
+            store.close()
 
     @requires(Capability.CROSS_PROCESS)
     def test_four_processes_sweep_each_session_once(self, harness: StoreHarness) -> None:

@@ -20,6 +20,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from chatflow_sqlalchemy.dialect import (
@@ -35,6 +37,7 @@ from sqlalchemy import (
     Connection,
     Dialect,
     Engine,
+    Select,
     Table,
     and_,
     bindparam,
@@ -58,6 +61,7 @@ __all__ = [
     "MariaDBDialectSupport",
     "id_collation",
     "lock_name",
+    "skips_locked_rows",
     "with_driver",
 ]
 
@@ -93,6 +97,29 @@ def lock_name(kind: str, database: str | None, key: str = "") -> str:
         f"{database or ''}\0{key}".encode(), digest_size=16, person=b"chatflow"
     ).hexdigest()
     return f"chatflow:{kind}:{digest}"
+
+
+_LOCKS_PER_STATEMENT = 100
+"""Named locks tried by one ``SELECT GET_LOCK(...), ...`` of ``hold_turns``."""
+
+
+def _chunked(items: list[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def skips_locked_rows(dialect: Dialect) -> bool:
+    """True if the connected server understands ``FOR UPDATE SKIP LOCKED``.
+
+    MariaDB 10.6+, MySQL 8.0.1+. An unconnected dialect (no version known)
+    is assumed recent.
+    """
+    version = tuple(getattr(dialect, "server_version_info", None) or ())
+    if not version:
+        return True
+    if getattr(dialect, "is_mariadb", False):
+        return version >= (10, 6)
+    return version >= (8, 0, 1)
 
 
 def id_collation(dialect: Dialect) -> str:
@@ -267,6 +294,45 @@ class MariaDBDialectSupport(DialectSupport):
     def table_options(self, dialect: Dialect) -> dict[str, Any]:
         """``utf8mb4`` with a binary collation, so ids compare byte for byte."""
         return {"mysql_charset": "utf8mb4", "mysql_collate": id_collation(dialect)}
+
+    def lock_batch(self, select: Select[Any], connection: Connection) -> Select[Any]:
+        """``FOR UPDATE SKIP LOCKED`` where the server has it, else ``FOR UPDATE``.
+
+        MariaDB has ``SKIP LOCKED`` from 10.6, MySQL from 8.0.1; on older
+        servers concurrent sweeps and key rotations wait for one another
+        instead of taking disjoint batches.
+        """
+        return select.with_for_update(skip_locked=skips_locked_rows(connection.dialect))
+
+    @contextmanager
+    def hold_turns(self, connection: Connection, session_ids: Sequence[str]) -> Iterator[set[str]]:
+        """Take each session's turn lock (``GET_LOCK(name, 0)``) until the sweep committed.
+
+        A lock another connection holds means a turn is in progress: that
+        session is busy. Named locks belong to a connection, not to a
+        transaction, so they are taken on a second pooled connection and
+        released after the sweep's transaction ended (the sweep needs two
+        connections of the pool at once).
+        """
+        if not session_ids:
+            yield set()
+            return
+        database = connection.engine.url.database
+        names = {lock_name("turn", database, sid): sid for sid in session_ids}
+        with connection.engine.connect() as side:
+            try:
+                taken: set[str] = set()
+                for chunk in _chunked(list(names), _LOCKS_PER_STATEMENT):
+                    row = side.exec_driver_sql(
+                        "SELECT " + ", ".join(["GET_LOCK(%s, 0)"] * len(chunk)), tuple(chunk)
+                    ).one()
+                    taken.update(name for name, got in zip(chunk, row, strict=True) if got == 1)
+                yield {sid for name, sid in names.items() if name not in taken}
+            finally:
+                try:
+                    side.exec_driver_sql("SELECT RELEASE_ALL_LOCKS()").all()
+                except Exception:  # a lost connection has released its locks already
+                    side.invalidate()
 
     def lock_migrations(self, connection: Connection) -> None:
         """Wait (up to :data:`MIGRATION_LOCK_TIMEOUT`) for the migration lock of this database."""
