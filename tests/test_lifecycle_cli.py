@@ -194,6 +194,102 @@ def test_show_all_and_export_include_the_archive(
     assert [m["content"] for m in line["messages"]] == ["q2", "a2"]
 
 
+def _archive_with_a_corrupt_row(url: str) -> int:
+    """Session "t" (user "alice") with pruned turns archived, one archived row made unreadable,
+    and session "ok" that is fine; returns the corrupt archive row's id."""
+    from sqlalchemy import text
+
+    with open_store(url, archive_pruned=True, default_max_turns=1) as store:
+        ctx = store.get_or_create("t", _agent(), user_id="alice")
+        for n in range(3):
+            ctx.add_message(Message(role=Role.USER, content=f"q{n}"))
+            ctx.add_message(Message(role=Role.MODEL, content=f"a{n}"))
+        store.get_or_create("ok", _agent()).add_message(Message(role=Role.USER, content="fine"))
+        with store.engine.begin() as conn:
+            row_id = conn.execute(
+                text("SELECT MAX(id) FROM chatflow_message_archive WHERE session_id = 't'")
+            ).scalar_one()
+            conn.execute(
+                text("UPDATE chatflow_message_archive SET message_json = '{oops' WHERE id = :i"),
+                {"i": row_id},
+            )
+    return int(row_id)
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_export_stops_at_a_corrupt_archived_row(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row_id = _archive_with_a_corrupt_row(url)
+    code, out, err = run(capsys, "sessions", "export", "--url", url)
+    assert code == 1
+    assert "t" not in [json.loads(text)["session_id"] for text in out.splitlines()]
+    line = _one_error_line(err)
+    assert f"'t': chatflow_message_archive row id {row_id} is corrupt" in line
+    assert "--skip-corrupt" in line
+    # Into a file: the file is left as it was, with no partial file beside it.
+    target = tmp_path / "kept.jsonl"
+    target.write_text("previous export\n")
+    code, _, err = run(capsys, "sessions", "export", "--url", url, "-o", str(target))
+    assert code == 1
+    assert f"chatflow_message_archive row id {row_id}" in _one_error_line(err)
+    assert target.read_text() == "previous export\n"
+    assert not list(tmp_path.glob(".*.partial"))
+    # users export (what store.export_user returns) stops too, naming the archive row.
+    code, _, err = run(capsys, "users", "export", "alice", "--url", url)
+    assert code == 1
+    line = _one_error_line(err)
+    assert "chatflow_message_archive" in line and f"id {row_id}" in line
+
+
+def test_export_skip_corrupt_reports_an_archived_row_and_exports_the_rest(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row_id = _archive_with_a_corrupt_row(url)
+    code, out, err = run(capsys, "sessions", "export", "--skip-corrupt", "--url", url)
+    assert code == 0, err
+    assert [json.loads(line)["session_id"] for line in out.splitlines()] == ["ok"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        f"skipped: session 't': chatflow_message_archive row id {row_id} is corrupt ("
+    ), err
+    target = tmp_path / "out.jsonl"
+    code, out, err = run(
+        capsys, "sessions", "export", "--skip-corrupt", "--url", url, "-o", str(target), "--json"
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["exported"] == 1
+    assert [f"chatflow_message_archive row id {row_id}" in s for s in summary["skipped"]] == [True]
+    assert [json.loads(line)["session_id"] for line in target.read_text().splitlines()] == ["ok"]
+
+
+def test_show_all_names_a_corrupt_archived_row(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row_id = _archive_with_a_corrupt_row(url)
+    code, out, err = run(capsys, "sessions", "show", "t", "--url", url)
+    assert code == 0, "the window alone is readable"
+    code, out, err = run(capsys, "sessions", "show", "t", "--all", "--url", url)
+    assert code == 1
+    assert f"CORRUPT ROW id {row_id} in chatflow_message_archive" in out
+    assert "q2" in out, "the readable rows are still shown"
+    line = _one_error_line(err)
+    assert f"session 't': chatflow_message_archive row id {row_id} is corrupt" in line
+    code, out, err = run(capsys, "sessions", "show", "t", "--all", "--json", "--url", url)
+    assert code == 1
+    messages = json.loads(out)["messages"]
+    bad = [m for m in messages if m["corrupt"] is not None]
+    assert [(m["table"], m["id"]) for m in bad] == [("chatflow_message_archive", row_id)]
+    assert {m["table"] for m in messages} == {"chatflow_message_archive", "chatflow_messages"}
+
+
 def test_keys_rotate_reseals_with_the_primary(
     url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -41,8 +41,11 @@ default dedup window) ask first; with
                     "next_after" (the --after of the next page, null on the last)
     sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
                      "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
-                     "messages": [{"id", "role", "created_at", "message": {...} | null,
+                     "messages": [{"id", "table", "role", "created_at",
+                                   "message": {...} | null,
                                    "corrupt": null | {"reason", "raw"}}]}
+                    ("table": chatflow_messages, or chatflow_message_archive
+                    for an archived message of --all)
     sessions export JSON lines {"session_id", "active_agent_name", "metadata",
                     "messages"} (+ "archived_messages" for a session with an
                     archive); with --output and --json the summary is
@@ -848,11 +851,16 @@ class _MessageRow:
     raw: str
     message: Message | None = None
     error: str | None = None
+    table: str = "chatflow_messages"
 
 
 @dataclass
 class _SessionRecord:
-    """One session as stored: its row, its metadata (or why it is unreadable), its messages."""
+    """One session as stored: its row, its metadata (or why it is unreadable), its messages.
+
+    ``rows``: the window (or, for ``show --all``, the transcript, archived
+    rows included); ``archived``: the archive, read for ``export`` only.
+    """
 
     session_id: str
     agent: str
@@ -873,10 +881,10 @@ class _SessionRecord:
                 f"session {sid}: metadata_json in chatflow_sessions is corrupt "
                 f"({clean(self.metadata_error)})"
             )
-        for row in self.rows:
+        for row in [*self.rows, *self.archived]:
             if row.error is not None:
                 found.append(
-                    f"session {sid}: chatflow_messages row id {row.row_id} is corrupt "
+                    f"session {sid}: {row.table} row id {row.row_id} is corrupt "
                     f"({clean(row.error)})"
                 )
         return found
@@ -896,11 +904,13 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
     return value, text, None
 
 
-def _decode_message(row_id: int, role: str, created: datetime | None, raw: Any) -> _MessageRow:
+def _decode_message(
+    row_id: int, role: str, created: datetime | None, raw: Any, table: str
+) -> _MessageRow:
     from chatflow_agent import Message
 
     text = raw if isinstance(raw, str) else str(raw)
-    row = _MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text)
+    row = _MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text, table=table)
     try:
         row.message = Message.model_validate_json(text)
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -940,8 +950,20 @@ def _messages_query(session_id: str) -> Any:
     )
 
 
-def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecord:
+def _record(
+    conn: Connection, row: Any, *, whole: bool = False, archived: bool = False
+) -> _SessionRecord:
+    """Read one session (``row`` of :func:`_session_query`) with its messages.
+
+    ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
+    ``archived``: the archive is also read into ``archived`` (for export).
+    Every corrupt row, archived ones included, is in ``problems()``.
+    """
     from chatflow_sqlalchemy.cli_lifecycle import open_row
+    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
+
+    window_table = ChatflowMessage.__tablename__
+    archive_table = ChatflowMessageArchive.__tablename__
 
     sid = row.session_id
     metadata, raw, error = _decode_metadata(row.metadata_text)
@@ -957,19 +979,25 @@ def _record(conn: Connection, row: Any, *, whole: bool = False) -> _SessionRecor
         metadata_error=error,
     )
 
-    def decode(msg: Any) -> _MessageRow:
-        return _decode_message(msg.id, msg.role, msg.created_at, open_row(sid, msg.message_json))
+    def decode(msg: Any, table: str) -> _MessageRow:
+        text = open_row(sid, msg.message_json)
+        return _decode_message(msg.id, msg.role, msg.created_at, text, table)
 
     if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
         by_seq = {
-            msg.seq: msg
-            for query in (_archive_query(sid), _window_by_seq(sid))
+            msg.seq: (msg, table)
+            for table, query in (
+                (archive_table, _archive_query(sid)), (window_table, _window_by_seq(sid))
+            )
             for msg in conn.execute(query)
         }
-        record.rows.extend(decode(by_seq[seq]) for seq in sorted(by_seq))
+        record.rows.extend(decode(*by_seq[seq]) for seq in sorted(by_seq))
         return record
-    record.rows.extend(decode(msg) for msg in conn.execute(_messages_query(sid)))
-    record.archived.extend(decode(msg) for msg in conn.execute(_archive_query(sid)))
+    record.rows.extend(decode(msg, window_table) for msg in conn.execute(_messages_query(sid)))
+    if archived:
+        record.archived.extend(
+            decode(msg, archive_table) for msg in conn.execute(_archive_query(sid))
+        )
     return record
 
 
@@ -1200,7 +1228,7 @@ def _row_parts(row: _MessageRow) -> list[_Line]:
     return [
         _Line(
             row.role,
-            clean(f"CORRUPT ROW id {row.row_id} ({row.error}): {row.raw!r}"),
+            clean(f"CORRUPT ROW id {row.row_id} in {row.table} ({row.error}): {row.raw!r}"),
             corrupt=True,
         )
     ]
@@ -1296,6 +1324,7 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
 def _message_json(row: _MessageRow) -> Any:
     return {
         "id": row.row_id,
+        "table": row.table,
         "role": row.role,
         "created_at": _iso(row.created_at),
         "message": None if row.message is None else row.message.model_dump(mode="json"),
@@ -1419,7 +1448,7 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
     skipped: list[str] = []
     with _read_conn(engine) as conn:  # one snapshot for the whole export
         for row in list(conn.execute(_session_query())):
-            record = _record(conn, row)
+            record = _record(conn, row, archived=True)
             problems = record.problems()
             if problems:
                 if not skip_corrupt:
@@ -1459,11 +1488,12 @@ def sessions_export(
 ) -> None:
     """Export sessions as JSON lines (read-only): one object per session.
 
-    Each line: {"session_id", "active_agent_name", "metadata", "messages"}.
-    A session with a corrupt row stops the export (FILE is then left as it
-    was) unless --skip-corrupt, which names each bad row on stderr and
-    exports the other sessions. With --json, the summary after writing FILE
-    is a JSON document.
+    Each line: {"session_id", "active_agent_name", "metadata", "messages"}
+    (+ "archived_messages" for a session with an archive). A session with a
+    corrupt row (in the window or the archive) stops the export (FILE is then
+    left as it was) unless --skip-corrupt, which names each bad row (session,
+    table, row id) on stderr and exports the other sessions. With --json,
+    the summary after writing FILE is a JSON document.
     """
     with _reading(url) as (_parsed, engine):
         if output in (None, "-"):

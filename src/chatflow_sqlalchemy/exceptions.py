@@ -82,9 +82,10 @@ class SchemaAheadError(SchemaError):
 class CorruptRowError(ChatflowStoreError):
     """A stored row cannot be decoded; the message names its table, session and row id.
 
-    ``table`` is ``chatflow_messages`` for a message row (``row_id`` its id)
-    and ``chatflow_sessions`` for a session row (whose key is the session id,
-    so ``row_id`` is None and not shown).
+    ``table`` is ``chatflow_messages`` for a message row (``row_id`` its id),
+    ``chatflow_message_archive`` for an archived (pruned) message row, and
+    ``chatflow_sessions`` for a session row (whose key is the session id, so
+    ``row_id`` is None and not shown). ``reason`` says what is wrong with it.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class CorruptRowError(ChatflowStoreError):
         self.session_id = session_id
         self.row_id = row_id
         self.table = table
+        self.reason = reason
 
 
 class DatabaseUnavailableError(ChatflowStoreError):

@@ -53,6 +53,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy.context import dump_metadata, validate_session_id
+from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.models import (
     CLAIM_ACQUIRED,
     SESSION_ID_MAX_LENGTH,
@@ -75,18 +76,20 @@ __all__ = [
     "SweepCursor",
     "archive_rows",
     "count_expired",
+    "decode_transcript",
     "erase_sessions",
     "erase_user_rows",
     "expired_query",
     "export_sessions",
     "json_equal",
     "matches_metadata",
+    "parser_for",
     "pruned_seqs",
     "session_page",
     "sweep_candidates",
     "touch_interval",
     "touch_session",
-    "transcript_rows",
+    "transcript_sources",
     "user_session_ids",
     "validate_archive_pruned",
     "validate_session_ttl",
@@ -487,13 +490,38 @@ def archive_rows(conn: Connection, session_id: str, seqs: list[int], now: dateti
         )
 
 
-def transcript_rows(conn: Connection, session_id: str) -> list[tuple[int, Any, str]]:
-    """``(row id, seq, message_json)`` of archive + window, one per seq, in seq order.
+def parser_for(table: Table, parse: Callable[..., Message]) -> Callable[..., Message]:
+    """``parse`` (a window-row decoder) for the rows of ``table``.
+
+    The store's decoder names ``chatflow_messages`` in a ``CorruptRowError``;
+    for another table (the archive) the error names that table instead, so
+    that its row id points at the right row.
+    """
+    if table is _messages:
+        return parse
+
+    def parse_row(session_id: str, row_id: object, text: str) -> Message:
+        try:
+            return parse(session_id, row_id, text)
+        except CorruptRowError as exc:
+            if exc.table != _messages.name:
+                raise
+            raise CorruptRowError(session_id, row_id, exc.reason, table=table.name) from exc
+
+    return parse_row
+
+
+def transcript_sources(conn: Connection, session_id: str) -> list[tuple[str, int, str]]:
+    """``(table name, row id, message_json)`` of archive + window, one per seq, in seq order.
 
     A seq both archived and in the window (restored by a rollback) is taken
     from the window; a seq archived twice, from its latest archive row.
     """
-    by_seq: dict[int, tuple[int, Any, str]] = {}
+    return [(table, row_id, text) for table, row_id, _, text in _by_seq(conn, session_id)]
+
+
+def _by_seq(conn: Connection, session_id: str) -> list[tuple[str, int, Any, str]]:
+    by_seq: dict[int, tuple[str, int, Any, str]] = {}
     archived = (
         select(_archive.c.id, _archive.c.seq, _archive.c.message_json)
         .where(_archive.c.session_id == session_id)
@@ -502,10 +530,23 @@ def transcript_rows(conn: Connection, session_id: str) -> list[tuple[int, Any, s
     window = select(_messages.c.id, _messages.c.seq, _messages.c.message_json).where(
         _messages.c.session_id == session_id
     )
-    for query in (archived, window):
+    for table, query in ((_archive, archived), (_messages, window)):
         for row in conn.execute(query):
-            by_seq[row.seq] = (row.id, row.seq, row.message_json)
+            by_seq[row.seq] = (table.name, row.id, row.seq, row.message_json)
     return [by_seq[seq] for seq in sorted(by_seq)]
+
+
+def decode_transcript(
+    session_id: str, rows: list[tuple[str, int, str]], parse: Callable[..., Message]
+) -> list[Message]:
+    """The messages of :func:`transcript_sources` rows, in order.
+
+    ``parse(session_id, row_id, message_json) -> Message`` decodes a window
+    row (the store's decoder); a corrupt row raises ``CorruptRowError``
+    naming its table (``chatflow_message_archive`` for an archived row) and id.
+    """
+    parsers = {table.name: parser_for(table, parse) for table in (_archive, _messages)}
+    return [parsers[table](session_id, row_id, text) for table, row_id, text in rows]
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -521,8 +562,11 @@ def export_sessions(
     """Everything stored about the sessions ``ids``, as JSON-ready dicts.
 
     ``parse(session_id, row_id, message_json) -> Message`` decodes a message
-    row (the store's decoder: a corrupt row raises ``CorruptRowError``).
+    row (the store's decoder: a corrupt row raises ``CorruptRowError``, naming
+    ``chatflow_message_archive`` for an archived row). No corrupt row is
+    left out silently.
     """
+    parse_archived = parser_for(_archive, parse)
     exported: list[dict[str, Any]] = []
     for chunk in _chunks(ids):
         rows = conn.execute(
@@ -555,7 +599,7 @@ def export_sessions(
                     "updated_at": _iso(row["updated_at"]),
                     "messages": [m.model_dump(mode="json") for m in messages],
                     "archived_messages": [
-                        parse(sid, row.id, row.message_json).model_dump(mode="json")
+                        parse_archived(sid, row.id, row.message_json).model_dump(mode="json")
                         for row in conn.execute(
                             select(_archive.c.id, _archive.c.message_json)
                             .where(_archive.c.session_id == sid)

@@ -101,6 +101,7 @@ from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     SweepCursor,
     archive_rows,
+    decode_transcript,
     erase_sessions,
     export_sessions,
     pruned_seqs,
@@ -108,7 +109,7 @@ from chatflow_sqlalchemy.lifecycle import (
     sweep_candidates,
     touch_interval,
     touch_session,
-    transcript_rows,
+    transcript_sources,
     user_session_ids,
     validate_archive_pruned,
     validate_session_ttl,
@@ -1139,9 +1140,8 @@ class SQLAlchemySessionStore(BaseSessionStore):
         """
         validate_session_id(session_id)
         with self._transaction() as conn:
-            rows = transcript_rows(conn, session_id)
-        parse = self._sealer.parser(_parse_message)
-        return [parse(session_id, row_id, text) for row_id, _, text in rows]
+            rows = transcript_sources(conn, session_id)
+        return decode_transcript(session_id, rows, self._sealer.parser(_parse_message))
 
     def rotate_keys(self, batch: int = ROTATE_BATCH) -> int:
         """Re-encrypt every row not sealed with the cipher's primary key; return how many.

@@ -606,6 +606,32 @@ class ArchiveTests:
         finally:
             store.close()
 
+    @requires(Capability.SQL)
+    def test_a_corrupt_archived_row_is_named_not_dropped(self, harness: StoreHarness) -> None:
+        from sqlalchemy import text
+
+        store: Any = harness.open(archive_pruned=True, default_max_turns=1)
+        try:
+            user = _uid()
+            sid = f"{user}-c"
+            _turns(store.get_or_create(sid, _agent(), user_id=user), 0, 3)
+            with store.engine.begin() as conn:
+                row_id = conn.execute(
+                    text("SELECT MIN(id) FROM chatflow_message_archive WHERE session_id = :s"),
+                    {"s": sid},
+                ).scalar_one()
+                conn.execute(
+                    text("UPDATE chatflow_message_archive SET message_json = :bad WHERE id = :i"),
+                    {"bad": '{"role": "nobody", "content": ', "i": row_id},
+                )
+            for read, key in ((store.transcript, sid), (store.export_user, user)):
+                with pytest.raises(CorruptRowError) as info:
+                    read(key)
+                assert (info.value.table, info.value.row_id) == ("chatflow_message_archive", row_id)
+                assert f"chatflow_message_archive (session {sid!r}, id {row_id})" in str(info.value)
+        finally:
+            store.close()
+
 
 def _keys() -> dict[str, bytes]:
     return {"k1": os.urandom(32), "k2": os.urandom(32)}

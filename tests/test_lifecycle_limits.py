@@ -1,0 +1,50 @@
+"""Edges of sweep ``limit`` and ``require_encryption`` that the conformance kit leaves open.
+
+On a real SQLite file: ``sweep(limit=N)`` removes exactly N of more expired
+sessions, and a plaintext message row under sealed metadata is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from chatflow_agent import Agent, Message, Role
+from sqlalchemy import text
+
+from chatflow_sqlalchemy import open_store
+from chatflow_sqlalchemy.crypto import AESGCMCipher
+from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+
+def _agent() -> Agent:
+    return Agent(name="a", instructions="", model="gemini-2.5-flash")
+
+
+def test_sweep_limit_removes_exactly_that_many(tmp_path: Path) -> None:
+    with open_store(f"sqlite:///{tmp_path / 's.db'}", session_ttl_hours=0.0005) as store:
+        for n in range(5):
+            store.get_or_create(f"s{n}", _agent())
+        time.sleep(2.5)
+        assert store.sweep(limit=2) == 2
+        assert len(store.list_sessions()) == 3
+        assert store.sweep(limit=1) == 1
+        assert store.sweep() == 2
+
+
+def test_require_encryption_refuses_a_plaintext_message_row(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    cipher = AESGCMCipher({"k1": os.urandom(32)}, "k1")
+    plain = Message(role=Role.USER, content="in clear").model_dump_json()
+    with open_store(url, cipher=cipher) as store:
+        store.get_or_create("e", _agent(), {"a": 1}).add_message(
+            Message(role=Role.USER, content="sealed")
+        )
+        with store.engine.begin() as conn:  # sealed metadata, one message row in clear
+            conn.execute(text("UPDATE chatflow_messages SET message_json = :p"), {"p": plain})
+    with open_store(url, cipher=cipher, require_encryption=True) as strict:
+        with pytest.raises(CorruptRowError, match="require_encryption") as info:
+            strict.get("e")
+        assert info.value.table == "chatflow_messages"
