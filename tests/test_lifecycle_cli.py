@@ -328,3 +328,17 @@ def test_keys_rotate_reseals_with_the_primary(
     monkeypatch.delenv("CHATFLOW_KEYS")
     code, out, _ = run(capsys, "sessions", "show", "owned", "--url", url, "--json")
     assert code == 1 and "private" not in out, "without keys: shown as unreadable, never clear"
+
+
+def test_export_points_at_the_show_command_that_shows_a_corrupt_archived_row(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `sessions show t` reads the window only (exit 0 here): the hint must say --all.
+    row_id = _archive_with_a_corrupt_row(url)
+    code, _, err = run(capsys, "sessions", "export", "--url", url)
+    assert code == 1
+    line = _one_error_line(err)
+    hint = line.rsplit("or see: ", 1)[1]
+    assert hint.endswith("sessions show 't' --all"), line
+    code, out, _ = run(capsys, "sessions", "show", "t", "--all", "--url", url)
+    assert code == 1 and f"CORRUPT ROW id {row_id} in chatflow_message_archive" in out

@@ -1452,10 +1452,12 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
             problems = record.problems()
             if problems:
                 if not skip_corrupt:
+                    # plain `show` reads the window only: an archived row needs --all
+                    whole = " --all" if any(r.error is not None for r in record.archived) else ""
                     raise CliError(
                         f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
                         f"other sessions, or see: {PROG} sessions show "
-                        f"{clean(repr(record.session_id))}",
+                        f"{clean(repr(record.session_id))}{whole}",
                         EXIT_FAILED,
                     )
                 skipped.extend(problems)

@@ -456,3 +456,26 @@ def test_threads_with_their_own_loops_over_one_store(mariadb_database: URL, shar
             assert len(history) == 2 * turns * (threads_n if shared else 1), "no turn lost"
             for question, answer in zip(history[::2], history[1::2], strict=True):
                 assert answer.content == f"Bot re: {question.content}", "no interleaving"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review2: MariaDBDialectSupport.hold_turns needs a second connection of the pool",
+)
+def test_sweep_runs_on_a_store_whose_pool_has_one_connection(mariadb_database: URL) -> None:
+    # hold_turns takes the turn locks on a second connection of the store's pool while
+    # the sweep's transaction holds the first: with pool_size=1, max_overflow=0 every
+    # sweep waited out pool_timeout and failed (it worked before turns were held).
+    store = MariaDBSessionStore(
+        mariadb_database, session_ttl_hours=0.0005, pool_size=1, max_overflow=0, pool_timeout=3
+    )
+    try:
+        store.get_or_create("idle", BOT).add_message(Message(role=Role.USER, content="hi"))
+        with store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE chatflow_sessions SET updated_at = :old"),
+                {"old": utcnow() - timedelta(hours=1)},
+            )
+        assert store.sweep() == 1
+    finally:
+        store.close()
