@@ -48,3 +48,32 @@ def test_require_encryption_refuses_a_plaintext_message_row(tmp_path: Path) -> N
         with pytest.raises(CorruptRowError, match="require_encryption") as info:
             strict.get("e")
         assert info.value.table == "chatflow_messages"
+
+
+def test_a_turn_on_a_session_swept_elsewhere_fails_at_its_start(tmp_path: Path) -> None:
+    # SQLite has no turn locks: the turn's first statement moves updated_at. When that
+    # touch finds no row (another store swept the session since get_or_create checked
+    # it), the turn must not run on a removed session and fail only at its write.
+    import asyncio
+
+    from chatflow_sqlalchemy.exceptions import SessionDeletedError
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    with open_store(url, session_ttl_hours=0.0005) as sweeper, open_store(
+        url, session_ttl_hours=0.0005
+    ) as worker:
+        sweeper.get_or_create("s", _agent()).add_message(Message(role=Role.USER, content="q"))
+        ctx = worker.get_or_create("s", _agent())
+        time.sleep(2.5)
+        assert worker.get_or_create("s", _agent()) is ctx  # verified again: it exists
+        assert sweeper.sweep() == 1
+        ran: list[bool] = []
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ran.append(True)
+                ctx.add_message(Message(role=Role.USER, content="lost"))
+
+        with pytest.raises(SessionDeletedError):
+            asyncio.run(turn())
+        assert ran == [], "the turn ran on a session removed before it started"

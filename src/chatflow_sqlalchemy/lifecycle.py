@@ -378,16 +378,20 @@ def touch_interval(session_ttl_hours: float | None) -> float:
     return min(TURN_TOUCH_SECONDS, session_ttl_hours * 3600 / 4)
 
 
-def touch_session(conn: Connection, session_id: str, now: datetime, interval: float) -> None:
-    """Move the session's ``updated_at`` to ``now`` unless it is already that recent."""
-    conn.execute(
+def touch_session(conn: Connection, session_id: str, now: datetime, interval: float) -> bool:
+    """Move the session's ``updated_at`` to ``now`` unless it is already that recent.
+
+    Returns False when no row was moved: the session is gone, was touched
+    within ``interval`` elsewhere, or has no ``updated_at``.
+    """
+    return bool(conn.execute(
         update(_sessions)
         .where(
             _sessions.c.session_id == session_id,
             _sessions.c.updated_at < now - timedelta(seconds=interval),
         )
         .values(updated_at=now)
-    )
+    ).rowcount)
 
 
 def _not_claimed_now(now: datetime) -> ColumnElement[bool]:

@@ -1577,12 +1577,15 @@ class SQLAlchemySessionStore(BaseSessionStore):
         interval = touch_interval(self.session_ttl_hours)
         if time.monotonic() - ctx._touched_at < interval:
             return
-        await self._run_blocking(self._touch, ctx.session_id, interval)
+        if not await self._run_blocking(self._touch, ctx.session_id, interval):
+            # Gone (swept or deleted elsewhere since it was last checked), or touched
+            # elsewhere: check the version instead of trusting a recent check.
+            ctx._verified_at = float("-inf")
         ctx._touched_at = time.monotonic()
 
-    def _touch(self, session_id: str, interval: float) -> None:
+    def _touch(self, session_id: str, interval: float) -> bool:
         with self._transaction(single=True) as conn:
-            touch_session(conn, session_id, utcnow(), interval)
+            return touch_session(conn, session_id, utcnow(), interval)
 
     def _locked_version_matches(
         self, ctx: SessionContext, known: bool, version: int | None
