@@ -319,14 +319,19 @@ class DialectSupport:
         return select.with_for_update(skip_locked=True)
 
     def hold_turns(
-        self, connection: Connection, session_ids: Sequence[str]
+        self,
+        connection: Connection,
+        session_ids: Sequence[str],
+        turn_locks: TurnLocks | None,
     ) -> AbstractContextManager[set[str]]:
         """Keep turns off sessions a sweep is about to remove.
 
         Entered inside the sweep's write transaction and left after it
         committed. Yields the sessions whose turn is in progress in any
         process (the sweep keeps them); no turn can start on the others
-        until the context is left. Default, for dialects without
+        until the context is left. ``turn_locks`` are the sweeping store's
+        own (what :meth:`turn_locks` made for it), for backends whose locks
+        live on connections of their own. Default, for dialects without
         :meth:`turn_locks`: none is known to be busy here (the store adds
         its own running turns; other processes' turns are detected by the
         session's ``updated_at``, which a turn moves when it starts on an

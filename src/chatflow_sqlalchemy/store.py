@@ -1116,7 +1116,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
                     )
                     ours = self._sweep_busy(found)
                     others = held.enter_context(
-                        self.support.hold_turns(conn, [s for s in found if s not in ours])
+                        self.support.hold_turns(
+                            conn, [s for s in found if s not in ours], self._turn_locks
+                        )
                     )
                     removed = [sid for sid in found if sid not in ours | others]
                     erase_sessions(conn, removed)

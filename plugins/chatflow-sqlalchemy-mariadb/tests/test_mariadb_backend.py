@@ -458,14 +458,10 @@ def test_threads_with_their_own_loops_over_one_store(mariadb_database: URL, shar
                 assert answer.content == f"Bot re: {question.content}", "no interleaving"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review2: MariaDBDialectSupport.hold_turns needs a second connection of the pool",
-)
 def test_sweep_runs_on_a_store_whose_pool_has_one_connection(mariadb_database: URL) -> None:
-    # hold_turns takes the turn locks on a second connection of the store's pool while
-    # the sweep's transaction holds the first: with pool_size=1, max_overflow=0 every
-    # sweep waited out pool_timeout and failed (it worked before turns were held).
+    # hold_turns once took the turn locks on a second connection of the store's pool
+    # while the sweep's transaction held the first: with pool_size=1, max_overflow=0
+    # every sweep waited out pool_timeout and failed. Its locks now live outside the pool.
     store = MariaDBSessionStore(
         mariadb_database, session_ttl_hours=0.0005, pool_size=1, max_overflow=0, pool_timeout=3
     )

@@ -638,7 +638,9 @@ class PostgresDialectSupport(DialectSupport):
             return _pipelined(cast(psycopg.Connection[Any], driver), steps)
 
     @contextmanager
-    def hold_turns(self, connection: Connection, session_ids: Sequence[str]) -> Iterator[set[str]]:
+    def hold_turns(
+        self, connection: Connection, session_ids: Sequence[str], turn_locks: TurnLocks | None
+    ) -> Iterator[set[str]]:
         """Try each session's turn lock in the sweep's transaction; a held one is busy.
 
         ``pg_try_advisory_xact_lock`` on the key :class:`AdvisoryTurnLocks`

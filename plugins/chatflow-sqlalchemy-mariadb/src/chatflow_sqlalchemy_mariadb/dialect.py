@@ -108,6 +108,19 @@ def _chunked(items: list[str], size: int) -> Iterator[list[str]]:
         yield items[start:start + size]
 
 
+def _calls(call: str, chunk: list[str]) -> str:
+    return "SELECT " + ", ".join([call] * len(chunk))
+
+
+def _release(side: Connection, names: list[str]) -> None:
+    """Release named locks by name (``RELEASE_ALL_LOCKS`` needs MariaDB 10.5.2)."""
+    try:
+        for chunk in _chunked(names, _LOCKS_PER_STATEMENT):
+            side.exec_driver_sql(_calls("RELEASE_LOCK(%s)", chunk), tuple(chunk)).all()
+    except Exception:  # a lost connection has released its locks already
+        side.invalidate()
+
+
 def skips_locked_rows(dialect: Dialect) -> bool:
     """True if the connected server understands ``FOR UPDATE SKIP LOCKED``.
 
@@ -305,34 +318,40 @@ class MariaDBDialectSupport(DialectSupport):
         return select.with_for_update(skip_locked=skips_locked_rows(connection.dialect))
 
     @contextmanager
-    def hold_turns(self, connection: Connection, session_ids: Sequence[str]) -> Iterator[set[str]]:
+    def hold_turns(
+        self, connection: Connection, session_ids: Sequence[str], turn_locks: TurnLocks | None
+    ) -> Iterator[set[str]]:
         """Take each session's turn lock (``GET_LOCK(name, 0)``) until the sweep committed.
 
         A lock another connection holds means a turn is in progress: that
         session is busy. Named locks belong to a connection, not to a
-        transaction, so they are taken on a second pooled connection and
-        released after the sweep's transaction ended (the sweep needs two
-        connections of the pool at once).
+        transaction, so they are taken on a connection of their own, opened
+        by the store's :class:`~chatflow_sqlalchemy_mariadb.store.NamedTurnLocks`
+        outside the pool (a one-connection pool still sweeps), and released
+        by name once the sweep's transaction ended.
         """
+        from chatflow_sqlalchemy_mariadb.store import NamedTurnLocks
+
         if not session_ids:
             yield set()
             return
-        database = connection.engine.url.database
-        names = {lock_name("turn", database, sid): sid for sid in session_ids}
-        with connection.engine.connect() as side:
+        names = {
+            lock_name("turn", connection.engine.url.database, sid): sid for sid in session_ids
+        }
+        side = (
+            turn_locks.side_connection()
+            if isinstance(turn_locks, NamedTurnLocks)
+            else connection.engine.connect()
+        )
+        with side:
+            taken: list[str] = []
             try:
-                taken: set[str] = set()
                 for chunk in _chunked(list(names), _LOCKS_PER_STATEMENT):
-                    row = side.exec_driver_sql(
-                        "SELECT " + ", ".join(["GET_LOCK(%s, 0)"] * len(chunk)), tuple(chunk)
-                    ).one()
-                    taken.update(name for name, got in zip(chunk, row, strict=True) if got == 1)
+                    row = side.exec_driver_sql(_calls("GET_LOCK(%s, 0)", chunk), tuple(chunk)).one()
+                    taken += [name for name, got in zip(chunk, row, strict=True) if got == 1]
                 yield {sid for name, sid in names.items() if name not in taken}
             finally:
-                try:
-                    side.exec_driver_sql("SELECT RELEASE_ALL_LOCKS()").all()
-                except Exception:  # a lost connection has released its locks already
-                    side.invalidate()
+                _release(side, taken)
 
     def lock_migrations(self, connection: Connection) -> None:
         """Wait (up to :data:`MIGRATION_LOCK_TIMEOUT`) for the migration lock of this database."""

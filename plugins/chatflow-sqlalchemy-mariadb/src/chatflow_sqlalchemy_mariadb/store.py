@@ -20,7 +20,7 @@ from typing import Any
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
-from sqlalchemy import URL, Engine, make_url, select
+from sqlalchemy import URL, Connection, Engine, make_url, select
 
 from chatflow_sqlalchemy_mariadb.dialect import (
     INSTALL_HINT,
@@ -101,6 +101,14 @@ class NamedTurnLocks:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.invalidate()
+
+    def side_connection(self) -> Connection:
+        """A new connection opened like the lock connection, outside the store's pool.
+
+        For locks held a short while beside the turns (a sweep's, see
+        :meth:`MariaDBDialectSupport.hold_turns`); closing it releases them.
+        """
+        return self._engine.connect()
 
     async def aclose(self) -> None:
         """Close the connection off the loop; the server releases every lock it held."""
