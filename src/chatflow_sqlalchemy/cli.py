@@ -1055,22 +1055,21 @@ def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[An
 
     sessions_t: Table = ChatflowSession.__table__  # type: ignore[assignment]
     messages_t: Table = ChatflowMessage.__table__  # type: ignore[assignment]
-    counts = (
-        select(messages_t.c.session_id, func.count().label("n"))
-        .group_by(messages_t.c.session_id)
-        .subquery()
+    # Counted per listed session (an index range each): a page must not count the
+    # messages of every session in the database.
+    count = (
+        select(func.count())
+        .where(messages_t.c.session_id == sessions_t.c.session_id)
+        .correlate(sessions_t)
+        .scalar_subquery()
     )
-    query = (
-        select(
-            sessions_t.c.session_id,
-            sessions_t.c.active_agent_name,
-            func.coalesce(counts.c.n, 0).label("messages"),
-            sessions_t.c.created_at,
-            sessions_t.c.updated_at,
-        )
-        .select_from(sessions_t.outerjoin(counts, counts.c.session_id == sessions_t.c.session_id))
-        .order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
-    )
+    query = select(
+        sessions_t.c.session_id,
+        sessions_t.c.active_agent_name,
+        count.label("messages"),
+        sessions_t.c.created_at,
+        sessions_t.c.updated_at,
+    ).order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
     with _read_conn(engine) as conn:
         if filters is None:
             return list(conn.execute(query))

@@ -364,11 +364,13 @@ def validate_sweep_limit(limit: object) -> int | None:
     return limit
 
 
-TURN_TOUCH_SECONDS = 60.0
+TURN_TOUCH_SECONDS = 3600.0
 """On dialects without cross-process turn locks, a turn starting on a session this
 process has not written for this long (or for a quarter of the store's
 ``session_ttl_hours``, if shorter) first moves the session's ``updated_at`` to now,
-so that no sweep in another process takes a session while its turn runs."""
+so that no sweep in another process takes a session while its turn runs. An hour:
+the touch is an extra commit, and most chat turns come minutes after the last one,
+while expiry is a matter of hours or days."""
 
 
 def touch_interval(session_ttl_hours: float | None) -> float:
