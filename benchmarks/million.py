@@ -25,7 +25,7 @@ its own on ``--url``, dropped at the end):
    driven alternately turn for turn in the same process, so that whatever
    else the machine does slows both alike; ratios are given to the control
    and to step 1. Loaded sessions were last written long ago: on SQLite a
-   turn on a session idle for over a minute first commits the store's
+   turn on a session idle for over an hour first commits the store's
    ``updated_at`` touch, which step 1's freshly seeded sessions skip (the
    control's pay it too once they have sat through a long load);
 4. time ``list_sessions(limit=100)`` (first page, a page from the middle via
