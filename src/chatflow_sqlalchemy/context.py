@@ -43,6 +43,7 @@ __all__ = [
     "TurnLock",
     "dump_message",
     "dump_metadata",
+    "validate_id",
     "validate_max_turns",
     "validate_session_id",
 ]
@@ -53,19 +54,26 @@ _JOURNAL_LIMIT = 64
 """Rollback points kept per context (bounded so long-lived contexts stay small)."""
 
 
+def validate_id(value: object, name: str) -> str:
+    """Return ``value`` if it is a usable id, else raise ``ValueError`` naming ``name``.
+
+    One rule for every id the store keys rows by (sessions, users): a non-empty
+    str of at most ``SESSION_ID_MAX_LENGTH`` characters, without NUL.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    if len(value) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(f"{name} is {len(value)} characters; the limit is {SESSION_ID_MAX_LENGTH}")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain the NUL character ('\\x00')")
+    return value
+
+
 def validate_session_id(session_id: object) -> str:
     """Return ``session_id`` if it is a usable id, else raise ``ValueError`` naming it."""
-    if not isinstance(session_id, str):
-        raise ValueError(f"session_id must be a str, got {type(session_id).__name__}")
-    if not session_id:
-        raise ValueError("session_id must be a non-empty string")
-    if len(session_id) > SESSION_ID_MAX_LENGTH:
-        raise ValueError(
-            f"session_id is {len(session_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
-        )
-    if "\x00" in session_id:
-        raise ValueError("session_id must not contain the NUL character ('\\x00')")
-    return session_id
+    return validate_id(session_id, "session_id")
 
 
 def validate_max_turns(value: object, name: str = "max_turns") -> int:

@@ -52,11 +52,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
-from chatflow_sqlalchemy.context import dump_metadata, validate_session_id
+from chatflow_sqlalchemy.context import dump_metadata, validate_id, validate_session_id
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.models import (
     CLAIM_ACQUIRED,
-    SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
     ChatflowMessageArchive,
     ChatflowProcessedMessage,
@@ -114,17 +113,7 @@ _archive = cast(Table, ChatflowMessageArchive.__table__)
 
 def validate_user_id(user_id: object) -> str:
     """Return ``user_id`` if usable (same rules as a session id), else raise ``ValueError``."""
-    if not isinstance(user_id, str):
-        raise ValueError(f"user_id must be a str, got {type(user_id).__name__}")
-    if not user_id:
-        raise ValueError("user_id must be a non-empty string")
-    if len(user_id) > SESSION_ID_MAX_LENGTH:
-        raise ValueError(
-            f"user_id is {len(user_id)} characters; the limit is {SESSION_ID_MAX_LENGTH}"
-        )
-    if "\x00" in user_id:
-        raise ValueError("user_id must not contain the NUL character ('\\x00')")
-    return user_id
+    return validate_id(user_id, "user_id")
 
 
 @dataclass(frozen=True)
