@@ -23,8 +23,14 @@ demo: $(STAMP)
 # server is unreachable); otherwise testcontainers is tried, else they are skipped with a
 # reason. MariaDB tests run when CHATFLOW_TEST_MARIADB_URL is set (same rules), else they
 # are skipped with a reason.
+#
+# Four pytest-xdist workers, work-stealing: most tests wait on a server, a lease or a
+# worker process rather than on the CPU, so four overlap well even on two cores. Every
+# test has its own SQLite file, PostgreSQL schema or MariaDB database, free ports and
+# private clusters, so they do not meet. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests migrations benchmarks plugins examples

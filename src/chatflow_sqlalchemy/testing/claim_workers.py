@@ -11,7 +11,6 @@ error)`` per delivery. Module-level functions, so ``spawn`` can pickle them.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import queue as queue_module
 import random
@@ -19,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from chatflow_sqlalchemy.testing.harness import StoreSpec
+from chatflow_sqlalchemy.testing.harness import StoreSpec, worker_context
 
 __all__ = ["Worker", "reply_to", "start_worker", "webhook_worker"]
 
@@ -162,8 +161,8 @@ def start_worker(
     lease_seconds: float = 60.0,
     latency: float = 0.0,
 ) -> Worker:
-    """Start :func:`webhook_worker` in a spawned process."""
-    ctx = multiprocessing.get_context("spawn")
+    """Start :func:`webhook_worker` in a worker process (:func:`worker_context`)."""
+    ctx = worker_context()
     events: Any = ctx.Queue()
     process = ctx.Process(
         target=_report_crash,

@@ -25,8 +25,8 @@ Tests never look at backend names: each declares the :class:`Capability`
 values it needs (``@requires(Capability.PERSISTENT)``) and is skipped, with
 the missing capability in the reason, on a harness that lacks them.
 
-This module is imported by spawned worker processes of the cross-process
-tests, so it stays light: pytest and the store classes are imported lazily.
+This module is imported by the worker processes of the cross-process tests,
+so it stays light: pytest and the store classes are imported lazily.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext  # no fork server on Windows
+
     import pytest
     from chatflow_agent import BaseSessionStore
 
@@ -63,6 +65,7 @@ __all__ = [
     "run_process",
     "run_workers",
     "turns_worker",
+    "worker_context",
 ]
 
 
@@ -429,9 +432,37 @@ class FactoryHarness(StoreHarness):
 
 # ------------------------------------------------------------------ processes
 #
-# Workers run in processes started with the "spawn" method: they receive a
-# StoreSpec, open their own store and report through a queue. They are
-# module-level functions so that spawn can pickle them by name.
+# Workers run in fresh processes (worker_context: a fork server, else spawn):
+# they receive a StoreSpec, open their own store and report through a queue.
+# They are module-level functions so that they pickle by name.
+
+
+WORKER_PRELOAD = (
+    "chatflow_agent",
+    "sqlalchemy",
+    "chatflow_sqlalchemy",
+    "chatflow_sqlalchemy.testing.harness",
+    "chatflow_sqlalchemy.testing.claim_workers",
+    "chatflow_sqlalchemy.testing.lifecycle_suite",
+)
+"""Modules the kit's fork server imports once, so each worker process does not."""
+
+
+def worker_context() -> SpawnContext | ForkServerContext:
+    """The ``multiprocessing`` context the kit starts its worker processes with.
+
+    A fork server that imported chatflow-agent, SQLAlchemy and the store once
+    (:data:`WORKER_PRELOAD`) where the platform has one, else ``spawn``. Both
+    give a fresh process that inherits nothing from the test process (no
+    engine, connection, thread or lock); the fork server saves every worker
+    the seconds of CPU that importing those libraries costs, which on a small
+    machine is most of what the cross-process tests spend.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
 
 
 def run_workers(
@@ -440,14 +471,14 @@ def run_workers(
     *,
     timeout: float = 60.0,
 ) -> list[Any]:
-    """Run ``target(*args, barrier, results)`` in one spawned process per args tuple.
+    """Run ``target(*args, barrier, results)`` in one worker process per args tuple.
 
     The workers wait on a shared barrier so they start together, and each puts
     exactly one result on ``results``. Returns the results (in completion
     order). Raises ``AssertionError`` if a worker fails, exits without a
     result, or the whole run exceeds ``timeout`` seconds; stragglers are killed.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     results: Any = ctx.Queue()
     barrier = ctx.Barrier(len(per_worker_args))
     processes = [
@@ -488,8 +519,8 @@ def run_workers(
 
 
 def run_process(target: Callable[..., Any], args: tuple[Any, ...], *, timeout: float = 60.0) -> int:
-    """Run ``target(*args)`` in one spawned process and return its exit code."""
-    ctx = multiprocessing.get_context("spawn")
+    """Run ``target(*args)`` in one worker process and return its exit code."""
+    ctx = worker_context()
     process = ctx.Process(target=target, args=args, daemon=True)
     process.start()
     process.join(timeout)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import os
 import threading
 import time
@@ -31,6 +30,7 @@ from chatflow_sqlalchemy.testing.harness import (
     StoreSpec,
     requires,
     run_workers,
+    worker_context,
 )
 
 __all__ = [
@@ -427,15 +427,15 @@ class RetentionTests:
         store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
         tag = _uid()
         busy, idle = f"{tag}-busy", f"{tag}-idle"
-        spawn = multiprocessing.get_context("spawn")
-        started, finish, results = spawn.Event(), spawn.Event(), spawn.Queue()
+        workers = worker_context()
+        started, finish, results = workers.Event(), workers.Event(), workers.Queue()
         try:
             for sid in (busy, idle):
                 store.get_or_create(sid, _agent()).add_message(
                     Message(role=Role.USER, content="before")
                 )
             time.sleep(EXPIRE_SECONDS)
-            worker = spawn.Process(
+            worker = workers.Process(
                 target=turn_holder,
                 args=(harness.spec(), busy, started, finish, results),
                 daemon=True,
