@@ -13,7 +13,7 @@ from pathlib import Path
 
 _PRELUDE = (
     "import sys\n"
-    "for blocked in ('greenlet', 'psycopg', 'aiosqlite'):\n"
+    "for blocked in ('greenlet', 'psycopg', 'aiosqlite', 'opentelemetry'):\n"
     "    sys.modules[blocked] = None\n"
 )
 
@@ -35,8 +35,11 @@ def test_every_public_name_imports_and_sqlite_runs_sync_and_async(tmp_path: Path
         "    getattr(chatflow_sqlalchemy, name)\n"
         "from chatflow_sqlalchemy import SQLiteSessionStore\n"
         "bot = Agent(name='Bot', instructions='')\n"
+        "from chatflow_sqlalchemy import telemetry\n"
+        "assert not telemetry.enabled()  # no otel extra: nothing reported, nothing fails\n"
         "with SQLiteSessionStore('x.db') as store:\n"
-        "    store.get_or_create('s', bot).add_message(Message(role=Role.USER, content='hi'))\n"
+        "    with store.claim('m1', session_id='s') as claim:\n"
+        "        store.get_or_create('s', bot).add_message(Message(role=Role.USER, content='hi'))\n"
         "async def main():\n"
         "    async with SQLiteSessionStore('x.db') as store:\n"
         "        ctx = await store.aget_or_create('s', bot)\n"

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from sqlalchemy import Connection, Table, bindparam, literal_column, null, select, update
 
+from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.models import (
     CLAIM_ACQUIRED,
@@ -601,6 +602,13 @@ class SQLClaims:
             "claim_id": claim.message_id,
             "claim_token": claim.token,
         }
+        with telemetry.operation("claim", self._store._system) as op:
+            self._acquire_in_one_call(claim, params, now)
+            op.set("chatflow.claim.status", claim.status)
+
+    def _acquire_in_one_call(
+        self, claim: WebhookClaim, params: dict[str, Any], now: datetime
+    ) -> None:
         with self._store._transaction(single=True) as conn:
             acquired, ticket = self._store.support.claim_acquired(
                 conn.execute(self._acquire, params)

@@ -63,6 +63,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import dialect as _dialect
+from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
     FENCE_CLAIM,
@@ -422,6 +423,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
             self._owns_engine = False
         self.support.prepare_engine(engine)
         self.engine = engine
+        self._system = engine.dialect.name  # db.system.name in telemetry
         self._turn_locks: TurnLocks | None = self.support.turn_locks(engine)
         self._engines = self._engine_modes(engine)
         # Dialect statements are built once: building an upsert costs more than running it.
@@ -853,8 +855,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if durable is not None and durable.version == version and not ctx._stale:
             ctx._verified_at = time.monotonic()
             return True
-        with self._transaction() as conn:  # one snapshot of the row and its messages
-            stored = self._read_session(conn, ctx.session_id)
+        stored = self._load(ctx.session_id)
         if stored is None or _other_incarnation(ctx, stored):
             self._forget(ctx.session_id)
             return False
@@ -1006,8 +1007,14 @@ class SQLAlchemySessionStore(BaseSessionStore):
         ctx = self._cached(session_id)
         if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
             return ctx, None
-        with self._transaction() as conn:
-            return None, self._read_session(conn, session_id)
+        return None, self._load(session_id)
+
+    def _load(self, session_id: str) -> _StoredSession | None:
+        """The session's row and messages, read in one snapshot (None: no such session)."""
+        with telemetry.operation("load", self._system) as op, self._transaction() as conn:
+            stored = self._read_session(conn, session_id)
+            op.set("chatflow.messages", 0 if stored is None else len(stored.messages))
+            return stored
 
     def delete(self, session_id: str) -> bool:
         """Delete a session and its messages; live contexts then raise SessionDeletedError."""
@@ -1094,6 +1101,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
                 self._forget(session_id)
             if len(found) < want:
                 break
+        telemetry.count("chatflow.sessions.swept", total, self._system)
         return total
 
     def _sweep_batch(
@@ -1319,7 +1327,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if ctx._durable is None or not _has_changes(ctx):
                 return
             try:
-                self._write_context(ctx, fence)
+                with telemetry.operation("turn.commit", self._system):
+                    deleted = self._write_context(ctx, fence)
+                telemetry.count("chatflow.messages.pruned", deleted, self._system)
                 ctx._verified_at = ctx._touched_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
@@ -1332,21 +1342,27 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if fence is not None:
                 fence.committed = True
 
-    def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
-        """One write transaction: on the driver path, else (or if it fails) step by step."""
+    def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> int:
+        """One write transaction: on the driver path, else (or if it fails) step by step.
+
+        Returns how many message rows it deleted (pruned or cleared).
+        """
         hot = self._hot_here()
         if hot is not None and ctx._seqs and not self._archives_now(ctx):
+            deleted: list[int] = []
             try:
                 self._driver_write(
-                    lambda connection: self._write_on_driver(connection, ctx, hot, fence)
+                    lambda connection: deleted.append(
+                        self._write_on_driver(connection, ctx, hot, fence)
+                    )
                 )
-                return
+                return deleted[0]
             except (_VersionMoved, sa_exc.IntegrityError):
                 # Rolled back: the session moved (or was deleted, so the inserts
                 # broke its foreign key); the step-by-step write tells which.
                 pass
         with self._transaction(write=True) as conn:
-            self._write_changes(conn, ctx, fence)
+            return self._write_changes(conn, ctx, fence)
 
     def _write_on_driver(
         self,
@@ -1354,7 +1370,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         ctx: SessionContext,
         hot: _HotStatements,
         fence: ClaimFence | None = None,
-    ) -> None:
+    ) -> int:
         """Compare-and-swap, delete and insert through :meth:`DialectSupport.run_pipelined`.
 
         Backends that pipeline send all three together, so the swap is checked
@@ -1380,10 +1396,11 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if fence is not None and counts[-1] != 1:
             raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
+        return len(gone)
 
     def _write_changes(
         self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None = None
-    ) -> None:
+    ) -> int:
         """Compare-and-swap the session's version, then write the message diff (Core).
 
         The step-by-step write: after the driver-path write found the session
@@ -1415,6 +1432,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
             raise ClaimLostError(fence.message_id)
         self._mark_written(ctx, gone, new_rows, metadata_json)
+        return len(gone)
 
     def _archives_now(self, ctx: SessionContext) -> bool:
         """True if this write prunes rows to archive (it then takes the step-by-step path)."""
@@ -1523,6 +1541,7 @@ class SQLAlchemySessionStore(BaseSessionStore):
         stored = self._read_session(conn, ctx.session_id)
         if stored is None or _other_incarnation(ctx, stored):
             raise SessionDeletedError(ctx.session_id)
+        telemetry.count("chatflow.version_conflicts", 1, self._system)
         carried = None if cleared else _orphaned_tool_call(ctx, stored)
         agent = our_agent or self._resolve_agent(stored.agent_name, ctx.active_agent)
         self._install(ctx, stored, agent, set(ctx._seqs))
@@ -1550,15 +1569,9 @@ class SQLAlchemySessionStore(BaseSessionStore):
             await self._touch_if_idle(ctx)
         if locks is None and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
             return  # the Runner's get_or_create checked the version a moment ago
-        delay = 0.002
         known, version = False, None
-        while locks is not None:
-            with self._guard():
-                acquired, known, version = await locks.try_acquire(ctx.session_id)
-            if acquired:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.005)  # a freed lock is noticed within 5 ms
+        if locks is not None:
+            known, version = await self._await_turn_lock(locks, ctx.session_id)
         try:
             if locks is not None and self._locked_version_matches(ctx, known, version):
                 return
@@ -1568,6 +1581,23 @@ class SQLAlchemySessionStore(BaseSessionStore):
             if locks is not None:
                 await locks.release(ctx.session_id)
             raise
+
+    async def _await_turn_lock(
+        self, locks: TurnLocks, session_id: str
+    ) -> tuple[bool, int | None]:
+        """Poll the turn lock until taken; return (version known, version) read with it."""
+        delay = 0.002
+        with telemetry.operation("turn.lock", self._system) as op:
+            attempts = 0
+            while True:
+                attempts += 1
+                with self._guard():
+                    acquired, known, version = await locks.try_acquire(session_id)
+                if acquired:
+                    op.set("chatflow.lock.attempts", attempts)
+                    return known, version
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.005)  # a freed lock is noticed within 5 ms
 
     async def _touch_if_idle(self, ctx: SessionContext) -> None:
         """Without turn locks: mark the session as in use, so no sweep takes it mid-turn.
