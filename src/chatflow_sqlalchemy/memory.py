@@ -17,8 +17,9 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
-from chatflow_agent import Agent, BaseSessionStore, Message
+from chatflow_agent import Agent, Message
 
+from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
     ClaimFence,
@@ -59,7 +60,7 @@ def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
     return not same or ctx.active_agent is not start.agent
 
 
-class SessionStore(BaseSessionStore):
+class SessionStore(AsyncStoreAPI):
     """In-memory session registry; nothing survives the process.
 
     Args:
@@ -483,76 +484,6 @@ class SessionStore(BaseSessionStore):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
-
-    async def aget_or_create(
-        self,
-        session_id: str,
-        default_agent: Agent,
-        metadata: dict[str, Any] | None = None,
-        *,
-        user_id: str | None = None,
-    ) -> SessionContext:
-        """Async :meth:`get_or_create` (no I/O: runs directly)."""
-        return self.get_or_create(session_id, default_agent, metadata, user_id=user_id)
-
-    async def aget(self, session_id: str) -> SessionContext | None:
-        """Async :meth:`get`."""
-        return self.get(session_id)
-
-    async def adelete(self, session_id: str) -> bool:
-        """Async :meth:`delete`."""
-        return self.delete(session_id)
-
-    async def alist_sessions(
-        self,
-        *,
-        user_id: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        updated_after: datetime | None = None,
-        limit: int | None = None,
-        after: str | None = None,
-    ) -> list[str]:
-        """Async :meth:`list_sessions`."""
-        return self.list_sessions(
-            user_id=user_id, metadata=metadata, updated_after=updated_after,
-            limit=limit, after=after,
-        )
-
-    async def aerase_user(self, user_id: str) -> int:
-        """Async :meth:`erase_user`."""
-        return self.erase_user(user_id)
-
-    async def atranscript(self, session_id: str) -> list[Message]:
-        """Async :meth:`transcript`."""
-        return self.transcript(session_id)
-
-    async def asweep(self, limit: int | None = None) -> int:
-        """Async :meth:`sweep`."""
-        return self.sweep(limit)
-
-    async def aexport_user(self, user_id: str) -> dict[str, Any]:
-        """Async :meth:`export_user`."""
-        return self.export_user(user_id)
-
-    async def aclear(self) -> None:
-        """Async :meth:`clear`."""
-        self.clear()
-
-    async def ais_message_processed(self, message_id: str) -> bool:
-        """Async :meth:`is_message_processed`."""
-        return self.is_message_processed(message_id)
-
-    async def amark_message_processed(self, message_id: str) -> None:
-        """Async :meth:`mark_message_processed`."""
-        self.mark_message_processed(message_id)
-
-    async def arecord_processed_message(self, message_id: str) -> bool:
-        """Async :meth:`record_processed_message`."""
-        return self.record_processed_message(message_id)
-
-    async def apurge_processed_messages(self) -> int:
-        """Async :meth:`purge_processed_messages`."""
-        return self.purge_processed_messages()
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""

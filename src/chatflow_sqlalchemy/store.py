@@ -41,7 +41,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
-from chatflow_agent import Agent, BaseSessionStore, Message, Role
+from chatflow_agent import Agent, Message, Role
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 from sqlalchemy import (
@@ -64,6 +64,7 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
     DEFAULT_LEASE_SECONDS,
     FENCE_CLAIM,
@@ -336,7 +337,7 @@ class _StoredSession:
     updated_at: datetime | None = None
 
 
-class SQLAlchemySessionStore(BaseSessionStore):
+class SQLAlchemySessionStore(AsyncStoreAPI):
     """Session store on any database with a chatflow-sqlalchemy backend.
 
     Args:
@@ -1699,83 +1700,6 @@ class SQLAlchemySessionStore(BaseSessionStore):
         await self.aclose()
 
     # ------------------------------------------------------------ async twins
-
-    async def aget_or_create(
-        self,
-        session_id: str,
-        default_agent: Agent,
-        metadata: dict[str, Any] | None = None,
-        *,
-        user_id: str | None = None,
-    ) -> SessionContext:
-        """Async :meth:`get_or_create`."""
-        if user_id is None:
-            return await self._run_blocking(self.get_or_create, session_id, default_agent, metadata)
-        return await self._run_blocking(
-            functools.partial(self.get_or_create, user_id=user_id),
-            session_id, default_agent, metadata,
-        )
-
-    async def aget(self, session_id: str) -> SessionContext | None:
-        """Async :meth:`get`."""
-        return await self._run_blocking(self.get, session_id)
-
-    async def adelete(self, session_id: str) -> bool:
-        """Async :meth:`delete`."""
-        return await self._run_blocking(self.delete, session_id)
-
-    async def alist_sessions(
-        self,
-        *,
-        user_id: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        updated_after: datetime | None = None,
-        limit: int | None = None,
-        after: str | None = None,
-    ) -> list[str]:
-        """Async :meth:`list_sessions`."""
-        return await self._run_blocking(
-            functools.partial(
-                self.list_sessions, user_id=user_id, metadata=metadata,
-                updated_after=updated_after, limit=limit, after=after,
-            )
-        )
-
-    async def aerase_user(self, user_id: str) -> int:
-        """Async :meth:`erase_user`."""
-        return await self._run_blocking(self.erase_user, user_id)
-
-    async def atranscript(self, session_id: str) -> list[Message]:
-        """Async :meth:`transcript`."""
-        return await self._run_blocking(self.transcript, session_id)
-
-    async def asweep(self, limit: int | None = None) -> int:
-        """Async :meth:`sweep`."""
-        return await self._run_blocking(self.sweep, limit)
-
-    async def aexport_user(self, user_id: str) -> dict[str, Any]:
-        """Async :meth:`export_user`."""
-        return await self._run_blocking(self.export_user, user_id)
-
-    async def aclear(self) -> None:
-        """Async :meth:`clear`."""
-        await self._run_blocking(self.clear)
-
-    async def ais_message_processed(self, message_id: str) -> bool:
-        """Async :meth:`is_message_processed`."""
-        return await self._run_blocking(self.is_message_processed, message_id)
-
-    async def amark_message_processed(self, message_id: str) -> None:
-        """Async :meth:`mark_message_processed`."""
-        await self._run_blocking(self.mark_message_processed, message_id)
-
-    async def arecord_processed_message(self, message_id: str) -> bool:
-        """Async :meth:`record_processed_message`."""
-        return await self._run_blocking(self.record_processed_message, message_id)
-
-    async def apurge_processed_messages(self) -> int:
-        """Async :meth:`purge_processed_messages`."""
-        return await self._run_blocking(self.purge_processed_messages)
 
     async def aclose(self) -> None:
         """Async :meth:`close` (waits for in-flight work off the loop)."""
