@@ -270,6 +270,50 @@ def test_turn_lock_is_a_named_lock_held_for_the_whole_turn(mariadb_database: URL
         probe.dispose()
 
 
+def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
+    mariadb_database: URL,
+) -> None:
+    """A timeout that cancels ``async with session.lock`` while the worker thread is still
+    taking the named lock: the thread takes it for nobody, and must give it back."""
+    name = lock_name("turn", mariadb_database.database, "cancelled")
+    probe = create_engine(mariadb_database)
+
+    def holder() -> Any:
+        with probe.connect() as conn:
+            return conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": name}).scalar()
+
+    async def scenario(store: Any) -> None:
+        locks = store.turn_locks
+        taking = locks._try_acquire
+        took = threading.Event()
+
+        def slow_take(session_id: str) -> bool:  # the real GET_LOCK, after the caller left
+            time.sleep(0.5)
+            try:
+                return bool(taking(session_id))
+            finally:
+                took.set()
+
+        locks._try_acquire = slow_take
+        ctx = store.get_or_create("cancelled", BOT)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.lock.acquire(), 0.1)
+        locks._try_acquire = taking
+        assert await asyncio.to_thread(took.wait, 30), "the worker thread never took the lock"
+        deadline = time.monotonic() + 30  # given back right after it was taken
+        while holder() is not None:
+            assert time.monotonic() < deadline, "the lock taken for a cancelled caller is held"
+            await asyncio.sleep(0.05)
+        async with ctx.lock:  # the next turn gets it
+            assert holder() is not None
+
+    try:
+        with MariaDBSessionStore(mariadb_database) as store:
+            asyncio.run(scenario(store))
+    finally:
+        probe.dispose()
+
+
 def test_turn_locks_are_per_database(new_database: Callable[[], URL]) -> None:
     async def scenario(a: Any, b: Any) -> None:
         assert (await a.turn_locks.try_acquire("same-id"))[0] is True

@@ -33,6 +33,31 @@ from chatflow_sqlalchemy_mariadb.schema import info
 __all__ = ["MariaDBSessionStore", "NamedTurnLocks"]
 
 
+class _Attempt:
+    """One ``try_acquire`` call: hands its result over, unless its caller is gone."""
+
+    __slots__ = ("_caller_gone", "_guard", "_handed_a_lock")
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._caller_gone = False
+        self._handed_a_lock = False
+
+    def hand_over(self, taken: bool) -> bool:
+        """In the worker thread: False if the caller was cancelled (the lock is ours to free)."""
+        with self._guard:
+            if self._caller_gone:
+                return False
+            self._handed_a_lock = taken
+            return True
+
+    def abandon(self) -> bool:
+        """In the cancelled caller: True if a taken lock was already handed over (free it)."""
+        with self._guard:
+            self._caller_gone = True
+            return self._handed_a_lock
+
+
 class NamedTurnLocks:
     """Per-session named locks (``GET_LOCK(name, 0)``) on one dedicated connection.
 
@@ -80,8 +105,28 @@ class NamedTurnLocks:
             ) from exc
 
     async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
-        """Take the session's lock if it is free; never waits (the version is not read)."""
-        return await asyncio.to_thread(self._try_acquire, session_id), False, None
+        """Take the session's lock if it is free; never waits (the version is not read).
+
+        A caller cancelled meanwhile (a timeout, a shutdown) never leaves the
+        lock held: the worker thread goes on, and a lock it takes for a caller
+        that is gone is given back at once.
+        """
+        attempt = _Attempt()
+
+        def take() -> bool:
+            taken = self._try_acquire(session_id)
+            if attempt.hand_over(taken):
+                return taken
+            if taken:  # nobody awaits it any more
+                self._release(session_id)
+            return False
+
+        try:
+            return await asyncio.to_thread(take), False, None
+        except asyncio.CancelledError:
+            if attempt.abandon():  # handed over just as the caller was cancelled
+                threading.Thread(target=self._release, args=(session_id,), daemon=True).start()
+            raise
 
     def _release(self, session_id: str) -> None:
         with contextlib.suppress(Exception):
