@@ -72,3 +72,26 @@ def test_optional_parts_name_their_extra(tmp_path: Path) -> None:
     assert all("pip install 'chatflow-sqlalchemy[postgres]'" in line for line in lines[:2])
     assert "pip install 'chatflow-sqlalchemy[aiosqlite]'" in lines[2]
     assert not (tmp_path / "aio.db").exists()
+
+
+def test_the_in_memory_store_runs_without_sqlalchemy(tmp_path: Path) -> None:
+    """The in-memory store shares the contract's rules, not the SQL stores' code."""
+    out = run_without_extras(
+        "sys.modules['sqlalchemy'] = None  # importing it anywhere now fails\n"
+        "import asyncio\n"
+        "from chatflow_agent import Agent, Runner\n"
+        "from chatflow_sqlalchemy import SessionStore\n"
+        "from chatflow_sqlalchemy.testing.suite import ScriptedEngine\n"
+        "bot = Agent(name='Bot', instructions='')\n"
+        "async def main():\n"
+        "    async with SessionStore(session_ttl_hours=1, archive_pruned=True) as store:\n"
+        "        runner = Runner(starting_agent=bot, session_store=store,\n"
+        "                        engine=ScriptedEngine())\n"
+        "        async with store.claim('m1', session_id='s') as claim:\n"
+        "            claim.response = (await runner.run_async('s', 'hello')).content\n"
+        "        ctx = await store.aget('s')\n"
+        "        return [len(ctx.history), await store.alist_sessions(), await store.asweep()]\n"
+        "print(asyncio.run(main()))\n",
+        tmp_path,
+    )
+    assert out.strip() == "[2, ['s'], 0]"

@@ -16,13 +16,8 @@ from chatflow_agent import Agent, Message, Role
 from sqlalchemy import create_engine, text
 
 from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
-from chatflow_sqlalchemy.claims import (
-    _SYNC_RENEWALS,
-    free_claim,
-    list_claims,
-    read_claims,
-    release_claim,
-)
+from chatflow_sqlalchemy.claims import _SYNC_RENEWALS, list_claims, release_claim
+from chatflow_sqlalchemy.sql_claims import free_claim, read_claims
 
 
 def _engine_at(url: str, revision: str) -> Any:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
     from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
-    from chatflow_sqlalchemy.claims import WebhookClaim
+    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS, WebhookClaim
     from chatflow_sqlalchemy.context import SessionContext
     from chatflow_sqlalchemy.exceptions import (
         BackendImportError,
@@ -36,13 +36,13 @@ if TYPE_CHECKING:
     )
     from chatflow_sqlalchemy.memory import SessionStore
     from chatflow_sqlalchemy.registry import available_backends, open_store, register
-    from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
 __version__ = "0.1.0"
 
 _EXCEPTIONS = "chatflow_sqlalchemy.exceptions"
 _LAZY: dict[str, str] = {
-    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.store",
+    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
     "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
     "SQLiteSessionStore": "chatflow_sqlalchemy.backends.sqlite",
     "PostgresSessionStore": "chatflow_sqlalchemy.backends.postgresql",

@@ -57,45 +57,46 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
-from sqlalchemy import Connection, Table, bindparam, literal_column, null, select, update
-
-from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.exceptions import ClaimLostError
-from chatflow_sqlalchemy.models import (
+from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
     CLAIM_DONE,
     CLAIM_RELEASED,
-    ChatflowProcessedMessage,
-    UTCDateTime,
+    SESSION_ID_MAX_LENGTH,
     utcnow,
 )
 
-if TYPE_CHECKING:
-    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
-
 __all__ = [
+    "DEFAULT_DEDUP_TTL_HOURS",
     "DEFAULT_LEASE_SECONDS",
-    "FENCE_CLAIM",
+    "MAX_DEDUP_TTL_HOURS",
     "MAX_LEASE_SECONDS",
     "ClaimFence",
     "ClaimInfo",
     "ClaimStatus",
     "MemoryClaims",
-    "SQLClaims",
     "WebhookClaim",
     "active_fence",
-    "free_claim",
+    "claim_info",
     "list_claims",
-    "read_claims",
     "release_claim",
+    "validate_dedup_ttl",
     "validate_lease",
+    "validate_message_id",
 ]
 
 _T = TypeVar("_T")
 
 logger = logging.getLogger("chatflow_sqlalchemy")
+
+DEFAULT_DEDUP_TTL_HOURS = 192
+"""Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+MAX_DEDUP_TTL_HOURS = 876_000
+"""Longest accepted dedup window: 100 years. Every database can store a cutoff that
+far back, which ``now - ttl`` must be."""
 
 DEFAULT_LEASE_SECONDS = 60.0
 MAX_LEASE_SECONDS = 30 * 86400.0
@@ -107,81 +108,41 @@ _ORDER_POLL_MIN = 0.005
 _ORDER_POLL_MAX = 0.1
 """Seconds between checks for earlier claims of the session (doubling up to the max)."""
 
-_processed = cast(Table, ChatflowProcessedMessage.__table__)
-_c = _processed.c
-_NOW = bindparam("now", type_=UTCDateTime())
-_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
-
-FENCE_CLAIM = (
-    update(_processed)
-    .where(
-        _c.message_id == bindparam("claim_id"),
-        _c.token == bindparam("claim_token"),
-    )
-    .values(
-        # Constants inline, not as anonymous binds: the driver path runs it compiled once.
-        state=literal_column(f"'{CLAIM_DONE}'"),
-        processed_at=bindparam("claim_now", type_=UTCDateTime()),
-        lease_expires_at=null(),
-    )
-)
-"""The fenced UPDATE a claimed turn adds to its write transaction (rowcount 1: still ours)."""
-
-_RENEW = (
-    update(_processed)
-    .where(_MINE, _c.state == CLAIM_ACQUIRED)
-    .values(lease_expires_at=bindparam("lease", type_=UTCDateTime()))
-)
-_FINISH = (
-    update(_processed)
-    .where(_MINE)
-    .values(
-        state=CLAIM_DONE, response=bindparam("reply"), processed_at=_NOW, lease_expires_at=None
-    )
-)
-_RELEASE = (
-    update(_processed)
-    .where(_MINE, _c.state == CLAIM_ACQUIRED)
-    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
-)
-_FREE = (
-    update(_processed)
-    .where(_c.message_id == bindparam("claim_id"), _c.state == CLAIM_ACQUIRED)
-    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
-)
-_STATUS = select(_c.state, _c.response, _c.lease_expires_at, _c.processed_at).where(
-    _c.message_id == bindparam("claim_id")
-)
-_TICKET = select(_c.ticket).where(_MINE)
-_EARLIER_IN_FLIGHT = (
-    select(_c.message_id)
-    .where(
-        _c.session_id == bindparam("session_id"),
-        _c.ticket < bindparam("ticket"),
-        _c.state == CLAIM_ACQUIRED,
-        _c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
-    )
-    .limit(1)
-)
-"""An earlier claim of the session still held, or lapsed less than one lease ago (see
-:meth:`WebhookClaim.order_horizon`)."""
-_LIST = select(
-    _c.message_id,
-    _c.state,
-    _c.session_id,
-    _c.ticket,
-    _c.claimed_at,
-    _c.lease_expires_at,
-    _c.processed_at,
-    _c.response.is_not(None).label("has_response"),
-)
-
 _LATE_RELEASES: set[asyncio.Future[bool]] = set()
 """Releases of claims acquired after their handler was cancelled (kept until done)."""
 
 _ACTIVE: contextvars.ContextVar[WebhookClaim | None] = contextvars.ContextVar(
     "chatflow_webhook_claim", default=None
 )
+
+
+def validate_message_id(message_id: object) -> str:
+    """Return ``message_id`` if usable as a webhook id, else raise ``ValueError``."""
+    if not isinstance(message_id, str) or not message_id:
+        raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
+    if len(message_id) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
+        raise ValueError("message_id must not contain the NUL character ('\\x00')")
+    return message_id
+
+
+def validate_dedup_ttl(value: object) -> float:
+    """``dedup_ttl_hours`` as a float, if within ``0 < value <= MAX_DEDUP_TTL_HOURS``.
+
+    Checked when a store is built: a window reaching back before year 1 (or
+    an infinite or NaN one) would only fail at the first claim.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value <= MAX_DEDUP_TTL_HOURS
+    ):
+        raise ValueError(
+            f"dedup_ttl_hours must be a number of hours with 0 < dedup_ttl_hours <= "
+            f"{MAX_DEDUP_TTL_HOURS} (100 years), got {value!r}"
+        )
+    return float(value)
 
 
 def validate_lease(value: object) -> float:
@@ -572,128 +533,6 @@ class _SyncRenewals:
 
 
 _SYNC_RENEWALS = _SyncRenewals()
-
-
-class SQLClaims:
-    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine."""
-
-    def __init__(self, store: SQLAlchemySessionStore) -> None:
-        self._store = store
-        self._acquire = store.support.acquire_claim(_processed)
-
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run blocking work as the store's async API does."""
-        return await self._store._run_blocking(fn, *args)
-
-    def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
-        with self._store._transaction(single=True) as conn:
-            return conn.execute(statement, params)
-
-    def acquire(self, claim: WebhookClaim) -> None:
-        """Take the claim in one statement, or read why not (done, or in flight)."""
-        now = utcnow()
-        params = {
-            "message_id": claim.message_id,
-            "now": now,
-            "cutoff": now - self._store._dedup_ttl,
-            "token": claim._new_token(),
-            "lease": claim._lease_until(),
-            "session_id": claim.session_id,
-            "claim_id": claim.message_id,
-            "claim_token": claim.token,
-        }
-        with telemetry.operation("claim", self._store._system) as op:
-            self._acquire_in_one_call(claim, params, now)
-            op.set("chatflow.claim.status", claim.status)
-
-    def _acquire_in_one_call(
-        self, claim: WebhookClaim, params: dict[str, Any], now: datetime
-    ) -> None:
-        with self._store._transaction(single=True) as conn:
-            acquired, ticket = self._store.support.claim_acquired(
-                conn.execute(self._acquire, params)
-            )
-            if acquired and ticket is None and claim.session_id is not None:
-                ticket = conn.execute(_TICKET, params).scalar()
-            row = None if acquired else conn.execute(_STATUS, params).first()
-            if acquired and ticket is not None and claim.session_id is not None:
-                # The first look for earlier claims of the session rides on this call.
-                earlier = {
-                    "session_id": claim.session_id,
-                    "ticket": ticket,
-                    "horizon": claim.order_horizon(now),
-                }
-                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
-        if acquired:
-            claim._set_acquired(ticket)
-        else:
-            claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
-
-    def renew(self, claim: WebhookClaim) -> bool:
-        """Extend the lease while the token holds; False once it is gone."""
-        params = {
-            "claim_id": claim.message_id,
-            "claim_token": claim.token,
-            "lease": claim._lease_until(),
-        }
-        return bool(self._execute(_RENEW, params).rowcount == 1)
-
-    def finish(self, claim: WebhookClaim) -> bool:
-        """Mark the claim done with its reply; False if the token is gone."""
-        params = {
-            "claim_id": claim.message_id,
-            "claim_token": claim.token,
-            "reply": claim.response,
-            "now": utcnow(),
-        }
-        return bool(self._execute(_FINISH, params).rowcount == 1)
-
-    def release(self, claim: WebhookClaim) -> None:
-        """Let the next delivery acquire the id (a done claim is left done)."""
-        params = {"claim_id": claim.message_id, "claim_token": claim.token, "now": utcnow()}
-        self._execute(_RELEASE, params)
-
-    def earlier_in_flight(self, claim: WebhookClaim) -> bool:
-        """True while an earlier claim of the session is held under a live lease."""
-        if claim.ticket is None:
-            return False
-        params = {
-            "session_id": claim.session_id,
-            "ticket": claim.ticket,
-            "horizon": claim.order_horizon(utcnow()),
-        }
-        with self._store._transaction(single=True) as conn:
-            return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
-
-    def list(self, limit: int | None) -> list[ClaimInfo]:
-        """Rows for ``dedup list``, most recently changed first."""
-        with self._store._transaction() as conn:
-            return read_claims(conn, limit=limit)
-
-    def free(self, message_id: str) -> bool:
-        """Release a held claim whoever holds it (``dedup release``); False if none is held."""
-        with self._store._transaction(write=True) as conn:
-            return free_claim(conn, message_id)
-
-
-def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
-    """``dedup list`` on a connection (a read-only one will do): newest change first."""
-    query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
-    if limit is not None:
-        query = query.limit(limit)
-    now = utcnow()
-    return [
-        claim_info(
-            row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
-            row.lease_expires_at, row.processed_at, bool(row.has_response), now,
-        )
-        for row in conn.execute(query)
-    ]
-
-
-def free_claim(conn: Connection, message_id: str) -> bool:
-    """``dedup release ID`` on a connection (the caller commits): True if a claim was held."""
-    return bool(conn.execute(_FREE, {"claim_id": message_id, "now": utcnow()}).rowcount == 1)
 
 
 def claim_info(

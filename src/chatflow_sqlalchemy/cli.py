@@ -1073,7 +1073,7 @@ def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[An
     with _read_conn(engine) as conn:
         if filters is None:
             return list(conn.execute(query))
-        from chatflow_sqlalchemy.lifecycle import session_page
+        from chatflow_sqlalchemy.sql_lifecycle import session_page
 
         ids = session_page(conn, filters)  # the store's own filters and order
         rows = {
@@ -1527,7 +1527,7 @@ def _report_skipped(skipped: Sequence[str]) -> None:
 
 def _ttl(hours: float | None) -> float:
     """The dedup TTL in hours: ``--ttl-hours``, else the store's default window."""
-    from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS
+    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
 
     if hours is None:
         return float(DEFAULT_DEDUP_TTL_HOURS)
@@ -1585,7 +1585,7 @@ def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | No
     """
     from datetime import timedelta
 
-    from chatflow_sqlalchemy.claims import read_claims
+    from chatflow_sqlalchemy.sql_claims import read_claims
 
     ttl = _ttl(ttl_hours)
     with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
@@ -1649,7 +1649,7 @@ def dedup_release(message_id: str, yes: bool, url: str | None) -> None:
     alive after all, its turn gets ClaimLostError at commit and writes
     nothing. Asks for confirmation unless --yes.
     """
-    from chatflow_sqlalchemy.claims import free_claim
+    from chatflow_sqlalchemy.sql_claims import free_claim
 
     parsed = _resolve_url(url)
     with _writing(parsed) as engine:

@@ -79,7 +79,7 @@ def _validated(user_id: str) -> str:
 
 
 def _count(engine: Any, user_id: str) -> int:
-    from chatflow_sqlalchemy.lifecycle import user_session_ids
+    from chatflow_sqlalchemy.sql_lifecycle import user_session_ids
 
     with _cli._read_conn(engine) as conn:
         return len(user_session_ids(conn, user_id))
@@ -96,7 +96,7 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
     Asks first unless --yes. Workers with a live context of an erased
     session get SessionDeletedError on their next read or write.
     """
-    from chatflow_sqlalchemy.lifecycle import erase_user_rows
+    from chatflow_sqlalchemy.sql_lifecycle import erase_user_rows
 
     _validated(user_id)
     parsed = _cli._resolve_url(url)
@@ -191,8 +191,9 @@ def _sealer_from_env() -> Any:
 
 def _export(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.exceptions import CorruptRowError
-    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT, export_sessions, user_session_ids
+    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
     from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
     from chatflow_sqlalchemy.store import _parse_message
 
     _validated(user_id)
@@ -235,8 +236,9 @@ def sessions_sweep(
     kept (a later sweep takes them). Safe while workers run and while other
     sweepers run.
     """
-    from chatflow_sqlalchemy.lifecycle import count_expired, validate_session_ttl
+    from chatflow_sqlalchemy.lifecycle import validate_session_ttl
     from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.sql_lifecycle import count_expired
 
     try:
         hours = validate_session_ttl(ttl_hours)

@@ -36,7 +36,7 @@ from chatflow_agent import SessionContext as _UpstreamSessionContext
 from pydantic_core import to_json
 
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.models import SESSION_ID_MAX_LENGTH
+from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH
 
 __all__ = [
     "SessionContext",

@@ -21,11 +21,14 @@ from chatflow_agent import Agent, Message
 
 from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
+    DEFAULT_DEDUP_TTL_HOURS,
     DEFAULT_LEASE_SECONDS,
     ClaimFence,
     MemoryClaims,
     WebhookClaim,
     active_fence,
+    validate_dedup_ttl,
+    validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
     SessionContext,
@@ -45,8 +48,7 @@ from chatflow_sqlalchemy.lifecycle import (
     validate_sweep_limit,
     validate_user_id,
 )
-from chatflow_sqlalchemy.models import CLAIM_ACQUIRED, utcnow
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, _validate_message_id, _validate_ttl
+from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, utcnow
 
 __all__ = ["SessionStore"]
 
@@ -93,7 +95,7 @@ class SessionStore(AsyncStoreAPI):
         self.archive_pruned = validate_archive_pruned(archive_pruned)
         self._archive: dict[str, dict[int, Message]] = {}
         self._window_seen: dict[str, dict[int, Message]] = {}
-        self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
+        self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
         self._updated: dict[str, float] = {}
@@ -391,7 +393,7 @@ class SessionStore(AsyncStoreAPI):
 
     def is_message_processed(self, message_id: str) -> bool:
         """True if ``message_id`` was claimed within the TTL."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         with self._lock:
             self._check_open()
             stamp = self._processed.get(message_id)
@@ -399,14 +401,14 @@ class SessionStore(AsyncStoreAPI):
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         with self._lock:
             self._check_open()
             self._remember(message_id, time.monotonic())
 
     def record_processed_message(self, message_id: str) -> bool:
         """Atomically claim ``message_id``: True only for its first caller within the TTL."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         now = time.monotonic()
         with self._lock:
             self._check_open()
@@ -431,7 +433,7 @@ class SessionStore(AsyncStoreAPI):
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> WebhookClaim:
         """Claim a webhook delivery (see :mod:`chatflow_sqlalchemy.claims`), in this process."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         if session_id is not None:
             validate_session_id(session_id)
         return WebhookClaim(

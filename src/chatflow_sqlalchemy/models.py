@@ -30,6 +30,14 @@ from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from chatflow_sqlalchemy.values import (
+    CLAIM_ACQUIRED,
+    CLAIM_DONE,
+    CLAIM_RELEASED,
+    SESSION_ID_MAX_LENGTH,
+    utcnow,
+)
+
 __all__ = [
     "CLAIM_ACQUIRED",
     "CLAIM_DONE",
@@ -47,9 +55,6 @@ __all__ = [
     "utcnow",
 ]
 
-SESSION_ID_MAX_LENGTH = 255
-"""Longest accepted session id / message id (an index-friendly VARCHAR on every dialect)."""
-
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -58,10 +63,6 @@ NAMING_CONVENTION: dict[str, str] = {
     "pk": "pk_%(table_name)s",
 }
 
-
-def utcnow() -> datetime:
-    """Return the current time as a timezone-aware UTC datetime."""
-    return datetime.now(timezone.utc)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -216,13 +217,6 @@ class ChatflowMessageArchive(Base):
 
     __table_args__ = (Index(None, "session_id", "seq"),)
 
-
-CLAIM_ACQUIRED = "acquired"
-"""Claim state: a worker holds the id under a lease (``token``, ``lease_expires_at``)."""
-CLAIM_DONE = "done"
-"""Claim state: processed (also every id recorded by ``record_processed_message``)."""
-CLAIM_RELEASED = "released"
-"""Claim state: the block failed (or an operator freed it); the next delivery acquires it."""
 
 CLAIM_TICKETS = Sequence("chatflow_claim_ticket_seq", metadata=metadata)
 """Database-assigned claim order (FIFO per session) where the dialect has sequences."""

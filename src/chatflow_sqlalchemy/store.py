@@ -66,12 +66,14 @@ from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
+    DEFAULT_DEDUP_TTL_HOURS,
     DEFAULT_LEASE_SECONDS,
-    FENCE_CLAIM,
+    MAX_DEDUP_TTL_HOURS,
     ClaimFence,
-    SQLClaims,
     WebhookClaim,
     active_fence,
+    validate_dedup_ttl,
+    validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
     DurableState,
@@ -101,31 +103,33 @@ from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     SWEEP_BATCH,
     ListFilters,
-    SweepCursor,
-    archive_rows,
-    decode_transcript,
-    erase_sessions,
-    export_sessions,
     pruned_seqs,
-    session_page,
-    sweep_candidates,
     touch_interval,
-    touch_session,
-    transcript_sources,
-    user_session_ids,
     validate_archive_pruned,
     validate_session_ttl,
     validate_sweep_limit,
     validate_user_id,
 )
 from chatflow_sqlalchemy.models import (
-    SESSION_ID_MAX_LENGTH,
     ChatflowMessage,
     ChatflowProcessedMessage,
     ChatflowSession,
     utcnow,
 )
 from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
+from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM, SQLClaims
+from chatflow_sqlalchemy.sql_lifecycle import (
+    SweepCursor,
+    archive_rows,
+    decode_transcript,
+    erase_sessions,
+    export_sessions,
+    session_page,
+    sweep_candidates,
+    touch_session,
+    transcript_sources,
+    user_session_ids,
+)
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -146,13 +150,6 @@ _IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", defa
 """True while store code runs in a greenlet on the AsyncEngine's sync facade."""
 
 ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
-
-DEFAULT_DEDUP_TTL_HOURS = 192
-"""Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
-
-MAX_DEDUP_TTL_HOURS = 876_000
-"""Longest accepted dedup window: 100 years. Every database can store a cutoff that
-far back, which ``now - ttl`` must be."""
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
@@ -278,34 +275,6 @@ def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
     return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
 
 
-def _validate_message_id(message_id: object) -> str:
-    if not isinstance(message_id, str) or not message_id:
-        raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
-    if len(message_id) > SESSION_ID_MAX_LENGTH:
-        raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
-    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
-        raise ValueError("message_id must not contain the NUL character ('\\x00')")
-    return message_id
-
-
-def _validate_ttl(value: object) -> float:
-    """``dedup_ttl_hours`` as a float, if within ``0 < value <= MAX_DEDUP_TTL_HOURS``.
-
-    Checked when a store is built: a window reaching back before year 1 (or
-    an infinite or NaN one) would only fail at the first claim.
-    """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value <= MAX_DEDUP_TTL_HOURS
-    ):
-        raise ValueError(
-            f"dedup_ttl_hours must be a number of hours with 0 < dedup_ttl_hours <= "
-            f"{MAX_DEDUP_TTL_HOURS} (100 years), got {value!r}"
-        )
-    return float(value)
-
-
 class _VersionMoved(Exception):
     """A pipelined write found the session moved; it is redone step by step."""
 
@@ -395,7 +364,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
-        self.dedup_ttl_hours = _validate_ttl(dedup_ttl_hours)
+        self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
         self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self.archive_pruned = validate_archive_pruned(archive_pruned)
@@ -1233,13 +1202,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     def is_message_processed(self, message_id: str) -> bool:
         """True if ``message_id`` was claimed within the dedup TTL."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         params = {"message_id": message_id, "cutoff": utcnow() - self._dedup_ttl}
         return self._single_row(_IS_PROCESSED, "is_processed", params) is not None
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now (check-then-mark; prefer the atomic claim)."""
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         with self._transaction(write=True) as conn:
             conn.execute(
                 self._mark,
@@ -1254,7 +1223,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         claim can be taken again. Expired ids are purged in bounded batches
         at most every five minutes.
         """
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         now = utcnow()
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
         hot = self._hot_here()
@@ -1296,7 +1265,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             ValueError: For an invalid ``message_id``, ``session_id`` or ``lease_seconds``.
 
         """
-        _validate_message_id(message_id)
+        validate_message_id(message_id)
         if session_id is not None:
             validate_session_id(session_id)
         return WebhookClaim(

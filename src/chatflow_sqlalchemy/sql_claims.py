@@ -1,0 +1,218 @@
+"""Webhook claims on the SQL stores: the statements, and the store's claim backend.
+
+How claims behave is described in :mod:`chatflow_sqlalchemy.claims`; this
+module is that behaviour on ``chatflow_processed_messages``. The acquire
+statement is the dialect's (:meth:`DialectSupport.acquire_claim`); the rest
+is portable Core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from sqlalchemy import Connection, Table, bindparam, literal_column, null, select, update
+
+from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
+from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
+from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+
+__all__ = ["FENCE_CLAIM", "SQLClaims", "free_claim", "read_claims"]
+
+_T = TypeVar("_T")
+
+_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_c = _processed.c
+_NOW = bindparam("now", type_=UTCDateTime())
+_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
+
+FENCE_CLAIM = (
+    update(_processed)
+    .where(
+        _c.message_id == bindparam("claim_id"),
+        _c.token == bindparam("claim_token"),
+    )
+    .values(
+        # Constants inline, not as anonymous binds: the driver path runs it compiled once.
+        state=literal_column(f"'{CLAIM_DONE}'"),
+        processed_at=bindparam("claim_now", type_=UTCDateTime()),
+        lease_expires_at=null(),
+    )
+)
+"""The fenced UPDATE a claimed turn adds to its write transaction (rowcount 1: still ours)."""
+
+_RENEW = (
+    update(_processed)
+    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .values(lease_expires_at=bindparam("lease", type_=UTCDateTime()))
+)
+_FINISH = (
+    update(_processed)
+    .where(_MINE)
+    .values(
+        state=CLAIM_DONE, response=bindparam("reply"), processed_at=_NOW, lease_expires_at=None
+    )
+)
+_RELEASE = (
+    update(_processed)
+    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+)
+_FREE = (
+    update(_processed)
+    .where(_c.message_id == bindparam("claim_id"), _c.state == CLAIM_ACQUIRED)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+)
+_STATUS = select(_c.state, _c.response, _c.lease_expires_at, _c.processed_at).where(
+    _c.message_id == bindparam("claim_id")
+)
+_TICKET = select(_c.ticket).where(_MINE)
+_EARLIER_IN_FLIGHT = (
+    select(_c.message_id)
+    .where(
+        _c.session_id == bindparam("session_id"),
+        _c.ticket < bindparam("ticket"),
+        _c.state == CLAIM_ACQUIRED,
+        _c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
+    )
+    .limit(1)
+)
+"""An earlier claim of the session still held, or lapsed less than one lease ago (see
+:meth:`WebhookClaim.order_horizon`)."""
+_LIST = select(
+    _c.message_id,
+    _c.state,
+    _c.session_id,
+    _c.ticket,
+    _c.claimed_at,
+    _c.lease_expires_at,
+    _c.processed_at,
+    _c.response.is_not(None).label("has_response"),
+)
+
+
+class SQLClaims:
+    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine."""
+
+    def __init__(self, store: SQLAlchemySessionStore) -> None:
+        self._store = store
+        self._acquire = store.support.acquire_claim(_processed)
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking work as the store's async API does."""
+        return await self._store._run_blocking(fn, *args)
+
+    def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
+        with self._store._transaction(single=True) as conn:
+            return conn.execute(statement, params)
+
+    def acquire(self, claim: WebhookClaim) -> None:
+        """Take the claim in one statement, or read why not (done, or in flight)."""
+        now = utcnow()
+        params = {
+            "message_id": claim.message_id,
+            "now": now,
+            "cutoff": now - self._store._dedup_ttl,
+            "token": claim._new_token(),
+            "lease": claim._lease_until(),
+            "session_id": claim.session_id,
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+        }
+        with telemetry.operation("claim", self._store._system) as op:
+            self._acquire_in_one_call(claim, params, now)
+            op.set("chatflow.claim.status", claim.status)
+
+    def _acquire_in_one_call(
+        self, claim: WebhookClaim, params: dict[str, Any], now: datetime
+    ) -> None:
+        with self._store._transaction(single=True) as conn:
+            acquired, ticket = self._store.support.claim_acquired(
+                conn.execute(self._acquire, params)
+            )
+            if acquired and ticket is None and claim.session_id is not None:
+                ticket = conn.execute(_TICKET, params).scalar()
+            row = None if acquired else conn.execute(_STATUS, params).first()
+            if acquired and ticket is not None and claim.session_id is not None:
+                # The first look for earlier claims of the session rides on this call.
+                earlier = {
+                    "session_id": claim.session_id,
+                    "ticket": ticket,
+                    "horizon": claim.order_horizon(now),
+                }
+                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
+        if acquired:
+            claim._set_acquired(ticket)
+        else:
+            claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
+
+    def renew(self, claim: WebhookClaim) -> bool:
+        """Extend the lease while the token holds; False once it is gone."""
+        params = {
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+            "lease": claim._lease_until(),
+        }
+        return bool(self._execute(_RENEW, params).rowcount == 1)
+
+    def finish(self, claim: WebhookClaim) -> bool:
+        """Mark the claim done with its reply; False if the token is gone."""
+        params = {
+            "claim_id": claim.message_id,
+            "claim_token": claim.token,
+            "reply": claim.response,
+            "now": utcnow(),
+        }
+        return bool(self._execute(_FINISH, params).rowcount == 1)
+
+    def release(self, claim: WebhookClaim) -> None:
+        """Let the next delivery acquire the id (a done claim is left done)."""
+        params = {"claim_id": claim.message_id, "claim_token": claim.token, "now": utcnow()}
+        self._execute(_RELEASE, params)
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool:
+        """True while an earlier claim of the session is held under a live lease."""
+        if claim.ticket is None:
+            return False
+        params = {
+            "session_id": claim.session_id,
+            "ticket": claim.ticket,
+            "horizon": claim.order_horizon(utcnow()),
+        }
+        with self._store._transaction(single=True) as conn:
+            return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
+
+    def list(self, limit: int | None) -> list[ClaimInfo]:
+        """Rows for ``dedup list``, most recently changed first."""
+        with self._store._transaction() as conn:
+            return read_claims(conn, limit=limit)
+
+    def free(self, message_id: str) -> bool:
+        """Release a held claim whoever holds it (``dedup release``); False if none is held."""
+        with self._store._transaction(write=True) as conn:
+            return free_claim(conn, message_id)
+
+
+def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
+    """``dedup list`` on a connection (a read-only one will do): newest change first."""
+    query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
+    if limit is not None:
+        query = query.limit(limit)
+    now = utcnow()
+    return [
+        claim_info(
+            row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
+            row.lease_expires_at, row.processed_at, bool(row.has_response), now,
+        )
+        for row in conn.execute(query)
+    ]
+
+
+def free_claim(conn: Connection, message_id: str) -> bool:
+    """``dedup release ID`` on a connection (the caller commits): True if a claim was held."""
+    return bool(conn.execute(_FREE, {"claim_id": message_id, "now": utcnow()}).rowcount == 1)
