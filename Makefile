@@ -27,7 +27,8 @@ demo: $(STAMP)
 # Four pytest-xdist workers, work-stealing: most tests wait on a server, a lease or a
 # worker process rather than on the CPU, so four overlap well even on two cores. Every
 # test has its own SQLite file, PostgreSQL schema or MariaDB database, free ports and
-# private clusters, so they do not meet. TEST_WORKERS=0 runs everything in one process.
+# private clusters; PostgreSQL's advisory locks are per database, so the tests that look
+# at a session's turn lock use session ids of their own. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 4
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal

@@ -129,11 +129,14 @@ def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
 
     dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
     rng = random.Random(5)
+    # Advisory locks are per database, not per schema: an id of its own, so that another
+    # test's turn on "s" (pytest-xdist runs them at once) is not taken for a leak.
+    sid = f"cancelled-{pg_schema}"
 
     async def scenario(admin: psycopg.Connection[Any]) -> int:
         store = pg_util.schema_store(pg_url, pg_schema)
         try:
-            session = await store.aget_or_create("s", BOT)
+            session = await store.aget_or_create(sid, BOT)
             for index in range(150):
                 async def turn(index: int = index) -> None:
                     async with session.lock:
@@ -147,7 +150,7 @@ def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
                 # A lock taken after the cancellation is given back by a call still in
                 # flight (its connection may be opening); it must go, not stay.
                 deadline = time.monotonic() + 10
-                while _advisory_lock_held(admin, "s"):
+                while _advisory_lock_held(admin, sid):
                     if time.monotonic() > deadline:
                         return index
                     await asyncio.sleep(0.01)

@@ -26,7 +26,14 @@ Metrics (meter ``chatflow_sqlalchemy``): ``chatflow.operation.duration``
 
 No session id, user id or message text is put in a span or a metric: session
 ids are often phone numbers, and telemetry cannot be erased with
-:meth:`~chatflow_sqlalchemy.SQLAlchemySessionStore.erase_user`.
+:meth:`~chatflow_sqlalchemy.SQLAlchemySessionStore.erase_user`. So a failed
+operation's span gets status ERROR with the exception's type only, never its
+message (the store's errors name the session; a driver error holds the
+statement's parameters).
+
+Telemetry never changes what the store does: an error raised by an SDK, a
+span processor or an exporter is logged and dropped, never raised into a
+claim, a turn's lock or its commit.
 
 Without ``opentelemetry-api`` every function here does nothing. With it and
 no SDK configured, OpenTelemetry's own no-op providers answer; an SDK set up
@@ -35,15 +42,16 @@ later (``trace.set_tracer_provider``) is picked up, as the API's proxies do.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 try:
-    from opentelemetry import metrics, trace
+    from opentelemetry import context, metrics, trace
 except ImportError:  # the otel extra is not installed: no-op
-    metrics = trace = None  # type: ignore[assignment]
+    context = metrics = trace = None  # type: ignore[assignment]
 
 from chatflow_sqlalchemy import __version__
 
@@ -60,6 +68,8 @@ INSTRUMENTATION_NAME = "chatflow_sqlalchemy"
 
 AttributeValue = str | int | float | bool
 
+logger = logging.getLogger("chatflow_sqlalchemy")
+
 
 class Operation:
     """The span of one operation in progress; :meth:`set` adds what it found out."""
@@ -72,7 +82,7 @@ class Operation:
     def set(self, key: str, value: AttributeValue) -> None:
         """Record ``key`` on the operation's span (nothing without OpenTelemetry)."""
         if self._span is not None:
-            self._span.set_attribute(key, value)
+            _safely(self._span.set_attribute, key, value)
 
 
 _NO_OP = Operation()
@@ -119,6 +129,25 @@ def _get() -> _Instruments:
     return _instruments
 
 
+_warned = False
+
+
+def _safely(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``; an error of the telemetry pipeline is logged, never raised.
+
+    The first one at WARNING with its traceback, later ones at DEBUG: a broken
+    exporter must not flood the log with one warning per turn.
+    """
+    global _warned
+    try:
+        return call(*args)
+    except Exception:
+        level = logging.DEBUG if _warned else logging.WARNING
+        _warned = True
+        logger.log(level, "OpenTelemetry failed; the store goes on without it", exc_info=True)
+        return None
+
+
 def enabled() -> bool:
     """True if ``opentelemetry-api`` is installed (the store then reports through it)."""
     return trace is not None
@@ -138,28 +167,53 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
     if trace is None:
         yield _NO_OP
         return
-    instruments = _get()
+    instruments = _safely(_get)
+    if instruments is None:
+        yield _NO_OP
+        return
     span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
     span_attributes.update({f"chatflow.{key}": value for key, value in attributes.items()})
     metric_attributes: dict[str, AttributeValue] = {
         "chatflow.operation": name,
         "db.system.name": system,
     }
+    span = _safely(_start_span, instruments, f"chatflow.{name}", span_attributes)
+    token = None if span is None else _safely(context.attach, trace.set_span_in_context(span))
     started = time.perf_counter()
+    failure: BaseException | None = None
     try:
-        with instruments.tracer.start_as_current_span(
-            f"chatflow.{name}", kind=trace.SpanKind.CLIENT, attributes=span_attributes
-        ) as span:
-            yield Operation(span)
+        yield Operation(span)
     except BaseException as exc:
-        metric_attributes["error.type"] = type(exc).__qualname__
+        failure = exc
         raise
     finally:
-        instruments.duration.record(time.perf_counter() - started, metric_attributes)
+        elapsed = time.perf_counter() - started
+        if token is not None:
+            _safely(context.detach, token)
+        if span is not None:
+            _safely(_end_span, span, failure)
+        if failure is not None:
+            metric_attributes["error.type"] = type(failure).__qualname__
+        _safely(instruments.duration.record, elapsed, metric_attributes)
+
+
+def _start_span(instruments: _Instruments, name: str, attributes: dict[str, AttributeValue]) -> Any:
+    return instruments.tracer.start_span(name, kind=trace.SpanKind.CLIENT, attributes=attributes)
+
+
+def _end_span(span: Any, failure: BaseException | None) -> None:
+    """End ``span``; a failure sets ERROR and ``error.type``, never the exception's text."""
+    if failure is not None:
+        kind = type(failure).__qualname__
+        span.set_attribute("error.type", kind)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
+    span.end()
 
 
 def count(name: str, amount: int, system: str) -> None:
     """Add ``amount`` to the counter ``name`` (``chatflow.version_conflicts``...)."""
     if trace is None or amount <= 0:
         return
-    _get().counters[name].add(amount, {"db.system.name": system})
+    instruments = _safely(_get)
+    if instruments is not None:
+        _safely(instruments.counters[name].add, amount, {"db.system.name": system})

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from chatflow_sqlalchemy.testing.harness import StoreSpec, worker_context
+from chatflow_sqlalchemy.testing.harness import StoreSpec, worker_context, worker_process
 
 __all__ = ["Worker", "reply_to", "start_worker", "webhook_worker"]
 
@@ -164,11 +164,11 @@ def start_worker(
     """Start :func:`webhook_worker` in a worker process (:func:`worker_context`)."""
     ctx = worker_context()
     events: Any = ctx.Queue()
-    process = ctx.Process(
-        target=_report_crash,
-        args=(events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
-              latency),
-        daemon=True,
+    process = worker_process(
+        ctx,
+        _report_crash,
+        (events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
+         latency),
     )
     process.start()
     return Worker(process, events)

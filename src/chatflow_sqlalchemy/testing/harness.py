@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext  # no fork server on Windows
+    from multiprocessing.process import BaseProcess
 
     import pytest
     from chatflow_agent import BaseSessionStore
@@ -66,6 +67,7 @@ __all__ = [
     "run_workers",
     "turns_worker",
     "worker_context",
+    "worker_process",
 ]
 
 
@@ -448,21 +450,46 @@ WORKER_PRELOAD = (
 """Modules the kit's fork server imports once, so each worker process does not."""
 
 
+START_METHOD_ENV = "CHATFLOW_TEST_START_METHOD"
+"""Set to ``spawn`` to start the kit's workers with ``spawn`` instead of the fork server."""
+
+
 def worker_context() -> SpawnContext | ForkServerContext:
     """The ``multiprocessing`` context the kit starts its worker processes with.
 
     A fork server that imported chatflow-agent, SQLAlchemy and the store once
-    (:data:`WORKER_PRELOAD`) where the platform has one, else ``spawn``. Both
-    give a fresh process that inherits nothing from the test process (no
-    engine, connection, thread or lock); the fork server saves every worker
-    the seconds of CPU that importing those libraries costs, which on a small
-    machine is most of what the cross-process tests spend.
+    (:data:`WORKER_PRELOAD`) where the platform has one, else ``spawn``
+    (also when :data:`START_METHOD_ENV` says ``spawn``). The fork server
+    saves every worker the seconds of CPU that importing those libraries
+    costs, which on a small machine is most of what the cross-process tests
+    spend. Its children are forks of the server, not of the test process:
+    they share no engine, connection, thread or lock with it. Start them with
+    :func:`worker_process`, which also gives them the test process's
+    environment as it is at the start (the server's was fixed when it started).
     """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if (
+        os.environ.get(START_METHOD_ENV, "").lower() == "spawn"
+        or "forkserver" not in multiprocessing.get_all_start_methods()
+    ):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))
     return context
+
+
+def worker_process(
+    context: SpawnContext | ForkServerContext, target: Callable[..., Any], args: tuple[Any, ...]
+) -> BaseProcess:
+    """A daemon process of ``context`` that runs ``target(*args)`` in today's environment."""
+    return context.Process(
+        target=_in_environment, args=(dict(os.environ), target, *args), daemon=True
+    )
+
+
+def _in_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    os.environ.clear()
+    os.environ.update(environ)
+    return target(*args)
 
 
 def run_workers(
@@ -482,8 +509,7 @@ def run_workers(
     results: Any = ctx.Queue()
     barrier = ctx.Barrier(len(per_worker_args))
     processes = [
-        ctx.Process(target=target, args=(*args, barrier, results), daemon=True)
-        for args in per_worker_args
+        worker_process(ctx, target, (*args, barrier, results)) for args in per_worker_args
     ]
     for process in processes:
         process.start()
@@ -521,7 +547,7 @@ def run_workers(
 def run_process(target: Callable[..., Any], args: tuple[Any, ...], *, timeout: float = 60.0) -> int:
     """Run ``target(*args)`` in one worker process and return its exit code."""
     ctx = worker_context()
-    process = ctx.Process(target=target, args=args, daemon=True)
+    process = worker_process(ctx, target, args)
     process.start()
     process.join(timeout)
     if process.is_alive():

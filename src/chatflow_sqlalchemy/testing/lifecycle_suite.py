@@ -31,6 +31,7 @@ from chatflow_sqlalchemy.testing.harness import (
     requires,
     run_workers,
     worker_context,
+    worker_process,
 )
 
 __all__ = [
@@ -435,10 +436,8 @@ class RetentionTests:
                     Message(role=Role.USER, content="before")
                 )
             time.sleep(EXPIRE_SECONDS)
-            worker = workers.Process(
-                target=turn_holder,
-                args=(harness.spec(), busy, started, finish, results),
-                daemon=True,
+            worker = worker_process(
+                workers, turn_holder, (harness.spec(), busy, started, finish, results)
             )
             worker.start()
             try:

@@ -77,9 +77,12 @@ class NamedTurnLocks:
         self._database = engine.url.database
         self._conn: Any = None
         self._mutex = threading.Lock()
+        self._closed = False
 
     def _cursor_call(self, sql: str, session_id: str) -> Any:
         with self._mutex:
+            if self._closed:  # e.g. a late give-back after the store closed: nothing held
+                raise RuntimeError("the store's turn locks are closed")
             if self._conn is None:
                 self._conn = self._engine.raw_connection()
                 self._conn.driver_connection.autocommit(True)
@@ -162,6 +165,7 @@ class NamedTurnLocks:
     def close(self) -> None:
         """Close the connection; the server releases every lock it held."""
         with self._mutex:
+            self._closed = True
             conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
