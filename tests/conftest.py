@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -99,6 +100,30 @@ def postgres_url() -> Iterator[str]:
         pytest.skip(pg_util.unset_reason())
     with pg_util.postgres_container_class()(POSTGRES_IMAGE, driver="psycopg") as container:
         yield container.get_connection_url()
+
+
+@pytest.fixture
+def postgres_connection_budget() -> Iterator[None]:
+    """Run the test alone among the connection-hungry ones, across pytest-xdist workers.
+
+    A test that holds dozens of PostgreSQL connections at once (fifty concurrent turn
+    locks) beside another such test in another worker would pass the server's
+    ``max_connections`` (100 by default) and fail with "too many clients already".
+    An exclusive ``flock`` on a file every worker (and every pytest run on this
+    machine) shares keeps them one at a time; other tests run beside them.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; such runs use one worker
+        yield
+        return
+    path = Path(tempfile.gettempdir()) / "chatflow-tests-postgres-connections.lock"
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

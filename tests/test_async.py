@@ -139,6 +139,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str
         yield {"open": lambda **kw: SessionStore(**kw), "persistent": False}
 
 
+@pytest.mark.usefixtures("postgres_connection_budget")  # fifty turn locks at once
 async def test_runner_fifty_concurrent_sessions_ten_turns(backend: dict[str, Any]) -> None:
     store = backend["open"](default_max_turns=40)
     runner = Runner(
