@@ -401,6 +401,10 @@ class RetentionTests:
             claim.response = "ok"
         time.sleep(EXPIRE_SECONDS)
         contexts["fresh"] = store.get_or_create(ids["fresh"], _agent())
+        fresh_at = time.monotonic()
+
+        def fresh_may_be_gone() -> bool:  # a loaded machine can take the whole TTL from here
+            return time.monotonic() - fresh_at >= TINY_TTL_HOURS * 3600
 
         async def sweep_during_a_turn() -> int:
             async with contexts["turn"].lock:
@@ -410,16 +414,18 @@ class RetentionTests:
         assert asyncio.run(sweep_during_a_turn()) == 2, "only old and old2 were free to go"
         left = set(store.list_sessions())
         assert ids["old"] not in left and ids["old2"] not in left
-        assert {ids["turn"], ids["claimed"], ids["fresh"]} <= left
+        assert {ids["turn"], ids["claimed"]} <= left
+        assert ids["fresh"] in left or fresh_may_be_gone()
         assert not store.is_message_processed(f"{tag}-done"), "a swept session's claims go too"
         with pytest.raises(SessionDeletedError):
             contexts["old"].add_message(Message(role=Role.USER, content="still there?"))
         # the claim is done now, so its session is expired (a store may count the
         # turn that just ended, without writing, as an update: that one may stay)
-        assert store.sweep() in (1, 2)
+        assert store.sweep() in ((1, 2, 3) if fresh_may_be_gone() else (1, 2))
         left = set(store.list_sessions())
-        assert ids["claimed"] not in left and ids["fresh"] in left
-        assert store.sweep() == 0
+        assert ids["claimed"] not in left
+        assert ids["fresh"] in left or fresh_may_be_gone()
+        assert store.sweep() in ((0, 1) if fresh_may_be_gone() else (0,))
 
     @requires(Capability.CROSS_PROCESS)
     def test_sweep_keeps_a_session_whose_turn_runs_in_another_process(
