@@ -104,3 +104,60 @@ def test_threads_with_their_own_loops_on_distinct_sessions(shared_store: Any) ->
     for index in range(THREADS):
         expected = {f"t{index}-{t}" for t in range(TURNS)}
         _assert_all_turns_whole(shared_store, f"own-{index}", expected)
+
+
+@pytest.fixture(params=["sqlite-file", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def two_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """Two stores on one database: the process under test and "another process"."""
+    with ExitStack() as stack:
+        if request.param == "sqlite-file":
+            path = tmp_path / "two.db"
+            stores = [SQLiteSessionStore(path, default_max_turns=100) for _ in range(2)]
+        else:
+            url = postgres_url()
+            schema = stack.enter_context(fresh_schema(url))
+            stores = [
+                PostgresSessionStore(
+                    url, default_max_turns=100, connect_args=schema_connect_args(schema)
+                )
+                for _ in range(2)
+            ]
+        for store in stores:
+            stack.callback(store.close)
+        yield stores[0], stores[1]
+
+
+def test_lookups_from_other_threads_never_drop_a_turns_unsaved_messages(
+    two_stores: tuple[Any, Any],
+) -> None:
+    """A lookup refreshes the shared context; a turn open (or ending) on it must keep its messages.
+
+    Another store keeps moving the session, so every lookup finds the
+    database ahead of the context; the turns run meanwhile in their own loops.
+    """
+    store, elsewhere = two_stores
+    runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine(0.0))
+    store.get_or_create("busy", BOT)
+    done = threading.Event()
+
+    def look_up() -> None:
+        while not done.is_set():
+            store.get("busy")
+
+    def move_elsewhere() -> None:
+        count = 0
+        while not done.is_set():
+            elsewhere.get("busy").metadata["moved"] = count
+            count += 1
+
+    helpers = [threading.Thread(target=look_up), threading.Thread(target=move_elsewhere)]
+    for helper in helpers:
+        helper.start()
+    try:
+        for turn in range(TURNS * 2):
+            asyncio.run(runner.run_async("busy", f"q{turn}"))
+    finally:
+        done.set()
+        for helper in helpers:
+            helper.join(HANG_GUARD)
+    _assert_all_turns_whole(elsewhere, "busy", {f"q{turn}" for turn in range(TURNS * 2)})

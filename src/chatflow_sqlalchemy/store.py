@@ -830,6 +830,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             self._forget(ctx.session_id)
             return False
         with ctx._mutex:
+            if _holds_newer_than(ctx, stored):
+                return True
             agent = self._resolve_agent(stored.agent_name, ctx.active_agent)
             carried = _orphaned_tool_call(ctx, stored) or _unsaved_tail_call(ctx)
             self._install(ctx, stored, agent, set(ctx._seqs))
@@ -1871,6 +1873,21 @@ def _first_version() -> int:
     (ABA) and be taken for the old one.
     """
     return secrets.randbits(_FIRST_VERSION_BITS)
+
+
+def _holds_newer_than(ctx: SessionContext, stored: _StoredSession) -> bool:
+    """True if installing ``stored`` would throw away something ``ctx`` holds.
+
+    Another thread may look a context up (and so refresh it) while a turn is
+    open on it, or between the end of a turn and its write: the turn's unsaved
+    messages must stay, and its write rebases them onto whatever the database
+    holds by then. A context that wrote meanwhile is newer than what was read
+    before that write. A stale context holds nothing worth keeping.
+    """
+    durable = ctx._durable
+    if durable is None or ctx._stale:
+        return False
+    return ctx._in_turn or _has_changes(ctx) or durable.version >= stored.version
 
 
 def _has_changes(ctx: SessionContext) -> bool:
