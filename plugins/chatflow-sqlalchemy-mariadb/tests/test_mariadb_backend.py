@@ -455,17 +455,7 @@ def test_generic_store_on_a_mariadb_engine_runs_runner_turns_under_named_locks(
 
 @pytest.mark.parametrize(
     "shared",
-    [
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="issue 12: once under full-suite load 199 of 200 messages were found "
-                "(passes alone); not diagnosed yet",
-            ),
-        ),
-        False,
-    ],
+    [True, False],
     ids=["one-session", "own-sessions"],
 )
 def test_threads_with_their_own_loops_over_one_store(mariadb_database: URL, shared: bool) -> None:
