@@ -1,7 +1,9 @@
 """Alembic environment: shared by `alembic` (repo root) and chatflow_sqlalchemy.migrate.
 
-When migrate.py runs the chain it passes its own connection (already inside a
-locked transaction) in ``config.attributes["connection"]``. From the command
+When migrate.py runs a chain it passes its own connection (already inside a
+locked transaction) in ``config.attributes["connection"]`` and the chain in
+``config.attributes["chatflow_chain"]``: the core chain, or a plugin's, whose
+``versions/`` folder is then the only version location. From the command
 line this file opens the URL itself ($CHATFLOW_DATABASE_URL, else
 ``sqlalchemy.url`` of alembic.ini) and takes the same lock.
 """
@@ -22,6 +24,7 @@ from chatflow_sqlalchemy.models import metadata
 
 config = context.config
 connection = config.attributes.get("connection")
+chain = config.attributes.get("chatflow_chain")
 
 if connection is None and config.config_file_name is not None:
     # The `alembic` command line: log "Running upgrade ..." as alembic.ini says.
@@ -49,7 +52,10 @@ if context.is_offline_mode():
     with context.begin_transaction():
         context.run_migrations()
 elif connection is not None:
-    configure_context(context, connection, metadata)
+    if chain is None:
+        configure_context(context, connection, metadata, VERSION_TABLE)
+    else:
+        configure_context(context, connection, chain.target_metadata, chain.version_table)
     with context.begin_transaction():
         context.run_migrations()
 else:

@@ -124,7 +124,6 @@ with alembic_chatter_at_debug():  # importing autogenerate logs "setup plugin ..
     from alembic import command
     from alembic.autogenerate import compare_metadata
     from alembic.config import Config
-    from alembic.runtime.environment import EnvironmentContext
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
     from alembic.util.exc import CommandError
@@ -600,35 +599,34 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
         engine.dispose()
 
 
+_COMMANDS: dict[str, Callable[[Config, str], None]] = {
+    "upgrade": command.upgrade,
+    "downgrade": command.downgrade,
+    "stamp": command.stamp,
+}
+
+
+def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
+    """An Alembic Config that runs ``chain`` on ``connection`` through Alembic's commands.
+
+    Every chain runs through chatflow-sqlalchemy's ``env.py`` (it reads the
+    chain from ``config.attributes["chatflow_chain"]``); a plugin chain's
+    ``versions/`` folder is its only version location, so a plugin ships
+    revision files and nothing else.
+    """
+    config = make_config(connection)
+    config.attributes["chatflow_chain"] = chain
+    if not chain.is_core:
+        versions = str(Path(chain.directory()) / "versions")
+        config.set_main_option("path_separator", "os")  # Alembic >= 1.16
+        config.set_main_option("version_path_separator", "os")  # read by older releases
+        config.set_main_option("version_locations", versions.replace("%", "%%"))
+    return config
+
+
 def _apply(conn: Connection, chain: MigrationChain, action: str, revision: str) -> None:
     """Run ``action`` (upgrade, downgrade, stamp) of ``chain`` to ``revision`` on ``conn``."""
-    if chain.is_core:
-        config = make_config(conn)
-        if action == "upgrade":
-            command.upgrade(config, revision)
-        elif action == "downgrade":
-            command.downgrade(config, revision)
-        else:
-            command.stamp(config, revision)
-        return
-    if ":" in revision:
-        raise CommandError("Range revision not allowed")
-    script = _script(chain)
-    config = Config()
-    config.set_main_option("script_location", chain.directory().replace("%", "%%"))
-
-    def step(rev: Any, _context: Any) -> Any:
-        if action == "upgrade":
-            return script._upgrade_revs(revision, rev)
-        if action == "downgrade":
-            return script._downgrade_revs(revision, rev)
-        return script._stamp_revs((revision,), rev)
-
-    destination: Any = (revision,) if action == "stamp" else revision
-    with EnvironmentContext(config, script, fn=step, destination_rev=destination) as env:
-        configure_context(env, conn, chain.target_metadata, chain.version_table)
-        with env.begin_transaction():
-            env.run_migrations()
+    _COMMANDS[action](_chain_config(conn, chain), revision)
 
 
 def head_revision(chain: MigrationChain | None = None) -> str:
