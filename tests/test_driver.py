@@ -455,22 +455,37 @@ def test_a_failed_unit_does_not_keep_its_connection(store_opener: Opener) -> Non
 
 
 def test_close_and_collection_return_kept_connections_to_the_pool(tmp_path: Path) -> None:
-    """On a caller's engine nothing stays checked out once the store is closed or dropped."""
+    """Nothing a store kept aside stays checked out once it is closed or dropped."""
+    store = SQLiteSessionStore(tmp_path / "x.db")
+    engine = store.engine
+    store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
+    assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
+    store.close()
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    dropped = SQLiteSessionStore(tmp_path / "x.db")
+    engine = dropped.engine
+    dropped.record_processed_message("m")
+    assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SQLAlchemy warns about collected checkouts
+        del dropped
+        gc.collect()
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    engine.dispose()
+
+
+def test_a_callers_engine_keeps_no_connection_aside(tmp_path: Path) -> None:
+    """Its pool settings (pre-ping, recycle) are the caller's: every unit checks out."""
     engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
     try:
-        store = SQLAlchemySessionStore(engine=engine)
-        store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
-        assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
-        store.close()
-        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
-        dropped = SQLAlchemySessionStore(engine=engine)
-        dropped.record_processed_message("m")
-        assert engine.pool.checkedout() >= 1  # type: ignore[attr-defined]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # SQLAlchemy warns about collected checkouts
-            del dropped
-            gc.collect()
-        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        with SQLAlchemySessionStore(engine=engine) as store:
+            store.record_processed_message("warm-up")
+            assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+            checkouts = _count_checkouts(engine)
+            store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
+            store.record_processed_message("again")
+            assert len(checkouts) >= 2
+            assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     finally:
         engine.dispose()
 
@@ -546,17 +561,31 @@ def test_small_postgres_pool_is_not_starved(pg_url: str, pg_schema: str) -> None
         assert store.is_message_processed("m")
 
 
-def test_pool_pre_ping_engines_keep_nothing(tmp_path: Path) -> None:
+@pytest.mark.postgres
+def test_a_store_asked_for_pool_pre_ping_keeps_nothing(pg_url: str, pg_schema: str) -> None:
     """pool_pre_ping asks for a ping on every use: no connection skips the checkout."""
-    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}", pool_pre_ping=True)
-    try:
-        with SQLAlchemySessionStore(engine=engine) as store:
-            store.record_processed_message("warm-up")
-            checkouts = _count_checkouts(engine)
-            store.record_processed_message("again")
-            assert store._kept._kept == [] and len(checkouts) == 1
-    finally:
-        engine.dispose()
+    with pg_util.schema_store(pg_url, pg_schema, pool_pre_ping=True) as store:
+        store.record_processed_message("warm-up")
+        checkouts = _count_checkouts(store.engine)
+        store.record_processed_message("again")
+        assert len(checkouts) == 1
+        assert store.engine.pool.checkedout() == 0
+
+
+@pytest.mark.postgres
+def test_kept_connections_go_back_before_pool_recycle(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection older than ``pool_recycle`` is not reused from aside: the pool recycles it."""
+    clock = SteppedClock()
+    monkeypatch.setattr(driver_module, "time", clock)
+    with pg_util.schema_store(pg_url, pg_schema, pool_recycle=5) as store:
+        store.record_processed_message("warm-up")
+        checkouts = _count_checkouts(store.engine)
+        for step in range(12):  # used every half second: never idle, 6 s old at the end
+            clock.now += 0.5
+            store.record_processed_message(f"m-{step}")
+        assert len(checkouts) == 1  # once 5 s old, then a fresh one from the pool
 
 
 @pytest.mark.postgres

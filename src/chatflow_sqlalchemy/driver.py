@@ -276,17 +276,18 @@ class KeptConnections:
     """Driver connections of one engine kept checked out between units of work, briefly.
 
     Taking a connection out of SQLAlchemy's pool and putting it back
-    (events, reset on return, bookkeeping) costs ~6 us, more than SQLite's
-    own work for a one-row statement, and a turn runs three driver units.
-    Up to ``keep`` connections given back in good order wait here instead,
-    and only while the pool keeps a free slot for everything else (a
-    ``QueuePool`` with fewer than ``pool_size`` connections out, without
-    ``pool_pre_ping``, which asks for a ping on every use).
+    (events, reset on return, bookkeeping) costs more than SQLite's own work
+    for a one-row statement, and a turn runs three driver units. Up to
+    ``keep`` connections given back in good order wait here instead, and
+    only while the pool keeps a free slot for everything else (a
+    ``QueuePool`` with fewer than ``pool_size`` connections out). The store
+    passes ``keep=0`` where it cannot know the pool's settings or the pool
+    pings on every checkout.
 
     A connection goes back through the pool, so that pings, recycling and
     invalidation apply as before, when its last unit started ``max_idle``
-    seconds ago or more, when it left the pool ``max_age`` seconds ago (or
-    ``pool_recycle``, if shorter), when its pool was replaced
+    seconds ago or more, when it left the pool ``max_age`` seconds ago (the
+    store passes less than ``pool_recycle``), when its pool was replaced
     (``engine.dispose()``) or when a lost connection was found on its pool
     since its last unit (by the driver path or by Core). For that short
     while it skips the pool's checkout and checkin events. A connection
@@ -326,12 +327,10 @@ class KeptConnections:
 
     def _fresh(self, connection: DriverConnection, now: float) -> bool:
         pool = connection.pool
-        recycle = getattr(pool, "_recycle", -1)
-        max_age = min(self._max_age, recycle) if recycle > 0 else self._max_age
         return (
             pool is self._engine.pool
             and now - connection.used_at < self._max_idle
-            and now - connection.taken_at < max_age
+            and now - connection.taken_at < self._max_age
             and connection.used_at > pool_distrusted_since(pool)
             and connection.is_valid
         )
@@ -357,11 +356,7 @@ class KeptConnections:
 
 def _has_room_to_keep(pool: Pool) -> bool:
     """True if one more connection may stay out of ``pool`` without starving its users."""
-    return (
-        isinstance(pool, QueuePool)
-        and not getattr(pool, "_pre_ping", False)
-        and pool.checkedout() < pool.size()  # this connection is among those out
-    )
+    return isinstance(pool, QueuePool) and pool.checkedout() < pool.size()  # it is out too
 
 
 _SET_UP: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()

@@ -168,6 +168,9 @@ _KEPT_CONNECTIONS = 2
 """Driver connections a store keeps aside between units: a turn's sync calls on the
 loop thread and its write on a pool thread take turns with two."""
 
+_KEPT_MAX_AGE = 30.0
+"""Seconds after leaving the pool that a kept connection goes back through it."""
+
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
 
@@ -342,6 +345,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     """
 
     dialect_support: ClassVar[DialectSupport | None] = None
+    _owned_engine_options: dict[str, Any] | None = None  # set by _open_owned
     """Set by backend subclasses; the generic class looks it up by dialect name."""
 
     _blocking_io_workers: ClassVar[int] = 4
@@ -385,12 +389,15 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             self.url = make_url(database_url_from_env(url))
             self.support = self._support_for(self.url.get_backend_name())
             sync_url = self.support.sync_url(self.url)
-            engine = create_engine(sync_url, **self.support.engine_options(sync_url))
+            created_with = self.support.engine_options(sync_url)
+            engine = create_engine(sync_url, **created_with)
+            options: dict[str, Any] | None = created_with
             self._owns_engine = True
         else:
             self.url = engine.url
             self.support = self._support_for(engine.dialect.name)
             self._owns_engine = False
+            options = self._owned_engine_options
         self.support.prepare_engine(engine)
         self.engine = engine
         self._system = engine.dialect.name  # db.system.name in telemetry
@@ -409,13 +416,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
         self._guarded = _Guard(self._serial, self.url)
-        # In-memory SQLite has one shared connection: nothing to keep aside. A kept
-        # connection goes back through the pool when the idle ping would check it.
-        self._kept = KeptConnections(
-            engine,
-            keep=0 if self._ephemeral else _KEPT_CONNECTIONS,
-            max_idle=_dialect.IDLE_PING_SECONDS,
-        )
+        self._kept = _kept_connections(engine, options, ephemeral=self._ephemeral)
         self._native_async = False
         self._aengine: AsyncEngine | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -485,6 +486,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         except ImportError as exc:
             raise BackendImportError(f"{install_hint} ({exc})") from exc
         self._opened_by_backend = True  # the backend builds its AsyncEngine with these options
+        self._owned_engine_options = engine_options
         try:
             SQLAlchemySessionStore.__init__(
                 self,
@@ -1701,6 +1703,27 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task = loop.create_task(engine.dispose())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+def _kept_connections(
+    engine: Engine, options: dict[str, Any] | None, *, ephemeral: bool
+) -> KeptConnections:
+    """Connections kept aside between units, on an engine whose pool settings are known.
+
+    Only a store that created its engine knows them through public means (the
+    options it passed): a caller's engine, an engine that pings every checkout
+    (``pool_pre_ping``) and in-memory SQLite (one shared connection) keep
+    nothing. A kept connection goes back through the pool when the idle ping
+    would check it, and before ``pool_recycle`` would replace it.
+    """
+    keep = _KEPT_CONNECTIONS
+    if ephemeral or options is None or options.get("pool_pre_ping"):
+        keep = 0
+    recycle = float((options or {}).get("pool_recycle", -1))
+    max_age = min(_KEPT_MAX_AGE, recycle) if recycle > 0 else _KEPT_MAX_AGE
+    return KeptConnections(
+        engine, keep=keep, max_idle=_dialect.IDLE_PING_SECONDS, max_age=max_age
+    )
 
 
 def _greenlet_available() -> bool:
