@@ -3,8 +3,8 @@
 A turn runs the same few statements every time: the dedup claim, the version
 check, the compare-and-swap of the session row and the message writes. For
 them SQLAlchemy's per-execution work (cache lookup, parameter and result
-set-up, event dispatch: ~25-30 us a statement) costs more than SQLite's own
-work. A :class:`DriverStatement` keeps the statement written once in Core and
+set-up, event dispatch; see ``benchmarks/RESULTS.md``) costs more than
+SQLite's own work. A :class:`DriverStatement` keeps the statement written once in Core and
 compiled by the dialect (placeholders, casts and type conversions included);
 only its execution goes straight to the driver. Everything else in the store
 runs through SQLAlchemy as usual.

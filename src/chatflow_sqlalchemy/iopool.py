@@ -3,9 +3,9 @@
 ``loop.run_in_executor`` on a ``ThreadPoolExecutor`` chains a
 ``concurrent.futures.Future`` to an asyncio one, and its worker does that
 bookkeeping (condition variables, done callbacks) after the result is ready,
-while the woken loop thread waits for the GIL. For a turn whose database work
-takes ~100 us that dispatch costs ~25 us of its ~115 us round trip on a
-2-vCPU VM (``benchmarks/RESULTS.md``). :class:`IOPool` hands each job to an
+while the woken loop thread waits for the GIL: for a turn's short database
+work a sizeable share of its round trip (``benchmarks/RESULTS.md``).
+:class:`IOPool` hands each job to an
 idle thread through one queue and resolves the asyncio future with a single
 ``call_soon_threadsafe``, after which the worker goes straight back to
 waiting, releasing the GIL.
