@@ -68,3 +68,25 @@ def test_catch_up_replaces_unpersisted_in_place_edits(store_opener: Opener) -> N
 
     caught_up = mine.get_or_create("s", BOT)
     assert [m.content for m in caught_up.history] == ["q1", "a1", "q2"]
+
+
+def test_catch_up_despite_an_unsaved_nested_metadata_change(store_opener: Opener) -> None:
+    """A nested metadata edit waits for the next write; lookups still show others' rows.
+
+    And another writer's committed metadata survives: the unsaved edit is what gives way.
+    """
+    mine, theirs = store_opener(), store_opener()
+    ctx = mine.get_or_create("s", BOT, metadata={"prefs": {}})
+    ctx.metadata["prefs"]["lang"] = "fr"  # nested: not noticed, written with the next write
+    other = theirs.get_or_create("s", BOT)
+    other.add_message(_text(Role.USER, "theirs"))
+    other.metadata["plan"] = "pro"
+
+    caught_up = mine.get("s")
+    assert caught_up is not None
+    assert [m.content for m in caught_up.history] == ["theirs"]
+    caught_up.add_message(_text(Role.MODEL, "answer"))
+    reread = store_opener().get("s")
+    assert reread is not None
+    assert [m.content for m in reread.history] == ["theirs", "answer"]
+    assert reread.metadata.get("plan") == "pro"

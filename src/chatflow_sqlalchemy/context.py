@@ -409,6 +409,7 @@ class SessionContext(_UpstreamSessionContext):
         self._turn_start: _TurnSnapshot | None = None
         self._cleared = False
         self._in_turn = False
+        self._ending_turn = False  # closed, its write not done yet: a refresh must wait
         self._stale = False
         self._verified_at = float("-inf")
         self._touched_at = float("-inf")  # this process last moved updated_at (write, turn)
@@ -610,17 +611,18 @@ class SessionContext(_UpstreamSessionContext):
                 self._turn_snapshot, dump_metadata(self._metadata), self._durable
             )
 
-    def _close_turn(self) -> _TurnSnapshot | None:
+    def _close_turn(self, *, ending: bool = False) -> _TurnSnapshot | None:
         with self._mutex:
             start = self._turn_start
             self._in_turn = False
+            self._ending_turn = ending
             self._turn_snapshot = None
             self._turn_start = None
             self._journal.clear()
             return start
 
     async def _aend_turn(self) -> None:
-        start = self._close_turn()
+        start = self._close_turn(ending=self._owner is not None)
         if self._owner is not None:
             try:
                 async with self._async_writer:
@@ -631,6 +633,9 @@ class SessionContext(_UpstreamSessionContext):
                 # against the database again before the next one.
                 self._discard_to(start, stale=True)
                 raise
+            finally:
+                with self._mutex:
+                    self._ending_turn = False
 
     async def _adiscard_turn(self) -> None:
         self._discard_to(self._close_turn(), stale=False)

@@ -1541,7 +1541,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         locks = self._turn_locks
         if locks is None:
             await self._touch_if_idle(ctx)
-        if locks is None and time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED:
+        recent = time.monotonic() - ctx._verified_at < _RECENTLY_VERIFIED
+        if locks is None and recent and not ctx._stale:
             return  # the Runner's get_or_create checked the version a moment ago
         known, version = False, None
         if locks is not None:
@@ -1899,7 +1900,7 @@ def _first_version() -> int:
 
 
 def _holds_newer_than(ctx: SessionContext, stored: _StoredSession) -> bool:
-    """True if installing ``stored`` would throw away something ``ctx`` holds.
+    """True if installing ``stored`` would throw away what a turn or a write holds.
 
     Another thread may look a context up (and so refresh it) while a turn is
     open on it, or between the end of a turn and its write: the turn's unsaved
@@ -1910,7 +1911,7 @@ def _holds_newer_than(ctx: SessionContext, stored: _StoredSession) -> bool:
     durable = ctx._durable
     if durable is None or ctx._stale:
         return False
-    return ctx._in_turn or _has_changes(ctx) or durable.version >= stored.version
+    return ctx._in_turn or ctx._ending_turn or durable.version >= stored.version
 
 
 def _has_changes(ctx: SessionContext) -> bool:
