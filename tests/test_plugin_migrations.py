@@ -384,6 +384,29 @@ def test_script_location_may_be_a_path(site: PluginSite, tmp_path: Path) -> None
     assert [r.revision for r in migrate.history(as_path)] == ["a001", "a002"]
 
 
+@pytest.mark.parametrize("folder", ["app:v2", "100% done", "a b:c%d"])
+def test_plugin_installed_under_any_folder_name_migrates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """":" (the OS path separator), "%" (configparser) and spaces in the plugin's path."""
+    site = PluginSite(tmp_path / folder, monkeypatch)
+    plugin = site.add()
+    chain = migrate.find_chain("audit")
+    path = tmp_path / "chat.db"
+    SQLiteSessionStore(str(path)).close()
+    assert version_of(path, plugin.version_table) == "a002"
+    assert "audit_log" in tables_of(path)
+    engine = sa.create_engine(f"sqlite:///{path}")
+    try:
+        migrate.downgrade(engine, "base", chain=chain)
+        assert version_of(path, plugin.version_table) is None
+        assert "audit_log" not in tables_of(path)
+        migrate.stamp(engine, "a001", chain=chain)
+        assert version_of(path, plugin.version_table) == "a001"
+    finally:
+        engine.dispose()
+
+
 # --------------------------------------------------------------------------- PostgreSQL
 
 

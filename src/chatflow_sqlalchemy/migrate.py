@@ -618,8 +618,9 @@ def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
     config.attributes["chatflow_chain"] = chain
     if not chain.is_core:
         versions = str(Path(chain.directory()) / "versions")
-        config.set_main_option("path_separator", "os")  # Alembic >= 1.16
-        config.set_main_option("version_path_separator", "os")  # read by older releases
+        # One location; a newline never occurs in a path, ":" (os.pathsep) may.
+        config.set_main_option("path_separator", "newline")  # Alembic >= 1.16
+        config.set_main_option("version_path_separator", "newline")  # older releases
         config.set_main_option("version_locations", versions.replace("%", "%%"))
     return config
 
