@@ -576,16 +576,22 @@ def test_a_store_asked_for_pool_pre_ping_keeps_nothing(pg_url: str, pg_schema: s
 def test_kept_connections_go_back_before_pool_recycle(
     pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A connection older than ``pool_recycle`` is not reused from aside: the pool recycles it."""
+    """A connection opened ``pool_recycle`` ago is not reused from aside: the pool recycles it.
+
+    Its age counts from when it was opened, not from its last checkout.
+    """
     clock = SteppedClock()
     monkeypatch.setattr(driver_module, "time", clock)
     with pg_util.schema_store(pg_url, pg_schema, pool_recycle=5) as store:
-        store.record_processed_message("warm-up")
+        store.record_processed_message("warm-up")  # opened now
         checkouts = _count_checkouts(store.engine)
-        for step in range(12):  # used every half second: never idle, 6 s old at the end
+        clock.now += 1.5  # idle: back through the pool, out again (1.5 s old)
+        store.record_processed_message("after a pause")
+        assert len(checkouts) == 1
+        for step in range(7):  # used every half second, never idle: 5 s old at the end
             clock.now += 0.5
             store.record_processed_message(f"m-{step}")
-        assert len(checkouts) == 1  # once 5 s old, then a fresh one from the pool
+        assert len(checkouts) == 2  # out again once 5 s old (the pool's clock recycles it)
 
 
 @pytest.mark.postgres

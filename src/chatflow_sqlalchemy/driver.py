@@ -4,10 +4,10 @@ A turn runs the same few statements every time: the dedup claim, the version
 check, the compare-and-swap of the session row and the message writes. For
 them SQLAlchemy's per-execution work (cache lookup, parameter and result
 set-up, event dispatch; see ``benchmarks/RESULTS.md``) costs more than
-SQLite's own work. A :class:`DriverStatement` keeps the statement written once in Core and
-compiled by the dialect (placeholders, casts and type conversions included);
-only its execution goes straight to the driver. Everything else in the store
-runs through SQLAlchemy as usual.
+SQLite's own work. A :class:`DriverStatement` keeps the statement written
+once in Core and compiled by the dialect (placeholders, casts and type
+conversions included); only its execution goes straight to the driver.
+Everything else in the store runs through SQLAlchemy as usual.
 """
 
 from __future__ import annotations
@@ -286,8 +286,9 @@ class KeptConnections:
 
     A connection goes back through the pool, so that pings, recycling and
     invalidation apply as before, when its last unit started ``max_idle``
-    seconds ago or more, when it left the pool ``max_age`` seconds ago (the
-    store passes less than ``pool_recycle``), when its pool was replaced
+    seconds ago or more, when it left the pool ``max_age`` seconds ago, when
+    it was opened ``recycle`` seconds ago (the engine's ``pool_recycle``: the
+    pool then replaces it at checkout), when its pool was replaced
     (``engine.dispose()``) or when a lost connection was found on its pool
     since its last unit (by the driver path or by Core). For that short
     while it skips the pool's checkout and checkin events. A connection
@@ -295,12 +296,21 @@ class KeptConnections:
     """
 
     def __init__(
-        self, engine: Engine, *, keep: int, max_idle: float, max_age: float = 30.0
+        self,
+        engine: Engine,
+        *,
+        keep: int,
+        max_idle: float,
+        max_age: float = 30.0,
+        recycle: float | None = None,
     ) -> None:
         self._engine = engine
         self._keep = keep
         self._max_idle = max_idle
         self._max_age = max_age
+        self._recycle = recycle
+        if keep and recycle is not None:
+            _note_when_connections_open(engine)
         self._kept: list[DriverConnection] = []
         self._lock = threading.Lock()  # give_back's check-then-keep against close()
         self._closed = False
@@ -331,6 +341,7 @@ class KeptConnections:
             pool is self._engine.pool
             and now - connection.used_at < self._max_idle
             and now - connection.taken_at < self._max_age
+            and (self._recycle is None or now - _opened_at(connection) < self._recycle)
             and connection.used_at > pool_distrusted_since(pool)
             and connection.is_valid
         )
@@ -352,6 +363,26 @@ class KeptConnections:
         with self._lock:
             self._closed = True
         self._finalizer()
+
+
+OPENED_AT_KEY = "chatflow_opened_at"
+"""Connection-record ``info`` key: when the DBAPI connection was opened (``time.monotonic()``)."""
+
+
+def _note_when_connections_open(engine: Engine) -> None:
+    """Stamp every new DBAPI connection of ``engine`` with its opening time."""
+    if not first_time_on(engine, "opened at"):
+        return
+
+    @event.listens_for(engine, "connect")
+    def _opened(dbapi_connection: Any, record: Any) -> None:
+        record.info[OPENED_AT_KEY] = time.monotonic()
+
+
+def _opened_at(connection: DriverConnection) -> float:
+    """When ``connection`` was opened; unknown counts as long ago (it goes back)."""
+    opened = connection.pooled.info.get(OPENED_AT_KEY)
+    return float("-inf") if opened is None else float(opened)
 
 
 def _has_room_to_keep(pool: Pool) -> bool:

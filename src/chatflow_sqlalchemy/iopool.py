@@ -5,10 +5,9 @@
 bookkeeping (condition variables, done callbacks) after the result is ready,
 while the woken loop thread waits for the GIL: for a turn's short database
 work a sizeable share of its round trip (``benchmarks/RESULTS.md``).
-:class:`IOPool` hands each job to an
-idle thread through one queue and resolves the asyncio future with a single
-``call_soon_threadsafe``, after which the worker goes straight back to
-waiting, releasing the GIL.
+:class:`IOPool` hands each job to an idle thread through one queue and
+resolves the asyncio future with a single ``call_soon_threadsafe``, after
+which the worker goes straight back to waiting, releasing the GIL.
 
 Lifecycle matches ``ThreadPoolExecutor``: threads start on demand up to
 ``max_workers``, :meth:`IOPool.shutdown` lets queued and running jobs finish,

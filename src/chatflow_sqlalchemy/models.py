@@ -94,8 +94,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         """On SQLite, one function for what ``process_bind_param`` and ``DATETIME`` do in turn.
 
         Every turn binds several timestamps, and the composed pair costs more
-        per value. It writes exactly
-        SQLAlchemy's SQLite text
+        per value. It writes exactly SQLAlchemy's SQLite text
         (``YYYY-MM-DD HH:MM:SS.ffffff``), which tests compare value by value.
         """
         if dialect.name == "sqlite":

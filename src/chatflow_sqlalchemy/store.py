@@ -345,11 +345,11 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     """
 
     dialect_support: ClassVar[DialectSupport | None] = None
-    _owned_engine_options: dict[str, Any] | None = None  # set by _open_owned
     """Set by backend subclasses; the generic class looks it up by dialect name."""
 
     _blocking_io_workers: ClassVar[int] = 4
     _context_cache_size: ClassVar[int] = 256
+    _owned_engine_options: dict[str, Any] | None = None  # set by _open_owned
 
     def __init__(
         self,
@@ -1715,15 +1715,19 @@ def _kept_connections(
     options it passed): a caller's engine, an engine that pings every checkout
     (``pool_pre_ping``) and in-memory SQLite (one shared connection) keep
     nothing. A kept connection goes back through the pool when the idle ping
-    would check it, and before ``pool_recycle`` would replace it.
+    would check it, and once it is older than ``pool_recycle`` (the pool then
+    replaces it).
     """
     keep = _KEPT_CONNECTIONS
     if ephemeral or options is None or options.get("pool_pre_ping"):
         keep = 0
     recycle = float((options or {}).get("pool_recycle", -1))
-    max_age = min(_KEPT_MAX_AGE, recycle) if recycle > 0 else _KEPT_MAX_AGE
     return KeptConnections(
-        engine, keep=keep, max_idle=_dialect.IDLE_PING_SECONDS, max_age=max_age
+        engine,
+        keep=keep,
+        max_idle=_dialect.IDLE_PING_SECONDS,
+        max_age=_KEPT_MAX_AGE,
+        recycle=recycle if recycle > 0 else None,
     )
 
 
