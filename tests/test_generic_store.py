@@ -57,3 +57,28 @@ def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_proc
         finally:
             engine.dispose()
             other_engine.dispose()
+
+
+def test_engine_options_reach_the_engine_the_generic_store_creates() -> None:
+    """Over the dialect's defaults: schema connect args, pool size; the store owns it."""
+    url = postgres_url()
+    with fresh_schema(url) as schema:
+        store = SQLAlchemySessionStore(
+            url,
+            engine_options={"pool_size": 3, "connect_args": schema_connect_args(schema)},
+        )
+        with store:
+            assert store.engine.pool.size() == 3  # type: ignore[attr-defined]
+            store.get_or_create("s", BOT)
+            with store.engine.connect() as conn:
+                assert conn.exec_driver_sql("SELECT current_schema()").scalar() == schema
+        assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_engine_options_with_a_callers_engine_are_refused() -> None:
+    engine = create_engine("sqlite://")
+    try:
+        with pytest.raises(ValueError, match="configure the engine you pass"):
+            SQLAlchemySessionStore(engine=engine, engine_options={"pool_size": 3})
+    finally:
+        engine.dispose()

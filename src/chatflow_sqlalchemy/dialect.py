@@ -150,6 +150,10 @@ class DialectSupport:
     """
 
     name: str = "generic"
+    install_hint: str = ""
+    """What to install when the dialect's driver is missing; a store that creates its
+    engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
+    (empty: the driver's ``ImportError`` propagates as it is)."""
     cross_process_turn_lock: bool = False
     driver_statements: bool = False
     """Run the per-turn statements on the DBAPI cursor (``driver.py``) instead of

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -330,6 +330,10 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
             nothing (False). None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
             (``0/false/no/off`` turn it off; unset means on).
+        engine_options: Keyword arguments for ``create_engine`` over the
+            dialect's defaults (pool sizes, ``pool_recycle``, ``connect_args``,
+            ``echo``...) when the store creates its engine from ``url``; an
+            ``engine`` you pass is used as it is (a ``ValueError`` with both).
 
     The schema is created or upgraded on open (under a cross-process lock); a
     database migrated by a newer version raises
@@ -349,7 +353,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     _blocking_io_workers: ClassVar[int] = 4
     _context_cache_size: ClassVar[int] = 256
-    _owned_engine_options: dict[str, Any] | None = None  # set by _open_owned
 
     def __init__(
         self,
@@ -363,6 +366,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         archive_pruned: bool = False,
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -385,19 +389,33 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         self._closed = False
         self._last_purge = utcnow()
 
+        self._extra_engine_options = dict(engine_options or {})
+        options: dict[str, Any] | None = None
         if engine is None:
             self.url = make_url(database_url_from_env(url))
             self.support = self._support_for(self.url.get_backend_name())
             sync_url = self.support.sync_url(self.url)
-            created_with = self.support.engine_options(sync_url)
-            engine = create_engine(sync_url, **created_with)
-            options: dict[str, Any] | None = created_with
+            options = {**self.support.engine_options(sync_url), **self._extra_engine_options}
+            engine = _create_engine(sync_url, options, self.support)
             self._owns_engine = True
         else:
+            if engine_options:
+                raise ValueError(
+                    "engine_options apply to an engine the store creates from url; "
+                    "configure the engine you pass as engine= yourself"
+                )
             self.url = engine.url
             self.support = self._support_for(engine.dialect.name)
             self._owns_engine = False
-            options = self._owned_engine_options
+        try:
+            self._open_on(engine, options)
+        except BaseException:
+            if self._owns_engine:
+                engine.dispose()
+            raise
+
+    def _open_on(self, engine: Engine, options: dict[str, Any] | None) -> None:
+        """Set the store up on ``engine`` (created with ``options``, None: the caller's)."""
         self.support.prepare_engine(engine)
         self.engine = engine
         self._system = engine.dialect.name  # db.system.name in telemetry
@@ -427,8 +445,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         except BaseException:
             if self._turn_locks is not None:
                 self._turn_locks.close()
-            if self._owns_engine:
-                engine.dispose()
             raise
 
     # ------------------------------------------------------------ plumbing
@@ -447,7 +463,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """
         if self._ephemeral or self.support.async_url(self.url) is None:
             return False
-        if not (self._owns_engine or getattr(self, "_opened_by_backend", False)):
+        if not self._owns_engine:
             # A given engine carries settings (connect_args, pool, listeners) that an
             # AsyncEngine built from its URL would not: its async work runs on threads.
             return False
@@ -459,52 +475,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 f"greenlet: {ASYNC_INSTALL_HINT}"
             )
         return False
-
-    def _open_owned(
-        self,
-        url: URL,
-        engine_options: dict[str, Any],
-        *,
-        install_hint: str,
-        default_max_turns: int,
-        dedup_ttl_hours: float,
-        auto_migrate: bool | None = None,
-        session_ttl_hours: float | None = None,
-        archive_pruned: bool = False,
-        cipher: AESGCMCipher | None = None,
-        require_encryption: bool = False,
-        also_dispose: tuple[Engine, ...] = (),
-    ) -> Engine:
-        """For server backends: create the engine, open the store on it, and own it.
-
-        A missing driver becomes :class:`BackendImportError` naming ``install_hint``;
-        if opening fails (unreachable server, schema ahead) the engine and
-        ``also_dispose`` are disposed before the error propagates.
-        """
-        try:
-            engine = create_engine(url, **engine_options)
-        except ImportError as exc:
-            raise BackendImportError(f"{install_hint} ({exc})") from exc
-        self._opened_by_backend = True  # the backend builds its AsyncEngine with these options
-        self._owned_engine_options = engine_options
-        try:
-            SQLAlchemySessionStore.__init__(
-                self,
-                engine=engine,
-                default_max_turns=default_max_turns,
-                dedup_ttl_hours=dedup_ttl_hours,
-                auto_migrate=auto_migrate,
-                session_ttl_hours=session_ttl_hours,
-                archive_pruned=archive_pruned,
-                cipher=cipher,
-                require_encryption=require_encryption,
-            )
-        except BaseException:
-            for owned in (engine, *also_dispose):
-                owned.dispose()
-            raise
-        self._owns_engine = True
-        return engine
 
     @classmethod
     def _support_for(cls, dialect_name: str) -> DialectSupport:
@@ -693,7 +663,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         url = self.support.async_url(self.url)
         assert url is not None
         try:
-            return create_async_engine(url, **self.support.engine_options(url))
+            options = {**self.support.engine_options(url), **self._extra_engine_options}
+            return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
                 f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
@@ -1704,6 +1675,16 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task = loop.create_task(engine.dispose())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+def _create_engine(url: URL, options: dict[str, Any], support: DialectSupport) -> Engine:
+    """``create_engine``; a missing driver names what to install, if the dialect says."""
+    try:
+        return create_engine(url, **options)
+    except ImportError as exc:
+        if not support.install_hint:
+            raise
+        raise BackendImportError(f"{support.install_hint} ({exc})") from exc
 
 
 def _kept_connections(

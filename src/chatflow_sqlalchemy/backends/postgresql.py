@@ -533,6 +533,7 @@ class PostgresDialectSupport(DialectSupport):
     """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, advisory locks."""
 
     name = "postgresql"
+    install_hint = INSTALL_HINT
     cross_process_turn_lock = True
     driver_statements = True
 
@@ -778,10 +779,9 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         options["connect_args"] = default_connect_args(parsed, engine_options.get("connect_args"))
         self._pg_url = parsed
         self._pg_options = options
-        self._open_owned(
+        super().__init__(
             parsed,
-            options,
-            install_hint=INSTALL_HINT,
+            engine_options=options,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,

@@ -155,6 +155,7 @@ class MariaDBDialectSupport(DialectSupport):
     """MariaDB / MySQL specifics (PyMySQL or mysqlclient)."""
 
     name = "mysql"
+    install_hint = INSTALL_HINT
     cross_process_turn_lock = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:

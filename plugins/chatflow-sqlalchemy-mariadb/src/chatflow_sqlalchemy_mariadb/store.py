@@ -23,7 +23,6 @@ from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySession
 from sqlalchemy import URL, Connection, Engine, make_url, select
 
 from chatflow_sqlalchemy_mariadb.dialect import (
-    INSTALL_HINT,
     MariaDBDialectSupport,
     lock_name,
     with_driver,
@@ -220,10 +219,9 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
     ) -> None:
         parsed = with_driver(make_url(url))
         options = {**self.dialect_support.engine_options(parsed), **engine_options}
-        self._open_owned(
+        super().__init__(
             parsed,
-            options,
-            install_hint=INSTALL_HINT,
+            engine_options=options,
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
