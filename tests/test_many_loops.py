@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chatflow_agent import Agent, Role, Runner
+from chatflow_agent import Agent, Message, Role, Runner
 
-from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
+from chatflow_sqlalchemy import SessionStore, SQLAlchemySessionStore, SQLiteSessionStore
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 from chatflow_sqlalchemy.testing.suite import ScriptedEngine
 
@@ -161,3 +161,76 @@ def test_lookups_from_other_threads_never_drop_a_turns_unsaved_messages(
         for helper in helpers:
             helper.join(HANG_GUARD)
     _assert_all_turns_whole(elsewhere, "busy", {f"q{turn}" for turn in range(TURNS * 2)})
+
+
+@pytest.fixture(
+    params=["sqlite-aiosqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+)
+def native_async_pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A native-async store (greenlets on the loop thread) and a sync "other process"."""
+    with ExitStack() as stack:
+        if request.param == "sqlite-aiosqlite":
+            path = tmp_path / "native.db"
+            mine: Any = SQLAlchemySessionStore(
+                f"sqlite+aiosqlite:///{path}", default_max_turns=1000
+            )
+            other: Any = SQLiteSessionStore(path, default_max_turns=1000)
+        else:
+            url = postgres_url()
+            schema = stack.enter_context(fresh_schema(url))
+            mine, other = (
+                PostgresSessionStore(
+                    url, default_max_turns=1000, connect_args=schema_connect_args(schema)
+                )
+                for _ in range(2)
+            )
+        for store in (mine, other):
+            stack.callback(store.close)
+        yield mine, other
+
+
+def test_native_async_writes_survive_lookups_racing_them(
+    native_async_pair: tuple[Any, Any],
+) -> None:
+    """Outside a turn, ``aadd_message`` writes while ``aget`` refreshes the same context.
+
+    On a native-async store both run in greenlets on the loop thread, where the
+    context's thread mutex cannot keep them apart: a refresh must not install
+    the database's rows (another process keeps writing) over a write in progress.
+    """
+    mine, other = native_async_pair
+    writes = 120
+    done = threading.Event()
+
+    def write_elsewhere() -> None:
+        theirs = other.get_or_create("raced", BOT)
+        count = 0
+        while not done.is_set() and count < 600:  # the window keeps every message
+            theirs.add_message(Message(role=Role.USER, content=f"theirs-{count}"))
+            count += 1
+
+    async def scenario() -> None:
+        ctx = await mine.aget_or_create("raced", BOT)
+
+        async def write() -> None:
+            for index in range(writes):
+                await ctx.aadd_message(Message(role=Role.USER, content=f"mine-{index}"))
+
+        async def look_up() -> None:
+            for _ in range(writes * 3):
+                await mine.aget("raced")
+
+        await asyncio.gather(write(), look_up())
+
+    other.get_or_create("raced", BOT)
+    helper = threading.Thread(target=write_elsewhere)
+    helper.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        done.set()
+        helper.join(HANG_GUARD)
+    reread = other.get("raced")
+    assert reread is not None
+    stored = [m.content for m in reread.history]
+    assert [c for c in stored if c.startswith("mine-")] == [f"mine-{i}" for i in range(writes)]

@@ -185,7 +185,9 @@ class _TrackedDict(dict[str, Any]):
     Values are checked to be JSON-serialisable before they are stored, so a bad
     value raises ``ValueError`` and changes nothing. Nested changes
     (``metadata["a"]["b"] = 1``) are not seen at once; they are persisted with
-    the next write of the session (any message, or the end of the turn).
+    the next write of the session (any message, or the end of the turn), unless
+    the context catches up with another writer first (it then shows what the
+    database holds). Assign the top-level key to have a nested change written now.
     """
 
     def __init__(self, owner: SessionContext, data: dict[str, Any]) -> None:
@@ -410,6 +412,7 @@ class SessionContext(_UpstreamSessionContext):
         self._cleared = False
         self._in_turn = False
         self._ending_turn = False  # closed, its write not done yet: a refresh must wait
+        self._writing = 0  # writes in progress (a native-async refresh re-enters the mutex)
         self._stale = False
         self._verified_at = float("-inf")
         self._touched_at = float("-inf")  # this process last moved updated_at (write, turn)

@@ -1271,6 +1271,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             ctx._ensure_indexed()
             if ctx._durable is None or not _has_changes(ctx):
                 return
+            ctx._writing += 1
             try:
                 with telemetry.operation("turn.commit", self._system):
                     deleted = self._write_context(ctx, fence)
@@ -1284,6 +1285,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 with suppress(Exception):
                     self._refresh(ctx)
                 raise
+            finally:
+                ctx._writing -= 1
             if fence is not None:
                 fence.committed = True
 
@@ -1888,15 +1891,18 @@ def _holds_newer_than(ctx: SessionContext, stored: _StoredSession) -> bool:
     """True if installing ``stored`` would throw away what a turn or a write holds.
 
     Another thread may look a context up (and so refresh it) while a turn is
-    open on it, or between the end of a turn and its write: the turn's unsaved
-    messages must stay, and its write rebases them onto whatever the database
-    holds by then. A context that wrote meanwhile is newer than what was read
-    before that write. A stale context holds nothing worth keeping.
+    open on it, between the end of a turn and its write, or (native async,
+    where a greenlet on the loop thread re-enters the context's mutex) while a
+    write is in progress: the unsaved messages must stay, and the write
+    rebases them onto whatever the database holds by then. A context that
+    wrote meanwhile is newer than what was read before that write. A stale
+    context holds nothing worth keeping.
     """
     durable = ctx._durable
     if durable is None or ctx._stale:
         return False
-    return ctx._in_turn or ctx._ending_turn or durable.version >= stored.version
+    busy = ctx._in_turn or ctx._ending_turn or ctx._writing > 0
+    return busy or durable.version >= stored.version
 
 
 def _has_changes(ctx: SessionContext) -> bool:
