@@ -72,7 +72,20 @@ def test_engine_options_reach_the_engine_the_generic_store_creates() -> None:
             store.get_or_create("s", BOT)
             with store.engine.connect() as conn:
                 assert conn.exec_driver_sql("SELECT current_schema()").scalar() == schema
+                parameters = conn.connection.dbapi_connection.info.get_parameters()  # type: ignore[union-attr]
+                assert parameters.get("connect_timeout"), "the dialect's connect_args stay"
         assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_engine_options_reach_the_postgres_store_through_open_store() -> None:
+    from chatflow_sqlalchemy import open_store
+
+    url = postgres_url()
+    with fresh_schema(url) as schema:
+        options = {"pool_size": 3, "connect_args": schema_connect_args(schema)}
+        with open_store(url, engine_options=options) as store:
+            assert type(store).__name__ == "PostgresSessionStore"
+            assert store.engine.pool.size() == 3
 
 
 def test_engine_options_with_a_callers_engine_are_refused() -> None:

@@ -331,8 +331,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             nothing (False). None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
             (``0/false/no/off`` turn it off; unset means on).
         engine_options: Keyword arguments for ``create_engine`` over the
-            dialect's defaults (pool sizes, ``pool_recycle``, ``connect_args``,
-            ``echo``...) when the store creates its engine from ``url``; an
+            dialect's defaults (pool sizes, ``pool_recycle``, ``echo``...;
+            ``connect_args`` key by key) when the store creates its engine from
+            ``url``, for its AsyncEngine too on a native-async URL; an
             ``engine`` you pass is used as it is (a ``ValueError`` with both).
 
     The schema is created or upgraded on open (under a cross-process lock); a
@@ -395,8 +396,10 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             self.url = make_url(database_url_from_env(url))
             self.support = self._support_for(self.url.get_backend_name())
             sync_url = self.support.sync_url(self.url)
-            options = {**self.support.engine_options(sync_url), **self._extra_engine_options}
-            engine = _create_engine(sync_url, options, self.support)
+            options = _merged(self.support.engine_options(sync_url), self._extra_engine_options)
+            # A backend's own class picked the driver; the generic one takes the URL's.
+            hint = self.support.install_hint if type(self).dialect_support is not None else ""
+            engine = _create_engine(sync_url, options, hint)
             self._owns_engine = True
         else:
             if engine_options:
@@ -663,7 +666,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         url = self.support.async_url(self.url)
         assert url is not None
         try:
-            options = {**self.support.engine_options(url), **self._extra_engine_options}
+            options = _merged(self.support.engine_options(url), self._extra_engine_options)
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
@@ -1680,14 +1683,22 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task.add_done_callback(_BACKGROUND.discard)
 
 
-def _create_engine(url: URL, options: dict[str, Any], support: DialectSupport) -> Engine:
-    """``create_engine``; a missing driver names what to install, if the dialect says."""
+def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` engine options over the dialect's ``defaults``, ``connect_args`` key by key."""
+    options = {**defaults, **given}
+    if "connect_args" in defaults and "connect_args" in given:
+        options["connect_args"] = {**defaults["connect_args"], **given["connect_args"]}
+    return options
+
+
+def _create_engine(url: URL, options: dict[str, Any], install_hint: str) -> Engine:
+    """``create_engine``; a missing driver names what to install, if there is a hint."""
     try:
         return create_engine(url, **options)
     except ImportError as exc:
-        if not support.install_hint:
+        if not install_hint:
             raise
-        raise BackendImportError(f"{support.install_hint} ({exc})") from exc
+        raise BackendImportError(f"{install_hint} ({exc})") from exc
 
 
 def _kept_connections(

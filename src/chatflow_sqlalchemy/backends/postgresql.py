@@ -731,7 +731,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
-        **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size, echo, ...).
+        engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
+            echo, ...), also as keyword arguments of their own.
             ``connect_args`` are added to the backend's defaults (a connect
             timeout and TCP keepalives, see :func:`default_connect_args`).
 
@@ -770,13 +771,15 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         archive_pruned: bool = False,
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
-        **engine_options: Any,
+        engine_options: Mapping[str, Any] | None = None,
+        **more_engine_options: Any,
     ) -> None:
         if psycopg is None:
             raise BackendImportError(INSTALL_HINT)
         parsed = psycopg_url(url)
-        options = {**self.dialect_support.engine_options(parsed), **engine_options}
-        options["connect_args"] = default_connect_args(parsed, engine_options.get("connect_args"))
+        given = {**(engine_options or {}), **more_engine_options}
+        options = {**self.dialect_support.engine_options(parsed), **given}
+        options["connect_args"] = default_connect_args(parsed, given.get("connect_args"))
         self._pg_url = parsed
         self._pg_options = options
         super().__init__(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from chatflow_sqlalchemy.crypto import AESGCMCipher
@@ -193,8 +194,9 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         require_encryption: Refuse plaintext rows with ``CorruptRowError``.
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
-        **engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
-            ``connect_args``, ...), over the backend's defaults.
+        engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
+            ``connect_args``, ...), over the backend's defaults (``connect_args``
+            key by key); also as keyword arguments of their own.
 
     Raises:
         BackendImportError: The driver is not installed.
@@ -215,13 +217,12 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         archive_pruned: bool = False,
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
-        **engine_options: Any,
+        engine_options: Mapping[str, Any] | None = None,
+        **more_engine_options: Any,
     ) -> None:
-        parsed = with_driver(make_url(url))
-        options = {**self.dialect_support.engine_options(parsed), **engine_options}
         super().__init__(
-            parsed,
-            engine_options=options,
+            with_driver(make_url(url)),
+            engine_options={**(engine_options or {}), **more_engine_options},
             default_max_turns=default_max_turns,
             dedup_ttl_hours=dedup_ttl_hours,
             auto_migrate=auto_migrate,
