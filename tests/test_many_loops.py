@@ -41,13 +41,19 @@ def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any
         elif request.param == "memory":
             store = SessionStore(default_max_turns=turns)
         else:
-            url = postgres_url()
-            schema = stack.enter_context(fresh_schema(url))
-            store = PostgresSessionStore(
-                url, default_max_turns=turns, connect_args=schema_connect_args(schema)
-            )
+            (store,) = _postgres_stores(stack, 1, default_max_turns=turns)
         stack.callback(store.close)
         yield store
+
+
+def _postgres_stores(stack: ExitStack, count: int, **options: Any) -> list[Any]:
+    """``count`` PostgreSQL stores on one fresh schema (dropped when ``stack`` closes)."""
+    url = postgres_url()
+    schema = stack.enter_context(fresh_schema(url))
+    return [
+        PostgresSessionStore(url, connect_args=schema_connect_args(schema), **options)
+        for _ in range(count)
+    ]
 
 
 def _run_threads(target: Callable[[int], None]) -> None:
@@ -114,14 +120,7 @@ def two_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
             path = tmp_path / "two.db"
             stores = [SQLiteSessionStore(path, default_max_turns=100) for _ in range(2)]
         else:
-            url = postgres_url()
-            schema = stack.enter_context(fresh_schema(url))
-            stores = [
-                PostgresSessionStore(
-                    url, default_max_turns=100, connect_args=schema_connect_args(schema)
-                )
-                for _ in range(2)
-            ]
+            stores = _postgres_stores(stack, 2, default_max_turns=100)
         for store in stores:
             stack.callback(store.close)
         yield stores[0], stores[1]
@@ -176,14 +175,7 @@ def native_async_pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterato
             )
             other: Any = SQLiteSessionStore(path, default_max_turns=1000)
         else:
-            url = postgres_url()
-            schema = stack.enter_context(fresh_schema(url))
-            mine, other = (
-                PostgresSessionStore(
-                    url, default_max_turns=1000, connect_args=schema_connect_args(schema)
-                )
-                for _ in range(2)
-            )
+            mine, other = _postgres_stores(stack, 2, default_max_turns=1000)
         for store in (mine, other):
             stack.callback(store.close)
         yield mine, other

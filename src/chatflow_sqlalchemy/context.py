@@ -411,8 +411,9 @@ class SessionContext(_UpstreamSessionContext):
         self._turn_start: _TurnSnapshot | None = None
         self._cleared = False
         self._in_turn = False
-        self._ending_turn = False  # closed, its write not done yet: a refresh must wait
-        self._writing = 0  # writes in progress (a native-async refresh re-enters the mutex)
+        # Writes pending (a turn closed, not yet written) or in progress: a refresh
+        # must not install over them (a native-async refresh re-enters the mutex).
+        self._writing = 0
         self._stale = False
         self._verified_at = float("-inf")
         self._touched_at = float("-inf")  # this process last moved updated_at (write, turn)
@@ -614,18 +615,19 @@ class SessionContext(_UpstreamSessionContext):
                 self._turn_snapshot, dump_metadata(self._metadata), self._durable
             )
 
-    def _close_turn(self, *, ending: bool = False) -> _TurnSnapshot | None:
+    def _close_turn(self, *, to_write: bool = False) -> _TurnSnapshot | None:
         with self._mutex:
             start = self._turn_start
             self._in_turn = False
-            self._ending_turn = ending
+            if to_write:
+                self._writing += 1
             self._turn_snapshot = None
             self._turn_start = None
             self._journal.clear()
             return start
 
     async def _aend_turn(self) -> None:
-        start = self._close_turn(ending=self._owner is not None)
+        start = self._close_turn(to_write=self._owner is not None)
         if self._owner is not None:
             try:
                 async with self._async_writer:
@@ -638,7 +640,7 @@ class SessionContext(_UpstreamSessionContext):
                 raise
             finally:
                 with self._mutex:
-                    self._ending_turn = False
+                    self._writing -= 1
 
     async def _adiscard_turn(self) -> None:
         self._discard_to(self._close_turn(), stale=False)

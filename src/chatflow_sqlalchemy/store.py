@@ -1912,8 +1912,7 @@ def _holds_newer_than(ctx: SessionContext, stored: _StoredSession) -> bool:
     durable = ctx._durable
     if durable is None or ctx._stale:
         return False
-    busy = ctx._in_turn or ctx._ending_turn or ctx._writing > 0
-    return busy or durable.version >= stored.version
+    return ctx._in_turn or ctx._writing > 0 or durable.version >= stored.version
 
 
 def _has_changes(ctx: SessionContext) -> bool:

@@ -46,7 +46,6 @@ from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySession
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg
-    from sqlalchemy.ext.asyncio import AsyncEngine
 else:
     try:
         import psycopg
@@ -780,8 +779,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         given = {**(engine_options or {}), **more_engine_options}
         options = {**self.dialect_support.engine_options(parsed), **given}
         options["connect_args"] = default_connect_args(parsed, given.get("connect_args"))
-        self._pg_url = parsed
-        self._pg_options = options
         super().__init__(
             parsed,
             engine_options=options,
@@ -796,11 +793,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         locks = cast(AdvisoryTurnLocks, self._turn_locks)
         locks.lease_seconds = self.turn_lock_lease_seconds
         locks.call_timeout = self.operation_timeout
-
-    def _make_async_engine(self) -> AsyncEngine:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        return create_async_engine(self._pg_url, **self._pg_options)
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:
         """Run database work as the generic store does, bounded by :attr:`operation_timeout`.
