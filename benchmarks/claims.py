@@ -27,7 +27,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,31 +68,13 @@ def _open(spec: dict[str, Any], **kwargs: Any) -> Any:
 
 
 class _Counter:
-    """Counts statements: Core executions, driver autocommit statements, driver writes."""
+    """Counts the statements a store sends (SQLAlchemy's events see every one)."""
 
     def __init__(self, store: Any) -> None:
         from sqlalchemy import event
 
         self.count = 0
-        pipelines = store.support.run_pipelined
-        first_row = store._first_row
-        from chatflow_sqlalchemy.dialect import DialectSupport
-
-        # A backend that overrides run_pipelined sends the steps together (psycopg).
-        pipelined = type(store.support).run_pipelined is not DialectSupport.run_pipelined
-
-        def counted_pipeline(connection: Any, steps: Sequence[Any]) -> list[int]:
-            self.count += 1 if pipelined else len(steps)
-            return pipelines(connection, steps)  # type: ignore[no-any-return]
-
-        def counted_first_row(statement: Any, params: Any) -> Any:
-            self.count += 1
-            return first_row(statement, params)
-
-        store.support.run_pipelined = counted_pipeline
-        store._first_row = counted_first_row
-        for engine in (store.engine,):
-            event.listen(engine, "before_cursor_execute", self._core)
+        event.listen(store.engine, "before_cursor_execute", self._core)
         self._store = store
 
     def _core(self, *_args: Any) -> None:
@@ -105,7 +87,9 @@ class _Counter:
             event.listen(self._store._aengine.sync_engine, "before_cursor_execute", self._core)
 
     def close(self) -> None:
-        del self._store.support.run_pipelined
+        from sqlalchemy import event
+
+        event.remove(self._store.engine, "before_cursor_execute", self._core)
 
 
 async def _cost_case(store: Any, mode: str, n: int) -> tuple[float, float]:

@@ -23,7 +23,10 @@ Modes:
 * ``CUT_BEFORE_COMMIT``: the client-to-server stream is parsed as the
   PostgreSQL frontend protocol; when a ``Query`` or ``Parse`` message whose
   SQL is ``COMMIT`` arrives, the connection is cut (both sockets closed)
-  without forwarding it, so the server rolls the transaction back.
+  without forwarding it, so the server rolls the transaction back. The
+  store's one-statement write on PostgreSQL (``WITH ... swapped AS
+  (UPDATE ...``, sent in autocommit) commits by itself and counts as a
+  ``COMMIT`` here.
 * ``CUT_AFTER_COMMIT``: that ``COMMIT`` (and what follows it in the same
   read, e.g. the ``Sync`` of a pipeline) is forwarded, nothing the server
   says after it is relayed, and the connection is cut once the server
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import re
 import select
 import socket
 import struct
@@ -120,15 +124,22 @@ class _FrontendParser:
         return buffer[: 1 + length]
 
 
+_AUTOCOMMIT_WRITE = re.compile(r"^WITH\b.*\bswapped AS\s*\(UPDATE chatflow_sessions\b", re.S)
+"""The store's one-statement write (``backends/postgresql_write.py``): it commits itself."""
+
+
 def is_commit(message: bytes) -> bool:
-    """True for a ``Query`` or ``Parse`` message whose SQL is ``COMMIT``."""
+    """True for a ``Query`` or ``Parse`` message whose SQL commits (see the module docstring)."""
     if not message or message[:1] not in (b"Q", b"P"):
         return False
     body = message[5:]
     if message[:1] == b"P":
         body = body[body.index(b"\0") + 1:]  # skip the statement name
     sql = body.split(b"\0", 1)[0].decode("utf-8", "replace")
-    return sql.strip().rstrip(";").strip().upper() in ("COMMIT", "COMMIT TRANSACTION", "END")
+    statement = sql.strip().rstrip(";").strip()
+    if statement.upper() in ("COMMIT", "COMMIT TRANSACTION", "END"):
+        return True
+    return _AUTOCOMMIT_WRITE.match(statement) is not None
 
 
 class _Link:

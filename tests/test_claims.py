@@ -7,13 +7,12 @@ The behaviour of ``store.claim`` on every backend is in the shipped suite
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Message, Role
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, event, text
 
 from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
 from chatflow_sqlalchemy.claims import _SYNC_RENEWALS, list_claims, release_claim
@@ -88,29 +87,29 @@ def test_postgres_ids_recorded_before_0003_stay_claimed(pg_url: str, pg_schema: 
 
 
 @pytest.mark.postgres
-def test_postgres_fence_rides_in_the_turn_pipeline(pg_url: str, pg_schema: str) -> None:
-    """No extra round trip: the fenced UPDATE is one more step of the turn's pipeline."""
+def test_postgres_fence_rides_in_the_turns_one_statement(pg_url: str, pg_schema: str) -> None:
+    """No extra round trip: the fenced UPDATE is part of the turn's one write statement."""
     from . import pg_util
 
+    statements: list[str] = []
+
+    def record(*args: Any) -> None:
+        statements.append(" ".join(args[2].split()))  # (conn, cursor, statement, ...)
+
     with pg_util.schema_store(pg_url, pg_schema) as store:
-        pipelines: list[list[str]] = []
-        support = store.support
-        original = support.run_pipelined
-
-        def observe(connection: Any, steps: Sequence[Any]) -> list[int]:
-            pipelines.append([" ".join(step.sql.split()[:2]) for step, _ in steps])
-            return original(connection, steps)
-
-        support.run_pipelined = observe  # type: ignore[method-assign]
+        event.listen(Engine, "before_cursor_execute", record)
         try:
             asyncio.run(_claimed_turn(store))
+            first, statements[:] = list(statements), []
             taken = asyncio.run(_claimed_turn_taken_over(store))
         finally:
-            del support.run_pipelined
-        assert pipelines[0][0] == "UPDATE chatflow_sessions", pipelines
-        assert pipelines[0][-1] == "UPDATE chatflow_processed_messages", pipelines
-        assert pipelines[1][-1] == "UPDATE chatflow_processed_messages", pipelines
-        assert taken == ["first"]
+            event.remove(Engine, "before_cursor_execute", record)
+    for sent in (first, statements):
+        writes = [sql for sql in sent if "UPDATE chatflow_sessions" in sql]
+        assert len(writes) == 1, sent
+        assert "UPDATE chatflow_processed_messages" in writes[0]
+        assert "INSERT INTO chatflow_messages" in writes[0]
+    assert taken == ["first"]
 
 
 async def _claimed_turn(store: Any) -> None:

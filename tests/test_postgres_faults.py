@@ -135,7 +135,7 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
     pg_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Connections idle past IDLE_PING_SECONDS are checked on checkout; busy ones are not."""
-    from chatflow_sqlalchemy import dialect, driver
+    from chatflow_sqlalchemy import dialect
 
     class SteppedClock:  # idle time moves only when told: no race with a loaded machine
         now = time.monotonic()
@@ -145,7 +145,6 @@ def test_idle_connections_killed_by_the_server_are_pinged_and_replaced(
 
     clock = SteppedClock()
     monkeypatch.setattr(dialect, "time", clock)
-    monkeypatch.setattr(driver, "time", clock)
     app = f"idle-ping-{schema[-12:]}"
     options = {"connect_args": {"options": f"-csearch_path={schema}", "application_name": app}}
     store = PostgresSessionStore(pg_url, **options)

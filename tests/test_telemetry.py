@@ -232,11 +232,6 @@ def test_a_runner_turn_leaves_the_stores_spans_in_the_requests_trace(
     _no_session_id_in(recorded.spans(), phone)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: a turn's write runs on the driver path, which SQLAlchemy's events "
-    "(and so its instrumentation) do not see",
-)
 def test_a_turns_write_is_traced_by_sqlalchemys_instrumentation(
     open_store: Callable[..., Any], recorded: Recorded
 ) -> None:

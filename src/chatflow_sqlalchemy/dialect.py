@@ -10,8 +10,10 @@ are serialised across processes.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 from sqlalchemy import (
@@ -36,21 +38,14 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
 
-from chatflow_sqlalchemy.driver import (
-    LAST_USED_KEY,
-    DriverConnection,
-    DriverStatement,
-    first_time_on,
-    pool_distrusted_since,
-    run_driver_statement,
-)
-
 __all__ = [
     "IDLE_PING_SECONDS",
     "RECLAIMED_AS_DONE",
     "ConnectArguments",
     "DialectSupport",
+    "SessionWrite",
     "TurnLocks",
+    "first_time_on",
     "on_conflict_acquire",
     "ping_when_idle",
 ]
@@ -66,8 +61,29 @@ RECLAIMED_AS_DONE: dict[str, Any] = {
 }
 """What ``record_processed_message`` sets besides ``processed_at`` when it takes an
 expired id again: a plain done row, nothing left of an earlier ``store.claim``.
-Constants are inline SQL, not anonymous binds, so the statement compiles once for
-the driver path (``driver.py``) with the parameters SQLAlchemy would send."""
+Constants are inline SQL, not anonymous binds: one cached statement whatever they are."""
+
+
+@dataclass(frozen=True)
+class SessionWrite:
+    """What one write of a session sends, for :meth:`DialectSupport.write_at_once`.
+
+    Attributes:
+        swap: Parameters of the session row's compare-and-swap: ``sid``,
+            ``expected`` (the version the writer read), ``new_version``,
+            ``agent_name``, ``now`` and, only when it changed, ``metadata``.
+        gone: Seqs of the message rows to delete (none of them is in ``rows``).
+        rows: Message rows to insert: ``session_id``, ``seq``, ``role``,
+            ``content``, ``message_json``, ``created_at``.
+        fence: Parameters of the turn's claim fence (``claim_id``,
+            ``claim_token``, ``claim_now``), None for a turn without a claim.
+
+    """
+
+    swap: Mapping[str, Any]
+    gone: Sequence[int]
+    rows: Sequence[Mapping[str, Any]]
+    fence: Mapping[str, Any] | None
 
 
 @runtime_checkable
@@ -144,8 +160,6 @@ class DialectSupport:
             i.e. ``session.lock`` also excludes other processes for the whole
             turn (not only the final write). Informative: the store asks
             :meth:`turn_locks`.
-        driver_statements: True when the per-turn statements may run on the
-            DBAPI cursor (see :mod:`chatflow_sqlalchemy.driver`).
 
     """
 
@@ -155,10 +169,6 @@ class DialectSupport:
     engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
     (empty: the driver's ``ImportError`` propagates as it is)."""
     cross_process_turn_lock: bool = False
-    driver_statements: bool = False
-    """Run the per-turn statements on the DBAPI cursor (``driver.py``) instead of
-    through a SQLAlchemy ``Connection``. Needs a claim that reports success with
-    ``RETURNING`` and a driver whose ``rowcount`` counts matched rows."""
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
@@ -181,41 +191,20 @@ class DialectSupport:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
         return {"isolation_level": "AUTOCOMMIT"}
 
-    def run_pipelined(
-        self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]
-    ) -> list[int]:
-        """Run a write's driver statements in one transaction; return each one's rowcount.
+    def write_at_once(
+        self, connection: Connection, write: SessionWrite
+    ) -> tuple[bool, bool] | None:
+        """Send a whole session write as one atomic statement, if the backend can.
 
-        The first step is the compare-and-swap of the session row; a step's
-        parameters are a mapping (one execution) or a list of them
-        (``executemany``). The default runs them one after the other and
-        stops when the swap matched nothing (the caller then rolls back).
-        Backends whose driver pipelines (psycopg) send them all together.
+        The store calls it outside a transaction (autocommit), for a write
+        that only appends and prunes. The statement must change nothing
+        unless the compare-and-swap matched and the claim, if any, is still
+        the writer's. Returns ``(swapped, fenced)`` (``fenced`` is True
+        without a claim). The default returns None: the store then runs its
+        statements one by one in a write transaction, as it does after a
+        missed swap.
         """
-        counts: list[int] = []
-        for statement, params in steps:
-            counts.append(run_driver_statement(connection, statement, params))
-            if counts[0] != 1:
-                break
-        return counts
-
-    def driver_begin(self, dbapi_connection: Any) -> None:
-        """Start a write transaction on a pooled DBAPI connection (driver path).
-
-        The default does nothing: PEP 249 drivers begin implicitly with the
-        first statement.
-        """
-
-    def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
-        """Switch a pooled DBAPI connection into (``on``) or back out of autocommit mode.
-
-        Used around one self-contained statement run on the driver; the
-        default goes through the dialect, as ``isolation_level="AUTOCOMMIT"`` does.
-        """
-        if on:
-            dialect.set_isolation_level(dbapi_connection, "AUTOCOMMIT")
-        else:
-            dialect.reset_isolation_level(dbapi_connection)
+        return None
 
     def sync_url(self, url: URL) -> URL:
         """The URL for the store's sync engine (e.g. an async driver mapped to a sync one)."""
@@ -420,8 +409,10 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     connection that sat through it is pinged and, if dead, replaced before
     use (a :class:`~sqlalchemy.exc.DisconnectionError` from the checkout
     event makes the pool open a fresh one). A connection lost within the
-    window fails one operation with a disconnect error, which invalidates it
-    and has every other pooled connection pinged before its next use.
+    window fails one operation with a disconnect error; SQLAlchemy then
+    invalidates it and every connection the pool opened before it
+    (``ExceptionContext.invalidate_pool_on_disconnect``), which are replaced
+    at their next checkout.
     """
     if not first_time_on(engine, "idle ping"):
         return  # one more store on the same engine: its listeners are already there
@@ -431,17 +422,32 @@ def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
     @event.listens_for(engine, "checkin")
     def _idle_from(dbapi_connection: Any, record: Any) -> None:
         if record is not None:
-            # A connection kept aside by KeptConnections was idle since its last use.
-            record.info["chatflow_idle_since"] = record.info.pop(LAST_USED_KEY, time.monotonic())
+            record.info["chatflow_idle_since"] = time.monotonic()
 
     @event.listens_for(engine, "checkout")
     def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         since = record.info.get("chatflow_idle_since")
         if since is None:
             return  # a new connection
-        if time.monotonic() - since < window and since > pool_distrusted_since(engine.pool):
+        if time.monotonic() - since < window:
             return
         try:
             dialect.do_ping(dbapi_connection)
         except dialect.loaded_dbapi.Error as exc:
             raise sa_exc.DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
+
+
+_SET_UP: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
+def first_time_on(engine: Engine, what: str) -> bool:
+    """True only the first time ``what`` is set up on ``engine``.
+
+    Several stores may share one engine; the listeners each of them would
+    install (pragmas and BEGIN, idle pings) must be added once.
+    """
+    done = _SET_UP.setdefault(engine, set())
+    if what in done:
+        return False
+    done.add(what)
+    return True

@@ -47,7 +47,6 @@ from pydantic_core import PydanticSerializationError
 from sqlalchemy import (
     URL,
     Connection,
-    Dialect,
     Engine,
     Executable,
     Table,
@@ -62,7 +61,6 @@ from sqlalchemy import (
 )
 from sqlalchemy import exc as sa_exc
 
-from chatflow_sqlalchemy import dialect as _dialect
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
@@ -84,13 +82,7 @@ from chatflow_sqlalchemy.context import (
     validate_session_id,
 )
 from chatflow_sqlalchemy.crypto import AESGCMCipher, is_encrypted
-from chatflow_sqlalchemy.dialect import DialectSupport, TurnLocks
-from chatflow_sqlalchemy.driver import (
-    DriverConnection,
-    DriverStatement,
-    KeptConnections,
-    driver_error,
-)
+from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite, TurnLocks
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
     ClaimLostError,
@@ -164,13 +156,6 @@ swap the version, so a stale context is rebased, never merged blindly.
 _FIRST_VERSION_BITS = 52
 """New sessions start at a random version below 2**52 (still exact as a float in JSON)."""
 
-_KEPT_CONNECTIONS = 2
-"""Driver connections a store keeps aside between units: a turn's sync calls on the
-loop thread and its write on a pool thread take turns with two."""
-
-_KEPT_MAX_AGE = 30.0
-"""Seconds after leaving the pool that a kept connection goes back through it."""
-
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
 
@@ -198,9 +183,6 @@ _DELETE_ALL_MESSAGES = delete(_messages).where(_messages.c.session_id == bindpar
 _DELETE_SOME_MESSAGES = _DELETE_ALL_MESSAGES.where(
     _messages.c.seq.in_(bindparam("seqs", expanding=True))
 )
-_DELETE_ONE_MESSAGE = _DELETE_ALL_MESSAGES.where(_messages.c.seq == bindparam("seq"))
-_CLAIM_COLUMNS = ("message_id", "processed_at")
-_MESSAGE_COLUMNS = ("session_id", "seq", "role", "content", "message_json", "created_at")
 _BUMP_SESSION = (
     update(_sessions)
     .where(
@@ -276,24 +258,6 @@ def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
         return True
     args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
     return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
-
-
-class _VersionMoved(Exception):
-    """A pipelined write found the session moved; it is redone step by step."""
-
-
-@dataclass(frozen=True)
-class _HotStatements:
-    """The statements every turn runs, compiled once for one dialect (see ``driver.py``)."""
-
-    claim: DriverStatement
-    version: DriverStatement
-    is_processed: DriverStatement
-    bump: DriverStatement
-    bump_metadata: DriverStatement
-    delete_message: DriverStatement
-    insert_messages: DriverStatement
-    fence: DriverStatement
 
 
 @dataclass
@@ -430,14 +394,15 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         self._mark = self.support.upsert_processed(_processed)
         self._purge = self.support.purge_processed(_processed, _PURGE_BATCH)
         self._lock_version = self.support.lock_session_row(_SELECT_VERSION)
-        self._hot = self._hot_statements(engine.dialect)
+        # A backend that overrides the hook sends each write as one statement.
+        self._writes_at_once = (
+            type(self.support).write_at_once is not DialectSupport.write_at_once
+        )
         self._aengines: tuple[Engine, Engine, Engine] | None = None
-        self._ahot: _HotStatements | None = None
         self._ephemeral = self.support.is_ephemeral(self.url)
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self._serial: threading.RLock | None = threading.RLock() if self._ephemeral else None
         self._guarded = _Guard(self._serial, self.url)
-        self._kept = _kept_connections(engine, options, ephemeral=self._ephemeral)
         self._native_async = False
         self._aengine: AsyncEngine | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -540,103 +505,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if self._closed:
             raise RuntimeError("this session store is closed; open a new one")
 
-    def _hot_statements(self, dialect: Dialect) -> _HotStatements | None:
-        """The per-turn statements compiled for ``dialect`` (None: run them in Core)."""
-        if not self.support.driver_statements:
-            return None
-
-        return _HotStatements(
-            claim=DriverStatement(self._claim, dialect, column_keys=_CLAIM_COLUMNS),
-            version=DriverStatement(_SELECT_VERSION, dialect),
-            is_processed=DriverStatement(_IS_PROCESSED, dialect),
-            bump=DriverStatement(_BUMP_SESSION, dialect),
-            bump_metadata=DriverStatement(_BUMP_SESSION_AND_METADATA, dialect),
-            delete_message=DriverStatement(_DELETE_ONE_MESSAGE, dialect, many=True),
-            insert_messages=DriverStatement(
-                _INSERT_MESSAGES, dialect, column_keys=_MESSAGE_COLUMNS, many=True
-            ),
-            fence=DriverStatement(FENCE_CLAIM, dialect),
-        )
-
-    def _hot_here(self) -> _HotStatements | None:
-        """The per-turn statements for the engine this thread or greenlet uses."""
-        return self._ahot if self._in_async_facade() else self._hot
-
-    def _take_driver_connection(self) -> DriverConnection:
-        """A pooled connection for the driver path, on the engine this thread or greenlet uses.
-
-        It comes from the same pool as everything else (idle pings,
-        recycling and invalidation apply; no SQLAlchemy ``Connection`` is
-        built around it). On the sync engine recently used ones are kept
-        aside between units (:class:`~chatflow_sqlalchemy.driver.KeptConnections`).
-        """
-        self._check_open()
-        if self._in_async_facade():
-            assert self._aengines is not None
-            return DriverConnection.checkout(self._aengines[0])
-        return self._kept.take()
-
-    def _give_back(self, connection: DriverConnection) -> None:
-        """After a unit that succeeded: keep the connection for the next one, or pool it."""
-        if connection.engine is self.engine:
-            self._kept.give_back(connection)
-        else:
-            connection.close()
-
-    def _first_row(self, statement: DriverStatement, params: dict[str, Any]) -> Any:
-        """Run one self-contained statement on the driver, in autocommit; return its first row."""
-        with self._guard():
-            connection = self._take_driver_connection()
-            try:
-                row = self._autocommit_first_row(connection, statement, params)
-            except BaseException:
-                connection.close()
-                raise
-            self._give_back(connection)
-            return row
-
-    def _autocommit_first_row(
-        self, connection: DriverConnection, statement: DriverStatement, params: dict[str, Any]
-    ) -> Any:
-        support, dialect = self.support, connection.engine.dialect
-        dbapi_connection = connection.dbapi_connection
-        support.driver_autocommit(dialect, dbapi_connection, True)
-        try:
-            cursor = dbapi_connection.cursor()
-            cursor.execute(statement.sql, statement.parameters(params))
-            row = cursor.fetchone()
-            cursor.close()
-        except dialect.loaded_dbapi.Error as exc:
-            raise driver_error(connection, exc, statement.sql) from exc
-        finally:
-            if connection.is_valid:  # never hand a connection back in autocommit
-                support.driver_autocommit(dialect, dbapi_connection, False)
-        return row
-
-    def _driver_write(self, write: Callable[[DriverConnection], None]) -> None:
-        """Run ``write`` in one write transaction on the driver path, committed if it returns."""
-        with self._guard():
-            connection = self._take_driver_connection()
-            dbapi_connection = connection.dbapi_connection
-            driver_errors = connection.engine.dialect.loaded_dbapi.Error
-            try:
-                try:
-                    self.support.driver_begin(dbapi_connection)
-                except driver_errors as exc:
-                    raise driver_error(connection, exc, "BEGIN") from exc
-                write(connection)
-                try:
-                    dbapi_connection.commit()
-                except driver_errors as exc:
-                    raise driver_error(connection, exc, "COMMIT") from exc
-            except BaseException:
-                if connection.is_valid:
-                    with suppress(Exception):  # the original error is the one to raise
-                        dbapi_connection.rollback()
-                connection.close()
-                raise
-            self._give_back(connection)
-
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop.
 
@@ -696,7 +564,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 facade = self._aengine.sync_engine
                 self.support.prepare_engine(facade)
                 self._aengines = self._engine_modes(facade)
-                self._ahot = self._hot_statements(facade.dialect)
             self._aloop = loop
             engine = self._aengine
         if stale:
@@ -818,16 +685,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     def _read_version(self, session_id: str) -> int | None:
         """The session's committed version (one autocommit statement), None if it is gone."""
-        row = self._single_row(_SELECT_VERSION, "version", {"session_id": session_id})
+        row = self._single_row(_SELECT_VERSION, {"session_id": session_id})
         return None if row is None else int(row[0])
 
-    def _single_row(self, core: Executable, hot_name: str, params: dict[str, Any]) -> Any:
-        """First row of one self-contained read, on the driver path if the backend has one."""
-        hot = self._hot_here()
-        if hot is not None:
-            return self._first_row(getattr(hot, hot_name), params)
+    def _single_row(self, statement: Executable, params: dict[str, Any]) -> Any:
+        """First row of one self-contained statement, run without BEGIN/COMMIT."""
         with self._transaction(single=True) as conn:
-            return conn.execute(core, params).first()
+            return conn.execute(statement, params).first()
 
     def _read_session(self, conn: Connection, session_id: str) -> _StoredSession | None:
         row = _fetch_session_row(conn, session_id)
@@ -1182,7 +1046,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """True if ``message_id`` was claimed within the dedup TTL."""
         validate_message_id(message_id)
         params = {"message_id": message_id, "cutoff": utcnow() - self._dedup_ttl}
-        return self._single_row(_IS_PROCESSED, "is_processed", params) is not None
+        return self._single_row(_IS_PROCESSED, params) is not None
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now (check-then-mark; prefer the atomic claim)."""
@@ -1204,12 +1068,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         validate_message_id(message_id)
         now = utcnow()
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
-        hot = self._hot_here()
-        if hot is not None:  # one statement decides, atomically
-            claimed = self._first_row(hot.claim, params) is not None
-        else:
-            with self._transaction(single=True) as conn:
-                claimed = self.support.claimed(conn.execute(self._claim, params))
+        with self._transaction(single=True) as conn:  # one statement decides, atomically
+            claimed = self.support.claimed(conn.execute(self._claim, params))
         if now - self._last_purge >= _PURGE_INTERVAL:
             self._last_purge = now
             self._purge_batch(now - self._dedup_ttl)
@@ -1294,71 +1154,59 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 fence.committed = True
 
     def _write_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> int:
-        """One write transaction: on the driver path, else (or if it fails) step by step.
+        """Write ``ctx``'s changes; return how many message rows it deleted (pruned or cleared).
 
-        Returns how many message rows it deleted (pruned or cleared).
+        A backend that sends a whole write as one statement gets the first
+        try (:meth:`_write_at_once`); otherwise, and whenever that swap
+        missed, :meth:`_write_changes` runs in a write transaction.
         """
-        hot = self._hot_here()
-        if hot is not None and ctx._seqs and not self._archives_now(ctx):
-            deleted: list[int] = []
-            try:
-                self._driver_write(
-                    lambda connection: deleted.append(
-                        self._write_on_driver(connection, ctx, hot, fence)
-                    )
-                )
-                return deleted[0]
-            except (_VersionMoved, sa_exc.IntegrityError):
-                # Rolled back: the session moved (or was deleted, so the inserts
-                # broke its foreign key); the step-by-step write tells which.
-                pass
+        if self._writes_at_once and ctx._seqs and not self._archives_now(ctx):
+            deleted = self._write_at_once(ctx, fence)
+            if deleted is not None:
+                return deleted
         with self._transaction(write=True) as conn:
             return self._write_changes(conn, ctx, fence)
 
-    def _write_on_driver(
-        self,
-        connection: DriverConnection,
-        ctx: SessionContext,
-        hot: _HotStatements,
-        fence: ClaimFence | None = None,
-    ) -> int:
-        """Compare-and-swap, delete and insert through :meth:`DialectSupport.run_pipelined`.
+    def _write_at_once(self, ctx: SessionContext, fence: ClaimFence | None) -> int | None:
+        """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
 
-        Backends that pipeline send all three together, so the swap is checked
-        last: if it missed (another writer moved the session) the statements
-        after it must not stand, and :class:`_VersionMoved` rolls the
-        transaction back for the caller to redo the write step by step.
+        Nothing is written when the claim was lost (:class:`ClaimLostError`)
+        or the swap missed: the session moved or is gone, which the
+        step-by-step write then tells apart.
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
-        metadata_json, params = self._bump_params(ctx, now)
-        bump = hot.bump if metadata_json is None else hot.bump_metadata
-        steps: list[tuple[DriverStatement, Any]] = [(bump, params)]
-        if gone:
-            deletes = [{"session_id": ctx.session_id, "seq": seq} for seq in sorted(gone)]
-            steps.append((hot.delete_message, deletes))
-        if new_rows:
-            steps.append((hot.insert_messages, new_rows))
-        if fence is not None:  # last, in the same pipeline: no extra round trip
-            steps.append((hot.fence, fence.params(now)))
-        counts = self.support.run_pipelined(connection, steps)
-        if counts[0] != 1:
-            raise _VersionMoved
-        if fence is not None and counts[-1] != 1:
+        if gone.intersection(row["seq"] for row in new_rows):
+            return None  # one statement cannot delete a row and insert its seq again
+        metadata_json, swap = self._bump_params(ctx, now)
+        write = SessionWrite(
+            swap=swap,
+            gone=sorted(gone),
+            rows=new_rows,
+            fence=None if fence is None else fence.params(now),
+        )
+        with self._transaction(single=True) as conn:
+            outcome = self.support.write_at_once(conn, write)
+        if outcome is None:
+            return None
+        swapped, fenced = outcome
+        if not fenced:
+            assert fence is not None
             raise ClaimLostError(fence.message_id)
+        if not swapped:
+            return None
         self._mark_written(ctx, gone, new_rows, metadata_json)
         return len(gone)
 
     def _write_changes(
         self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None = None
     ) -> int:
-        """Compare-and-swap the session's version, then write the message diff (Core).
+        """Compare-and-swap the session's version, then write the message diff.
 
-        The step-by-step write: after the driver-path write found the session
-        moved, for a cleared history, and on backends without driver
-        statements. The conditional UPDATE both detects concurrent writers and
-        takes the row's write lock; only when it misses does the store read the
-        row (locked) to tell a deleted session from a moved one and rebase.
+        The store's one write algorithm. The conditional UPDATE both detects
+        concurrent writers and takes the row's write lock; only when it misses
+        does the store read the row (locked) to tell a deleted session from a
+        moved one and rebase.
         """
         session_id = ctx.session_id
         now = utcnow()
@@ -1622,7 +1470,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._kept.close()
         if self._aengine is not None:
             _dispose_from_sync_code(self._aengine)
         if self._owns_engine:
@@ -1699,31 +1546,6 @@ def _create_engine(url: URL, options: dict[str, Any], install_hint: str) -> Engi
         if not install_hint:
             raise
         raise BackendImportError(f"{install_hint} ({exc})") from exc
-
-
-def _kept_connections(
-    engine: Engine, options: dict[str, Any] | None, *, ephemeral: bool
-) -> KeptConnections:
-    """Connections kept aside between units, on an engine whose pool settings are known.
-
-    Only a store that created its engine knows them through public means (the
-    options it passed): a caller's engine, an engine that pings every checkout
-    (``pool_pre_ping``) and in-memory SQLite (one shared connection) keep
-    nothing. A kept connection goes back through the pool when the idle ping
-    would check it, and once it is older than ``pool_recycle`` (the pool then
-    replaces it).
-    """
-    keep = _KEPT_CONNECTIONS
-    if ephemeral or options is None or options.get("pool_pre_ping"):
-        keep = 0
-    recycle = float((options or {}).get("pool_recycle", -1))
-    return KeptConnections(
-        engine,
-        keep=keep,
-        max_idle=_dialect.IDLE_PING_SECONDS,
-        max_age=_KEPT_MAX_AGE,
-        recycle=recycle if recycle > 0 else None,
-    )
 
 
 def _greenlet_available() -> bool:

@@ -26,19 +26,16 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
+from chatflow_sqlalchemy.backends import postgresql_write
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     ConnectArguments,
     DialectSupport,
+    SessionWrite,
     TurnLocks,
     on_conflict_acquire,
     ping_when_idle,
-)
-from chatflow_sqlalchemy.driver import (
-    DriverConnection,
-    DriverStatement,
-    translate_driver_errors,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
@@ -534,7 +531,6 @@ class PostgresDialectSupport(DialectSupport):
     name = "postgresql"
     install_hint = INSTALL_HINT
     cross_process_turn_lock = True
-    driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`).
@@ -613,29 +609,18 @@ class PostgresDialectSupport(DialectSupport):
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """``FOR NO KEY UPDATE``: excludes other writers of the row, not foreign-key checks.
 
-        A writer whose pipelined compare-and-swap missed has already sent its
-        inserts, whose foreign-key check takes ``KEY SHARE`` on the session
-        row; under ``FOR UPDATE`` that check and the rebasing writer's insert
-        of the same seq would wait on each other (a deadlock).
+        The foreign-key check of another writer's message inserts takes
+        ``KEY SHARE`` on the session row; under ``FOR UPDATE`` that check and
+        the rebasing writer's insert of the same seq would wait on each other
+        (a deadlock).
         """
         return select.with_for_update(key_share=True)
 
-    def run_pipelined(
-        self, connection: DriverConnection, steps: Sequence[tuple[DriverStatement, Any]]
-    ) -> list[int]:
-        """Send every step in one psycopg pipeline: one round trip instead of one each.
-
-        Works on the sync driver and, inside the store's greenlets, on the
-        async one (SQLAlchemy's adapter has no pipeline, so the psycopg
-        connection under it is used directly, in the same transaction,
-        through the documented ``AdaptedConnection.run_async``).
-        """
-        driver = connection.driver_connection
-        with translate_driver_errors(connection, "; ".join(step.sql for step, _ in steps)):
-            if connection.engine.dialect.is_async:
-                adapted = connection.dbapi_connection
-                return cast(list[int], adapted.run_async(lambda d: _apipelined(d, steps)))
-            return _pipelined(cast(psycopg.Connection[Any], driver), steps)
+    def write_at_once(
+        self, connection: Connection, write: SessionWrite
+    ) -> tuple[bool, bool] | None:
+        """The swap, the message diff and the fence as one statement (``WITH`` clauses)."""
+        return postgresql_write.write_at_once(connection, write)
 
     @contextmanager
     def hold_turns(
@@ -682,36 +667,6 @@ def _lock_unavailable(
     return DatabaseUnavailableError(
         f"cannot take the turn lock of session {session_id!r}{where}: {reason}"
     )
-
-
-def _pipelined(
-    driver: psycopg.Connection[Any], steps: Sequence[tuple[DriverStatement, Any]]
-) -> list[int]:
-    cursors = []
-    with driver.pipeline():
-        for statement, params in steps:
-            cursor = driver.cursor()
-            if isinstance(params, Mapping):
-                cursor.execute(statement.sql, statement.parameters(params))
-            else:
-                cursor.executemany(statement.sql, statement.parameter_rows(params))
-            cursors.append(cursor)
-    return [cursor.rowcount for cursor in cursors]
-
-
-async def _apipelined(
-    driver: psycopg.AsyncConnection[Any], steps: Sequence[tuple[DriverStatement, Any]]
-) -> list[int]:
-    cursors = []
-    async with driver.pipeline():
-        for statement, params in steps:
-            cursor = driver.cursor()
-            if isinstance(params, Mapping):
-                await cursor.execute(statement.sql, statement.parameters(params))
-            else:
-                await cursor.executemany(statement.sql, statement.parameter_rows(params))
-            cursors.append(cursor)
-    return [cursor.rowcount for cursor in cursors]
 
 
 class PostgresSessionStore(SQLAlchemySessionStore):

@@ -18,15 +18,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from sqlalchemy import URL, Connection, Dialect, Engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, event, make_url
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.crypto import AESGCMCipher
-from chatflow_sqlalchemy.dialect import RECLAIMED_AS_DONE, DialectSupport, on_conflict_acquire
-from chatflow_sqlalchemy.driver import first_time_on
+from chatflow_sqlalchemy.dialect import (
+    RECLAIMED_AS_DONE,
+    DialectSupport,
+    first_time_on,
+    on_conflict_acquire,
+)
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 __all__ = [
@@ -81,7 +85,6 @@ class SQLiteDialectSupport(DialectSupport):
 
     name = "sqlite"
     cross_process_turn_lock = False
-    driver_statements = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A shared single connection in memory; a small pool of connections on disk."""
@@ -92,13 +95,6 @@ class SQLiteDialectSupport(DialectSupport):
     def autocommit_options(self) -> dict[str, Any]:
         """The connection already runs in autocommit mode; the begin hook skips BEGIN."""
         return {"chatflow_autocommit": True}
-
-    def driver_autocommit(self, dialect: Dialect, dbapi_connection: Any, on: bool) -> None:
-        """Nothing to switch: pysqlite runs in autocommit mode and BEGIN is ours to send."""
-
-    def driver_begin(self, dbapi_connection: Any) -> None:
-        """``BEGIN IMMEDIATE``: take the write lock up front, as the Core path does."""
-        dbapi_connection.execute("BEGIN IMMEDIATE")
 
     def is_ephemeral(self, url: URL) -> bool:
         """See :func:`is_ephemeral_sqlite`."""

@@ -1,0 +1,148 @@
+"""PostgreSQL: a session write as one statement, sent in autocommit (one round trip, one commit).
+
+The store's write is a compare-and-swap of the session row, then the message
+diff, then (for a claimed turn) the claim's fence. PostgreSQL runs
+data-modifying ``WITH`` clauses as one atomic statement, so all of it goes
+in one: every part after the swap reads the swap's ``RETURNING``, and the
+swap itself waits for the fence's row lock, so a missed swap or a lost claim
+changes nothing. The messages travel as arrays (``unnest``): one statement
+text whatever the number of rows, so SQLAlchemy's compiled cache holds four
+(metadata changed or not, claim or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, cast
+
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Select,
+    Table,
+    Text,
+    any_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    insert,
+    literal_column,
+    null,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from chatflow_sqlalchemy.dialect import SessionWrite
+from chatflow_sqlalchemy.models import (
+    ChatflowMessage,
+    ChatflowProcessedMessage,
+    ChatflowSession,
+    UTCDateTime,
+)
+from chatflow_sqlalchemy.values import CLAIM_DONE
+
+__all__ = ["write_at_once"]
+
+_sessions = cast(Table, ChatflowSession.__table__)
+_messages = cast(Table, ChatflowMessage.__table__)
+_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_NOW = bindparam("now", type_=UTCDateTime())
+
+
+@cache
+def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
+    """The write's statement; it returns one row: ``(swapped, fenced)`` as counts."""
+    swap_where = [
+        _sessions.c.session_id == bindparam("sid"),
+        _sessions.c.version == bindparam("expected"),
+    ]
+    fenced = None
+    if fence:
+        fenced = (
+            select(_processed.c.message_id)
+            .where(
+                _processed.c.message_id == bindparam("claim_id"),
+                _processed.c.token == bindparam("claim_token"),
+            )
+            .with_for_update()
+            .cte("fenced")
+        )
+        swap_where.append(exists(select(fenced.c.message_id)))
+    values: dict[str, Any] = {
+        "version": bindparam("new_version"),
+        "active_agent_name": bindparam("agent_name"),
+        "updated_at": _NOW,
+    }
+    if metadata:
+        values["metadata_json"] = bindparam("metadata")
+    swapped = (
+        update(_sessions)
+        .where(*swap_where)
+        .values(**values)
+        .returning(_sessions.c.session_id)
+        .cte("swapped")
+    )
+    pruned = delete(_messages).where(
+        _messages.c.session_id.in_(select(swapped.c.session_id)),
+        _messages.c.seq == any_(bindparam("gone", type_=ARRAY(BigInteger))),
+    ).cte("pruned")
+    rows = (
+        func.unnest(
+            bindparam("seqs", type_=ARRAY(BigInteger)),
+            bindparam("roles", type_=ARRAY(Text)),
+            bindparam("contents", type_=ARRAY(Text)),
+            bindparam("jsons", type_=ARRAY(Text)),
+        )
+        .table_valued("seq", "role", "content", "message_json")
+        .render_derived(name="new_rows")
+    )
+    added = insert(_messages).from_select(
+        ["session_id", "seq", "role", "content", "message_json", "created_at"],
+        select(
+            swapped.c.session_id, rows.c.seq, rows.c.role, rows.c.content,
+            rows.c.message_json, _NOW,
+        ).select_from(swapped.join(rows, true())),
+    ).cte("added")
+    parts = [pruned, added]
+    counts = [select(func.count()).select_from(swapped).scalar_subquery()]
+    if fenced is not None:
+        done = (
+            update(_processed)
+            .where(
+                _processed.c.message_id == bindparam("claim_id"),
+                _processed.c.token == bindparam("claim_token"),
+                exists(select(swapped.c.session_id)),
+            )
+            .values(
+                state=literal_column(f"'{CLAIM_DONE}'"),
+                processed_at=_NOW,
+                lease_expires_at=null(),
+            )
+            .cte("done")
+        )
+        parts.append(done)
+        counts.append(select(func.count()).select_from(fenced).scalar_subquery())
+    return select(*counts).add_cte(*parts)
+
+
+def write_at_once(connection: Connection, write: SessionWrite) -> tuple[bool, bool]:
+    """Run ``write`` as one statement; ``(swapped, fenced)``."""
+    params: dict[str, Any] = {
+        **write.swap,
+        "gone": list(write.gone),
+        "seqs": [row["seq"] for row in write.rows],
+        "roles": [row["role"] for row in write.rows],
+        "contents": [row["content"] for row in write.rows],
+        "jsons": [row["message_json"] for row in write.rows],
+    }
+    fence: Mapping[str, Any] | None = write.fence
+    if fence is not None:
+        params["claim_id"] = fence["claim_id"]
+        params["claim_token"] = fence["claim_token"]
+    statement = _statement(metadata="metadata" in write.swap, fence=fence is not None)
+    row = connection.execute(statement, params).one()
+    return row[0] == 1, fence is None or row[1] == 1
