@@ -104,11 +104,13 @@ def test_postgres_fence_rides_in_the_turns_one_statement(pg_url: str, pg_schema:
             taken = asyncio.run(_claimed_turn_taken_over(store))
         finally:
             event.remove(Engine, "before_cursor_execute", record)
-    for sent in (first, statements):
-        writes = [sql for sql in sent if "UPDATE chatflow_sessions" in sql]
-        assert len(writes) == 1, sent
-        assert "UPDATE chatflow_processed_messages" in writes[0]
-        assert "INSERT INTO chatflow_messages" in writes[0]
+    writes = [sql for sql in first if "UPDATE chatflow_sessions" in sql]
+    assert len(writes) == 1, first
+    assert "UPDATE chatflow_processed_messages" in writes[0]
+    assert "INSERT INTO chatflow_messages" in writes[0]
+    # Taken over: the one statement changes nothing; the step-by-step write says why.
+    writes = [sql for sql in statements if "UPDATE chatflow_sessions" in sql]
+    assert "UPDATE chatflow_processed_messages" in writes[0], statements
     assert taken == ["first"]
 
 
@@ -255,3 +257,30 @@ def test_a_handler_cancelled_while_acquiring_does_not_leave_the_id_held(tmp_path
 
     with SQLiteSessionStore(tmp_path / "x.db") as store:
         assert asyncio.run(main(store)) == ([], True)
+
+
+@pytest.mark.postgres
+def test_a_claimed_turn_on_a_session_erased_meanwhile_reports_the_deletion(
+    pg_url: str, pg_schema: str
+) -> None:
+    """erase_user deletes the session and its claims while a claimed turn runs: its
+    write changes nothing and says the session was deleted (not that the claim was
+    taken over by another delivery)."""
+    from chatflow_sqlalchemy import SessionDeletedError
+
+    from . import pg_util
+
+    bot = Agent(name="Bot", instructions="")
+    with pg_util.schema_store(pg_url, pg_schema) as mine, \
+            pg_util.schema_store(pg_url, pg_schema) as other:
+        mine.get_or_create("s", bot, user_id="u")
+
+        async def turn() -> None:
+            ctx = await mine.aget_or_create("s", bot)
+            async with mine.claim("m1", session_id="s"), ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hi"))
+                assert other.erase_user("u") == 1
+
+        with pytest.raises(SessionDeletedError):
+            asyncio.run(turn())
+        assert other.get("s") is None

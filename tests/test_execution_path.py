@@ -223,7 +223,7 @@ def test_a_failed_statement_leaves_no_autocommit_connection(pg_url: str, pg_sche
             with pytest.raises(sa_exc.DBAPIError) as caught:
                 store.record_processed_message("wamid-evil")
             assert isinstance(caught.value.orig, psycopg.errors.RaiseException)
-            with pytest.raises(sa_exc.DBAPIError):  # the CAS bump is sent, then the insert fails
+            with pytest.raises(sa_exc.DBAPIError):  # the write's insert fails: nothing stands
                 session.add_message(Message(role=Role.USER, content="evil inside"))
         with engine.connect() as conn:
             after = list(conn.execute(versions).scalars())

@@ -38,7 +38,7 @@ FENCE_CLAIM = (
         _c.token == bindparam("claim_token"),
     )
     .values(
-        # Constants inline, not as anonymous binds: the driver path runs it compiled once.
+        # Constants inline, not as anonymous binds: one cached statement.
         state=literal_column(f"'{CLAIM_DONE}'"),
         processed_at=bindparam("claim_now", type_=UTCDateTime()),
         lease_expires_at=null(),

@@ -1170,9 +1170,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def _write_at_once(self, ctx: SessionContext, fence: ClaimFence | None) -> int | None:
         """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
 
-        Nothing is written when the claim was lost (:class:`ClaimLostError`)
-        or the swap missed: the session moved or is gone, which the
-        step-by-step write then tells apart.
+        Nothing is written when the swap missed: the session moved or is
+        gone, or the claim was lost, which the step-by-step write then tells
+        apart (it raises what applies, or rebases).
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
@@ -1187,13 +1187,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         )
         with self._transaction(single=True) as conn:
             outcome = self.support.write_at_once(conn, write)
-        if outcome is None:
-            return None
-        swapped, fenced = outcome
-        if not fenced:
-            assert fence is not None
-            raise ClaimLostError(fence.message_id)
-        if not swapped:
+        if outcome is None or not outcome[0]:
             return None
         self._mark_written(ctx, gone, new_rows, metadata_json)
         return len(gone)

@@ -609,10 +609,8 @@ class PostgresDialectSupport(DialectSupport):
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """``FOR NO KEY UPDATE``: excludes other writers of the row, not foreign-key checks.
 
-        The foreign-key check of another writer's message inserts takes
-        ``KEY SHARE`` on the session row; under ``FOR UPDATE`` that check and
-        the rebasing writer's insert of the same seq would wait on each other
-        (a deadlock).
+        The lock the compare-and-swap UPDATE itself takes: message inserts
+        (their foreign-key check takes ``KEY SHARE``) are not held up by it.
         """
         return select.with_for_update(key_share=True)
 

@@ -4,10 +4,13 @@ The store's write is a compare-and-swap of the session row, then the message
 diff, then (for a claimed turn) the claim's fence. PostgreSQL runs
 data-modifying ``WITH`` clauses as one atomic statement, so all of it goes
 in one: every part after the swap reads the swap's ``RETURNING``, and the
-swap itself waits for the fence's row lock, so a missed swap or a lost claim
-changes nothing. The messages travel as arrays (``unnest``): one statement
-text whatever the number of rows, so SQLAlchemy's compiled cache holds four
-(metadata changed or not, claim or not).
+swap itself needs the fence's row lock, so a missed swap or a lost claim
+changes nothing. Locks are taken in the order of every other writer (the
+session row, then its claim row: the step-by-step write, ``erase_user`` and
+``sweep`` do the same), so none of them can deadlock with it. The messages
+travel as arrays (``unnest``): one statement text whatever the number of
+rows, so SQLAlchemy's compiled cache holds four (metadata changed or not,
+claim or not).
 """
 
 from __future__ import annotations
@@ -62,11 +65,18 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
     ]
     fenced = None
     if fence:
+        locked = (
+            select(_sessions.c.session_id)
+            .where(_sessions.c.session_id == bindparam("sid"))
+            .with_for_update(key_share=True)
+            .cte("locked")
+        )
         fenced = (
             select(_processed.c.message_id)
             .where(
                 _processed.c.message_id == bindparam("claim_id"),
                 _processed.c.token == bindparam("claim_token"),
+                exists(select(locked.c.session_id)),
             )
             .with_for_update()
             .cte("fenced")
