@@ -355,7 +355,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         self._last_purge = utcnow()
 
         self._extra_engine_options = dict(engine_options or {})
-        options: dict[str, Any] | None = None
         if engine is None:
             self.url = make_url(database_url_from_env(url))
             self.support = self._support_for(self.url.get_backend_name())
@@ -375,14 +374,14 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             self.support = self._support_for(engine.dialect.name)
             self._owns_engine = False
         try:
-            self._open_on(engine, options)
+            self._open_on(engine)
         except BaseException:
             if self._owns_engine:
                 engine.dispose()
             raise
 
-    def _open_on(self, engine: Engine, options: dict[str, Any] | None) -> None:
-        """Set the store up on ``engine`` (created with ``options``, None: the caller's)."""
+    def _open_on(self, engine: Engine) -> None:
+        """Set the store up on ``engine`` (its own or the caller's)."""
         self.support.prepare_engine(engine)
         self.engine = engine
         self._system = engine.dialect.name  # db.system.name in telemetry
