@@ -92,11 +92,10 @@ def test_every_statement_of_a_turn_is_seen_by_the_engines_events(store_opener: O
         after = datetime.now(timezone.utc)
     finally:
         event.remove(Engine, "before_cursor_execute", record)
-    flat = sent
-    assert any("UPDATE chatflow_sessions" in sql for sql in flat), flat
-    assert any("INSERT INTO chatflow_messages" in sql for sql in flat), flat
-    assert any("DELETE FROM chatflow_messages" in sql for sql in flat), flat
-    assert any("INSERT INTO chatflow_processed_messages" in sql for sql in flat), flat
+    assert any("UPDATE chatflow_sessions" in sql for sql in sent), sent
+    assert any("INSERT INTO chatflow_messages" in sql for sql in sent), sent
+    assert any("DELETE FROM chatflow_messages" in sql for sql in sent), sent
+    assert any("INSERT INTO chatflow_processed_messages" in sql for sql in sent), sent
 
     fresh = store_opener()
     _check_reloaded(fresh, turn)

@@ -22,21 +22,19 @@ from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASE
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
-__all__ = ["FENCE_CLAIM", "SQLClaims", "free_claim", "read_claims"]
+__all__ = ["CLAIM_IS_MINE", "FENCE_CLAIM", "SQLClaims", "free_claim", "read_claims"]
 
 _T = TypeVar("_T")
 
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
 _c = _processed.c
 _NOW = bindparam("now", type_=UTCDateTime())
-_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
+CLAIM_IS_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
+"""The claim row of ``claim_id`` while it still holds this holder's ``claim_token``."""
 
 FENCE_CLAIM = (
     update(_processed)
-    .where(
-        _c.message_id == bindparam("claim_id"),
-        _c.token == bindparam("claim_token"),
-    )
+    .where(CLAIM_IS_MINE)
     .values(
         # Constants inline, not as anonymous binds: one cached statement.
         state=literal_column(f"'{CLAIM_DONE}'"),
@@ -48,19 +46,19 @@ FENCE_CLAIM = (
 
 _RENEW = (
     update(_processed)
-    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .where(CLAIM_IS_MINE, _c.state == CLAIM_ACQUIRED)
     .values(lease_expires_at=bindparam("lease", type_=UTCDateTime()))
 )
 _FINISH = (
     update(_processed)
-    .where(_MINE)
+    .where(CLAIM_IS_MINE)
     .values(
         state=CLAIM_DONE, response=bindparam("reply"), processed_at=_NOW, lease_expires_at=None
     )
 )
 _RELEASE = (
     update(_processed)
-    .where(_MINE, _c.state == CLAIM_ACQUIRED)
+    .where(CLAIM_IS_MINE, _c.state == CLAIM_ACQUIRED)
     .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
 )
 _FREE = (
@@ -71,7 +69,7 @@ _FREE = (
 _STATUS = select(_c.state, _c.response, _c.lease_expires_at, _c.processed_at).where(
     _c.message_id == bindparam("claim_id")
 )
-_TICKET = select(_c.ticket).where(_MINE)
+_TICKET = select(_c.ticket).where(CLAIM_IS_MINE)
 _EARLIER_IN_FLIGHT = (
     select(_c.message_id)
     .where(

@@ -1,7 +1,8 @@
 """PostgreSQL: a session write as one statement, sent in autocommit (one round trip, one commit).
 
 The store's write is a compare-and-swap of the session row, then the message
-diff, then (for a claimed turn) the claim's fence. PostgreSQL runs
+diff, then (for a claimed turn) the claim's fence (``FENCE_CLAIM``, the same
+statement the step-by-step write sends). PostgreSQL runs
 data-modifying ``WITH`` clauses as one atomic statement, so all of it goes
 in one: every part after the swap reads the swap's ``RETURNING``, and the
 swap itself needs the fence's row lock, so a missed swap or a lost claim
@@ -15,7 +16,6 @@ claim or not).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import cache
 from typing import Any, cast
 
@@ -31,8 +31,6 @@ from sqlalchemy import (
     exists,
     func,
     insert,
-    literal_column,
-    null,
     select,
     true,
     update,
@@ -46,7 +44,7 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     UTCDateTime,
 )
-from chatflow_sqlalchemy.values import CLAIM_DONE
+from chatflow_sqlalchemy.sql_claims import CLAIM_IS_MINE, FENCE_CLAIM
 
 __all__ = ["write_at_once"]
 
@@ -73,11 +71,7 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
         )
         fenced = (
             select(_processed.c.message_id)
-            .where(
-                _processed.c.message_id == bindparam("claim_id"),
-                _processed.c.token == bindparam("claim_token"),
-                exists(select(locked.c.session_id)),
-            )
+            .where(CLAIM_IS_MINE, exists(select(locked.c.session_id)))
             .with_for_update()
             .cte("fenced")
         )
@@ -120,20 +114,7 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
     parts = [pruned, added]
     counts = [select(func.count()).select_from(swapped).scalar_subquery()]
     if fenced is not None:
-        done = (
-            update(_processed)
-            .where(
-                _processed.c.message_id == bindparam("claim_id"),
-                _processed.c.token == bindparam("claim_token"),
-                exists(select(swapped.c.session_id)),
-            )
-            .values(
-                state=literal_column(f"'{CLAIM_DONE}'"),
-                processed_at=_NOW,
-                lease_expires_at=null(),
-            )
-            .cte("done")
-        )
+        done = FENCE_CLAIM.where(exists(select(swapped.c.session_id))).cte("done")
         parts.append(done)
         counts.append(select(func.count()).select_from(fenced).scalar_subquery())
     return select(*counts).add_cte(*parts)
@@ -149,10 +130,9 @@ def write_at_once(connection: Connection, write: SessionWrite) -> tuple[bool, bo
         "contents": [row["content"] for row in write.rows],
         "jsons": [row["message_json"] for row in write.rows],
     }
-    fence: Mapping[str, Any] | None = write.fence
+    fence = write.fence
     if fence is not None:
-        params["claim_id"] = fence["claim_id"]
-        params["claim_token"] = fence["claim_token"]
+        params.update(fence)  # the parameters of FENCE_CLAIM
     statement = _statement(metadata="metadata" in write.swap, fence=fence is not None)
     row = connection.execute(statement, params).one()
     return row[0] == 1, fence is None or row[1] == 1
