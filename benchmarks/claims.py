@@ -83,8 +83,8 @@ class _Counter:
     def watch_async_engine(self) -> None:
         from sqlalchemy import event
 
-        if self._store._aengine is not None:
-            event.listen(self._store._aengine.sync_engine, "before_cursor_execute", self._core)
+        if self._store.runtime.aengine is not None:
+            event.listen(self._store.runtime.aengine.sync_engine, "before_cursor_execute", self._core)
 
     def close(self) -> None:
         from sqlalchemy import event

@@ -3,7 +3,7 @@
 cProfile only sees the thread that enabled it, and this project's on-disk
 SQLite store does its async work on a private pool, so the pool is swapped
 for one whose threads each enable their own profiler; all are merged at the
-end. (This touches the store's private ``_io_pool``: benchmark-only.)
+end. (This touches the store's private ``runtime._io_pool``: benchmark-only.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Profiler:
         self.main = cProfile.Profile()
         self.threads: list[cProfile.Profile] = []
         self.pool: IOPool | None = None
-        if store is not None and hasattr(store, "_io_pool"):
+        if store is not None and hasattr(store, "runtime"):
             self._hook_pool(store)
 
     def _start_thread(self) -> None:
@@ -37,7 +37,7 @@ class Profiler:
         workers = int(getattr(store, "_blocking_io_workers", 4))
         self.pool = IOPool(workers, "chatflow-io", initializer=self._start_thread)
         pool = self.pool
-        store._io_pool = lambda: pool
+        store.runtime._io_pool = lambda: pool
 
     def __enter__(self) -> Profiler:
         self.main.enable()

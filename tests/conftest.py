@@ -172,7 +172,7 @@ def postgres_async_mode(postgres_url: str, postgres_admin: Engine) -> Capability
     """
     harness = _postgres_harness(postgres_url, postgres_admin, Capability.ASYNC_THREADPOOL)
     try:
-        native = bool(getattr(harness.open(), "_native_async", False))
+        native = harness.open().runtime.native_async
     finally:
         harness.close()
     return Capability.ASYNC_NATIVE if native else Capability.ASYNC_THREADPOOL

@@ -96,7 +96,7 @@ async def test_disk_io_runs_on_the_private_pool_not_the_loop(tmp_path: Path) -> 
     await session.aadd_message(Message(role=Role.USER, content="hi"))
     await store.aclose()
     assert seen and all(name.startswith("chatflow-io") for name in seen)
-    assert store._pool is None  # aclose shut the pool down
+    assert store.runtime.pool is None  # aclose shut the pool down
 
 
 class Scripted(BaseEngine):
@@ -211,7 +211,7 @@ async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> Non
         finally:
             await store.aclose()
         assert seen and all(entry == (threading.main_thread().name, True) for entry in seen)
-        assert store._pool is None  # the thread pool was never started
+        assert store.runtime.pool is None  # the thread pool was never started
         fresh = PostgresSessionStore(url, connect_args=schema_connect_args(schema))
         try:
             contents = [m.content for m in fresh.get("s").history]  # type: ignore[union-attr]
@@ -226,14 +226,14 @@ async def test_aiosqlite_url_runs_natively(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'aio.db'}"
     store = open_store(url)
     try:
-        assert store._native_async
+        assert store.runtime.native_async
         session = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
         await session.aadd_message(Message(role=Role.USER, content="hello"))
         assert await store.arecord_processed_message("m1")
         assert await store.alist_sessions() == ["s"]
     finally:
         await store.aclose()
-    assert store._pool is None
+    assert store.runtime.pool is None
     reopened = SQLiteSessionStore(tmp_path / "aio.db")
     try:
         assert [m.content for m in reopened.get("s").history] == ["hello"]  # type: ignore[union-attr]

@@ -44,7 +44,7 @@ def test_every_public_name_imports_and_sqlite_runs_sync_and_async(tmp_path: Path
         "    async with SQLiteSessionStore('x.db') as store:\n"
         "        ctx = await store.aget_or_create('s', bot)\n"
         "        await ctx.aadd_message(Message(role=Role.USER, content='again'))\n"
-        "        assert store._pool is not None  # the private thread pool, not greenlets\n"
+        "        assert store.runtime.pool is not None  # the private thread pool, not greenlets\n"
         "        return [m.content for m in ctx.history]\n"
         "print(asyncio.run(main()))\n"
         "assert 'sqlalchemy.ext.asyncio' not in sys.modules\n",

@@ -21,7 +21,7 @@ from chatflow_agent import Agent, Message, Role
 from sqlalchemy import make_url
 
 from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
-from chatflow_sqlalchemy.store import _SELECT_VERSION
+from chatflow_sqlalchemy.rows import SELECT_VERSION as _SELECT_VERSION
 
 from . import pg_util
 

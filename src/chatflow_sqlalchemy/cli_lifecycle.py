@@ -193,15 +193,15 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
     from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.rows import parse_message
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
-    from chatflow_sqlalchemy.store import _parse_message
 
     _validated(user_id)
     sealer = _sealer_from_env()
     with _cli._reading(url) as (_parsed, engine), _cli._read_conn(engine) as conn:
         try:
             sessions = export_sessions(
-                conn, user_session_ids(conn, user_id), sealer.parser(_parse_message),
+                conn, user_session_ids(conn, user_id), sealer.parser(parse_message),
                 sealer.open_metadata,
             )
         except CorruptRowError as exc:

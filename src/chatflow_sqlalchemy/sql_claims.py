@@ -106,7 +106,7 @@ class SQLClaims:
         return await self._store._run_blocking(fn, *args)
 
     def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
-        with self._store._transaction(single=True) as conn:
+        with self._store.runtime.transaction(single=True) as conn:
             return conn.execute(statement, params)
 
     def acquire(self, claim: WebhookClaim) -> None:
@@ -122,14 +122,14 @@ class SQLClaims:
             "claim_id": claim.message_id,
             "claim_token": claim.token,
         }
-        with telemetry.operation("claim", self._store._system) as op:
+        with telemetry.operation("claim", self._store.runtime.system) as op:
             self._acquire_in_one_call(claim, params, now)
             op.set("chatflow.claim.status", claim.status)
 
     def _acquire_in_one_call(
         self, claim: WebhookClaim, params: dict[str, Any], now: datetime
     ) -> None:
-        with self._store._transaction(single=True) as conn:
+        with self._store.runtime.transaction(single=True) as conn:
             acquired, ticket = self._store.support.claim_acquired(
                 conn.execute(self._acquire, params)
             )
@@ -182,17 +182,17 @@ class SQLClaims:
             "ticket": claim.ticket,
             "horizon": claim.order_horizon(utcnow()),
         }
-        with self._store._transaction(single=True) as conn:
+        with self._store.runtime.transaction(single=True) as conn:
             return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
 
     def list(self, limit: int | None) -> list[ClaimInfo]:
         """Rows for ``dedup list``, most recently changed first."""
-        with self._store._transaction() as conn:
+        with self._store.runtime.transaction() as conn:
             return read_claims(conn, limit=limit)
 
     def free(self, message_id: str) -> bool:
         """Release a held claim whoever holds it (``dedup release``); False if none is held."""
-        with self._store._transaction(write=True) as conn:
+        with self._store.runtime.transaction(write=True) as conn:
             return free_claim(conn, message_id)
 
 

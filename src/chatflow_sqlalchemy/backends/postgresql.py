@@ -39,7 +39,8 @@ from chatflow_sqlalchemy.dialect import (
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore, _describe
+from chatflow_sqlalchemy.runtime import describe
+from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg
@@ -661,7 +662,7 @@ def _lock_unavailable(
 ) -> DatabaseUnavailableError:
     if reason is None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-    where = "" if url is None else f" on {_describe(url)}"
+    where = "" if url is None else f" on {describe(url)}"
     return DatabaseUnavailableError(
         f"cannot take the turn lock of session {session_id!r}{where}: {reason}"
     )
@@ -743,7 +744,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             cipher=cipher,
             require_encryption=require_encryption,
         )
-        locks = cast(AdvisoryTurnLocks, self._turn_locks)
+        locks = cast(AdvisoryTurnLocks, self.turn_locks)
         locks.lease_seconds = self.turn_lock_lease_seconds
         locks.call_timeout = self.operation_timeout
 
@@ -754,15 +755,15 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         cancelled; a thread blocked in libpq cannot): there the store's
         operations run as psycopg coroutines.
         """
-        if not self._native_async:
+        if not self.runtime.native_async:
             return await super()._run_blocking(fn, *args)
         try:
             return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
         except asyncio.TimeoutError as exc:
-            if self._turn_locks is not None:
-                self._turn_locks.distrust()
+            if self.turn_locks is not None:
+                self.turn_locks.distrust()
             raise DatabaseUnavailableError(
-                f"no answer from {_describe(self.url)} within {self.operation_timeout:g} s "
+                f"no answer from {describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
 

@@ -1,0 +1,230 @@
+"""A session's rows: the statements that read and write them, and their codecs.
+
+The SQL of the session and message tables, written once against SQLAlchemy
+Core (a dialect adds only what :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
+builds), and the conversion between rows and :class:`chatflow_agent.Message`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from chatflow_agent import Message, Role
+from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
+from sqlalchemy import Connection, Table, bindparam, case, delete, insert, select, update
+
+from chatflow_sqlalchemy.context import dump_message
+from chatflow_sqlalchemy.crypto import is_encrypted
+from chatflow_sqlalchemy.exceptions import CorruptRowError
+from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowProcessedMessage, ChatflowSession
+from chatflow_sqlalchemy.sealing import Sealer
+
+__all__ = [
+    "BUMP_SESSION",
+    "BUMP_SESSION_AND_METADATA",
+    "DELETE_ALL_MESSAGES",
+    "DELETE_SOME_MESSAGES",
+    "INSERT_MESSAGES",
+    "IS_PROCESSED",
+    "SELECT_VERSION",
+    "StoredSession",
+    "content_column",
+    "dump_message_json",
+    "first_version",
+    "message_row",
+    "messages",
+    "parse_message",
+    "processed",
+    "read_session",
+    "sessions",
+]
+
+FIRST_VERSION_BITS = 52
+"""New sessions start at a random version below 2**52 (still exact as a float in JSON)."""
+
+sessions = cast(Table, ChatflowSession.__table__)
+messages = cast(Table, ChatflowMessage.__table__)
+processed = cast(Table, ChatflowProcessedMessage.__table__)
+
+SELECT_VERSION = select(sessions.c.version).where(sessions.c.session_id == bindparam("session_id"))
+_SELECT_SESSION = select(
+    sessions.c.version,
+    sessions.c.active_agent_name,
+    sessions.c.metadata_json,
+    sessions.c.created_at,
+    sessions.c.updated_at,
+).where(sessions.c.session_id == bindparam("session_id"))
+_SELECT_MESSAGES = (
+    select(messages.c.id, messages.c.seq, messages.c.message_json)
+    .where(messages.c.session_id == bindparam("session_id"))
+    .order_by(case((messages.c.role == Role.SYSTEM.value, 0), else_=1), messages.c.seq)
+)
+INSERT_MESSAGES = insert(messages)
+DELETE_ALL_MESSAGES = delete(messages).where(messages.c.session_id == bindparam("session_id"))
+DELETE_SOME_MESSAGES = DELETE_ALL_MESSAGES.where(
+    messages.c.seq.in_(bindparam("seqs", expanding=True))
+)
+BUMP_SESSION = (
+    update(sessions)
+    .where(
+        sessions.c.session_id == bindparam("sid"),
+        sessions.c.version == bindparam("expected"),
+    )
+    .values(
+        version=bindparam("new_version"),
+        active_agent_name=bindparam("agent_name"),
+        updated_at=bindparam("now"),
+    )
+)
+"""The compare-and-swap of a session row: rowcount 1 only at the version the writer knows."""
+
+BUMP_SESSION_AND_METADATA = BUMP_SESSION.values(metadata_json=bindparam("metadata"))
+IS_PROCESSED = select(processed.c.message_id).where(
+    processed.c.message_id == bindparam("message_id"),
+    processed.c.processed_at >= bindparam("cutoff"),
+)
+
+
+@dataclass
+class StoredSession:
+    """A session as read from the database (the rows of its window)."""
+
+    version: int
+    agent_name: str
+    metadata: dict[str, Any]
+    messages: list[Message]
+    seqs: list[int]
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSession | None:
+    """The session's row and window in ``conn``'s snapshot; None if there is no such session.
+
+    Raises:
+        CorruptRowError: A row cannot be decoded (it names the table and row).
+
+    """
+    row = _fetch_session_row(conn, session_id)
+    if row is None:
+        return None
+    metadata = sealer.open_metadata(session_id, row.metadata_json)
+    if not isinstance(metadata, dict):
+        kind = type(metadata).__name__
+        raise CorruptRowError(
+            session_id, None, f"metadata_json is not a JSON object (found {kind})",
+            table="chatflow_sessions",
+        )
+    window: list[Message] = []
+    seqs: list[int] = []
+    opens = sealer.active or sealer.require
+    for msg_row in conn.execute(_SELECT_MESSAGES, {"session_id": session_id}):
+        text = msg_row.message_json
+        if opens or is_encrypted(text):
+            text = sealer.open_text(session_id, msg_row.id, text, "chatflow_messages")
+        window.append(parse_message(session_id, msg_row.id, text))
+        seqs.append(msg_row.seq)
+    return StoredSession(
+        row.version, row.active_agent_name, metadata, window, seqs, row.created_at, row.updated_at
+    )
+
+
+def _fetch_session_row(conn: Connection, session_id: str) -> Any:
+    """The session's row; metadata that is not valid JSON is a :class:`CorruptRowError`.
+
+    Databases with a JSON type validate on write; SQLite stores text, which
+    a hand edit or a damaged file can leave undecodable.
+    """
+    try:
+        return conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
+
+
+def message_row(
+    sealer: Sealer, session_id: str, seq: int, message: Message, now: datetime
+) -> dict[str, Any]:
+    """The ``chatflow_messages`` row of ``message`` at ``seq`` (sealed if the store encrypts)."""
+    return {
+        "session_id": session_id,
+        "seq": seq,
+        "role": message.role.value,
+        "content": None if sealer.active else content_column(message.content),
+        "message_json": sealer.seal_text(session_id, dump_message_json(session_id, message)),
+        "created_at": now,
+    }
+
+
+def parse_message(session_id: str, row_id: object, text: str) -> Message:
+    """A message from its row's JSON, or :class:`CorruptRowError` naming the row."""
+    try:
+        return Message.model_validate_json(text)
+    except ValidationError as exc:
+        if _too_deep_for_pydantic_json(exc):
+            return _parse_deep_message(session_id, row_id, text)
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+    except (ValueError, TypeError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _too_deep_for_pydantic_json(exc: ValidationError) -> bool:
+    """True if pydantic's JSON parser gave up on nesting depth, not on the content.
+
+    pydantic writes JSON nested deeper than its own parser reads back (a tool
+    result ~200 levels deep); such a row is valid and is parsed another way.
+    """
+    errors = exc.errors()
+    return (
+        len(errors) == 1
+        and errors[0]["type"] == "json_invalid"
+        and "recursion limit" in str(errors[0].get("ctx", {}).get("error", ""))
+    )
+
+
+def _parse_deep_message(session_id: str, row_id: object, text: str) -> Message:
+    """Parse a deeply nested row with the stdlib's JSON parser, then validate it."""
+    try:
+        return Message.model_validate(json.loads(text))
+    except (ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def dump_message_json(session_id: str, message: Message) -> str:
+    """A message's JSON for its row, or ``ValueError`` saying why it cannot be stored."""
+    try:
+        return dump_message(message)
+    except PydanticSerializationError as exc:
+        raise ValueError(
+            f"a {message.role.value} message of session {session_id!r} cannot be stored: "
+            f"{exc}. Tool results and arguments must be JSON-serialisable and nested at "
+            "most 250 levels deep; flatten or stringify the value (the turn was not stored)"
+        ) from None
+
+
+def content_column(content: str | None) -> str | None:
+    """The text for the ``content`` column: a readable copy of ``message_json``'s content.
+
+    PostgreSQL text cannot hold NUL, so NUL becomes U+FFFD in this copy (on
+    every backend, alike); the message itself is read back from
+    ``message_json``, where JSON escapes it, so it round-trips exactly.
+    """
+    if content is not None and "\x00" in content:
+        return content.replace("\x00", "\ufffd")
+    return content
+
+
+def first_version() -> int:
+    """A random starting version for a new session row.
+
+    Contexts trust a session whose version equals the one they know. Were
+    every session to start at 0, one deleted and re-created elsewhere would,
+    after as many writes, show a cached context the version it expects
+    (ABA) and be taken for the old one.
+    """
+    return secrets.randbits(FIRST_VERSION_BITS)

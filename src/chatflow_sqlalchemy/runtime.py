@@ -1,0 +1,380 @@
+"""Where a SQL store's database work runs: its engines, transactions, threads and loops.
+
+One :class:`StoreRuntime` per store. Every statement the store sends goes
+through :meth:`StoreRuntime.transaction` on a SQLAlchemy ``Connection``, so the
+engine's events, ``echo`` and SQLAlchemy's instrumentation see all of it. The
+async API runs the very same sync code through :meth:`StoreRuntime.run_blocking`:
+
+* on-disk databases without an async driver: a private pool of threads;
+* in-memory SQLite: directly on the loop (one shared connection, serialised);
+* native async (PostgreSQL, ``sqlite+aiosqlite``): in greenlets on an
+  ``AsyncEngine``, whose sync facade runs the same statements on the async
+  driver without a thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from sqlalchemy import URL, Connection, Engine, create_engine
+from sqlalchemy import exc as sa_exc
+
+from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
+from chatflow_sqlalchemy.iopool import IOPool
+
+if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["ASYNC_INSTALL_HINT", "StoreRuntime", "create_store_engine", "describe", "merged"]
+
+_T = TypeVar("_T")
+
+ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
+
+_IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", default=False)
+"""True while store code runs in a greenlet on the AsyncEngine's sync facade."""
+
+_READ, _WRITE, _SINGLE = 0, 1, 2
+"""Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
+
+
+def describe(url: URL) -> str:
+    """Name host and database of ``url`` without the password."""
+    if url.get_backend_name() == "sqlite":
+        return f"SQLite database {url.database or ':memory:'!r}"
+    host = f"{url.host or 'localhost'}:{url.port}" if url.port else (url.host or "localhost")
+    return f"{url.get_backend_name()} database {url.database!r} on {host} as {url.username!r}"
+
+
+def _unavailable(url: URL, exc: sa_exc.DBAPIError) -> DatabaseUnavailableError:
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+    return DatabaseUnavailableError(f"cannot reach {describe(url)}: {reason}")
+
+
+class _Guard:
+    """Serialises the users of one shared connection; a lost connection becomes one clear error.
+
+    A class rather than a ``@contextmanager`` generator: several guarded
+    units run every turn, and a generator context manager costs more.
+    What counts as lost is SQLAlchemy's own verdict: the dialect recognised a
+    disconnect and invalidated the connection (``connection_invalidated``).
+    """
+
+    __slots__ = ("_serial", "_url")
+
+    def __init__(self, serial: threading.RLock | None, url: URL) -> None:
+        self._serial = serial
+        self._url = url
+
+    def __enter__(self) -> None:
+        if self._serial is not None:
+            self._serial.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._serial is not None:
+            self._serial.release()
+        if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            raise _unavailable(self._url, exc) from exc
+
+
+class StoreRuntime:
+    """The engines of one store and how its sync and async calls reach them.
+
+    Args:
+        engine: The store's engine (created by the store, or the caller's).
+        support: The dialect support of the engine's database.
+        url: The URL the store was opened on (the AsyncEngine is built from it).
+        owns_engine: The store created ``engine`` (it may then build an
+            AsyncEngine with the same options, and disposes both on close).
+        engine_options: The caller's ``create_engine`` options, over the dialect's.
+        io_workers: Threads of the private pool that serves the async API
+            where it cannot be native.
+
+    Raises:
+        BackendImportError: The URL names an async driver and greenlet is missing.
+
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        support: DialectSupport,
+        url: URL,
+        *,
+        owns_engine: bool,
+        engine_options: Mapping[str, Any],
+        io_workers: int,
+    ) -> None:
+        self.engine = engine
+        self.support = support
+        self.url = url
+        self.owns_engine = owns_engine
+        self.system = engine.dialect.name
+        """The database's name for telemetry (``db.system.name``)."""
+        self.ephemeral = support.is_ephemeral(url)
+        self._engine_options = dict(engine_options)
+        self._io_workers = io_workers
+        self._engines = self._engine_modes(engine)
+        self._aengines: tuple[Engine, Engine, Engine] | None = None
+        self.aengine: AsyncEngine | None = None
+        """The AsyncEngine of a native-async store, once its async API ran."""
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.pool: IOPool | None = None
+        """The private thread pool, once the async API needed it."""
+        self._lock = threading.Lock()
+        self.closed = False
+        # One shared connection (in-memory SQLite) must not be used by two threads at once.
+        self.guard = _Guard(threading.RLock() if self.ephemeral else None, url)
+        self.native_async = self._wants_native_async()
+
+    def _wants_native_async(self) -> bool:
+        """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
+
+        Needs an async driver for the URL and greenlet (the asyncio extension
+        of SQLAlchemy). A URL that names an async driver itself
+        (``sqlite+aiosqlite://``) without greenlet installed is refused with
+        the extra to install; otherwise the thread pool serves the async API.
+        A caller's engine carries settings (connect_args, pool, listeners)
+        that an AsyncEngine built from its URL would not: its async work runs
+        on threads.
+        """
+        if self.ephemeral or self.support.async_url(self.url) is None or not self.owns_engine:
+            return False
+        if importlib.util.find_spec("greenlet") is not None:
+            return True
+        if self.support.sync_url(self.url).drivername != self.url.drivername:
+            raise BackendImportError(
+                f"{self.url.drivername} runs on SQLAlchemy's asyncio extension, which needs "
+                f"greenlet: {ASYNC_INSTALL_HINT}"
+            )
+        return False
+
+    def _engine_modes(self, engine: Engine) -> tuple[Engine, Engine, Engine]:
+        """The engine as used for reads, for writes, and for single autocommit statements."""
+        return (
+            engine,
+            engine.execution_options(chatflow_write=True),
+            engine.execution_options(**self.support.autocommit_options()),
+        )
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if the store was closed."""
+        if self.closed:
+            raise RuntimeError("this session store is closed; open a new one")
+
+    def connect(self, engine: Engine | None = None) -> Connection:
+        """A connection of ``engine`` (the store's by default).
+
+        Raises:
+            DatabaseUnavailableError: No connection could be opened (the
+                message names host and database, never the password).
+
+        """
+        try:
+            return (engine or self.engine).connect()
+        except sa_exc.DBAPIError as exc:
+            raise _unavailable(self.url, exc) from exc
+
+    @contextmanager
+    def transaction(self, *, write: bool = False, single: bool = False) -> Iterator[Connection]:
+        """One transaction; ``write`` takes the database's write lock up front.
+
+        ``single`` is for one statement that is atomic on its own: it runs in
+        the driver's autocommit mode, without BEGIN/COMMIT round trips.
+
+        Inside :meth:`run_blocking` on a native-async store this code runs in
+        a greenlet and uses the AsyncEngine's sync facade, so the very same
+        statements execute on the async driver without a thread hop.
+        """
+        self.check_open()
+        engines = self._aengines if self.in_async_facade() else self._engines
+        assert engines is not None
+        with self.guard:
+            conn = self.connect(engines[_SINGLE if single else _WRITE if write else _READ])
+            with conn, conn.begin():
+                yield conn
+
+    def in_async_facade(self) -> bool:
+        """True in :meth:`run_blocking`'s greenlet: use the AsyncEngine's sync facade."""
+        return self.native_async and _IN_ASYNC_FACADE.get()
+
+    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking database work ``fn(*args)`` without blocking the event loop.
+
+        On-disk databases use a private pool of threads owned by the store;
+        in-memory SQLite runs directly on the loop, where a thread hop would
+        cost more than the work; native-async stores run it in a greenlet.
+        """
+        if self.ephemeral:
+            return fn(*args)
+        if self.native_async and await self._async_engine_for_loop() is not None:
+            return cast(_T, await _greenlet_spawn()(_on_async_facade, fn, *args))
+        return await self._io_pool().run(fn, *args)
+
+    def _make_async_engine(self) -> AsyncEngine:
+        """Create the AsyncEngine of a native-async store, with the store's engine options.
+
+        Raises:
+            BackendImportError: The async driver is not installed (names the extra).
+
+        """
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        url = self.support.async_url(self.url)
+        assert url is not None
+        try:
+            options = merged(self.support.engine_options(url), self._engine_options)
+            return create_async_engine(url, **options)
+        except ImportError as exc:
+            raise BackendImportError(
+                f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
+            ) from exc
+
+    async def _async_engine_for_loop(self) -> AsyncEngine | None:
+        """The AsyncEngine for the running loop, or None: use the thread pool from this loop.
+
+        Async connections belong to the loop that opened them, so the
+        AsyncEngine serves one loop at a time. A store that outlives a loop
+        (``Runner.run`` calls ``asyncio.run`` every time) hands it to the next
+        loop once the old one is closed, after closing the old loop's idle
+        connections. While the owning loop still runs (threads that each run
+        their own loop over one store), other loops run their I/O on the
+        store's threads, on the sync engine.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self.check_open()
+            owner = self._aloop
+            if owner is not None and owner is not loop and not owner.is_closed():
+                return None
+            stale = self.aengine is not None and owner is not loop
+            if self.aengine is None:
+                self.aengine = self._make_async_engine()
+                facade = self.aengine.sync_engine
+                self.support.prepare_engine(facade)
+                self._aengines = self._engine_modes(facade)
+            self._aloop = loop
+            engine = self.aengine
+        if stale:
+            await engine.dispose()
+        return engine
+
+    def _io_pool(self) -> IOPool:
+        with self._lock:
+            self.check_open()
+            if self.pool is None:
+                self.pool = IOPool(self._io_workers, thread_name_prefix="chatflow-io")
+            return self.pool
+
+    def close(self) -> None:
+        """Stop the thread pool and dispose the engines the store created."""
+        self.closed = True
+        with self._lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if self.aengine is not None:
+            _dispose_from_sync_code(self.aengine)
+        if self.owns_engine:
+            self.engine.dispose()
+
+    async def adispose_async_engine(self) -> None:
+        """Close the AsyncEngine's connections if they belong to the running loop."""
+        if self.aengine is not None and self._aloop is asyncio.get_running_loop():
+            await self.aengine.dispose()
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _dispose_from_sync_code(engine: AsyncEngine) -> None:
+    """Close an AsyncEngine's pool from sync code (``aclose`` is the clean way)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(engine.dispose())
+    else:
+        task = loop.create_task(engine.dispose())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+def _on_async_facade(fn: Callable[..., _T], *args: Any) -> _T:
+    """Run ``fn`` marked as running on the AsyncEngine's sync facade (in a greenlet)."""
+    token = _IN_ASYNC_FACADE.set(True)
+    try:
+        return fn(*args)
+    finally:
+        _IN_ASYNC_FACADE.reset(token)
+
+
+@functools.cache
+def _greenlet_spawn() -> Callable[..., Any]:
+    """SQLAlchemy's ``greenlet_spawn``, imported on first native-async use.
+
+    It is the one name used from outside SQLAlchemy's documented API: the
+    documented ``AsyncConnection.run_sync`` is built on it but holds a pooled
+    connection for the whole call, while the store checks out its own
+    connections inside. ``sqlalchemy.util.greenlet_spawn`` has kept its name
+    and signature from 1.4 to 2.1.
+    """
+    from sqlalchemy.util import greenlet_spawn
+
+    return cast(Callable[..., Any], greenlet_spawn)
+
+
+def merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` engine options over the dialect's ``defaults``, ``connect_args`` key by key."""
+    options = {**defaults, **given}
+    if "connect_args" in defaults and "connect_args" in given:
+        options["connect_args"] = {**defaults["connect_args"], **given["connect_args"]}
+    return options
+
+
+def create_store_engine(url: URL, options: Mapping[str, Any], install_hint: str) -> Engine:
+    """``create_engine``; a missing driver names what to install, if there is a hint."""
+    try:
+        return create_engine(url, **options)
+    except ImportError as exc:
+        if not install_hint:
+            raise
+        raise BackendImportError(f"{install_hint} ({exc})") from exc
+
+
+def require_transactions(runtime: StoreRuntime) -> None:
+    """Refuse an engine whose connections run in autocommit mode.
+
+    A turn is written in one transaction, so that a crash or a lost race
+    never leaves half a turn; in autocommit every statement would commit on
+    its own. (Single self-contained statements already run in autocommit.)
+    It connects once, so an unreachable database fails here, clearly.
+
+    Raises:
+        ValueError: The engine runs in autocommit mode.
+        DatabaseUnavailableError: The database cannot be reached.
+
+    """
+    autocommit = runtime.engine.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    if not autocommit:
+        with runtime.guard, runtime.connect() as conn:
+            autocommit = getattr(conn.connection.dbapi_connection, "autocommit", None) is True
+    if autocommit:
+        raise ValueError(
+            "the engine's connections run in autocommit mode (isolation_level='AUTOCOMMIT'), "
+            "so a turn could not be written atomically: open the store without it (the store "
+            "runs single statements in autocommit by itself)"
+        )

@@ -1,0 +1,268 @@
+"""The store's one write algorithm: a context's changes, compare-and-swapped onto its session.
+
+Each write starts with a compare-and-swap of the session's ``version``
+(``UPDATE ... WHERE version = :known``), under the database's write lock (row
+lock on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), then deletes the rows that
+left the window and inserts the new ones; a turn run inside a webhook claim
+marks the claim done in the same transaction, only while it is still held.
+If another writer moved the session since this context loaded, the context is
+rebased on the fresh rows and its new messages are appended after them as
+whole turns, never interleaved.
+
+A backend may send a whole write as one statement
+(:meth:`~chatflow_sqlalchemy.dialect.DialectSupport.write_at_once`); when that
+statement's swap misses, the step-by-step write runs, which tells a moved
+session from a deleted one and from a lost claim.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Executable
+
+from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy.claims import ClaimFence
+from chatflow_sqlalchemy.context import DurableState, SessionContext, dump_metadata
+from chatflow_sqlalchemy.contexts import AgentResolver
+from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
+from chatflow_sqlalchemy.exceptions import ClaimLostError, SessionDeletedError
+from chatflow_sqlalchemy.lifecycle import pruned_seqs
+from chatflow_sqlalchemy.models import utcnow
+from chatflow_sqlalchemy.reconcile import install, orphaned_tool_call, other_incarnation
+from chatflow_sqlalchemy.rows import (
+    BUMP_SESSION,
+    BUMP_SESSION_AND_METADATA,
+    DELETE_ALL_MESSAGES,
+    DELETE_SOME_MESSAGES,
+    INSERT_MESSAGES,
+    SELECT_VERSION,
+    message_row,
+    read_session,
+)
+from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.sealing import Sealer
+from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
+from chatflow_sqlalchemy.sql_lifecycle import archive_rows
+
+__all__ = ["SessionWriter"]
+
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+
+class SessionWriter:
+    """Writes contexts' changes to their sessions (see the module's description).
+
+    Args:
+        runtime: Where the statements run.
+        sealer: Encrypts what the store encrypts at rest.
+        agents: Resolves the agent of rows a rebase reads.
+        archive_pruned: Keep pruned rows in the archive table.
+
+    """
+
+    def __init__(
+        self, runtime: StoreRuntime, sealer: Sealer, agents: AgentResolver, *, archive_pruned: bool
+    ) -> None:
+        self._runtime = runtime
+        self._support: DialectSupport = runtime.support
+        self._sealer = sealer
+        self._agents = agents
+        self._archive_pruned = archive_pruned
+        self._lock_version: Executable = self._support.lock_session_row(SELECT_VERSION)
+        # A backend that overrides the hook sends each write as one statement.
+        self._writes_at_once = (
+            type(self._support).write_at_once is not DialectSupport.write_at_once
+        )
+
+    def write(self, ctx: SessionContext, fence: ClaimFence | None = None) -> int:
+        """Write ``ctx``'s changes; return how many message rows it deleted (pruned or cleared).
+
+        Call it under ``ctx._mutex``, with changes to write.
+
+        Raises:
+            SessionDeletedError: The session is gone (or is another one now).
+            ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
+
+        """
+        if self._writes_at_once and ctx._seqs and not self._archives_now(ctx):
+            deleted = self._write_at_once(ctx, fence)
+            if deleted is not None:
+                return deleted
+        with self._runtime.transaction(write=True) as conn:
+            return self._write_changes(conn, ctx, fence)
+
+    def _write_at_once(self, ctx: SessionContext, fence: ClaimFence | None) -> int | None:
+        """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
+
+        Nothing is written when the swap missed: the session moved or is
+        gone, or the claim was lost, which the step-by-step write then tells
+        apart (it raises what applies, or rebases).
+        """
+        now = utcnow()
+        gone, new_rows = self._message_diff(ctx, now)
+        if gone.intersection(row["seq"] for row in new_rows):
+            return None  # one statement cannot delete a row and insert its seq again
+        metadata_json, swap = self._bump_params(ctx, now)
+        write = SessionWrite(
+            swap=swap,
+            gone=sorted(gone),
+            rows=new_rows,
+            fence=None if fence is None else fence.params(now),
+        )
+        with self._runtime.transaction(single=True) as conn:
+            outcome = self._support.write_at_once(conn, write)
+        if outcome is None or not outcome[0]:
+            return None
+        _mark_written(ctx, gone, new_rows, metadata_json)
+        return len(gone)
+
+    def _write_changes(
+        self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None
+    ) -> int:
+        """Compare-and-swap the session's version, then write the message diff.
+
+        The conditional UPDATE both detects concurrent writers and takes the
+        row's write lock; only when it misses does the writer read the row
+        (locked) to tell a deleted session from a moved one and rebase.
+        """
+        session_id = ctx.session_id
+        now = utcnow()
+        bumped, metadata_json = self._bump_version(conn, ctx, now)
+        if not bumped:
+            version = conn.execute(self._lock_version, {"session_id": session_id}).scalar()
+            if version is None:
+                raise SessionDeletedError(session_id)
+            self._rebase(conn, ctx)
+            bumped, metadata_json = self._bump_version(conn, ctx, now)
+            if not bumped:
+                raise RuntimeError(f"session {session_id!r} changed while its row was locked")
+        gone, new_rows = self._message_diff(ctx, now)
+        if gone and self._archive_pruned:
+            archive_rows(conn, session_id, pruned_seqs(gone, ctx._seqs, ctx._n_system), now)
+        if gone and not ctx._seqs:
+            conn.execute(DELETE_ALL_MESSAGES, {"session_id": session_id})
+        elif gone:
+            conn.execute(DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
+        if new_rows:
+            conn.execute(INSERT_MESSAGES, new_rows)
+        if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
+            raise ClaimLostError(fence.message_id)
+        _mark_written(ctx, gone, new_rows, metadata_json)
+        return len(gone)
+
+    def _archives_now(self, ctx: SessionContext) -> bool:
+        """True if this write prunes rows to archive (it then takes the step-by-step path)."""
+        if not self._archive_pruned:
+            return False
+        durable = ctx._durable
+        assert durable is not None
+        gone = durable.seqs.difference(ctx._seqs)
+        return bool(gone and pruned_seqs(gone, ctx._seqs, ctx._n_system))
+
+    def _message_diff(
+        self, ctx: SessionContext, now: datetime
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        """The seqs of rows to delete and the rows to insert since ``ctx`` was last written."""
+        durable = ctx._durable
+        assert durable is not None
+        gone = durable.seqs.difference(ctx._seqs)
+        pending = ctx._pending_messages()
+        if durable.hidden and (pending or ctx._cleared):
+            gone.update(durable.hidden)  # a call no result can follow any more
+        session_id = ctx.session_id
+        return gone, [
+            message_row(self._sealer, session_id, seq, message, now) for seq, message in pending
+        ]
+
+    def _bump_version(
+        self, conn: Connection, ctx: SessionContext, now: datetime
+    ) -> tuple[bool, str | None]:
+        """UPDATE the session row if its version is still the one ``ctx`` knows.
+
+        Returns whether it did, and the metadata JSON it wrote (None: unchanged).
+        """
+        metadata_json, params = self._bump_params(ctx, now)
+        statement = BUMP_SESSION if metadata_json is None else BUMP_SESSION_AND_METADATA
+        return conn.execute(statement, params).rowcount == 1, metadata_json
+
+    def _bump_params(
+        self, ctx: SessionContext, now: datetime
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Parameters of the compare-and-swap UPDATE, after the metadata's JSON if it changed."""
+        durable = ctx._durable
+        assert durable is not None
+        params: dict[str, Any] = {
+            "sid": ctx.session_id,
+            "expected": durable.version,
+            "new_version": durable.version + 1,
+            "agent_name": ctx.active_agent.name,
+            "now": now,
+        }
+        metadata_json = dump_metadata(ctx._metadata)
+        if metadata_json == durable.metadata_json:
+            return None, params
+        params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
+        return metadata_json, params
+
+    def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
+        """Another writer moved the session: replay our unsaved changes on its rows.
+
+        A session deleted meanwhile, or deleted and created anew under the same
+        id, raises :class:`SessionDeletedError`: nothing of ``ctx`` is written
+        into another conversation. An unsaved clear (or a replaced history)
+        also drops what the other writer added before it.
+        """
+        durable = ctx._durable
+        assert durable is not None
+        pending = [message for _, message in ctx._pending_messages()]
+        cleared = ctx._cleared
+        our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
+        our_metadata = dict(ctx._metadata)
+        metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
+        stored = read_session(conn, self._sealer, ctx.session_id)
+        if stored is None or other_incarnation(ctx, stored):
+            raise SessionDeletedError(ctx.session_id)
+        telemetry.count("chatflow.version_conflicts", 1, self._runtime.system)
+        carried = None if cleared else orphaned_tool_call(ctx, stored)
+        agent = our_agent or self._agents(stored.agent_name, ctx.active_agent)
+        install(ctx, stored, agent, set(ctx._seqs))
+        if metadata_changed:
+            ctx._replace_metadata(our_metadata)
+        if cleared:
+            ctx._history, ctx._seqs, ctx._cleared = [], [], True
+            ctx._reindex()
+        for message in pending if carried is None else [carried, *pending]:
+            ctx._append(message)
+        logger.info(
+            "session %r changed in another process; %d new message(s) appended after its rows",
+            ctx.session_id,
+            len(pending),
+        )
+
+
+def _mark_written(
+    ctx: SessionContext,
+    gone: set[int],
+    new_rows: list[dict[str, Any]],
+    metadata_json: str | None,
+) -> None:
+    """Record what the database now holds: ``ctx`` as it is, one version up.
+
+    ``metadata_json`` is the metadata just written, None if it was unchanged.
+    """
+    durable = ctx._durable
+    assert durable is not None
+    seqs = durable.seqs - gone
+    seqs.update(row["seq"] for row in new_rows)
+    ctx._durable = DurableState(
+        version=durable.version + 1,
+        seqs=seqs,
+        agent_name=ctx.active_agent.name,
+        metadata_json=durable.metadata_json if metadata_json is None else metadata_json,
+        incarnation=durable.incarnation,
+        hidden=durable.hidden.difference(gone),
+    )
+    ctx._cleared = False
