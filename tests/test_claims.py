@@ -284,3 +284,107 @@ def test_a_claimed_turn_on_a_session_erased_meanwhile_reports_the_deletion(
         with pytest.raises(SessionDeletedError):
             asyncio.run(turn())
         assert other.get("s") is None
+
+
+def _echo_runner(store: Any) -> Any:
+    from chatflow_agent import BaseEngine, Runner
+    from chatflow_agent.core.engines.base import EngineTurnResult
+
+    class Echo(BaseEngine):
+        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
+            return EngineTurnResult(text=f"re: {history[-1].content}")
+
+    return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                  engine=Echo())
+
+
+class _Statements:
+    """Every statement any engine runs (the store's sync engine and its AsyncEngine)."""
+
+    def __init__(self) -> None:
+        self.sql: list[str] = []
+
+    def __enter__(self) -> _Statements:
+        event.listen(Engine, "before_cursor_execute", self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        event.remove(Engine, "before_cursor_execute", self._record)
+
+    def _record(self, _conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        self.sql.append(" ".join(statement.split()))
+
+    def touching(self, table: str) -> list[str]:
+        return [sql for sql in self.sql if table in sql]
+
+
+async def _webhook(store: Any, runner: Any, mid: str, text: str) -> str | None:
+    async with store.claim(mid, session_id="s") as claim:
+        assert claim.acquired
+        result = await runner.run_async(session_id="s", user_message=text)
+        claim.response = result.content
+        return claim.response
+
+
+def test_a_claimed_runner_turn_reads_and_writes_its_claim_once(store_opener: Any) -> None:
+    """claim -> run_async -> reply: the acquire and the turn's write touch the claim row;
+    the acquire's version read serves the Runner's get_or_create, and the reply rides
+    in the turn's write (no statement at the block's exit)."""
+    store = store_opener()
+    runner = _echo_runner(store)
+    asyncio.run(_webhook(store, runner, "warm-up", "hello"))  # the context is cached now
+    with _Statements() as seen:
+        assert asyncio.run(_webhook(store, runner, "m1", "again")) == "re: again"
+    claim_rows = seen.touching("chatflow_processed_messages")
+    assert len(claim_rows) == 2, seen.sql  # the acquire, then the fence in the turn's write
+    assert claim_rows[0].startswith("INSERT INTO chatflow_processed_messages")
+    assert "UPDATE chatflow_processed_messages" in claim_rows[1]
+    assert seen.sql[-1] == claim_rows[1] or "COMMIT" in seen.sql[-1].upper(), seen.sql
+    version_reads = [sql for sql in seen.sql if sql.startswith("SELECT chatflow_sessions.version")]
+    assert version_reads == [], seen.sql  # the claim's own statement read it
+    fresh = store_opener()
+    with fresh.claim("m1", session_id="s") as again:
+        assert (again.status, again.response) == ("done", "re: again")
+    assert [m.content for m in fresh.get("s").history][-2:] == ["again", "re: again"]
+
+
+def test_a_claim_that_waited_for_an_earlier_one_catches_up_with_its_turn(
+    store_opener: Any,
+) -> None:
+    """Another worker's earlier claim of the session held this one back: the version read
+    with the acquire is old by then, so the lookup checks again and the turn sees the
+    earlier turn's messages."""
+    first_store, second_store = store_opener(), store_opener()
+    first_runner, second_runner = _echo_runner(first_store), _echo_runner(second_store)
+    asyncio.run(_webhook(second_store, second_runner, "warm-up", "hello"))
+    seen: list[list[str | None]] = []
+
+    class Recording:
+        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
+            from chatflow_agent.core.engines.base import EngineTurnResult
+
+            seen.append([m.content for m in history])
+            return EngineTurnResult(text=f"re: {history[-1].content}")
+
+    second_runner.engine = Recording()
+
+    async def both() -> None:
+        entered = asyncio.Event()
+
+        async def earlier() -> None:
+            async with first_store.claim("a", session_id="s") as claim:
+                entered.set()
+                await asyncio.sleep(0.02)  # the later claim is taken meanwhile, and waits
+                result = await first_runner.run_async(session_id="s", user_message="first")
+                claim.response = result.content
+
+        async def later() -> None:
+            await entered.wait()
+            async with second_store.claim("b", session_id="s") as claim:
+                result = await second_runner.run_async(session_id="s", user_message="second")
+                claim.response = result.content
+
+        await asyncio.gather(earlier(), later())
+
+    asyncio.run(both())
+    assert seen[-1][-3:] == ["first", "re: first", "second"]

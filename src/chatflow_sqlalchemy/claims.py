@@ -57,7 +57,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+
+from chatflow_agent import Role
 
 from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.values import (
@@ -67,6 +69,9 @@ from chatflow_sqlalchemy.values import (
     SESSION_ID_MAX_LENGTH,
     utcnow,
 )
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.context import SessionContext
 
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
@@ -82,6 +87,7 @@ __all__ = [
     "claim_info",
     "list_claims",
     "release_claim",
+    "reply_of",
     "validate_dedup_ttl",
     "validate_lease",
     "validate_message_id",
@@ -161,15 +167,50 @@ def validate_lease(value: object) -> float:
 
 @dataclass
 class ClaimFence:
-    """What a turn needs to commit its claim: the id, the token, and whether it did."""
+    """What a turn needs to commit its claim: the id, the token, and whether it did.
+
+    Attributes:
+        message_id: The claimed webhook id.
+        token: This holder's token (the fence holds while the row still has it).
+        committed: The turn's write marked the claim done.
+        reply: The reply that write stored with the claim (the turn's last
+            model message); the block's exit stores ``claim.response`` only
+            if it differs.
+        session_version: The session's version read together with the
+            acquire, when no earlier claim of the session was in flight
+            (None: not read, or no such session yet).
+        version_read_at: ``time.monotonic()`` of that read.
+
+    """
 
     message_id: str
     token: str
     committed: bool = False
+    reply: str | None = None
+    session_version: int | None = None
+    version_read_at: float | None = None
 
-    def params(self, now: datetime) -> dict[str, Any]:
-        """Parameters of :data:`FENCE_CLAIM`."""
-        return {"claim_id": self.message_id, "claim_token": self.token, "claim_now": now}
+    def params(self, now: datetime, reply: str | None) -> dict[str, Any]:
+        """Parameters of :data:`FENCE_CLAIM`: the claim, the time, the reply stored with it."""
+        return {
+            "claim_id": self.message_id,
+            "claim_token": self.token,
+            "claim_now": now,
+            "claim_reply": reply,
+        }
+
+
+def reply_of(ctx: SessionContext) -> str | None:
+    """The reply a turn on ``ctx`` gave: its last message's text, if that is a model answer.
+
+    What ``Runner.run_async`` returns as ``content``; a claimed turn stores
+    it with its claim, so the block's ``claim.response = result.content``
+    needs no statement of its own.
+    """
+    if not ctx._history:
+        return None
+    last = ctx._history[-1]
+    return last.content if last.role == Role.MODEL and not last.tool_calls else None
 
 
 def active_fence(session_id: str) -> ClaimFence | None:
@@ -670,6 +711,7 @@ class MemoryClaims:
             if row is None or row.token != fence.token:
                 return False
             row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
+            row.response = fence.reply
             fence.committed = True
             return True
 

@@ -76,7 +76,8 @@ class SessionWrite:
         rows: Message rows to insert: ``session_id``, ``seq``, ``role``,
             ``content``, ``message_json``, ``created_at``.
         fence: Parameters of the turn's claim fence (``claim_id``,
-            ``claim_token``, ``claim_now``), None for a turn without a claim.
+            ``claim_token``, ``claim_now``, ``claim_reply``: the reply stored
+            with the claim), None for a turn without a claim.
 
     """
 

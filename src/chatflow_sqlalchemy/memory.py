@@ -27,6 +27,7 @@ from chatflow_sqlalchemy.claims import (
     MemoryClaims,
     WebhookClaim,
     active_fence,
+    reply_of,
     validate_dedup_ttl,
     validate_message_id,
 )
@@ -231,6 +232,7 @@ class SessionStore(AsyncStoreAPI):
 
     def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: _Snapshot) -> None:
         """As the SQL stores: a turn that changed something commits its claim, or is undone."""
+        fence.reply = reply_of(ctx)
         if not self._claim_rows.commit_turn(fence):
             with ctx._mutex:
                 ctx._restore(start)

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, Executable
 
 from chatflow_sqlalchemy import telemetry
-from chatflow_sqlalchemy.claims import ClaimFence
+from chatflow_sqlalchemy.claims import ClaimFence, reply_of
 from chatflow_sqlalchemy.context import DurableState, SessionContext, dump_metadata
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
@@ -110,7 +110,7 @@ class SessionWriter:
             swap=swap,
             gone=sorted(gone),
             rows=new_rows,
-            fence=None if fence is None else fence.params(now),
+            fence=None if fence is None else fence.params(now, reply_of(ctx)),
         )
         with self._runtime.transaction(single=True) as conn:
             outcome = self._support.write_at_once(conn, write)
@@ -148,8 +148,10 @@ class SessionWriter:
             conn.execute(DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
         if new_rows:
             conn.execute(INSERT_MESSAGES, new_rows)
-        if fence is not None and conn.execute(FENCE_CLAIM, fence.params(now)).rowcount != 1:
-            raise ClaimLostError(fence.message_id)
+        if fence is not None:
+            claim = fence.params(now, reply_of(ctx))
+            if conn.execute(FENCE_CLAIM, claim).rowcount != 1:
+                raise ClaimLostError(fence.message_id)
         _mark_written(ctx, gone, new_rows, metadata_json)
         return len(gone)
 
@@ -266,3 +268,4 @@ def _mark_written(
         hidden=durable.hidden.difference(gone),
     )
     ctx._cleared = False
+

@@ -2456,6 +2456,35 @@ class TestWebhookClaims(StoreTestBase):
             )
         assert _user_texts(store.get(sid).history) == ["hello"]
 
+    def test_a_turns_reply_is_stored_with_its_commit(self, store: Any) -> None:
+        """The turn's write stores its reply with the claim; the block's own reply wins.
+
+        A redelivery between the turn's commit and the block's exit (the
+        worker died before sending, say) reads the reply already. A block that
+        stores another reply, or none, has it stored as it says.
+        """
+        sid, runner = new_id(), _claims_runner(store)
+
+        async def redelivered(mid: str) -> tuple[str, str | None]:
+            async with store.claim(mid, session_id=sid) as again:
+                return again.status, again.response
+
+        async def handle(mid: str, text: str, reply: str | None) -> tuple[str, str | None]:
+            async with store.claim(mid, session_id=sid) as claim:
+                assert claim.acquired
+                result = await runner.run_async(session_id=sid, user_message=text)
+                assert result.content == reply_to(text)
+                seen = await asyncio.create_task(redelivered(mid))
+                claim.response = result.content if reply == "same" else reply
+            return seen
+
+        ids = {kind: new_id("wamid") for kind in ("same", "other", "none")}
+        for kind, reply in (("same", "same"), ("other", "sent: formatted"), ("none", None)):
+            assert run(handle(ids[kind], kind, reply)) == ("done", reply_to(kind))
+        assert run(redelivered(ids["same"])) == ("done", reply_to("same"))
+        assert run(redelivered(ids["other"])) == ("done", "sent: formatted")
+        assert run(redelivered(ids["none"])) == ("done", None)
+
     def test_sync_with_acquires_and_stores_the_reply(self, store: Any) -> None:
         mid = new_id("wamid")
         with store.claim(mid) as claim:
