@@ -83,8 +83,9 @@ class _Counter:
     def watch_async_engine(self) -> None:
         from sqlalchemy import event
 
-        if self._store.runtime.aengine is not None:
-            event.listen(self._store.runtime.aengine.sync_engine, "before_cursor_execute", self._core)
+        aengine = self._store.runtime.aengine
+        if aengine is not None:
+            event.listen(aengine.sync_engine, "before_cursor_execute", self._core)
 
     def close(self) -> None:
         from sqlalchemy import event
