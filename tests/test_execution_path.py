@@ -334,3 +334,57 @@ def test_a_failed_write_goes_through_sqlalchemys_error_handling(store_opener: Op
     assert "refused by the test" in str(caught.value.orig)
     reloaded = store_opener().get("s")
     assert reloaded is not None and [m.content for m in reloaded.history] == ["fine"]
+
+
+@pytest.mark.postgres
+def test_a_missing_table_is_the_databases_error_not_an_unreachable_database(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Only a lost connection (SQLAlchemy's ``connection_invalidated``) or one that
+    cannot be opened is ``DatabaseUnavailableError``; a statement the server refuses
+    (``relation ... does not exist``, a phrase the store once matched in error texts)
+    is SQLAlchemy's error, and the store keeps working once the cause is gone."""
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="hi"))
+        with store.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE chatflow_messages RENAME TO kept_aside"))
+        try:
+            with pytest.raises(sa_exc.ProgrammingError) as caught:
+                store.transcript("s")
+            assert isinstance(caught.value.orig, psycopg.errors.UndefinedTable)
+            assert not caught.value.connection_invalidated
+        finally:
+            with store.engine.begin() as conn:
+                conn.execute(text("ALTER TABLE kept_aside RENAME TO chatflow_messages"))
+        assert [m.content for m in store.transcript("s")] == ["hi"]
+
+
+def test_the_stores_engines_are_where_its_statements_run(store_opener: Opener) -> None:
+    """``store.engines``: a listener on each sees the sync and the async API's statements
+    (on PostgreSQL the async API runs on the AsyncEngine's facade, there before first use)."""
+    store = store_opener()
+    seen: list[tuple[int, str]] = []
+    listeners = []
+    for index, engine in enumerate(store.engines):
+        def record(*args: Any, index: int = index) -> None:
+            seen.append((index, " ".join(args[2].split())))
+
+        event.listen(engine, "before_cursor_execute", record)
+        listeners.append((engine, record))
+    assert store.engines[0] is store.engine
+
+    async def turn() -> None:
+        ctx = await store.aget_or_create("s", TRIAGE)
+        async with ctx.lock:
+            ctx.add_message(Message(role=Role.USER, content="async"))
+
+    try:
+        store.get_or_create("s", TRIAGE).add_message(Message(role=Role.USER, content="sync"))
+        asyncio.run(turn())
+    finally:
+        for engine, record in listeners:
+            event.remove(engine, "before_cursor_execute", record)
+    inserts = [index for index, sql in seen if "INSERT INTO chatflow_messages" in sql]
+    assert len(inserts) == 2, seen
+    assert len(store.engines) == (2 if store.runtime.native_async else 1)
+    assert inserts == ([0, 1] if store.runtime.native_async else [0, 0])

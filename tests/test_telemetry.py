@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 from chatflow_agent import Agent, Message, Role, Runner
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
+from opentelemetry.instrumentation.sqlalchemy.engine import EngineTracer
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -151,9 +152,19 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Calla
 
 
 def _uninstrument(instrumentor: SQLAlchemyInstrumentor) -> None:
-    """Take the instrumentation off again (it raises for engines it already let go)."""
-    with suppress(InvalidRequestError):
+    """Take the instrumentation off again, so the next test can put it on.
+
+    An AsyncEngine created while it is on gets two tracers (through both
+    ``create_engine`` and ``create_async_engine``, which it wraps), and
+    ``uninstrument`` then fails removing the second one's listeners, leaving
+    the instrumentor on: the next test's ``instrument`` would do nothing and
+    trace nothing. Its bookkeeping is cleared then (the engines are closed).
+    """
+    try:
         instrumentor.uninstrument()
+    except InvalidRequestError:
+        EngineTracer._remove_event_listener_params.clear()
+        instrumentor._is_instrumented_by_opentelemetry = False
 
 
 def _phone() -> str:

@@ -131,7 +131,7 @@ class StoreRuntime:
         self._engines = self._engine_modes(engine)
         self._aengines: tuple[Engine, Engine, Engine] | None = None
         self.aengine: AsyncEngine | None = None
-        """The AsyncEngine of a native-async store, once its async API ran."""
+        """The AsyncEngine of a native-async store, once needed (its async API runs on it)."""
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.pool: IOPool | None = None
         """The private thread pool, once the async API needed it."""
@@ -140,6 +140,27 @@ class StoreRuntime:
         # One shared connection (in-memory SQLite) must not be used by two threads at once.
         self.guard = _Guard(threading.RLock() if self.ephemeral else None, url)
         self.native_async = self._wants_native_async()
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The store's engine, and its AsyncEngine's sync facade on a native-async store.
+
+        The AsyncEngine is created here if the async API has not run yet (it
+        connects only when used), so listeners can be attached before.
+        """
+        if not self.native_async:
+            return (self.engine,)
+        with self._lock:
+            return (self.engine, self._async_engine().sync_engine)
+
+    def _async_engine(self) -> AsyncEngine:
+        """The AsyncEngine, created on first need (call with ``_lock`` held)."""
+        if self.aengine is None:
+            self.aengine = self._make_async_engine()
+            facade = self.aengine.sync_engine
+            self.support.prepare_engine(facade)
+            self._aengines = self._engine_modes(facade)
+        return self.aengine
 
     def _wants_native_async(self) -> bool:
         """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
@@ -261,14 +282,9 @@ class StoreRuntime:
             owner = self._aloop
             if owner is not None and owner is not loop and not owner.is_closed():
                 return None
-            stale = self.aengine is not None and owner is not loop
-            if self.aengine is None:
-                self.aengine = self._make_async_engine()
-                facade = self.aengine.sync_engine
-                self.support.prepare_engine(facade)
-                self._aengines = self._engine_modes(facade)
+            stale = owner is not None and owner is not loop
             self._aloop = loop
-            engine = self.aengine
+            engine = self._async_engine()
         if stale:
             await engine.dispose()
         return engine
@@ -287,7 +303,7 @@ class StoreRuntime:
             pool, self.pool = self.pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        if self.aengine is not None:
+        if self.aengine is not None and self._aloop is not None:  # it has connections
             _dispose_from_sync_code(self.aengine)
         if self.owns_engine:
             self.engine.dispose()

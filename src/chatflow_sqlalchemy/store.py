@@ -291,6 +291,18 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             ensure_schema(self.engine, self.support, auto_migrate=self.auto_migrate)
 
     @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine this store runs statements on, for engine events and instrumentation.
+
+        ``store.engine``, and on a native-async store (PostgreSQL,
+        ``sqlite+aiosqlite``) the sync facade of its ``AsyncEngine``, where
+        the async API's statements run: ``event.listen(engine, ...)`` on each
+        of them, or ``SQLAlchemyInstrumentor().instrument(engines=store.engines)``,
+        sees every statement the store sends through SQLAlchemy.
+        """
+        return self.runtime.engines
+
+    @property
     def turn_locks(self) -> TurnLocks | None:
         """The cross-process turn locks of this store (from its dialect support), or None."""
         return self.turns.locks
