@@ -326,26 +326,90 @@ async def _webhook(store: Any, runner: Any, mid: str, text: str) -> str | None:
         return claim.response
 
 
-def test_a_claimed_runner_turn_reads_and_writes_its_claim_once(store_opener: Any) -> None:
-    """claim -> run_async -> reply: the acquire and the turn's write touch the claim row;
-    the acquire's version read serves the Runner's get_or_create, and the reply rides
-    in the turn's write (no statement at the block's exit)."""
+def test_a_claimed_runner_turns_reply_rides_in_its_write(store_opener: Any) -> None:
+    """claim -> run_async -> ``claim.response = result.content``: the turn's write stores
+    the reply with the claim, and the block's exit sends nothing after it."""
     store = store_opener()
     runner = _echo_runner(store)
-    asyncio.run(_webhook(store, runner, "warm-up", "hello"))  # the context is cached now
+    asyncio.run(_webhook(store, runner, "warm-up", "hello"))
     with _Statements() as seen:
         assert asyncio.run(_webhook(store, runner, "m1", "again")) == "re: again"
     claim_rows = seen.touching("chatflow_processed_messages")
-    assert len(claim_rows) == 2, seen.sql  # the acquire, then the fence in the turn's write
-    assert claim_rows[0].startswith("INSERT INTO chatflow_processed_messages")
-    assert "UPDATE chatflow_processed_messages" in claim_rows[1]
-    assert seen.sql[-1] == claim_rows[1] or "COMMIT" in seen.sql[-1].upper(), seen.sql
-    version_reads = [sql for sql in seen.sql if sql.startswith("SELECT chatflow_sessions.version")]
-    assert version_reads == [], seen.sql  # the claim's own statement read it
+    assert claim_rows[0].startswith("INSERT INTO chatflow_processed_messages"), seen.sql
+    fence = [n for n, sql in enumerate(seen.sql) if "UPDATE chatflow_processed_messages" in sql]
+    assert len(fence) == 1, seen.sql  # the fence in the turn's write, no UPDATE at the exit
+    assert "chatflow_processed_messages" not in " ".join(seen.sql[fence[0] + 1:]), seen.sql
     fresh = store_opener()
     with fresh.claim("m1", session_id="s") as again:
         assert (again.status, again.response) == ("done", "re: again")
     assert [m.content for m in fresh.get("s").history][-2:] == ["again", "re: again"]
+
+
+def _claimed_turn_then(store: Any, mid: str, turn: Any, reply: Any = None) -> None:
+    """A claimed turn that ``turn(ctx)`` fills, then the block fails (the send, say)."""
+
+    async def main() -> None:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        with pytest.raises(RuntimeError, match="the send failed"):
+            async with store.claim(mid, session_id="s"):
+                async with ctx.lock:
+                    turn(ctx)
+                raise RuntimeError("the send failed")
+
+    asyncio.run(main())
+
+
+def _stored_reply(store: Any, mid: str) -> tuple[str, str | None]:
+    with store.claim(mid, session_id="s") as again:
+        return again.status, again.response
+
+
+def test_a_turn_without_an_answer_of_its_own_stores_no_reply(store_opener: Any) -> None:
+    """Only a model answer the turn added is its reply: a turn that only changed
+    metadata (after an answered turn) must not store the earlier answer."""
+    store = store_opener()
+
+    def answered(ctx: Any) -> None:
+        ctx.add_message(Message(role=Role.USER, content="balance?"))
+        ctx.add_message(Message(role=Role.MODEL, content="Your balance is $10"))
+
+    _claimed_turn_then(store, "m1", answered)
+    _claimed_turn_then(store, "m2", lambda ctx: ctx.metadata.update(read=True))
+    assert _stored_reply(store, "m1") == ("done", "Your balance is $10")
+    assert _stored_reply(store, "m2") == ("done", None)
+
+
+def test_a_reply_with_nul_does_not_stop_the_turn_being_stored(store_opener: Any) -> None:
+    """PostgreSQL text cannot hold NUL: such a reply is not stored with the turn's
+    write (the turn is), and is the block's to store, as any reply."""
+    store = store_opener()
+
+    def answered(ctx: Any) -> None:
+        ctx.add_message(Message(role=Role.USER, content="hi"))
+        ctx.add_message(Message(role=Role.MODEL, content="a\x00b"))
+
+    _claimed_turn_then(store, "m1", answered)
+    assert _stored_reply(store, "m1") == ("done", None)
+    assert [m.content for m in store_opener().get("s").history] == ["hi", "a\x00b"]
+
+
+def test_an_encrypting_store_keeps_the_turns_reply_out_of_the_claim_row(tmp_path: Path) -> None:
+    """With ``cipher=`` the model's answer is stored encrypted only: the claim row's
+    reply is what the block itself stores there (none here)."""
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+
+    cipher = AESGCMCipher(keys={"k1": bytes(range(32))}, primary="k1")
+    with SQLiteSessionStore(tmp_path / "x.db", cipher=cipher, require_encryption=True) as store:
+        def answered(ctx: Any) -> None:
+            ctx.add_message(Message(role=Role.USER, content="card?"))
+            ctx.add_message(Message(role=Role.MODEL, content="SECRET card 4111"))
+
+        _claimed_turn_then(store, "m1", answered)
+        with store.engine.connect() as conn:
+            row = conn.execute(text(
+                "SELECT state, response FROM chatflow_processed_messages WHERE message_id = 'm1'"
+            )).one()
+        assert tuple(row) == ("done", None)
 
 
 def test_a_claim_that_waited_for_an_earlier_one_catches_up_with_its_turn(

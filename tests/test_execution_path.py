@@ -388,3 +388,14 @@ def test_the_stores_engines_are_where_its_statements_run(store_opener: Opener) -
     assert len(inserts) == 2, seen
     assert len(store.engines) == (2 if store.runtime.native_async else 1)
     assert inserts == ([0, 1] if store.runtime.native_async else [0, 0])
+
+
+def test_a_file_that_is_not_a_database_is_not_an_unreachable_database(tmp_path: Path) -> None:
+    """Opening it fails with the driver's own error (a retry cannot help), not with
+    ``DatabaseUnavailableError``, which says the database is out of reach."""
+    path = tmp_path / "x.db"
+    path.write_bytes(b"this is not a database " * 200)
+    with pytest.raises(sa_exc.DatabaseError) as caught:
+        SQLiteSessionStore(path)
+    assert not isinstance(caught.value, DatabaseUnavailableError)
+    assert "not a database" in str(caught.value)

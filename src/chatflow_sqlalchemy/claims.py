@@ -71,7 +71,7 @@ from chatflow_sqlalchemy.values import (
 )
 
 if TYPE_CHECKING:
-    from chatflow_sqlalchemy.context import SessionContext
+    from chatflow_agent import Message
 
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
@@ -173,13 +173,9 @@ class ClaimFence:
         message_id: The claimed webhook id.
         token: This holder's token (the fence holds while the row still has it).
         committed: The turn's write marked the claim done.
-        reply: The reply that write stored with the claim (the turn's last
-            model message); the block's exit stores ``claim.response`` only
-            if it differs.
-        session_version: The session's version read together with the
-            acquire, when no earlier claim of the session was in flight
-            (None: not read, or no such session yet).
-        version_read_at: ``time.monotonic()`` of that read.
+        reply: The reply that write stored with the claim (the model answer
+            the turn added, see :func:`reply_of`); the block's exit stores
+            ``claim.response`` only if it differs.
 
     """
 
@@ -187,8 +183,6 @@ class ClaimFence:
     token: str
     committed: bool = False
     reply: str | None = None
-    session_version: int | None = None
-    version_read_at: float | None = None
 
     def params(self, now: datetime, reply: str | None) -> dict[str, Any]:
         """Parameters of :data:`FENCE_CLAIM`: the claim, the time, the reply stored with it."""
@@ -200,17 +194,20 @@ class ClaimFence:
         }
 
 
-def reply_of(ctx: SessionContext) -> str | None:
-    """The reply a turn on ``ctx`` gave: its last message's text, if that is a model answer.
+def reply_of(added: Message | None) -> str | None:
+    """The reply a claimed turn stores with its claim: ``added``'s text, if it is an answer.
 
-    What ``Runner.run_async`` returns as ``content``; a claimed turn stores
-    it with its claim, so the block's ``claim.response = result.content``
-    needs no statement of its own.
+    ``added`` is the last message the turn added (None: it added none). A
+    model answer without tool calls is what ``Runner.run_async`` returns as
+    ``content``; the turn's write stores it with the claim, so the block's
+    ``claim.response = result.content`` needs no statement of its own. Text
+    a database column cannot hold (NUL) is left to the block's exit, as any
+    other reply.
     """
-    if not ctx._history:
+    if added is None or added.role != Role.MODEL or added.tool_calls:
         return None
-    last = ctx._history[-1]
-    return last.content if last.role == Role.MODEL and not last.tool_calls else None
+    content = added.content
+    return None if content is None or "\x00" in content else content
 
 
 def active_fence(session_id: str) -> ClaimFence | None:

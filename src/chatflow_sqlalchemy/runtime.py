@@ -202,12 +202,15 @@ class StoreRuntime:
 
         Raises:
             DatabaseUnavailableError: No connection could be opened (the
-                message names host and database, never the password).
+                driver's ``OperationalError`` or ``InterfaceError``: refused,
+                unreachable, unknown database, bad credentials; the message
+                names host and database, never the password). Other errors
+                (a file that is not a database, say) are SQLAlchemy's own.
 
         """
         try:
             return (engine or self.engine).connect()
-        except sa_exc.DBAPIError as exc:
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
             raise _unavailable(self.url, exc) from exc
 
     @contextmanager

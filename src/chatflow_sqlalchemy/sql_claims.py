@@ -8,7 +8,6 @@ is portable Core.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -18,7 +17,6 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
-    exists,
     literal_column,
     null,
     select,
@@ -27,8 +25,7 @@ from sqlalchemy import (
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
-from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.models import ChatflowProcessedMessage, ChatflowSession, UTCDateTime
+from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
 
 if TYPE_CHECKING:
@@ -39,7 +36,6 @@ __all__ = ["CLAIM_IS_MINE", "FENCE_CLAIM", "SQLClaims", "free_claim", "read_clai
 _T = TypeVar("_T")
 
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
-_sessions = cast(Table, ChatflowSession.__table__)
 _c = _processed.c
 _NOW = bindparam("now", type_=UTCDateTime())
 CLAIM_IS_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
@@ -96,21 +92,6 @@ _EARLIER_IN_FLIGHT = (
 )
 """An earlier claim of the session still held, or lapsed less than one lease ago (see
 :meth:`WebhookClaim.order_horizon`)."""
-_other = _processed.alias("other")
-_OTHERS_IN_FLIGHT = exists().where(
-    _other.c.session_id == bindparam("session_id"),
-    _other.c.message_id != bindparam("message_id"),
-    _other.c.state == CLAIM_ACQUIRED,
-    _other.c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
-)
-"""Another claim of the session held, or lapsed less than a lease ago: a column of the
-acquire's ``RETURNING`` (it cannot compare the new row's ticket there). True means
-"look for earlier ones" (:data:`_EARLIER_IN_FLIGHT`); False, that none can exist."""
-_SESSION_VERSION = (
-    select(_sessions.c.version)
-    .where(_sessions.c.session_id == bindparam("session_id"))
-    .scalar_subquery()
-)
 _LIST = select(
     _c.message_id,
     _c.state,
@@ -128,18 +109,7 @@ class SQLClaims:
 
     def __init__(self, store: SQLAlchemySessionStore) -> None:
         self._store = store
-        acquire = store.support.acquire_claim(_processed)
-        # An acquire that returns the ticket (the default reading) also returns the
-        # first look for earlier claims and the session's version: one statement.
-        self._looks_along = (
-            type(store.support).claim_acquired is DialectSupport.claim_acquired
-            and len(acquire.exported_columns) == 1
-        )
-        if self._looks_along:
-            acquire = acquire.returning(
-                _OTHERS_IN_FLIGHT.label("others"), _SESSION_VERSION.label("session_version")
-            )
-        self._acquire = acquire
+        self._acquire = store.support.acquire_claim(_processed)
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
@@ -169,32 +139,27 @@ class SQLClaims:
     def _acquire_in_one_call(
         self, claim: WebhookClaim, params: dict[str, Any], now: datetime
     ) -> None:
-        params["horizon"] = claim.order_horizon(now)
-        looked: Any = None
         with self._store.runtime.transaction(single=True) as conn:
-            result = conn.execute(self._acquire, params)
-            if self._looks_along:
-                looked = result.first()
-                acquired, ticket = looked is not None, None if looked is None else looked[0]
-            else:
-                acquired, ticket = self._store.support.claim_acquired(result)
+            acquired, ticket = self._store.support.claim_acquired(
+                conn.execute(self._acquire, params)
+            )
             if acquired and ticket is None and claim.session_id is not None:
                 ticket = conn.execute(_TICKET, params).scalar()
             row = None if acquired else conn.execute(_STATUS, params).first()
-            if looked is None and acquired and ticket is not None and claim.session_id is not None:
-                # The first look for earlier claims of the session rides on this call.
-                params["ticket"] = ticket
-                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
-        if not acquired:
+            if acquired and ticket is not None and claim.session_id is not None:
+                # The first look for earlier claims of the session rides on this call
+                # (a statement of its own: it must see claims committed after the acquire
+                # began; a RETURNING column of the acquire would read the acquire's snapshot).
+                earlier = {
+                    "session_id": claim.session_id,
+                    "ticket": ticket,
+                    "horizon": claim.order_horizon(now),
+                }
+                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
+        if acquired:
+            claim._set_acquired(ticket)
+        else:
             claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
-            return
-        claim._set_acquired(ticket)
-        if looked is not None and claim.session_id is not None:
-            claim.earlier_seen = bool(looked.others)
-            if not claim.earlier_seen and claim._fence is not None:
-                # Nothing runs before this claim's turn: the version is still current.
-                claim._fence.session_version = looked.session_version
-                claim._fence.version_read_at = time.monotonic()
 
     def finish(self, claim: WebhookClaim) -> bool:
         """Mark the claim done with its reply; False if the token is gone.

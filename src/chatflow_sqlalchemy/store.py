@@ -43,8 +43,6 @@ from chatflow_sqlalchemy.claims import (
     MAX_DEDUP_TTL_HOURS,
     ClaimFence,
     WebhookClaim,
-    active_fence,
-    reply_of,
     validate_dedup_ttl,
     validate_message_id,
 )
@@ -106,7 +104,7 @@ from chatflow_sqlalchemy.sql_lifecycle import (
     transcript_sources,
     user_session_ids,
 )
-from chatflow_sqlalchemy.turns import RECENTLY_VERIFIED, Turns
+from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.writer import SessionWriter
 
 __all__ = [
@@ -456,7 +454,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def _lookup(self, session_id: str) -> tuple[SessionContext | None, StoredSession | None]:
         """The live cached context (checked against the database), else the stored rows."""
         ctx = self._contexts.get(session_id)
-        if ctx is not None and (ctx._in_turn or _vouched_by_claim(ctx) or self._refresh(ctx)):
+        if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
             return ctx, None
         return None, self._load(session_id)
 
@@ -778,7 +776,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             finally:
                 ctx._writing -= 1
             if fence is not None:
-                fence.committed, fence.reply = True, reply_of(ctx)
+                fence.committed = True
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         await self.turns.begin(ctx)
@@ -834,24 +832,3 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {describe(self.url)}>"
 
-
-def _vouched_by_claim(ctx: SessionContext) -> bool:
-    """True if the claim block this runs in read ``ctx``'s version a moment ago.
-
-    A claim acquired with ``session_id`` reads the session's version in its
-    own statement when no earlier claim of the session is in flight; a
-    lookup right after it (the Runner's ``get_or_create``) then needs no
-    version check of its own. The same recency rule as a turn's start
-    (:data:`~chatflow_sqlalchemy.turns.RECENTLY_VERIFIED`); writes still
-    compare and swap, and a turn lock reads the version again.
-    """
-    fence = active_fence(ctx.session_id)
-    if fence is None or fence.version_read_at is None:
-        return False
-    durable = ctx._durable
-    if durable is None or ctx._stale or durable.version != fence.session_version:
-        return False
-    if time.monotonic() - fence.version_read_at >= RECENTLY_VERIFIED:
-        return False
-    ctx._verified_at = max(ctx._verified_at, fence.version_read_at)
-    return True

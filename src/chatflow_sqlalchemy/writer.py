@@ -87,14 +87,34 @@ class SessionWriter:
             ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
 
         """
+        reply = None if fence is None else self._reply(ctx)
+        deleted = None
         if self._writes_at_once and ctx._seqs and not self._archives_now(ctx):
-            deleted = self._write_at_once(ctx, fence)
-            if deleted is not None:
-                return deleted
-        with self._runtime.transaction(write=True) as conn:
-            return self._write_changes(conn, ctx, fence)
+            deleted = self._write_at_once(ctx, fence, reply)
+        if deleted is None:
+            with self._runtime.transaction(write=True) as conn:
+                deleted = self._write_changes(conn, ctx, fence, reply)
+        if fence is not None:
+            fence.reply = reply
+        return deleted
 
-    def _write_at_once(self, ctx: SessionContext, fence: ClaimFence | None) -> int | None:
+    def _reply(self, ctx: SessionContext) -> str | None:
+        """What a claimed turn stores as its claim's reply (see :func:`reply_of`).
+
+        The model answer this turn added, if it is the window's last message.
+        None on a store that encrypts: the claim's reply column holds only
+        what the block itself stores there.
+        """
+        if self._sealer.active:
+            return None
+        pending = ctx._pending_messages()
+        if not pending or pending[-1][0] != ctx._seqs[-1]:
+            return None
+        return reply_of(pending[-1][1])
+
+    def _write_at_once(
+        self, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
+    ) -> int | None:
         """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
 
         Nothing is written when the swap missed: the session moved or is
@@ -110,7 +130,7 @@ class SessionWriter:
             swap=swap,
             gone=sorted(gone),
             rows=new_rows,
-            fence=None if fence is None else fence.params(now, reply_of(ctx)),
+            fence=None if fence is None else fence.params(now, reply),
         )
         with self._runtime.transaction(single=True) as conn:
             outcome = self._support.write_at_once(conn, write)
@@ -120,7 +140,7 @@ class SessionWriter:
         return len(gone)
 
     def _write_changes(
-        self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None
+        self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
     ) -> int:
         """Compare-and-swap the session's version, then write the message diff.
 
@@ -149,7 +169,7 @@ class SessionWriter:
         if new_rows:
             conn.execute(INSERT_MESSAGES, new_rows)
         if fence is not None:
-            claim = fence.params(now, reply_of(ctx))
+            claim = fence.params(now, reply)
             if conn.execute(FENCE_CLAIM, claim).rowcount != 1:
                 raise ClaimLostError(fence.message_id)
         _mark_written(ctx, gone, new_rows, metadata_json)
