@@ -233,7 +233,7 @@ class SessionStore(AsyncStoreAPI):
     def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: _Snapshot) -> None:
         """As the SQL stores: a turn that changed something commits its claim, or is undone."""
         last = ctx._history[-1] if ctx._history else None
-        added = start.history[-1] is not last if start.history else last is not None
+        added = last is not None and not any(message is last for message in start.history)
         fence.reply = reply_of(last if added else None)
         if not self._claim_rows.commit_turn(fence):
             with ctx._mutex:
