@@ -105,12 +105,10 @@ class SessionWriter:
         None on a store that encrypts: the claim's reply column holds only
         what the block itself stores there.
         """
-        if self._sealer.active:
+        durable = ctx._durable
+        if self._sealer.active or durable is None or not ctx._seqs:
             return None
-        pending = ctx._pending_messages()
-        if not pending or pending[-1][0] != ctx._seqs[-1]:
-            return None
-        return reply_of(pending[-1][1])
+        return None if ctx._seqs[-1] in durable.seqs else reply_of(ctx._history[-1])
 
     def _write_at_once(
         self, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
