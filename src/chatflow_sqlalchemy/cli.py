@@ -106,6 +106,7 @@ if TYPE_CHECKING:
     from sqlalchemy import URL, Connection, Engine
 
     from chatflow_sqlalchemy import migrate as migrate_module
+    from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.lifecycle import ListFilters
 
 __all__ = [
@@ -289,6 +290,15 @@ def _db_error_reason(exc: BaseException) -> str:
     text = str(orig) if orig is not None else str(exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def _dialect_support(url: URL) -> DialectSupport:
+    """The backend's dialect hooks for ``url`` (the generic ones when it has none)."""
+    from chatflow_sqlalchemy.dialect import DialectSupport
+    from chatflow_sqlalchemy.registry import backend_name_for_url, load_backend
+
+    support = load_backend(backend_name_for_url(url)).dialect_support
+    return support if support is not None else DialectSupport()
 
 
 def _load_backend(url: URL) -> None:
@@ -1694,7 +1704,11 @@ def dedup_purge(ttl_hours: float | None, yes: bool, url: str | None) -> None:
     A --ttl-hours shorter than the default window removes ids a webhook
     retry may still need: that asks for confirmation unless --yes.
     """
+    from datetime import timedelta
+
     from sqlalchemy import delete
+
+    from chatflow_sqlalchemy.models import utcnow
 
     ttl = _ttl(ttl_hours)
     default_ttl = _ttl(None)
@@ -1711,10 +1725,12 @@ def dedup_purge(ttl_hours: float | None, yes: bool, url: str | None) -> None:
                     "window (a retried webhook could then run twice)?",
                     yes,
                 )
+        now = utcnow()
+        cutoff = now - timedelta(hours=ttl)
+        with engine.begin() as conn:  # whole days first (PostgreSQL's day partitions)
+            removed = _dialect_support(parsed).drop_expired_processed(conn, cutoff, now)
         with engine.begin() as conn:
-            removed = conn.execute(
-                delete(table).where(table.c.processed_at < _cutoff(ttl))
-            ).rowcount
+            removed += conn.execute(delete(table).where(table.c.processed_at < cutoff)).rowcount
     click.echo(f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
 
 

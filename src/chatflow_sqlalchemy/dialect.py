@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol, cast, runtime_checkable
 
 from sqlalchemy import (
@@ -161,6 +162,11 @@ class DialectSupport:
             i.e. ``session.lock`` also excludes other processes for the whole
             turn (not only the final write). Informative: the store asks
             :meth:`turn_locks`.
+        expires_processed_whole: True when :meth:`drop_expired_processed`
+            removes expired dedup rows in bulk (PostgreSQL's day partitions):
+            the store's own periodic purge then leaves every row to it, and
+            only an explicit ``purge_processed_messages()`` deletes the rest
+            (the cutoff's own day) row by row.
 
     """
 
@@ -170,6 +176,7 @@ class DialectSupport:
     engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
     (empty: the driver's ``ImportError`` propagates as it is)."""
     cross_process_turn_lock: bool = False
+    expires_processed_whole: bool = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
@@ -297,6 +304,18 @@ class DialectSupport:
         )
         return delete(table).where(table.c.message_id.in_(expired))
 
+    def drop_expired_processed(
+        self, connection: Connection, cutoff: datetime, now: datetime
+    ) -> int:
+        """Remove expired dedup rows in bulk, before the batched :meth:`purge_processed`.
+
+        For backends that store the dedup table in a shape that expires whole
+        (PostgreSQL drops day partitions); runs in the purge's transaction and
+        returns how many rows went. It may also prepare that shape for what is
+        coming (the days ahead). Default: nothing to do, 0.
+        """
+        return 0
+
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """Make a session-row SELECT lock the row for the rest of the transaction."""
         return select.with_for_update()
@@ -353,13 +372,17 @@ class DialectSupport:
         """Undo :meth:`begin_migration` after the migration transaction ended."""
 
 
-def on_conflict_acquire(insert: Any, table: Table, ticket: Any) -> Insert:
+def on_conflict_acquire(
+    insert: Any, table: Table, ticket: Any, partition_day: Any = None
+) -> Insert:
     """:meth:`DialectSupport.acquire_claim` as ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``.
 
     ``insert`` is the dialect's ``insert`` function (PostgreSQL's or SQLite's),
     ``ticket`` the expression of :meth:`DialectSupport.claim_ticket`. The
     conflict branch runs only for a row that may be taken over, so exactly
     one of any number of racing callers gets a row back from ``RETURNING``.
+    A ``partition_day`` expression (a table partitioned by day) is inserted
+    with the row and joins ``message_id`` as the conflict target.
     """
     from chatflow_sqlalchemy.models import UTCDateTime
 
@@ -376,6 +399,10 @@ def on_conflict_acquire(insert: Any, table: Table, ticket: Any) -> Insert:
         lease_expires_at=bindparam("lease", type_=UTCDateTime()),
         claimed_at=now,
     )
+    keys = [c.message_id]
+    if partition_day is not None:
+        stmt = stmt.values(partition_day=partition_day)
+        keys.append(c.partition_day)
     new = stmt.excluded
     expired = c.processed_at < cutoff
     takeover = or_(
@@ -384,7 +411,7 @@ def on_conflict_acquire(insert: Any, table: Table, ticket: Any) -> Insert:
         expired,
     )
     acquire = stmt.on_conflict_do_update(
-        index_elements=[c.message_id],
+        index_elements=keys,
         set_={
             "state": "acquired",
             "token": new.token,

@@ -71,6 +71,7 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
+from chatflow_sqlalchemy.models import BACKEND_SHAPED
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -157,6 +158,7 @@ __all__ = [
     "head_revision",
     "history",
     "include_name_for",
+    "include_object_for",
     "make_config",
     "open_engine",
     "plugin_chains",
@@ -347,6 +349,23 @@ def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, An
     return include_name
 
 
+def include_object_for(dialect_name: str) -> Callable[[Any, str | None, str, bool, Any], bool]:
+    """An Alembic ``include_object`` hook that skips the columns a backend shapes itself.
+
+    A model column whose ``info[BACKEND_SHAPED]`` names ``dialect_name`` is
+    created differently there by its migration (PostgreSQL's partition key),
+    so autogenerate and :func:`drift` leave it alone on that dialect.
+    """
+
+    def include_object(
+        obj: Any, _name: str | None, type_: str, _reflected: bool, _compare_to: Any
+    ) -> bool:
+        shaped = getattr(obj, "info", {}).get(BACKEND_SHAPED, ()) if type_ == "column" else ()
+        return dialect_name not in shaped
+
+    return include_object
+
+
 def configure_context(
     context: Any,
     connection: Connection,
@@ -361,6 +380,7 @@ def configure_context(
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
         include_name=include_name_for(target_metadata),
+        include_object=include_object_for(connection.dialect.name),
     )
 
 
@@ -938,6 +958,7 @@ def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
                         "version_table": item.version_table,
                         "compare_type": True,
                         "include_name": include_name_for(item.target_metadata),
+                        "include_object": include_object_for(conn.dialect.name),
                     },
                 )
                 prefix = "" if item.is_core or chain is not None else f"plugin {item.name}: "

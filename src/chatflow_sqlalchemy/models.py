@@ -9,12 +9,13 @@ correctness, each explained on its model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Date,
     DateTime,
     Dialect,
     ForeignKey,
@@ -39,6 +40,7 @@ from chatflow_sqlalchemy.values import (
 )
 
 __all__ = [
+    "BACKEND_SHAPED",
     "CLAIM_ACQUIRED",
     "CLAIM_DONE",
     "CLAIM_RELEASED",
@@ -218,6 +220,11 @@ class ChatflowMessageArchive(Base):
     __table_args__ = (Index(None, "session_id", "seq"),)
 
 
+BACKEND_SHAPED = "chatflow_backend_shaped"
+"""``Column.info`` key: the dialects whose migrations shape this column their own way
+(on PostgreSQL ``partition_day`` is a NOT NULL partition key); schema checks skip it there."""
+
+
 CLAIM_TICKETS = Sequence("chatflow_claim_ticket_seq", metadata=metadata)
 """Database-assigned claim order (FIFO per session) where the dialect has sequences."""
 
@@ -235,6 +242,11 @@ class ChatflowProcessedMessage(Base):
     ``session_id`` (assigned by the database on first insert, kept on
     takeover); ``response`` is the stored reply replayed to later deliveries.
     ``processed_at`` stays the TTL anchor: it moves with every state change.
+
+    ``partition_day`` (revision 0006) is the partition key on PostgreSQL, where
+    the table is partitioned by day and its primary key is ``(message_id,
+    partition_day)`` (:mod:`chatflow_sqlalchemy.backends.postgresql_partitions`);
+    elsewhere it stays NULL.
     """
 
     __tablename__ = "chatflow_processed_messages"
@@ -250,5 +262,8 @@ class ChatflowProcessedMessage(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     response: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    partition_day: Mapped[date | None] = mapped_column(
+        Date, nullable=True, info={BACKEND_SHAPED: ("postgresql",)}
+    )
 
     __table_args__ = (Index(None, "processed_at"), Index(None, "session_id", "ticket"))

@@ -135,6 +135,7 @@ class SQLClaims:
         with telemetry.operation("claim", self._store.runtime.system) as op:
             self._acquire_in_one_call(claim, params, now)
             op.set("chatflow.claim.status", claim.status)
+        self._store._purge_now_and_then(now)
 
     def _acquire_in_one_call(
         self, claim: WebhookClaim, params: dict[str, Any], now: datetime

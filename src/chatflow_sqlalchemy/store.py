@@ -695,15 +695,19 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         params = {"message_id": message_id, "processed_at": now, "cutoff": now - self._dedup_ttl}
         with self.runtime.transaction(single=True) as conn:  # one statement decides, atomically
             claimed = self.support.claimed(conn.execute(self._claim, params))
-        if now - self._last_purge >= _PURGE_INTERVAL:
-            self._last_purge = now
-            self._purge_batch(now - self._dedup_ttl)
+        self._purge_now_and_then(now)
         return claimed
 
     def purge_processed_messages(self) -> int:
-        """Delete expired processed ids in batches of 1000; return how many went."""
-        cutoff = utcnow() - self._dedup_ttl
-        total = 0
+        """Delete expired processed ids; return how many went.
+
+        What the backend removes whole goes first (PostgreSQL drops the
+        expired day partitions), then the rest in batches of 1000 (there:
+        the expired part of the cutoff's own day).
+        """
+        now = utcnow()
+        cutoff = now - self._dedup_ttl
+        total = self._drop_expired(cutoff, now)
         while True:
             removed = self._purge_batch(cutoff)
             total += removed
@@ -740,6 +744,24 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if self._claims_backend is None:
             self._claims_backend = SQLClaims(self)
         return self._claims_backend
+
+    def _purge_now_and_then(self, now: datetime) -> None:
+        """The dedup upkeep that claims do on their way: at most every five minutes.
+
+        Backends that expire whole (day partitions) drop what expired and
+        prepare the days ahead; the others delete one bounded batch.
+        """
+        if now - self._last_purge < _PURGE_INTERVAL:
+            return
+        self._last_purge = now
+        self._drop_expired(now - self._dedup_ttl, now)
+        if not self.support.expires_processed_whole:
+            self._purge_batch(now - self._dedup_ttl)
+
+    def _drop_expired(self, cutoff: datetime, now: datetime) -> int:
+        # Not write=: on SQLite the default hook sends nothing and must not take the write lock.
+        with self.runtime.transaction() as conn:
+            return self.support.drop_expired_processed(conn, cutoff, now)
 
     def _purge_batch(self, cutoff: Any) -> int:
         with self.runtime.transaction(write=True) as conn:

@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
@@ -26,6 +27,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
+from chatflow_sqlalchemy.backends import postgresql_partitions as partitions
 from chatflow_sqlalchemy.backends import postgresql_write
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
@@ -526,12 +528,23 @@ def _finish(conn: psycopg.AsyncConnection[Any]) -> None:
         conn.pgconn.finish()
 
 
+def _processed_row() -> dict[str, Any]:
+    """The values of a dedup row inserted by id (its day read under the id's lock)."""
+    now = bindparam("processed_at", type_=UTCDateTime())
+    return {
+        "message_id": bindparam("message_id"),
+        "processed_at": now,
+        "partition_day": partitions.claim_day(now),
+    }
+
+
 class PostgresDialectSupport(DialectSupport):
     """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, advisory locks."""
 
     name = "postgresql"
     install_hint = INSTALL_HINT
     cross_process_turn_lock = True
+    expires_processed_whole = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`).
@@ -583,17 +596,22 @@ class PostgresDialectSupport(DialectSupport):
         return pg_insert(table).on_conflict_do_nothing()
 
     def claim_processed(self, table: Table) -> Insert:
-        """Insert the id, or take over an expired claim; a live claim changes nothing."""
-        stmt = pg_insert(table)
+        """Insert the id, or take over an expired claim; a live claim changes nothing.
+
+        The id's row may sit in any day partition: its day comes from
+        ``chatflow_claim_day`` (:mod:`.postgresql_partitions`).
+        """
+        stmt = pg_insert(table).values(_processed_row())
         return stmt.on_conflict_do_update(
-            index_elements=[table.c.message_id],
+            index_elements=[table.c.message_id, table.c.partition_day],
             set_={"processed_at": stmt.excluded.processed_at, **RECLAIMED_AS_DONE},
             where=table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()),
         ).returning(table.c.message_id)
 
     def acquire_claim(self, table: Table) -> Insert:
         """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING ticket`` in one autocommit statement."""
-        return on_conflict_acquire(pg_insert, table, self.claim_ticket(table))
+        day = partitions.claim_day(bindparam("now", type_=UTCDateTime()))
+        return on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
 
     def claim_ticket(self, table: Table) -> Any:
         """``nextval('chatflow_claim_ticket_seq')``: atomic across every connection."""
@@ -601,11 +619,17 @@ class PostgresDialectSupport(DialectSupport):
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""
-        stmt = pg_insert(table)
+        stmt = pg_insert(table).values(_processed_row())
         return stmt.on_conflict_do_update(
-            index_elements=[table.c.message_id],
+            index_elements=[table.c.message_id, table.c.partition_day],
             set_={"processed_at": stmt.excluded.processed_at},
         )
+
+    def drop_expired_processed(
+        self, connection: Connection, cutoff: datetime, now: datetime
+    ) -> int:
+        """Drop the expired day partitions, keep a week of them ready."""
+        return partitions.drop_expired_days(connection, cutoff, now)
 
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """``FOR NO KEY UPDATE``: excludes other writers of the row, not foreign-key checks.

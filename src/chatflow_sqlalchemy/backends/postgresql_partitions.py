@@ -1,0 +1,233 @@
+"""PostgreSQL: the webhook claims table partitioned by day, and its upkeep.
+
+``chatflow_processed_messages`` is a ``PARTITION BY RANGE (partition_day)``
+table on PostgreSQL (revision 0006): one partition per UTC day, named
+``chatflow_processed_messages_pYYYYMMDD``, and a ``DEFAULT`` partition for rows
+of a day that has none yet. Purging expired ids drops whole day partitions
+instead of deleting row by row, so the table gives its disk back at once and
+writes no WAL for the rows it removes.
+
+**One row per id, across partitions.** PostgreSQL requires the partition key
+in every unique key, so the primary key is ``(message_id, partition_day)``
+and cannot by itself stop a second row of an id in another day's partition.
+Every statement that inserts an id therefore takes its day from
+:data:`CLAIM_DAY_FUNCTION`, ``chatflow_claim_day(id)``: it waits for a
+transaction-scoped advisory lock on the id, then (a volatile SQL function
+takes a fresh snapshot for each query) returns the day of the id's existing
+row, whatever partition holds it. A concurrent insert of the same id waits
+for the lock, sees the committed row, and lands on it with ``ON CONFLICT``;
+only an id never seen before goes to today's partition.
+
+**Upkeep** (:func:`drop_expired_days`, run by the store's purge and
+``chatflow-sqlalchemy dedup purge``): partitions are created a week ahead;
+a day partition entirely before the purge's cutoff is dropped, after the few
+rows in it that are still live (an id taken over or finished days after its
+first claim: ``processed_at`` moved on) are moved to today's partition. Rows
+that fell into the default partition are deleted in batches, as on every
+other database.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from datetime import date, datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Connection,
+    Date,
+    MetaData,
+    String,
+    Table,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    text,
+)
+from sqlalchemy.exc import OperationalError
+
+from chatflow_sqlalchemy.models import UTCDateTime
+
+__all__ = [
+    "CLAIM_DAY_FUNCTION",
+    "CLAIM_LOCK_CLASS",
+    "DAYS_AHEAD",
+    "DEFAULT_PARTITION",
+    "DROP_LOCK_TIMEOUT",
+    "PARENT",
+    "claim_day",
+    "create_claim_day_function",
+    "create_day_partitions",
+    "default_partition",
+    "drop_expired_days",
+    "partition_name",
+    "utc_day",
+]
+
+logger = logging.getLogger(__name__)
+
+PARENT = "chatflow_processed_messages"
+"""The partitioned table (what every statement names)."""
+
+DEFAULT_PARTITION = f"{PARENT}_default"
+"""Rows of a day that has no partition of its own land here."""
+
+DAYS_AHEAD = 7
+"""Day partitions kept ready beyond today, so a week without a purge still drops by day."""
+
+DROP_LOCK_TIMEOUT = "2s"
+"""How long the purge waits for the table lock that dropping a partition needs.
+
+Claims wait behind the purge's lock request, so the purge gives up rather
+than stall them behind a long transaction; the next purge tries again."""
+
+CLAIM_LOCK_CLASS = 0x63666C77
+"""The first key of the two-key advisory locks on message ids ("cflw").
+
+The two-key form is a key space of its own: these locks never meet the
+store's turn locks or its migration lock (one-key ``bigint`` locks)."""
+
+CLAIM_DAY_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_day(claim_id text) RETURNS date
+LANGUAGE sql VOLATILE AS $$
+    SELECT pg_advisory_xact_lock({CLAIM_LOCK_CLASS}, hashtext(claim_id));
+    SELECT partition_day FROM {PARENT}
+     WHERE message_id = claim_id ORDER BY partition_day DESC LIMIT 1;
+$$
+"""
+"""The partition day of an id's row (NULL if it has none), read under the id's lock."""
+
+_DAY_NAME = re.compile(rf"^{PARENT}_p(\d{{8}})$")
+
+
+def partition_name(day: date) -> str:
+    """The table name of ``day``'s partition."""
+    return f"{PARENT}_p{day:%Y%m%d}"
+
+
+def utc_day(moment: datetime) -> date:
+    """The UTC calendar day of an aware ``moment``."""
+    return moment.astimezone(timezone.utc).date()
+
+
+def claim_day(now: Any) -> Any:
+    """The ``partition_day`` of an inserted id: its row's day, else the UTC day of ``now``.
+
+    ``now`` is the statement's timestamp bind parameter.
+    """
+    return func.coalesce(
+        func.chatflow_claim_day(bindparam("message_id")),
+        cast(func.timezone(literal_column("'UTC'"), now), Date),
+    )
+
+
+def default_partition() -> Table:
+    """The default partition as a table of its own (the purge's batched ``DELETE``)."""
+    return Table(
+        DEFAULT_PARTITION,
+        MetaData(),
+        Column("message_id", String(255), primary_key=True),
+        Column("processed_at", UTCDateTime()),
+    )
+
+
+def create_claim_day_function(connection: Connection) -> None:
+    """Create (or replace) ``chatflow_claim_day`` in the current schema."""
+    connection.execute(text(CLAIM_DAY_FUNCTION))
+
+
+def create_day_partitions(connection: Connection, first: date, last: date) -> list[str]:
+    """Create the missing day partitions from ``first`` to ``last``; return their names.
+
+    A day whose rows already sit in the default partition is skipped (its
+    partition could not be attached over them); those rows are purged in
+    batches.
+    """
+    existing = set(_children(connection))
+    created = []
+    day = first
+    while day <= last:
+        name = partition_name(day)
+        if name not in existing and not _default_holds(connection, day):
+            bounds = f"FOR VALUES FROM ('{day}') TO ('{day + timedelta(1)}')"
+            connection.execute(text(f'CREATE TABLE "{name}" PARTITION OF {PARENT} {bounds}'))
+            created.append(name)
+        day += timedelta(1)
+    return created
+
+
+def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -> int:
+    """Drop the day partitions before ``cutoff``'s day; return the expired rows they held.
+
+    Runs in the caller's transaction. Live rows of a dropped day (``processed_at``
+    at or after ``cutoff``) move to today's partition first. Partitions for
+    today and :data:`DAYS_AHEAD` days on are created. The table lock this
+    needs is waited for at most :data:`DROP_LOCK_TIMEOUT`; when it is not
+    granted nothing changes (logged) and 0 is returned.
+    """
+    today = utc_day(now)
+    connection.execute(text(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'"))
+    try:
+        with connection.begin_nested():
+            return _rotate(connection, cutoff, today)
+    except OperationalError as exc:
+        logger.info("claims purge: table busy, day partitions left for later (%s)", exc)
+        return 0
+
+
+def _rotate(connection: Connection, cutoff: datetime, today: date) -> int:
+    expired = sorted(day for day in _days(connection) if day < utc_day(cutoff))
+    removed = 0
+    if expired:
+        # Claims read the day of an id's row, then write it: they must not see it move.
+        connection.execute(text(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE"))
+        for day in expired:
+            removed += _drop_day(connection, day, cutoff, today)
+    create_day_partitions(connection, today, today + timedelta(DAYS_AHEAD))
+    return removed
+
+
+def _drop_day(connection: Connection, day: date, cutoff: datetime, today: date) -> int:
+    moved = connection.execute(
+        text(
+            f"UPDATE {PARENT} SET partition_day = :today "
+            "WHERE partition_day = :day AND processed_at >= :cutoff"
+        ),
+        {"today": today, "day": day, "cutoff": cutoff},
+    ).rowcount
+    name = partition_name(day)
+    count = connection.execute(text(f'SELECT count(*) FROM "{name}"')).scalar_one()
+    connection.execute(text(f'DROP TABLE "{name}"'))
+    logger.debug("claims purge: dropped %s (%d rows; %d live rows moved)", name, count, moved)
+    return int(count)
+
+
+def _children(connection: Connection) -> list[str]:
+    rows = connection.execute(
+        text(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = CAST(:parent AS regclass)"
+        ),
+        {"parent": PARENT},
+    )
+    return [row[0] for row in rows]
+
+
+def _days(connection: Connection) -> list[date]:
+    found = []
+    for name in _children(connection):
+        match = _DAY_NAME.match(name)
+        if match:
+            found.append(datetime.strptime(match.group(1), "%Y%m%d").date())
+    return found
+
+
+def _default_holds(connection: Connection, day: date) -> bool:
+    row = connection.execute(
+        text(f"SELECT 1 FROM {DEFAULT_PARTITION} WHERE partition_day = :day LIMIT 1"),
+        {"day": day},
+    ).first()
+    return row is not None

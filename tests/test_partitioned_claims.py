@@ -1,0 +1,318 @@
+"""PostgreSQL's claims table by day (revision 0006): one row per id, whole days purged."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import date, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from chatflow_sqlalchemy import migrate
+from chatflow_sqlalchemy.backends import postgresql_partitions as partitions
+from chatflow_sqlalchemy.cli import main as cli_main
+from chatflow_sqlalchemy.rows import processed
+
+from . import pg_util
+
+pytestmark = pytest.mark.postgres
+
+TODAY = datetime.now(timezone.utc).date()
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    with pg_util.fresh_schema(pg_util.postgres_url()) as name:
+        yield name
+
+
+@pytest.fixture
+def store(schema: str) -> Iterator[Any]:
+    with pg_util.schema_store(pg_util.postgres_url(), schema) as opened:
+        yield opened
+
+
+def _rows(engine: sa.Engine, message_id: str) -> list[tuple[str, date]]:
+    with engine.connect() as conn:
+        return [
+            (row[0], row[1])
+            for row in conn.execute(
+                sa.text(
+                    "SELECT tableoid::regclass::text, partition_day "
+                    "FROM chatflow_processed_messages WHERE message_id = :m"
+                ),
+                {"m": message_id},
+            )
+        ]
+
+
+def _put(
+    engine: sa.Engine, message_id: str, day: date, processed_at: datetime, state: str = "done"
+) -> None:
+    """A row as an earlier day left it (written straight, as that day's claim would have)."""
+    with engine.begin() as conn:
+        partitions.create_day_partitions(conn, day, day)
+        conn.execute(
+            sa.text(
+                "INSERT INTO chatflow_processed_messages "
+                "(message_id, processed_at, state, partition_day) VALUES (:m, :at, :state, :day)"
+            ),
+            {"m": message_id, "at": processed_at, "state": state, "day": day},
+        )
+
+
+def _days(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return {
+            row[0]
+            for row in conn.execute(
+                sa.text(
+                    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                    "WHERE i.inhparent = 'chatflow_processed_messages'::regclass"
+                )
+            )
+        }
+
+
+def test_the_table_is_partitioned_by_day_a_week_ahead(store: Any) -> None:
+    with store.engine.connect() as conn:
+        strategy = conn.execute(
+            sa.text(
+                "SELECT partstrat FROM pg_partitioned_table "
+                "WHERE partrelid = 'chatflow_processed_messages'::regclass"
+            )
+        ).scalar()
+    assert strategy == "r"
+    expected = {partitions.partition_name(TODAY + timedelta(n)) for n in range(8)}
+    assert expected | {partitions.DEFAULT_PARTITION} <= _days(store.engine)
+    assert store.record_processed_message("m-today") is True
+    with store.claim("c-today", session_id="s") as claim:
+        assert claim.acquired
+        claim.response = "ok"
+    for mid in ("m-today", "c-today"):
+        (where, day), = _rows(store.engine, mid)
+        assert day == TODAY and where.endswith(partitions.partition_name(TODAY))
+    assert migrate.drift(store.engine) == []
+
+
+def test_an_id_in_an_earlier_days_partition_is_still_one_row(store: Any) -> None:
+    engine = store.engine
+    three_days_ago = TODAY - timedelta(3)
+    recently = datetime.now(timezone.utc) - timedelta(hours=1)
+    _put(engine, "done-before", three_days_ago, recently)
+    _put(engine, "released-before", three_days_ago, recently, state="released")
+
+    assert store.is_message_processed("done-before")
+    assert store.record_processed_message("done-before") is False
+    store.mark_message_processed("done-before")
+    with store.claim("done-before") as claim:
+        assert not claim.acquired and claim.status == "done"
+    with store.claim("released-before", session_id="s") as claim:
+        assert claim.acquired
+        claim.response = "second try"
+    with store.claim("released-before") as claim:
+        assert not claim.acquired and claim.response == "second try"
+    for mid in ("done-before", "released-before"):
+        assert [day for _, day in _rows(engine, mid)] == [three_days_ago]
+
+
+def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any) -> None:
+    """The second claim waits on the id's lock and then sees the first one's row.
+
+    Without the lock (or with the lookup in the insert's own snapshot) the
+    later claim would insert a second row into the next day's partition.
+    """
+    statement = store.support.acquire_claim(processed)
+    midnight = datetime.combine(TODAY + timedelta(1), datetime.min.time(), timezone.utc)
+    mid = f"midnight-{uuid.uuid4().hex}"
+
+    def params(now: datetime) -> dict[str, Any]:
+        return {
+            "message_id": mid, "now": now, "cutoff": now - timedelta(days=8),
+            "token": uuid.uuid4().hex, "lease": now + timedelta(seconds=30), "session_id": "s",
+        }
+
+    engine = pg_util.schema_engine(pg_util.postgres_url(), _schema_of(store))
+    results: dict[str, Any] = {}
+    try:
+        with engine.connect() as first:
+            results["first"] = first.execute(
+                statement, params(midnight - timedelta(milliseconds=5))
+            ).first()
+
+            def second() -> None:
+                with engine.connect() as conn, conn.begin():
+                    results["second"] = conn.execute(
+                        statement, params(midnight + timedelta(milliseconds=5))
+                    ).first()
+
+            racer = threading.Thread(target=second)
+            racer.start()
+            _wait_until_blocked(engine, racer, mid)
+            first.commit()
+            racer.join(30)
+    finally:
+        engine.dispose()
+    assert results["first"] is not None, "the first claim takes the id"
+    assert results["second"] is None, "the second one finds it taken"
+    assert [day for _, day in _rows(store.engine, mid)] == [TODAY]
+
+
+def _schema_of(store: Any) -> str:
+    with store.engine.connect() as conn:
+        return str(conn.execute(sa.text("SELECT current_schema()")).scalar())
+
+
+def _wait_until_blocked(engine: sa.Engine, racer: threading.Thread, message_id: str) -> None:
+    deadline = time.monotonic() + 20
+    with engine.connect() as probe:
+        while time.monotonic() < deadline:
+            waiting = probe.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                    "AND classid = :cls "
+                    "AND objid::text::bigint = (hashtext(:m)::bigint & 4294967295)"
+                ),
+                {"cls": partitions.CLAIM_LOCK_CLASS, "m": message_id},
+            ).scalar()
+            probe.rollback()
+            if waiting:
+                return
+            assert racer.is_alive(), "the second claim did not wait for the first"
+            time.sleep(0.02)
+    pytest.fail("the second claim never waited on the id's lock")
+
+
+def test_the_purge_drops_expired_days_and_keeps_their_live_ids(store: Any) -> None:
+    engine = store.engine
+    now = datetime.now(timezone.utc)
+    old_day = TODAY - timedelta(20)
+    _put(engine, "expired", old_day, now - timedelta(days=20))
+    _put(engine, "expired-too", old_day, now - timedelta(days=19))
+    _put(engine, "taken-over-lately", old_day, now - timedelta(hours=2))
+    with engine.begin() as conn:  # a day without a partition: its rows are in the default one
+        conn.execute(
+            sa.text(
+                "INSERT INTO chatflow_processed_messages (message_id, processed_at, partition_day) "
+                "VALUES ('in-default', :at, :day)"
+            ),
+            {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
+        )
+    assert store.record_processed_message("fresh") is True
+
+    assert store.purge_processed_messages() == 3
+    days = _days(engine)
+    assert partitions.partition_name(old_day) not in days
+    assert partitions.partition_name(TODAY + timedelta(partitions.DAYS_AHEAD)) in days
+    assert [day for _, day in _rows(engine, "taken-over-lately")] == [TODAY]
+    assert store.record_processed_message("taken-over-lately") is False
+    assert store.record_processed_message("fresh") is False
+    for gone in ("expired", "expired-too", "in-default"):
+        assert _rows(engine, gone) == []
+    assert store.purge_processed_messages() == 0
+
+
+def test_the_stores_own_upkeep_drops_days_but_deletes_no_rows(schema: str) -> None:
+    """What claims do every five minutes on PostgreSQL: DROP whole days, no row-by-row DELETE."""
+    url = pg_util.postgres_url()
+    with pg_util.schema_store(url, schema, dedup_ttl_hours=0.001) as store:
+        old_day = TODAY - timedelta(2)
+        _put(store.engine, "old", old_day, datetime.now(timezone.utc) - timedelta(days=2))
+        assert store.record_processed_message("expires-soon") is True
+        time.sleep(4)  # past the 3.6 s TTL: expired, but its day is today
+        store._last_purge -= timedelta(minutes=10)  # the five-minute upkeep is due
+        assert store.record_processed_message("another") is True
+        assert partitions.partition_name(old_day) not in _days(store.engine)
+        assert len(_rows(store.engine, "expires-soon")) == 1
+        assert store.is_message_processed("expires-soon") is False
+        assert store.record_processed_message("expires-soon") is True  # taken over in place
+        time.sleep(4)
+        assert store.purge_processed_messages() == 2  # an explicit purge removes every one
+
+
+def test_the_purge_gives_up_its_table_lock_rather_than_stall_claims(store: Any) -> None:
+    engine = store.engine
+    old_day = TODAY - timedelta(20)
+    _put(engine, "expired", old_day, datetime.now(timezone.utc) - timedelta(days=20))
+    with engine.connect() as holder:
+        holder.execute(sa.text("LOCK TABLE chatflow_processed_messages IN ROW EXCLUSIVE MODE"))
+        started = time.monotonic()
+        assert store._drop_expired(datetime.now(timezone.utc) - timedelta(days=8),
+                                   datetime.now(timezone.utc)) == 0
+        assert time.monotonic() - started < 30
+        holder.rollback()
+    assert partitions.partition_name(old_day) in _days(engine)
+    assert store.purge_processed_messages() == 1
+    assert partitions.partition_name(old_day) not in _days(engine)
+
+
+def test_dedup_purge_on_the_command_line_drops_whole_days(
+    store: Any, schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = store.engine
+    old_day = TODAY - timedelta(20)
+    _put(engine, "expired", old_day, datetime.now(timezone.utc) - timedelta(days=20))
+    store.record_processed_message("live")
+    url = sa.make_url(pg_util.postgres_url()).update_query_dict(
+        {"options": f"-csearch_path={schema}"}
+    )
+    code = cli_main(["dedup", "purge", "--url", url.render_as_string(hide_password=False)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "removed 1 expired" in out.out
+    assert partitions.partition_name(old_day) not in _days(engine)
+    assert store.is_message_processed("live")
+
+
+def test_upgrading_keeps_every_id_and_downgrading_unpartitions(schema: str) -> None:
+    url = pg_util.postgres_url()
+    engine = pg_util.schema_engine(url, schema)
+    try:
+        migrate.upgrade(engine, "0005")
+        now = datetime.now(timezone.utc)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO chatflow_processed_messages (message_id, processed_at, state) "
+                    "VALUES ('kept', :now, 'done'), ('held', :now, 'acquired'), "
+                    "('long-ago', :old, 'done')"
+                ),
+                {"now": now, "old": now - timedelta(days=30)},
+            )
+        migrate.upgrade(engine)
+        assert migrate.drift(engine) == []
+        for mid in ("kept", "held", "long-ago"):
+            assert [day for _, day in _rows(engine, mid)] == [TODAY]
+        with pg_util.schema_store(url, schema) as store:
+            assert store.record_processed_message("kept") is False
+            assert store.record_processed_message("long-ago") is True  # expired: taken again
+
+        migrate.downgrade(engine, "0005")
+        with engine.connect() as conn:
+            partitioned = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_partitioned_table "
+                    "WHERE partrelid = 'chatflow_processed_messages'::regclass"
+                )
+            ).scalar()
+            ids = {row[0] for row in conn.execute(
+                sa.text("SELECT message_id FROM chatflow_processed_messages")
+            )}
+            function = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_proc WHERE proname = 'chatflow_claim_day' "
+                    "AND pronamespace = current_schema()::regnamespace"
+                )
+            ).scalar()
+            keys = sa.inspect(conn).get_pk_constraint("chatflow_processed_messages")
+        assert partitioned == 0 and function == 0
+        assert ids == {"kept", "held", "long-ago"}
+        assert keys["constrained_columns"] == ["message_id"]
+        migrate.upgrade(engine)
+        assert [day for _, day in _rows(engine, "held")] == [TODAY]
+    finally:
+        engine.dispose()
