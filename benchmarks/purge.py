@@ -11,10 +11,12 @@ session id) spread over the 8 days before the cutoff, plus 1% live ones, are loa
   on ``processed_at``), purged the store's way: ``DELETE ... WHERE
   message_id IN (SELECT ... WHERE processed_at < cutoff LIMIT batch)`` in
   autocommit batches until nothing is left (``--batch``, the store's 1000);
-* ``drop``: the same rows in a table partitioned by day on ``processed_at``
-  (primary key ``(message_id, processed_at)``: PostgreSQL requires the
-  partition key in every unique key), purged by ``DROP TABLE`` of every
-  partition whose range ended before the cutoff.
+* ``upkeep`` and ``purge``: the store's own table, partitioned by day on
+  PostgreSQL (revision 0006), each id in the partition of the day it was
+  claimed, purged by the store: its five-minute upkeep (``DROP`` of every
+  day partition before the cutoff's day, live rows moved out first), and
+  ``purge_processed_messages()`` (the same, then a batched ``DELETE`` of the
+  expired part of the cutoff's own day).
 
 Reported per strategy: seconds, WAL written (``pg_current_wal_lsn()``
 difference), the table's total size (heap + indexes + TOAST) right after
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from datetime import timedelta
 from typing import Any
 
 __all__ = ["main", "run"]
@@ -92,49 +95,69 @@ def _delete_strategy(conn: Any, rows: int, batch: int) -> dict[str, Any]:
             "before": before, "after": after, "after_vacuum": vacuumed}
 
 
-def _drop_strategy(conn: Any, rows: int) -> dict[str, Any]:
-    conn.execute(
-        f"CREATE TABLE claims_parted ({_COLUMNS}, PRIMARY KEY (message_id, processed_at)) "
-        "PARTITION BY RANGE (processed_at)"
-    )
-    days = conn.execute(
-        "SELECT d::date FROM generate_series(now() - interval '17 days', now() + interval '1 day',"
-        " interval '1 day') AS d"
-    ).fetchall()
-    for (day,) in days:
-        name = f"claims_parted_{day:%Y%m%d}"
-        conn.execute(
-            f"CREATE TABLE {name} PARTITION OF claims_parted FOR VALUES FROM "
-            f"('{day}') TO ('{day}'::date + 1)"
-        )
-    conn.execute("CREATE INDEX ON claims_parted (processed_at)")
-    conn.execute("CREATE INDEX ON claims_parted (session_id, ticket)")
-    conn.execute(_LOAD.format(table="claims_parted", rows=rows, live=rows // 100))
-    conn.execute("VACUUM ANALYZE claims_parted")
-    before, lsn0 = _size_and_wal(conn, "claims_parted")
-    start = time.perf_counter()
-    # Whole days that ended before the cutoff; rows of the cutoff's own day wait a day
-    # longer (the dedup window is "at least the TTL", never less).
-    expired = conn.execute(
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = 'claims_parted'::regclass AND "
-        "substring(pg_get_expr(c.relpartbound, c.oid) from 'TO \\(''([^'']+)')::timestamptz "
-        "<= now() - interval '8 days'"
-    ).fetchall()
-    removed = 0
-    for (name,) in expired:
-        removed += conn.execute(f"SELECT count(*) FROM {name}").fetchone()[0]
-    start = time.perf_counter()  # the counting above is not part of the purge
-    for (name,) in expired:
-        conn.execute(f"DROP TABLE {name}")
-    seconds = time.perf_counter() - start
-    after, lsn1 = _size_and_wal(conn, "claims_parted")
-    left_expired = conn.execute(
-        "SELECT count(*) FROM claims_parted WHERE processed_at < now() - interval '8 days'"
-    ).fetchone()[0]
-    return {"removed": removed, "seconds": seconds, "wal": _wal_bytes(conn, lsn0, lsn1),
-            "before": before, "after": after, "after_vacuum": after,
-            "expired_left": left_expired}
+_LOAD_BY_DAY = """
+INSERT INTO chatflow_processed_messages
+    (message_id, processed_at, state, session_id, claimed_at, partition_day)
+SELECT 'wamid.' || md5(g::text), t, 'done', 'whatsapp:+1555' || (g % 100000), t,
+       CAST(timezone('UTC', t) AS date)
+FROM (SELECT g, now() - interval '16 days' + (g % 687600) * interval '1 second' AS t
+      FROM generate_series(1, {rows}) AS g) AS load;
+INSERT INTO chatflow_processed_messages (message_id, processed_at, state, session_id, partition_day)
+SELECT 'live.' || g, now() - (g % 3600) * interval '1 second', 'done', 's',
+       CAST(timezone('UTC', now()) AS date) - CASE WHEN g % 10 = 0 THEN 12 ELSE 0 END
+FROM generate_series(1, {live}) AS g;
+"""
+"""Expired ids in the partition of the day they were claimed; 1% live ids, a tenth of them
+in a partition 12 days old (taken over lately: the purge must move them on)."""
+
+
+def _drop_strategy(url: str, rows: int, upkeep_only: bool) -> dict[str, Any]:
+    """The store's own table and purge: ``purge_processed_messages()``, or just its upkeep."""
+    import psycopg
+    import sqlalchemy as sa
+
+    from benchmarks.pg import libpq_url
+    from chatflow_sqlalchemy import PostgresSessionStore
+    from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
+    from chatflow_sqlalchemy.models import utcnow
+
+    schema = "upkeep" if upkeep_only else "purge"
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    store = PostgresSessionStore(url, connect_args={"options": f"-csearch_path={schema}"})
+    try:
+        now = utcnow()
+        with store.engine.begin() as conn:
+            pg_claims.create_day_partitions(conn, (now - timedelta(17)).date(), now.date())
+        with psycopg.connect(libpq_url(url), autocommit=True,
+                             options=f"-csearch_path={schema}") as conn:
+            conn.execute(_LOAD_BY_DAY.format(rows=rows, live=rows // 100))
+            conn.execute("VACUUM ANALYZE chatflow_processed_messages")
+            before, lsn0 = _size_and_wal(conn, "chatflow_processed_messages")
+            start = time.perf_counter()
+            if upkeep_only:
+                with store.engine.begin() as sconn:
+                    removed = store.support.drop_expired_processed(
+                        sconn, now - store._dedup_ttl, now
+                    )
+            else:
+                removed = store.purge_processed_messages()
+            seconds = time.perf_counter() - start
+            after, lsn1 = _size_and_wal(conn, "chatflow_processed_messages")
+            wal = _wal_bytes(conn, lsn0, lsn1)
+            conn.execute("VACUUM chatflow_processed_messages")
+            vacuumed, _ = _size_and_wal(conn, "chatflow_processed_messages")
+        with store.engine.connect() as sconn:
+            left = sconn.execute(sa.text(
+                "SELECT count(*) FILTER (WHERE processed_at < now() - interval '8 days'), "
+                "count(*) FILTER (WHERE message_id LIKE 'live.%') FROM chatflow_processed_messages"
+            )).one()
+    finally:
+        store.close()
+    assert left[1] == rows // 100, "a live id was purged"
+    return {"removed": removed, "seconds": seconds, "wal": wal,
+            "before": before, "after": after, "after_vacuum": vacuumed,
+            "expired_left": left[0]}
 
 
 def run(url: str, rows: int, batch: int) -> dict[str, dict[str, Any]]:
@@ -144,7 +167,12 @@ def run(url: str, rows: int, batch: int) -> dict[str, dict[str, Any]]:
     from benchmarks.pg import libpq_url
 
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        return {"delete": _delete_strategy(conn, rows, batch), "drop": _drop_strategy(conn, rows)}
+        delete = _delete_strategy(conn, rows, batch)
+    return {
+        "delete": delete,
+        "upkeep": _drop_strategy(url, rows, upkeep_only=True),
+        "purge": _drop_strategy(url, rows, upkeep_only=False),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,14 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.destroy()
     mib = 1024 * 1024
-    print(f"| purge of {args.rows:,} expired ids | removed | seconds | WAL MiB "
+    labels = {
+        "delete": f"batched DELETE ({args.batch}/batch), unpartitioned",
+        "upkeep": "the store's upkeep (DROP expired days)",
+        "purge": "purge_processed_messages() (DROP days, DELETE the cutoff's day)",
+    }
+    print(f"| purge of {args.rows:,} expired ids | removed | expired left | seconds | WAL MiB "
           "| size before MiB | size after MiB | after VACUUM MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        label = f"batched DELETE ({args.batch}/batch)" if name == "delete" else "DROP partitions"
         sizes = " | ".join(f"{r[key] / mib:.0f}" for key in ("before", "after", "after_vacuum"))
-        print(f"| {label} | {r['removed']:,} | {r['seconds']:.2f} | {r['wal'] / mib:.1f} "
-              f"| {sizes} |")
+        print(f"| {labels[name]} | {r['removed']:,} | {r.get('expired_left', 0):,} "
+              f"| {r['seconds']:.2f} | {r['wal'] / mib:.1f} | {sizes} |")
     return 0
 
 

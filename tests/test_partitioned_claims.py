@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from chatflow_sqlalchemy import migrate
-from chatflow_sqlalchemy.backends import postgresql_partitions as partitions
+from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.cli import main as cli_main
 from chatflow_sqlalchemy.rows import processed
 
@@ -55,7 +55,7 @@ def _put(
 ) -> None:
     """A row as an earlier day left it (written straight, as that day's claim would have)."""
     with engine.begin() as conn:
-        partitions.create_day_partitions(conn, day, day)
+        pg_claims.create_day_partitions(conn, day, day)
         conn.execute(
             sa.text(
                 "INSERT INTO chatflow_processed_messages "
@@ -87,15 +87,15 @@ def test_the_table_is_partitioned_by_day_a_week_ahead(store: Any) -> None:
             )
         ).scalar()
     assert strategy == "r"
-    expected = {partitions.partition_name(TODAY + timedelta(n)) for n in range(8)}
-    assert expected | {partitions.DEFAULT_PARTITION} <= _days(store.engine)
+    expected = {pg_claims.partition_name(TODAY + timedelta(n)) for n in range(8)}
+    assert expected | {pg_claims.DEFAULT_PARTITION} <= _days(store.engine)
     assert store.record_processed_message("m-today") is True
     with store.claim("c-today", session_id="s") as claim:
         assert claim.acquired
         claim.response = "ok"
     for mid in ("m-today", "c-today"):
         (where, day), = _rows(store.engine, mid)
-        assert day == TODAY and where.endswith(partitions.partition_name(TODAY))
+        assert day == TODAY and where.endswith(pg_claims.partition_name(TODAY))
     assert migrate.drift(store.engine) == []
 
 
@@ -130,10 +130,11 @@ def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any)
     midnight = datetime.combine(TODAY + timedelta(1), datetime.min.time(), timezone.utc)
     mid = f"midnight-{uuid.uuid4().hex}"
 
-    def params(now: datetime) -> dict[str, Any]:
+    def params(now: datetime) -> dict[str, Any]:  # no session: only the id's lock is taken
         return {
             "message_id": mid, "now": now, "cutoff": now - timedelta(days=8),
-            "token": uuid.uuid4().hex, "lease": now + timedelta(seconds=30), "session_id": "s",
+            "token": uuid.uuid4().hex, "lease": now + timedelta(seconds=30), "session_id": None,
+            "horizon": now - timedelta(seconds=30),
         }
 
     engine = pg_util.schema_engine(pg_util.postgres_url(), _schema_of(store))
@@ -177,7 +178,7 @@ def _wait_until_blocked(engine: sa.Engine, racer: threading.Thread, message_id: 
                     "AND classid = :cls "
                     "AND objid::text::bigint = (hashtext(:m)::bigint & 4294967295)"
                 ),
-                {"cls": partitions.CLAIM_LOCK_CLASS, "m": message_id},
+                {"cls": pg_claims.CLAIM_LOCK_CLASS, "m": message_id},
             ).scalar()
             probe.rollback()
             if waiting:
@@ -206,8 +207,8 @@ def test_the_purge_drops_expired_days_and_keeps_their_live_ids(store: Any) -> No
 
     assert store.purge_processed_messages() == 3
     days = _days(engine)
-    assert partitions.partition_name(old_day) not in days
-    assert partitions.partition_name(TODAY + timedelta(partitions.DAYS_AHEAD)) in days
+    assert pg_claims.partition_name(old_day) not in days
+    assert pg_claims.partition_name(TODAY + timedelta(pg_claims.DAYS_AHEAD)) in days
     assert [day for _, day in _rows(engine, "taken-over-lately")] == [TODAY]
     assert store.record_processed_message("taken-over-lately") is False
     assert store.record_processed_message("fresh") is False
@@ -226,7 +227,7 @@ def test_the_stores_own_upkeep_drops_days_but_deletes_no_rows(schema: str) -> No
         time.sleep(4)  # past the 3.6 s TTL: expired, but its day is today
         store._last_purge -= timedelta(minutes=10)  # the five-minute upkeep is due
         assert store.record_processed_message("another") is True
-        assert partitions.partition_name(old_day) not in _days(store.engine)
+        assert pg_claims.partition_name(old_day) not in _days(store.engine)
         assert len(_rows(store.engine, "expires-soon")) == 1
         assert store.is_message_processed("expires-soon") is False
         assert store.record_processed_message("expires-soon") is True  # taken over in place
@@ -245,9 +246,9 @@ def test_the_purge_gives_up_its_table_lock_rather_than_stall_claims(store: Any) 
                                    datetime.now(timezone.utc)) == 0
         assert time.monotonic() - started < 30
         holder.rollback()
-    assert partitions.partition_name(old_day) in _days(engine)
+    assert pg_claims.partition_name(old_day) in _days(engine)
     assert store.purge_processed_messages() == 1
-    assert partitions.partition_name(old_day) not in _days(engine)
+    assert pg_claims.partition_name(old_day) not in _days(engine)
 
 
 def test_dedup_purge_on_the_command_line_drops_whole_days(
@@ -264,7 +265,7 @@ def test_dedup_purge_on_the_command_line_drops_whole_days(
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "removed 1 expired" in out.out
-    assert partitions.partition_name(old_day) not in _days(engine)
+    assert pg_claims.partition_name(old_day) not in _days(engine)
     assert store.is_message_processed("live")
 
 
@@ -316,3 +317,38 @@ def test_upgrading_keeps_every_id_and_downgrading_unpartitions(schema: str) -> N
         assert [day for _, day in _rows(engine, "held")] == [TODAY]
     finally:
         engine.dispose()
+
+
+def test_claims_of_one_session_taken_at_once_run_one_after_the_other(schema: str) -> None:
+    """Two workers claim two deliveries of one session at the same instant, forty times.
+
+    The later ticket must see the earlier claim and wait for it. Drawn outside
+    the session's lock, a ticket could be smaller than one already committed
+    without its claim being visible yet, and both turns ran at once.
+    """
+    url = pg_util.postgres_url()
+    with pg_util.schema_store(url, schema) as one, pg_util.schema_store(url, schema) as two:
+        for round_ in range(40):
+            log: list[tuple[str, int]] = []
+            start = threading.Barrier(2)
+
+            def deliver(store: Any, message_id: str, log: list[tuple[str, int]] = log,
+                        start: threading.Barrier = start, user: str = f"user-{round_}") -> None:
+                start.wait()
+                with store.claim(message_id, session_id=user) as claim:
+                    assert claim.acquired
+                    log.append(("enter", claim.ticket))
+                    time.sleep(0.02)
+                    log.append(("exit", claim.ticket))
+
+            workers = [
+                threading.Thread(target=deliver, args=(store, f"wamid-{round_}-{k}"))
+                for k, store in enumerate((one, two))
+            ]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(30)
+            first, second = sorted(ticket for kind, ticket in log if kind == "enter")
+            assert log == [("enter", first), ("exit", first), ("enter", second),
+                           ("exit", second)], f"round {round_}: {log}"

@@ -4,9 +4,12 @@ Every database gains ``partition_day`` (a ``DATE``). On PostgreSQL the table
 becomes ``PARTITION BY RANGE (partition_day)`` with the primary key
 ``(message_id, partition_day)``: one partition per UTC day
 (``chatflow_processed_messages_pYYYYMMDD``, today and a week ahead are
-created here, the purge keeps them coming) and a ``DEFAULT`` partition. The
-function ``chatflow_claim_day(id)`` keeps one row per id across partitions
-(see :mod:`chatflow_sqlalchemy.backends.postgresql_partitions`). Existing
+created here, the purge keeps them coming) and a ``DEFAULT`` partition. Three
+functions serve the claim statement (see
+:mod:`chatflow_sqlalchemy.backends.postgresql_claims`): ``chatflow_claim_day(id)``
+keeps one row per id across partitions, ``chatflow_claim_ticket(session)`` draws
+a claim's ticket under its session's lock and ``chatflow_claim_waits(...)``
+tells the claim whether an earlier one of its session is in flight. Existing
 rows are copied into today's partition, so they are dropped a day after the
 dedup window ends (the live ones among them move on). Elsewhere the column
 stays NULL: nothing reads it.
@@ -24,14 +27,14 @@ from datetime import datetime, timedelta, timezone
 import sqlalchemy as sa
 from alembic import op
 
-from chatflow_sqlalchemy.backends import postgresql_partitions as partitions
+from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 
 revision: str = "0006"
 down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_TABLE = partitions.PARENT
+_TABLE = pg_claims.PARENT
 _OLD = f"{_TABLE}__unpartitioned"
 _COLUMNS = (
     "message_id, processed_at, state, token, session_id, ticket, "
@@ -66,8 +69,8 @@ def upgrade() -> None:
         sa.Column("partition_day", sa.Date(), nullable=False),
         postgresql_partition_by="RANGE (partition_day)",
     )
-    op.execute(f"CREATE TABLE {partitions.DEFAULT_PARTITION} PARTITION OF {_TABLE} DEFAULT")
-    partitions.create_day_partitions(bind, today, today + timedelta(partitions.DAYS_AHEAD))
+    op.execute(f"CREATE TABLE {pg_claims.DEFAULT_PARTITION} PARTITION OF {_TABLE} DEFAULT")
+    pg_claims.create_day_partitions(bind, today, today + timedelta(pg_claims.DAYS_AHEAD))
     op.execute(
         sa.text(
             f"INSERT INTO {_TABLE} ({_COLUMNS}, partition_day) "
@@ -76,7 +79,7 @@ def upgrade() -> None:
     )
     op.drop_table(_OLD)
     _keys_and_indexes(["message_id", "partition_day"])
-    partitions.create_claim_day_function(bind)
+    pg_claims.create_claim_functions(bind)
 
 
 def downgrade() -> None:
@@ -84,7 +87,8 @@ def downgrade() -> None:
         with op.batch_alter_table(_TABLE) as batch:
             batch.drop_column("partition_day")
         return
-    op.execute("DROP FUNCTION IF EXISTS chatflow_claim_day(text)")
+    for signature in pg_claims.CLAIM_FUNCTION_SIGNATURES:
+        op.execute(f"DROP FUNCTION IF EXISTS {signature}")
     op.rename_table(_TABLE, _OLD)
     op.create_table(
         _TABLE,

@@ -42,6 +42,7 @@ from sqlalchemy.sql.dml import Delete, Insert
 __all__ = [
     "IDLE_PING_SECONDS",
     "RECLAIMED_AS_DONE",
+    "AcquiredClaim",
     "ConnectArguments",
     "DialectSupport",
     "SessionWrite",
@@ -63,6 +64,26 @@ RECLAIMED_AS_DONE: dict[str, Any] = {
 """What ``record_processed_message`` sets besides ``processed_at`` when it takes an
 expired id again: a plain done row, nothing left of an earlier ``store.claim``.
 Constants are inline SQL, not anonymous binds: one cached statement whatever they are."""
+
+
+@dataclass(frozen=True)
+class AcquiredClaim:
+    """What :meth:`DialectSupport.read_claim` read off the acquire statement's result.
+
+    Attributes:
+        acquired: The claim was taken (inserted or taken over).
+        ticket: Its place in its session's order; None when the statement
+            cannot return it (the store reads it afterwards).
+        earlier_in_flight: Whether an earlier claim of the session was in
+            flight, for a backend whose acquire statement looks (it must look
+            in a snapshot that sees every claim with a smaller ticket); None:
+            the store looks with a statement of its own.
+
+    """
+
+    acquired: bool
+    ticket: int | None = None
+    earlier_in_flight: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -255,8 +276,9 @@ class DialectSupport:
         any other row (done, or held under a live lease) is left as it is. A
         takeover draws the new ``token`` but keeps the row's ``ticket`` (its
         place in its session's order). Bind parameters: ``message_id``,
-        ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry) and
-        ``session_id``. :meth:`claim_acquired` reads the result. Backends with
+        ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry),
+        ``session_id`` and ``horizon`` (see :class:`AcquiredClaim`).
+        :meth:`read_claim` reads the result. Backends with
         ``ON CONFLICT ... WHERE ... RETURNING`` build it with
         :func:`on_conflict_acquire`.
         """
@@ -270,6 +292,16 @@ class DialectSupport:
         """
         row = result.first()
         return (False, None) if row is None else (True, row[0])
+
+    def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
+        """Interpret :meth:`acquire_claim` whole; the default is :meth:`claim_acquired`'s answer.
+
+        A backend whose acquire statement also tells whether an earlier claim
+        of the session is in flight overrides this to return it, saving the
+        store that look's round trip.
+        """
+        acquired, ticket = self.claim_acquired(result)
+        return AcquiredClaim(acquired, ticket)
 
     def claim_ticket(self, table: Table) -> Any:
         """The SQL expression that numbers a new claim (FIFO order per session).

@@ -245,7 +245,7 @@ class ChatflowProcessedMessage(Base):
 
     ``partition_day`` (revision 0006) is the partition key on PostgreSQL, where
     the table is partitioned by day and its primary key is ``(message_id,
-    partition_day)`` (:mod:`chatflow_sqlalchemy.backends.postgresql_partitions`);
+    partition_day)`` (:mod:`chatflow_sqlalchemy.backends.postgresql_claims`);
     elsewhere it stays NULL.
     """
 

@@ -131,6 +131,7 @@ class SQLClaims:
             "session_id": claim.session_id,
             "claim_id": claim.message_id,
             "claim_token": claim.token,
+            "horizon": claim.order_horizon(now),
         }
         with telemetry.operation("claim", self._store.runtime.system) as op:
             self._acquire_in_one_call(claim, params, now)
@@ -141,23 +142,21 @@ class SQLClaims:
         self, claim: WebhookClaim, params: dict[str, Any], now: datetime
     ) -> None:
         with self._store.runtime.transaction(single=True) as conn:
-            acquired, ticket = self._store.support.claim_acquired(
-                conn.execute(self._acquire, params)
-            )
-            if acquired and ticket is None and claim.session_id is not None:
+            got = self._store.support.read_claim(conn.execute(self._acquire, params))
+            ticket = got.ticket
+            if got.acquired and ticket is None and claim.session_id is not None:
                 ticket = conn.execute(_TICKET, params).scalar()
-            row = None if acquired else conn.execute(_STATUS, params).first()
-            if acquired and ticket is not None and claim.session_id is not None:
-                # The first look for earlier claims of the session rides on this call
-                # (a statement of its own: it must see claims committed after the acquire
-                # began; a RETURNING column of the acquire would read the acquire's snapshot).
-                earlier = {
-                    "session_id": claim.session_id,
-                    "ticket": ticket,
-                    "horizon": claim.order_horizon(now),
-                }
-                claim.earlier_seen = conn.execute(_EARLIER_IN_FLIGHT, earlier).first() is not None
-        if acquired:
+            row = None if got.acquired else conn.execute(_STATUS, params).first()
+            if got.acquired and ticket is not None and claim.session_id is not None:
+                claim.earlier_seen = (
+                    got.earlier_in_flight
+                    if got.earlier_in_flight is not None
+                    # A statement of its own: it must see claims committed after the
+                    # acquire began (a plain RETURNING column reads the acquire's snapshot).
+                    else conn.execute(_EARLIER_IN_FLIGHT, {**params, "ticket": ticket}).first()
+                    is not None
+                )
+        if got.acquired:
             claim._set_acquired(ticket)
         else:
             claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)

@@ -22,16 +22,17 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from sqlalchemy import URL, Connection, Engine, Select, bindparam, make_url, text
+from sqlalchemy import URL, Connection, CursorResult, Engine, Select, bindparam, make_url, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from chatflow_sqlalchemy.backends import postgresql_partitions as partitions
+from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.backends import postgresql_write
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
+    AcquiredClaim,
     ConnectArguments,
     DialectSupport,
     SessionWrite,
@@ -40,7 +41,7 @@ from chatflow_sqlalchemy.dialect import (
     ping_when_idle,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
-from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
+from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 
@@ -534,7 +535,7 @@ def _processed_row() -> dict[str, Any]:
     return {
         "message_id": bindparam("message_id"),
         "processed_at": now,
-        "partition_day": partitions.claim_day(now),
+        "partition_day": pg_claims.claim_day(now),
     }
 
 
@@ -599,7 +600,7 @@ class PostgresDialectSupport(DialectSupport):
         """Insert the id, or take over an expired claim; a live claim changes nothing.
 
         The id's row may sit in any day partition: its day comes from
-        ``chatflow_claim_day`` (:mod:`.postgresql_partitions`).
+        ``chatflow_claim_day`` (:mod:`.postgresql_claims`).
         """
         stmt = pg_insert(table).values(_processed_row())
         return stmt.on_conflict_do_update(
@@ -609,13 +610,26 @@ class PostgresDialectSupport(DialectSupport):
         ).returning(table.c.message_id)
 
     def acquire_claim(self, table: Table) -> Insert:
-        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING ticket`` in one autocommit statement."""
-        day = partitions.claim_day(bindparam("now", type_=UTCDateTime()))
-        return on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
+        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING ticket, earlier`` in autocommit.
+
+        The ticket is drawn under the session's lock, and ``earlier`` says
+        whether a claim with a smaller one is in flight (:mod:`.postgresql_claims`).
+        """
+        day = pg_claims.claim_day(bindparam("now", type_=UTCDateTime()))
+        acquire = on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
+        return acquire.returning(pg_claims.claim_waits(table))
+
+    def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
+        """The ticket and the look for earlier claims, off the one ``RETURNING`` row."""
+        row = result.first()
+        if row is None:
+            return AcquiredClaim(False)
+        ticket, earlier = tuple(row)
+        return AcquiredClaim(True, ticket, bool(earlier))
 
     def claim_ticket(self, table: Table) -> Any:
-        """``nextval('chatflow_claim_ticket_seq')``: atomic across every connection."""
-        return CLAIM_TICKETS.next_value()
+        """``chatflow_claim_ticket(session_id)``: ``nextval`` under the session's lock."""
+        return pg_claims.claim_ticket()
 
     def upsert_processed(self, table: Table) -> Insert:
         """Insert the id or move its timestamp to now."""
@@ -629,7 +643,7 @@ class PostgresDialectSupport(DialectSupport):
         self, connection: Connection, cutoff: datetime, now: datetime
     ) -> int:
         """Drop the expired day partitions, keep a week of them ready."""
-        return partitions.drop_expired_days(connection, cutoff, now)
+        return pg_claims.drop_expired_days(connection, cutoff, now)
 
     def lock_session_row(self, select: Select[Any]) -> Select[Any]:
         """``FOR NO KEY UPDATE``: excludes other writers of the row, not foreign-key checks.

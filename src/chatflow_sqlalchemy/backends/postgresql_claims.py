@@ -1,4 +1,4 @@
-"""PostgreSQL: the webhook claims table partitioned by day, and its upkeep.
+"""PostgreSQL's webhook claims: the table partitioned by day, one row per id, ordered tickets.
 
 ``chatflow_processed_messages`` is a ``PARTITION BY RANGE (partition_day)``
 table on PostgreSQL (revision 0006): one partition per UTC day, named
@@ -11,12 +11,23 @@ writes no WAL for the rows it removes.
 in every unique key, so the primary key is ``(message_id, partition_day)``
 and cannot by itself stop a second row of an id in another day's partition.
 Every statement that inserts an id therefore takes its day from
-:data:`CLAIM_DAY_FUNCTION`, ``chatflow_claim_day(id)``: it waits for a
+``chatflow_claim_day(id)`` (:data:`CLAIM_FUNCTIONS`): it waits for a
 transaction-scoped advisory lock on the id, then (a volatile SQL function
 takes a fresh snapshot for each query) returns the day of the id's existing
 row, whatever partition holds it. A concurrent insert of the same id waits
 for the lock, sees the committed row, and lands on it with ``ON CONFLICT``;
 only an id never seen before goes to today's partition.
+
+**Claims of one session in order, in one statement.** A claim's ticket comes
+from ``chatflow_claim_ticket(session)``, which draws it under a
+transaction-scoped advisory lock on the session: the claims of a session
+draw their tickets one at a time, each after the one before committed. The
+claim's ``RETURNING`` then asks ``chatflow_claim_waits(session, ticket,
+horizon)`` whether an earlier claim of the session is still in flight, in a
+snapshot of its own that sees every claim with a smaller ticket. So the
+acquire and the first look for earlier claims are one round trip, and two
+claims of one session taken at the same moment can no longer both miss each
+other.
 
 **Upkeep** (:func:`drop_expired_days`, run by the store's purge and
 ``chatflow-sqlalchemy dedup purge``): partitions are created a week ahead;
@@ -35,11 +46,8 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import (
-    Column,
     Connection,
     Date,
-    MetaData,
-    String,
     Table,
     bindparam,
     cast,
@@ -52,16 +60,19 @@ from sqlalchemy.exc import OperationalError
 from chatflow_sqlalchemy.models import UTCDateTime
 
 __all__ = [
-    "CLAIM_DAY_FUNCTION",
+    "CLAIM_FUNCTIONS",
+    "CLAIM_FUNCTION_SIGNATURES",
     "CLAIM_LOCK_CLASS",
     "DAYS_AHEAD",
     "DEFAULT_PARTITION",
     "DROP_LOCK_TIMEOUT",
     "PARENT",
+    "SESSION_LOCK_CLASS",
     "claim_day",
-    "create_claim_day_function",
+    "claim_ticket",
+    "claim_waits",
+    "create_claim_functions",
     "create_day_partitions",
-    "default_partition",
     "drop_expired_days",
     "partition_name",
     "utc_day",
@@ -90,15 +101,55 @@ CLAIM_LOCK_CLASS = 0x63666C77
 The two-key form is a key space of its own: these locks never meet the
 store's turn locks or its migration lock (one-key ``bigint`` locks)."""
 
-CLAIM_DAY_FUNCTION = f"""
+SESSION_LOCK_CLASS = 0x63667373
+"""The first key of the two-key advisory locks a claim's ticket is drawn under ("cfss")."""
+
+CLAIM_FUNCTIONS = (
+    f"""
 CREATE OR REPLACE FUNCTION chatflow_claim_day(claim_id text) RETURNS date
 LANGUAGE sql VOLATILE AS $$
     SELECT pg_advisory_xact_lock({CLAIM_LOCK_CLASS}, hashtext(claim_id));
     SELECT partition_day FROM {PARENT}
      WHERE message_id = claim_id ORDER BY partition_day DESC LIMIT 1;
 $$
+""",
+    f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_ticket(claim_session text) RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+    SELECT pg_advisory_xact_lock({SESSION_LOCK_CLASS}, hashtext(claim_session))
+     WHERE claim_session IS NOT NULL;
+    SELECT nextval('chatflow_claim_ticket_seq');
+$$
+""",
+    f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_waits(
+    claim_session text, claim_ticket bigint, claim_horizon timestamptz
+) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT claim_session IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {PARENT}
+         WHERE session_id = claim_session AND ticket < claim_ticket
+           AND state = 'acquired' AND lease_expires_at > claim_horizon);
+$$
+""",
+)
+"""The claim functions (revision 0006), created in the schema the tables are in:
+
+* ``chatflow_claim_day(id)``: the partition day of the id's row (NULL if it has
+  none), read under the id's lock;
+* ``chatflow_claim_ticket(session)``: the next ticket, drawn under the
+  session's lock (none for a claim without a session);
+* ``chatflow_claim_waits(session, ticket, horizon)``: whether a claim of the
+  session with a smaller ticket is held, or lapsed after ``horizon``
+  (:meth:`~chatflow_sqlalchemy.claims.WebhookClaim.order_horizon`).
 """
-"""The partition day of an id's row (NULL if it has none), read under the id's lock."""
+
+CLAIM_FUNCTION_SIGNATURES = (
+    "chatflow_claim_day(text)",
+    "chatflow_claim_ticket(text)",
+    "chatflow_claim_waits(text, bigint, timestamptz)",
+)
+"""What the downgrade drops."""
 
 _DAY_NAME = re.compile(rf"^{PARENT}_p(\d{{8}})$")
 
@@ -124,19 +175,22 @@ def claim_day(now: Any) -> Any:
     )
 
 
-def default_partition() -> Table:
-    """The default partition as a table of its own (the purge's batched ``DELETE``)."""
-    return Table(
-        DEFAULT_PARTITION,
-        MetaData(),
-        Column("message_id", String(255), primary_key=True),
-        Column("processed_at", UTCDateTime()),
-    )
+def claim_ticket() -> Any:
+    """A claim's ticket: drawn under its session's lock (bind parameter ``session_id``)."""
+    return func.chatflow_claim_ticket(bindparam("session_id"))
 
 
-def create_claim_day_function(connection: Connection) -> None:
-    """Create (or replace) ``chatflow_claim_day`` in the current schema."""
-    connection.execute(text(CLAIM_DAY_FUNCTION))
+def claim_waits(table: Table) -> Any:
+    """The ``RETURNING`` column that says whether an earlier claim of the session is in flight."""
+    c = table.c
+    horizon = bindparam("horizon", type_=UTCDateTime())
+    return func.chatflow_claim_waits(c.session_id, c.ticket, horizon).label("earlier")
+
+
+def create_claim_functions(connection: Connection) -> None:
+    """Create (or replace) the :data:`CLAIM_FUNCTIONS` in the current schema."""
+    for ddl in CLAIM_FUNCTIONS:
+        connection.execute(text(ddl))
 
 
 def create_day_partitions(connection: Connection, first: date, last: date) -> list[str]:
