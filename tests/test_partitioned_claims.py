@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import uuid
@@ -352,3 +353,61 @@ def test_claims_of_one_session_taken_at_once_run_one_after_the_other(schema: str
             first, second = sorted(ticket for kind, ticket in log if kind == "enter")
             assert log == [("enter", first), ("exit", first), ("enter", second),
                            ("exit", second)], f"round {round_}: {log}"
+
+
+def _echo_runner(store: Any) -> Any:
+    from chatflow_agent import Agent, BaseEngine, Message, Runner
+    from chatflow_agent.core.engines.base import EngineTurnResult
+
+    class Echo(BaseEngine):
+        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
+            seen = [m.content for m in history if m.role.value == "user"]
+            return EngineTurnResult(text=f"re: {history[-1].content} (saw {len(seen)})")
+
+    return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                  engine=Echo())
+
+
+async def _claimed_turn(store: Any, mid: str, text: str, between: Any = None) -> str | None:
+    runner = _echo_runner(store)
+    async with store.claim(mid, session_id="s") as claim:
+        assert claim.acquired
+        if between is not None:
+            done = between()
+            if inspect.isawaitable(done):
+                await done
+        result = await runner.run_async(session_id="s", user_message=text)
+        claim.response = result.content
+        return claim.response
+
+
+def test_a_session_written_elsewhere_after_the_claim_is_caught_up_with(schema: str) -> None:
+    """The claim's read of the version serves get_or_create; the turn lock reads it again."""
+    import asyncio
+
+    url = pg_util.postgres_url()
+    with pg_util.schema_store(url, schema) as mine, pg_util.schema_store(url, schema) as other:
+        asyncio.run(_claimed_turn(mine, "w1", "one"))  # mine holds the context now
+        reply = asyncio.run(_claimed_turn(
+            mine, "w3", "three", between=lambda: _claimed_turn(other, "w2", "two")
+        ))
+        assert reply == "re: three (saw 3)"
+        texts = [m.content for m in other.get("s").history]
+        assert texts == ["one", "re: one (saw 1)", "two", "re: two (saw 2)", "three", reply]
+
+
+def test_a_session_deleted_after_the_claim_fails_the_turn_and_its_redelivery_runs(
+    schema: str,
+) -> None:
+    import asyncio
+
+    from chatflow_sqlalchemy import SessionDeletedError
+
+    url = pg_util.postgres_url()
+    with pg_util.schema_store(url, schema) as mine, pg_util.schema_store(url, schema) as other:
+        asyncio.run(_claimed_turn(mine, "d1", "one"))
+        with pytest.raises(SessionDeletedError):
+            asyncio.run(_claimed_turn(mine, "d2", "two", between=lambda: other.delete("s")))
+        assert other.get("s") is None, "nothing of the failed turn was written"
+        assert asyncio.run(_claimed_turn(mine, "d2", "two")) == "re: two (saw 1)"
+        assert [m.content for m in other.get("s").history] == ["two", "re: two (saw 1)"]

@@ -85,6 +85,7 @@ __all__ = [
     "WebhookClaim",
     "active_fence",
     "claim_info",
+    "claimed_session_version",
     "list_claims",
     "release_claim",
     "reply_of",
@@ -222,6 +223,23 @@ def active_fence(session_id: str) -> ClaimFence | None:
     return claim._fence
 
 
+def claimed_session_version(session_id: str) -> tuple[bool, int | None]:
+    """The version of ``session_id`` read with the active claim's acquire, once.
+
+    Returns ``(True, version or None if no such session)`` the first time it
+    is asked inside a claim block for the claimed session, on backends whose
+    acquire reads it; ``(False, None)`` otherwise. A store whose turn lock
+    reads the version again (it then catches up or finds the session gone)
+    lets the first ``get_or_create`` of the block use it instead of a round
+    trip of its own.
+    """
+    claim = _ACTIVE.get()
+    if claim is None or claim.session_id != session_id or not claim._version_read:
+        return False, None
+    claim._version_read = False
+    return True, claim._session_version
+
+
 @dataclass(frozen=True)
 class ClaimInfo:
     """One row of ``dedup list``.
@@ -309,6 +327,8 @@ class WebhookClaim:
         """Whether an earlier claim of the session was in flight when this one was taken
         (backends that check it together with the acquire set it; True: look again)."""
         self._fence: ClaimFence | None = None
+        self._version_read = False
+        self._session_version: int | None = None
         self._entered = False
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
         self._task: asyncio.Task[None] | None = None

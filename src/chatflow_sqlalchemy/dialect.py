@@ -78,12 +78,19 @@ class AcquiredClaim:
             flight, for a backend whose acquire statement looks (it must look
             in a snapshot that sees every claim with a smaller ticket); None:
             the store looks with a statement of its own.
+        session_checked: The statement also read the claimed session's
+            version (``session_version``, None: no such session). Only a
+            backend with cross-process turn locks that read the version again
+            may say so: the claim block's first ``get_or_create`` uses it.
+        session_version: See ``session_checked``.
 
     """
 
     acquired: bool
     ticket: int | None = None
     earlier_in_flight: bool | None = None
+    session_checked: bool = False
+    session_version: int | None = None
 
 
 @dataclass(frozen=True)

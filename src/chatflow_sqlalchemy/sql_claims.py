@@ -158,6 +158,8 @@ class SQLClaims:
                 )
         if got.acquired:
             claim._set_acquired(ticket)
+            claim._version_read = got.session_checked and claim.session_id is not None
+            claim._session_version = got.session_version
         else:
             claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
 

@@ -43,6 +43,7 @@ from chatflow_sqlalchemy.claims import (
     MAX_DEDUP_TTL_HOURS,
     ClaimFence,
     WebhookClaim,
+    claimed_session_version,
     validate_dedup_ttl,
     validate_message_id,
 )
@@ -353,7 +354,16 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         return True
 
     def _read_version(self, session_id: str) -> int | None:
-        """The session's committed version (one autocommit statement), None if it is gone."""
+        """The session's committed version (one autocommit statement), None if it is gone.
+
+        The first time inside a claim block for this session, on a store whose
+        turn lock reads the version again, the version the claim's acquire
+        read serves instead (no round trip).
+        """
+        if self.turns.locks is not None:
+            read, version = claimed_session_version(session_id)
+            if read:
+                return version
         with self.runtime.transaction(single=True) as conn:
             row = conn.execute(SELECT_VERSION, {"session_id": session_id}).first()
         return None if row is None else int(row[0])

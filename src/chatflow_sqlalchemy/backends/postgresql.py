@@ -610,22 +610,28 @@ class PostgresDialectSupport(DialectSupport):
         ).returning(table.c.message_id)
 
     def acquire_claim(self, table: Table) -> Insert:
-        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING ticket, earlier`` in autocommit.
+        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` in autocommit.
 
-        The ticket is drawn under the session's lock, and ``earlier`` says
-        whether a claim with a smaller one is in flight (:mod:`.postgresql_claims`).
+        The ticket is drawn under the session's lock; ``RETURNING`` gives it,
+        whether a claim with a smaller one is in flight, and the session's
+        version (:mod:`.postgresql_claims`).
         """
         day = pg_claims.claim_day(bindparam("now", type_=UTCDateTime()))
         acquire = on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
-        return acquire.returning(pg_claims.claim_waits(table))
+        return acquire.returning(pg_claims.claim_waits(table), pg_claims.session_version(table))
 
     def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
-        """The ticket and the look for earlier claims, off the one ``RETURNING`` row."""
+        """The ticket, the look for earlier claims and the session's version, off one row.
+
+        The version serves the claim block's first ``get_or_create``; the turn
+        lock reads it again, so a session written or deleted elsewhere since
+        is caught up with, or raises ``SessionDeletedError``, before the turn.
+        """
         row = result.first()
         if row is None:
             return AcquiredClaim(False)
-        ticket, earlier = tuple(row)
-        return AcquiredClaim(True, ticket, bool(earlier))
+        ticket, earlier, version = tuple(row)
+        return AcquiredClaim(True, ticket, bool(earlier), True, version)
 
     def claim_ticket(self, table: Table) -> Any:
         """``chatflow_claim_ticket(session_id)``: ``nextval`` under the session's lock."""

@@ -46,6 +46,7 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
     Date,
     Table,
@@ -57,6 +58,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import OperationalError
 
+from chatflow_sqlalchemy import rows
 from chatflow_sqlalchemy.models import UTCDateTime
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "create_day_partitions",
     "drop_expired_days",
     "partition_name",
+    "session_version",
     "utc_day",
 ]
 
@@ -185,6 +188,17 @@ def claim_waits(table: Table) -> Any:
     c = table.c
     horizon = bindparam("horizon", type_=UTCDateTime())
     return func.chatflow_claim_waits(c.session_id, c.ticket, horizon).label("earlier")
+
+
+def session_version(table: Table) -> Any:
+    """The ``RETURNING`` column with the claimed session's version (NULL: no such session)."""
+    sessions = rows.sessions.name
+    # Spelled out: SQLAlchemy does not correlate a subquery inside RETURNING.
+    version = (
+        f"(SELECT {sessions}.version FROM {sessions} "
+        f"WHERE {sessions}.session_id = {table.name}.session_id)"
+    )
+    return literal_column(version, BigInteger()).label("session_version")
 
 
 def create_claim_functions(connection: Connection) -> None:
