@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from chatflow_sqlalchemy import migrate
+from chatflow_sqlalchemy import PostgresSessionStore, migrate
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.cli import main as cli_main
 from chatflow_sqlalchemy.rows import processed
@@ -389,7 +389,8 @@ def test_a_session_written_elsewhere_after_the_claim_is_caught_up_with(schema: s
     with pg_util.schema_store(url, schema) as mine, pg_util.schema_store(url, schema) as other:
         asyncio.run(_claimed_turn(mine, "w1", "one"))  # mine holds the context now
         reply = asyncio.run(_claimed_turn(
-            mine, "w3", "three", between=lambda: _claimed_turn(other, "w2", "two")
+            mine, "w3", "three",
+            between=lambda: _echo_runner(other).run_async(session_id="s", user_message="two"),
         ))
         assert reply == "re: three (saw 3)"
         texts = [m.content for m in other.get("s").history]
@@ -411,3 +412,87 @@ def test_a_session_deleted_after_the_claim_fails_the_turn_and_its_redelivery_run
         assert other.get("s") is None, "nothing of the failed turn was written"
         assert asyncio.run(_claimed_turn(mine, "d2", "two")) == "re: two (saw 1)"
         assert [m.content for m in other.get("s").history] == ["two", "re: two (saw 1)"]
+
+
+def _upkeep_due(store: Any) -> None:
+    store._last_purge -= timedelta(minutes=10)  # the five-minute upkeep runs on the next claim
+
+
+def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
+    store: Any,
+) -> None:
+    engine = store.engine
+    now = datetime.now(timezone.utc)
+    old_day = TODAY - timedelta(20)
+    _put(engine, "expired", old_day, now - timedelta(days=20))
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO chatflow_processed_messages (message_id, processed_at, partition_day) "
+                "VALUES ('in-default', :at, :day)"
+            ),
+            {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
+        )
+    with engine.connect() as other:  # another purge is at work
+        other.execute(sa.text("SELECT pg_advisory_xact_lock(:cls, 0)"),
+                      {"cls": pg_claims.CLAIM_LOCK_CLASS})
+        _upkeep_due(store)
+        assert store.record_processed_message("first") is True
+        assert pg_claims.partition_name(old_day) in _days(engine)
+        assert _rows(engine, "in-default") != []
+        other.rollback()
+    _upkeep_due(store)
+    assert store.record_processed_message("second") is True
+    assert pg_claims.partition_name(old_day) not in _days(engine)
+    assert _rows(engine, "in-default") == []
+
+
+def test_the_purge_puts_lock_timeout_back(store: Any) -> None:
+    now = datetime.now(timezone.utc)
+    _put(store.engine, "expired", TODAY - timedelta(20), now - timedelta(days=20))
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("SET LOCAL lock_timeout = '7s'"))
+        assert store.support.drop_expired_processed(conn, now - timedelta(days=8), now) == 1
+        assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "7s"
+
+
+def test_a_role_that_may_not_change_the_table_still_claims(
+    store: Any, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The upkeep needs the table's owner; without, it logs, and claims carry on."""
+    role = f"app_{uuid.uuid4().hex[:12]}"
+    now = datetime.now(timezone.utc)
+    old_day = TODAY - timedelta(20)
+    _put(store.engine, "expired", old_day, now - timedelta(days=20))
+    with store.engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE ROLE "{role}"'))
+        conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"'))
+        conn.execute(sa.text(
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"'
+        ))
+        conn.execute(sa.text(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"'))
+    try:
+        url = pg_util.postgres_url()
+        options = f"-csearch_path={schema} -crole={role}"
+        with PostgresSessionStore(url, connect_args={"options": options}) as app:
+            _upkeep_due(app)
+            with caplog.at_level("WARNING"):
+                assert app.record_processed_message("as-the-app") is True
+            assert "needs the table's owner" in caplog.text
+            with app.claim("claimed-as-the-app", session_id="s") as claim:
+                assert claim.acquired
+            assert app.purge_processed_messages() == 1  # row by row, then
+        assert pg_claims.partition_name(old_day) in _days(store.engine)
+    finally:
+        with store.engine.begin() as conn:
+            conn.execute(sa.text(f'DROP OWNED BY "{role}"'))
+            conn.execute(sa.text(f'DROP ROLE "{role}"'))
+
+
+def test_claims_refuse_an_isolation_level_other_than_read_committed(schema: str) -> None:
+    url = pg_util.postgres_url()
+    with (
+        pg_util.schema_store(url, schema, isolation_level="REPEATABLE READ") as store,
+        pytest.raises(sa.exc.DBAPIError, match="READ COMMITTED"),
+    ):
+        store.mark_message_processed("in-a-snapshot")

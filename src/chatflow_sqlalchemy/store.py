@@ -23,6 +23,7 @@ released.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -56,7 +57,11 @@ from chatflow_sqlalchemy.context import (
 from chatflow_sqlalchemy.contexts import AgentResolver, ContextCache
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import DialectSupport, TurnLocks
-from chatflow_sqlalchemy.exceptions import ClaimLostError, SessionDeletedError
+from chatflow_sqlalchemy.exceptions import (
+    ChatflowStoreError,
+    ClaimLostError,
+    SessionDeletedError,
+)
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     SWEEP_BATCH,
@@ -120,9 +125,12 @@ _T = TypeVar("_T")
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
+logger = logging.getLogger(__name__)
+
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
 _SWEEP_DEADLOCK_RETRIES = 5
+
 
 def database_url_from_env(url: str | URL | None = None) -> str | URL:
     """Return ``url``, else ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``."""
@@ -697,8 +705,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         One ``INSERT ... ON CONFLICT`` statement decides, so concurrent threads
         and processes racing on the same id get exactly one True. An expired
-        claim can be taken again. Expired ids are purged in bounded batches
-        at most every five minutes.
+        claim can be taken again. At most every five minutes, expired ids are
+        purged (in bounded batches; whole days on PostgreSQL).
         """
         validate_message_id(message_id)
         now = utcnow()
@@ -764,9 +772,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if now - self._last_purge < _PURGE_INTERVAL:
             return
         self._last_purge = now
-        self._drop_expired(now - self._dedup_ttl, now)
-        if not self.support.expires_processed_whole:
-            self._purge_batch(now - self._dedup_ttl)
+        try:
+            self._drop_expired(now - self._dedup_ttl, now)
+            if not self.support.expires_processed_whole:
+                self._purge_batch(now - self._dedup_ttl)
+        except (sa_exc.SQLAlchemyError, ChatflowStoreError) as exc:
+            # The id is recorded already: a failed upkeep must not fail the caller's claim.
+            logger.warning("dedup upkeep failed, next try in five minutes: %s", exc)
 
     def _drop_expired(self, cutoff: datetime, now: datetime) -> int:
         # Not write=: on SQLite the default hook sends nothing and must not take the write lock.

@@ -34,8 +34,8 @@ other.
 a day partition entirely before the purge's cutoff is dropped, after the few
 rows in it that are still live (an id taken over or finished days after its
 first claim: ``processed_at`` moved on) are moved to today's partition. Rows
-that fell into the default partition are deleted in batches, as on every
-other database.
+that fell into the default partition (a day without a partition of its own)
+stay there and are deleted in batches once expired.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from sqlalchemy import (
     literal_column,
     text,
 )
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from chatflow_sqlalchemy import rows
 from chatflow_sqlalchemy.models import UTCDateTime
@@ -67,6 +67,7 @@ __all__ = [
     "CLAIM_LOCK_CLASS",
     "DAYS_AHEAD",
     "DEFAULT_PARTITION",
+    "DRAIN_BATCH",
     "DROP_LOCK_TIMEOUT",
     "PARENT",
     "SESSION_LOCK_CLASS",
@@ -89,6 +90,9 @@ PARENT = "chatflow_processed_messages"
 DEFAULT_PARTITION = f"{PARENT}_default"
 """Rows of a day that has no partition of its own land here."""
 
+DRAIN_BATCH = 1000
+"""Expired rows of the default partition deleted by one upkeep."""
+
 DAYS_AHEAD = 7
 """Day partitions kept ready beyond today, so a week without a purge still drops by day."""
 
@@ -110,33 +114,51 @@ SESSION_LOCK_CLASS = 0x63667373
 CLAIM_FUNCTIONS = (
     f"""
 CREATE OR REPLACE FUNCTION chatflow_claim_day(claim_id text) RETURNS date
-LANGUAGE sql VOLATILE AS $$
-    SELECT pg_advisory_xact_lock({CLAIM_LOCK_CLASS}, hashtext(claim_id));
-    SELECT partition_day FROM {PARENT}
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    found_day date;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'chatflow claims need READ COMMITTED, not %',
+            current_setting('transaction_isolation')
+            USING HINT = 'remove isolation_level from the options of the store''s engine';
+    END IF;
+    PERFORM pg_advisory_xact_lock({CLAIM_LOCK_CLASS}, hashtext(claim_id));
+    SELECT partition_day INTO found_day FROM {PARENT}
      WHERE message_id = claim_id ORDER BY partition_day DESC LIMIT 1;
+    RETURN found_day;
+END
 $$
 """,
     f"""
 CREATE OR REPLACE FUNCTION chatflow_claim_ticket(claim_session text) RETURNS bigint
-LANGUAGE sql VOLATILE AS $$
-    SELECT pg_advisory_xact_lock({SESSION_LOCK_CLASS}, hashtext(claim_session))
-     WHERE claim_session IS NOT NULL;
-    SELECT nextval('chatflow_claim_ticket_seq');
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF claim_session IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock({SESSION_LOCK_CLASS}, hashtext(claim_session));
+    END IF;
+    RETURN nextval('chatflow_claim_ticket_seq');
+END
 $$
 """,
     f"""
 CREATE OR REPLACE FUNCTION chatflow_claim_waits(
     claim_session text, claim_ticket bigint, claim_horizon timestamptz
 ) RETURNS boolean
-LANGUAGE sql VOLATILE AS $$
-    SELECT claim_session IS NOT NULL AND EXISTS (
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN claim_session IS NOT NULL AND EXISTS (
         SELECT 1 FROM {PARENT}
          WHERE session_id = claim_session AND ticket < claim_ticket
            AND state = 'acquired' AND lease_expires_at > claim_horizon);
+END
 $$
 """,
 )
-"""The claim functions (revision 0006), created in the schema the tables are in:
+"""The claim functions (revision 0006), created in the schema the tables are in.
+
+PL/pgSQL keeps their plans from call to call; being volatile, each of their
+queries reads a snapshot of its own, taken after the lock before it. Each:
 
 * ``chatflow_claim_day(id)``: the partition day of the id's row (NULL if it has
   none), read under the id's lock;
@@ -211,8 +233,8 @@ def create_day_partitions(connection: Connection, first: date, last: date) -> li
     """Create the missing day partitions from ``first`` to ``last``; return their names.
 
     A day whose rows already sit in the default partition is skipped (its
-    partition could not be attached over them); those rows are purged in
-    batches.
+    partition could not be attached over them); they stay there, and the
+    upkeep deletes them in batches once expired.
     """
     existing = set(_children(connection))
     created = []
@@ -221,44 +243,77 @@ def create_day_partitions(connection: Connection, first: date, last: date) -> li
         name = partition_name(day)
         if name not in existing and not _default_holds(connection, day):
             bounds = f"FOR VALUES FROM ('{day}') TO ('{day + timedelta(1)}')"
-            connection.execute(text(f'CREATE TABLE "{name}" PARTITION OF {PARENT} {bounds}'))
+            connection.execute(
+                text(f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF {PARENT} {bounds}')
+            )
             created.append(name)
         day += timedelta(1)
     return created
 
 
 def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -> int:
-    """Drop the day partitions before ``cutoff``'s day; return the expired rows they held.
+    """Drop the day partitions before ``cutoff``'s day; return the expired rows removed.
 
-    Runs in the caller's transaction. Live rows of a dropped day (``processed_at``
-    at or after ``cutoff``) move to today's partition first. Partitions for
-    today and :data:`DAYS_AHEAD` days on are created. The table lock this
-    needs is waited for at most :data:`DROP_LOCK_TIMEOUT`; when it is not
-    granted nothing changes (logged) and 0 is returned.
+    Runs in a transaction of the caller's (one of its own: it sets
+    ``lock_timeout`` for its own statements and puts it back). One purge at a
+    time: a purge that finds another one running returns 0 at once. It deletes
+    one batch of expired rows from the default partition; then, under the
+    table's lock, it creates the partitions of today and :data:`DAYS_AHEAD`
+    days on, moves the live rows of the expired days to today's and drops
+    those days. The lock is waited for at most :data:`DROP_LOCK_TIMEOUT`.
+    When it is not granted, or the role may not change the table (it must
+    own it), nothing of that changes, it is logged, and the rest of the
+    purge is row by row, as on other databases.
     """
+    taken = connection.execute(
+        text("SELECT pg_try_advisory_xact_lock(:cls, 0)"), {"cls": CLAIM_LOCK_CLASS}
+    ).scalar()
+    if not taken:
+        return 0
     today = utc_day(now)
+    removed = _drain_default(connection, cutoff)
+    expired = sorted(day for day in _days(connection) if day < utc_day(cutoff))
+    ahead = {partition_name(today + timedelta(n)) for n in range(DAYS_AHEAD + 1)}
+    if not expired and ahead <= set(_children(connection)):
+        return removed
+    # Counted before the lock: nothing inserts into a past day (new ids go to today).
+    sizes = {day: _size(connection, day) for day in expired}
+    previous = connection.execute(text("SELECT current_setting('lock_timeout')")).scalar()
     connection.execute(text(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'"))
     try:
         with connection.begin_nested():
-            return _rotate(connection, cutoff, today)
-    except OperationalError as exc:
-        logger.info("claims purge: table busy, day partitions left for later (%s)", exc)
-        return 0
+            removed += _rotate(connection, cutoff, today, sizes)
+    except DBAPIError as exc:
+        level = logging.INFO if isinstance(exc, OperationalError) else logging.WARNING
+        logger.log(
+            level,
+            "claims purge: day partitions left as they are (%s); creating and dropping them "
+            "needs the table's owner and its lock within %s",
+            exc.orig, DROP_LOCK_TIMEOUT,
+        )
+    finally:
+        connection.execute(
+            text("SELECT set_config('lock_timeout', :value, true)"), {"value": previous}
+        )
+    return removed
 
 
-def _rotate(connection: Connection, cutoff: datetime, today: date) -> int:
-    expired = sorted(day for day in _days(connection) if day < utc_day(cutoff))
-    removed = 0
-    if expired:
-        # Claims read the day of an id's row, then write it: they must not see it move.
-        connection.execute(text(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE"))
-        for day in expired:
-            removed += _drop_day(connection, day, cutoff, today)
+def _rotate(
+    connection: Connection, cutoff: datetime, today: date, sizes: dict[date, int]
+) -> int:
+    # Claims read the day of an id's row, then write it: they must not see it move.
+    connection.execute(text(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE"))
     create_day_partitions(connection, today, today + timedelta(DAYS_AHEAD))
+    present = set(_days(connection))
+    removed = 0
+    for day, size in sizes.items():
+        if day in present:
+            removed += size - _drop_day(connection, day, cutoff, today)
     return removed
 
 
 def _drop_day(connection: Connection, day: date, cutoff: datetime, today: date) -> int:
+    """Move the day's live rows to today, drop the day; return how many moved."""
     moved = connection.execute(
         text(
             f"UPDATE {PARENT} SET partition_day = :today "
@@ -267,10 +322,28 @@ def _drop_day(connection: Connection, day: date, cutoff: datetime, today: date) 
         {"today": today, "day": day, "cutoff": cutoff},
     ).rowcount
     name = partition_name(day)
-    count = connection.execute(text(f'SELECT count(*) FROM "{name}"')).scalar_one()
-    connection.execute(text(f'DROP TABLE "{name}"'))
-    logger.debug("claims purge: dropped %s (%d rows; %d live rows moved)", name, count, moved)
-    return int(count)
+    connection.execute(text(f'DROP TABLE IF EXISTS "{name}"'))
+    logger.debug("claims purge: dropped %s (%d live rows moved to today)", name, moved)
+    return int(moved)
+
+
+def _drain_default(connection: Connection, cutoff: datetime) -> int:
+    """Delete one batch of expired rows from the default partition."""
+    return int(
+        connection.execute(
+            text(
+                f"DELETE FROM {DEFAULT_PARTITION} WHERE message_id IN (SELECT message_id "
+                f"FROM {DEFAULT_PARTITION} WHERE processed_at < :cutoff LIMIT {DRAIN_BATCH})"
+            ),
+            {"cutoff": cutoff},
+        ).rowcount
+    )
+
+
+def _size(connection: Connection, day: date) -> int:
+    return int(
+        connection.execute(text(f'SELECT count(*) FROM "{partition_name(day)}"')).scalar_one()
+    )
 
 
 def _children(connection: Connection) -> list[str]:
