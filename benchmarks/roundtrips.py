@@ -23,8 +23,10 @@ the model call, the reply stored with the claim).
 
 **Latency.** The same cluster behind the proxy in delay mode (0.5 ms each way,
 so ~1 ms per round trip): the webhook-turn workload of ``python -m
-benchmarks`` (claim, 4 messages) on ``ours-pg``, the ``raw-pg`` floor and
-openai-agents' ``oai-sqla-pg``, interleaved in one run; turns/s and ratios.
+benchmarks`` (claim, 4 messages) on ``ours-pg`` (``record_processed_message``),
+``ours-pg-claim`` (the same turn in ``async with store.claim(...)``, its reply
+stored), the ``raw-pg`` floor and openai-agents' ``oai-sqla-pg``, interleaved in
+one run; turns/s and ratios.
 """
 
 from __future__ import annotations
@@ -114,6 +116,28 @@ def count_turns(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, dict[
     return results
 
 
+def _claiming_adapter() -> type[Any]:
+    """``ours-pg`` with each turn in ``async with store.claim(...)``, its reply stored."""
+    from benchmarks.stores.chatflow import OursPostgres
+
+    class OursPostgresClaim(OursPostgres):
+        name = "ours-pg-claim"
+
+        async def turn(self, ref: Any, payload: list[Any]) -> bool:
+            store = self.store
+            async with store.claim(ref.webhook_id, session_id=ref.session_id) as claim:
+                if not claim.acquired:
+                    return False
+                session = store.get_or_create(session_id=ref.session_id, default_agent=self.agent)
+                async with session.lock:
+                    for message in payload:
+                        session.add_message(message)
+                claim.response = payload[-1].content
+            return True
+
+    return OursPostgresClaim
+
+
 def latency_run(proxy: Any, direct_url: str, turns: int = 300, rounds: int = 3) -> dict[str, float]:
     """Median turns/s of ours-pg, raw-pg and oai-sqla-pg behind a ~1 ms-RTT proxy."""
     from benchmarks.pg import create_schema
@@ -126,8 +150,8 @@ def latency_run(proxy: Any, direct_url: str, turns: int = 300, rounds: int = 3) 
     proxy.set_mode(Mode.DELAY, delay_ms=DELAY_MS)
     try:
         for round_ in range(rounds):
-            for name in ("raw-pg", "ours-pg", "oai-sqla-pg"):
-                cls = adapter_class(name)
+            for name in ("raw-pg", "ours-pg", "ours-pg-claim", "oai-sqla-pg"):
+                cls = _claiming_adapter() if name == "ours-pg-claim" else adapter_class(name)
                 target = Target(pg_url=url, schema=create_schema(direct_url, name))
                 cls.prepare(target)
                 adapter = cls(target)

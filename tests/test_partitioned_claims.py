@@ -434,8 +434,8 @@ def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
             {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
         )
     with engine.connect() as other:  # another purge is at work
-        other.execute(sa.text("SELECT pg_advisory_xact_lock(:cls, 0)"),
-                      {"cls": pg_claims.CLAIM_LOCK_CLASS})
+        other.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"),
+                      {"key": pg_claims.PURGE_LOCK_KEY})
         _upkeep_due(store)
         assert store.record_processed_message("first") is True
         assert pg_claims.partition_name(old_day) in _days(engine)
@@ -478,10 +478,13 @@ def test_a_role_that_may_not_change_the_table_still_claims(
             _upkeep_due(app)
             with caplog.at_level("WARNING"):
                 assert app.record_processed_message("as-the-app") is True
-            assert "needs the table's owner" in caplog.text
+            assert "does not own" in caplog.text
             with app.claim("claimed-as-the-app", session_id="s") as claim:
                 assert claim.acquired
-            assert app.purge_processed_messages() == 1  # row by row, then
+            assert _rows(store.engine, "expired") == []  # deleted row by row instead
+        _put(store.engine, "expired-too", old_day, now - timedelta(days=19))
+        with PostgresSessionStore(url, connect_args={"options": options}) as app:
+            assert app.purge_processed_messages() == 1
         assert pg_claims.partition_name(old_day) in _days(store.engine)
     finally:
         with store.engine.begin() as conn:
@@ -496,3 +499,65 @@ def test_claims_refuse_an_isolation_level_other_than_read_committed(schema: str)
         pytest.raises(sa.exc.DBAPIError, match="READ COMMITTED"),
     ):
         store.mark_message_processed("in-a-snapshot")
+
+
+def test_the_claims_version_serves_only_its_blocks_first_get_or_create(schema: str) -> None:
+    """A new session (nothing cached), a turn, then ``get``: the same live context."""
+    import asyncio
+
+    url = pg_util.postgres_url()
+    with pg_util.schema_store(url, schema) as store:
+        runner = _echo_runner(store)
+
+        async def block() -> None:
+            async with store.claim("first-ever", session_id="new") as claim:
+                assert claim.acquired
+                await runner.run_async(session_id="new", user_message="hello")
+                ctx = store.get("new")
+                assert ctx is store.get_or_create("new", runner.starting_agent)
+                assert [m.content for m in ctx.history] == ["hello", "re: hello (saw 1)"]
+
+        asyncio.run(block())
+
+
+def test_a_claim_of_one_store_does_not_speak_for_another(schema: str) -> None:
+    import asyncio
+
+    url = pg_util.postgres_url()
+    with pg_util.fresh_schema(url) as other_schema, \
+            pg_util.schema_store(url, schema) as mine, \
+            pg_util.schema_store(url, other_schema) as other:
+        asyncio.run(_echo_runner(other).run_async(session_id="shared", user_message="hi"))
+        cached = other.get("shared")
+
+        async def block() -> None:  # "shared" does not exist in mine's schema
+            async with mine.claim("m-x", session_id="shared") as claim:
+                assert claim.acquired
+                assert other.get("shared") is cached
+                assert cached.history[0].content == "hi"
+
+        asyncio.run(block())
+
+
+def test_the_upkeep_with_nothing_to_drop_takes_no_table_lock(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A day whose rows sit in the default partition gets no partition: no lock for it."""
+    later = TODAY + timedelta(pg_claims.DAYS_AHEAD)
+    with store.engine.begin() as conn:
+        conn.execute(sa.text(f'DROP TABLE "{pg_claims.partition_name(later)}"'))
+        conn.execute(
+            sa.text(
+                "INSERT INTO chatflow_processed_messages (message_id, processed_at, partition_day) "
+                "VALUES ('ahead', now(), :day)"
+            ),
+            {"day": later},
+        )
+    with store.engine.connect() as holder:
+        holder.execute(sa.text("LOCK TABLE chatflow_processed_messages IN ROW EXCLUSIVE MODE"))
+        with caplog.at_level("INFO"):
+            for _ in range(2):
+                _upkeep_due(store)
+                assert store.record_processed_message(uuid.uuid4().hex) is True
+        holder.rollback()
+    assert "left as they are" not in caplog.text

@@ -223,18 +223,23 @@ def active_fence(session_id: str) -> ClaimFence | None:
     return claim._fence
 
 
-def claimed_session_version(session_id: str) -> tuple[bool, int | None]:
+def claimed_session_version(session_id: str, backend: ClaimBackend) -> tuple[bool, int | None]:
     """The version of ``session_id`` read with the active claim's acquire, once.
 
     Returns ``(True, version or None if no such session)`` the first time it
-    is asked inside a claim block for the claimed session, on backends whose
-    acquire reads it; ``(False, None)`` otherwise. A store whose turn lock
-    reads the version again (it then catches up or finds the session gone)
-    lets the first ``get_or_create`` of the block use it instead of a round
-    trip of its own.
+    is asked inside a claim block of ``backend`` for the claimed session, on
+    backends whose acquire reads it; ``(False, None)`` otherwise. A store
+    whose turn lock reads the version again (it then catches up or finds the
+    session gone) lets the block's first ``get_or_create`` use it instead of
+    a round trip of its own.
     """
     claim = _ACTIVE.get()
-    if claim is None or claim.session_id != session_id or not claim._version_read:
+    if (
+        claim is None
+        or claim._backend is not backend
+        or claim.session_id != session_id
+        or not claim._version_read
+    ):
         return False, None
     claim._version_read = False
     return True, claim._session_version

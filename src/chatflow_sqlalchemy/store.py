@@ -336,9 +336,17 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         ctx._owner = self
         return ctx
 
-    def _refresh(self, ctx: SessionContext) -> bool:
-        """Catch ``ctx`` up with the database; False if its session is gone."""
-        version = self._read_version(ctx.session_id)
+    def _refresh(
+        self, ctx: SessionContext, claimed: tuple[bool, int | None] = (False, None)
+    ) -> bool:
+        """Catch ``ctx`` up with the database; False if its session is gone.
+
+        ``claimed`` is the version a claim of this store read for the session
+        (see :meth:`_claimed_version`), used instead of reading it again.
+        """
+        read, version = claimed
+        if not read:
+            version = self._read_version(ctx.session_id)
         if version is None:
             self._forget(ctx.session_id)
             return False
@@ -362,16 +370,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         return True
 
     def _read_version(self, session_id: str) -> int | None:
-        """The session's committed version (one autocommit statement), None if it is gone.
-
-        The first time inside a claim block for this session, on a store whose
-        turn lock reads the version again, the version the claim's acquire
-        read serves instead (no round trip).
-        """
-        if self.turns.locks is not None:
-            read, version = claimed_session_version(session_id)
-            if read:
-                return version
+        """The session's committed version (one autocommit statement), None if it is gone."""
         with self.runtime.transaction(single=True) as conn:
             row = conn.execute(SELECT_VERSION, {"session_id": session_id}).first()
         return None if row is None else int(row[0])
@@ -439,7 +438,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         metadata = dict(metadata or {})
         if metadata:
             dump_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
-        ctx, stored = self._lookup(session_id)
+        ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx
         if stored is None:
@@ -469,12 +468,26 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             return ctx
         return self._contexts.publish(self._build_context(stored, session_id, None))
 
-    def _lookup(self, session_id: str) -> tuple[SessionContext | None, StoredSession | None]:
+    def _lookup(
+        self, session_id: str, claimed: tuple[bool, int | None] = (False, None)
+    ) -> tuple[SessionContext | None, StoredSession | None]:
         """The live cached context (checked against the database), else the stored rows."""
         ctx = self._contexts.get(session_id)
-        if ctx is not None and (ctx._in_turn or self._refresh(ctx)):
+        if ctx is not None and (ctx._in_turn or self._refresh(ctx, claimed)):
             return ctx, None
         return None, self._load(session_id)
+
+    def _claimed_version(self, session_id: str) -> tuple[bool, int | None]:
+        """The version this store's active claim read for ``session_id``, taken once.
+
+        Only on a store whose turn lock reads the version again before the
+        turn (it catches up with a session written elsewhere since, and finds
+        one deleted since): there the claim block's ``get_or_create`` needs no
+        round trip of its own. ``(False, None)`` otherwise.
+        """
+        if self.turns.locks is None or self._claims_backend is None:
+            return False, None
+        return claimed_session_version(session_id, self._claims_backend)
 
     def _load(self, session_id: str) -> StoredSession | None:
         """The session's row and messages, read in one snapshot (None: no such session)."""
@@ -798,6 +811,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         done in the same transaction, or nothing is written and
         :class:`ClaimLostError` is raised (the context is reloaded).
         """
+        self._claimed_version(ctx.session_id)  # stale once written: no later call may use it
         with ctx._mutex:
             ctx._check_alive()
             ctx._ensure_indexed()

@@ -70,6 +70,7 @@ __all__ = [
     "DRAIN_BATCH",
     "DROP_LOCK_TIMEOUT",
     "PARENT",
+    "PURGE_LOCK_KEY",
     "SESSION_LOCK_CLASS",
     "claim_day",
     "claim_ticket",
@@ -89,6 +90,9 @@ PARENT = "chatflow_processed_messages"
 
 DEFAULT_PARTITION = f"{PARENT}_default"
 """Rows of a day that has no partition of its own land here."""
+
+PURGE_LOCK_KEY = 0x6366707572676531
+"""One-key advisory lock ("cfpurge1") held by the purge at work: one purge at a time."""
 
 DRAIN_BATCH = 1000
 """Expired rows of the default partition deleted by one upkeep."""
@@ -261,20 +265,22 @@ def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -
     table's lock, it creates the partitions of today and :data:`DAYS_AHEAD`
     days on, moves the live rows of the expired days to today's and drops
     those days. The lock is waited for at most :data:`DROP_LOCK_TIMEOUT`.
-    When it is not granted, or the role may not change the table (it must
-    own it), nothing of that changes, it is logged, and the rest of the
-    purge is row by row, as on other databases.
+    When it is not granted nothing of that changes (logged). A role that
+    does not own the table (it may not create or drop partitions) deletes
+    one batch of expired rows instead, as on other databases (warned once).
     """
     taken = connection.execute(
-        text("SELECT pg_try_advisory_xact_lock(:cls, 0)"), {"cls": CLAIM_LOCK_CLASS}
+        text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": PURGE_LOCK_KEY}
     ).scalar()
     if not taken:
         return 0
     today = utc_day(now)
-    removed = _drain_default(connection, cutoff)
+    if not _owns_table(connection):
+        _warn_not_owner()
+        return _purge_batch(connection, PARENT, cutoff)  # row by row, as on other databases
+    removed = _purge_batch(connection, DEFAULT_PARTITION, cutoff)
     expired = sorted(day for day in _days(connection) if day < utc_day(cutoff))
-    ahead = {partition_name(today + timedelta(n)) for n in range(DAYS_AHEAD + 1)}
-    if not expired and ahead <= set(_children(connection)):
+    if not expired and not _missing_days(connection, today):
         return removed
     # Counted before the lock: nothing inserts into a past day (new ids go to today).
     sizes = {day: _size(connection, day) for day in expired}
@@ -327,17 +333,54 @@ def _drop_day(connection: Connection, day: date, cutoff: datetime, today: date) 
     return int(moved)
 
 
-def _drain_default(connection: Connection, cutoff: datetime) -> int:
-    """Delete one batch of expired rows from the default partition."""
+def _purge_batch(connection: Connection, table: str, cutoff: datetime) -> int:
+    """Delete one batch of expired rows from ``table`` (the default partition, or all)."""
     return int(
         connection.execute(
             text(
-                f"DELETE FROM {DEFAULT_PARTITION} WHERE message_id IN (SELECT message_id "
-                f"FROM {DEFAULT_PARTITION} WHERE processed_at < :cutoff LIMIT {DRAIN_BATCH})"
+                f"DELETE FROM {table} WHERE message_id IN (SELECT message_id "
+                f"FROM {table} WHERE processed_at < :cutoff LIMIT {DRAIN_BATCH})"
             ),
             {"cutoff": cutoff},
         ).rowcount
     )
+
+
+def _missing_days(connection: Connection, today: date) -> list[date]:
+    """Days ahead without a partition that one can be made for (none of their rows in default)."""
+    existing = set(_children(connection))
+    return [
+        day
+        for day in (today + timedelta(n) for n in range(DAYS_AHEAD + 1))
+        if partition_name(day) not in existing and not _default_holds(connection, day)
+    ]
+
+
+def _owns_table(connection: Connection) -> bool:
+    """Whether this role may create and drop the table's partitions (it owns the table)."""
+    return bool(
+        connection.execute(
+            text(
+                "SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class "
+                "WHERE oid = CAST(:parent AS regclass)"
+            ),
+            {"parent": PARENT},
+        ).scalar()
+    )
+
+
+_WARNED_NOT_OWNER: list[bool] = []
+
+
+def _warn_not_owner() -> None:
+    if not _WARNED_NOT_OWNER:
+        _WARNED_NOT_OWNER.append(True)
+        logger.warning(
+            "claims purge: this role does not own %s, so day partitions are neither created "
+            "nor dropped (expired ids are deleted row by row); run the purge as the owner, "
+            "e.g. `chatflow-sqlalchemy dedup purge` from the role that migrated",
+            PARENT,
+        )
 
 
 def _size(connection: Connection, day: date) -> int:
