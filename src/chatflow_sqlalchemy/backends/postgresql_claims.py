@@ -12,7 +12,7 @@ in every unique key, so the primary key is ``(message_id, partition_day)``
 and cannot by itself stop a second row of an id in another day's partition.
 Every statement that inserts an id therefore takes its day from
 ``chatflow_claim_day(id)`` (:data:`CLAIM_FUNCTIONS`): it waits for a
-transaction-scoped advisory lock on the id, then (a volatile SQL function
+transaction-scoped advisory lock on the id, then (a volatile PL/pgSQL function
 takes a fresh snapshot for each query) returns the day of the id's existing
 row, whatever partition holds it. A concurrent insert of the same id waits
 for the lock, sees the committed row, and lands on it with ``ON CONFLICT``;
@@ -27,7 +27,8 @@ horizon)`` whether an earlier claim of the session is still in flight, in a
 snapshot of its own that sees every claim with a smaller ticket. So the
 acquire and the first look for earlier claims are one round trip, and two
 claims of one session taken at the same moment can no longer both miss each
-other.
+other. The ``RETURNING`` also gives the session's version (:func:`session_version`),
+for the claim block's first ``get_or_create``.
 
 **Upkeep** (:func:`drop_expired_days`, run by the store's purge and
 ``chatflow-sqlalchemy dedup purge``): partitions are created a week ahead;
@@ -35,7 +36,9 @@ a day partition entirely before the purge's cutoff is dropped, after the few
 rows in it that are still live (an id taken over or finished days after its
 first claim: ``processed_at`` moved on) are moved to today's partition. Rows
 that fell into the default partition (a day without a partition of its own)
-stay there and are deleted in batches once expired.
+stay there and are deleted in batches once expired. One purge runs at a
+time (:data:`PURGE_LOCK_KEY`); a role that does not own the table cannot
+create or drop partitions and deletes expired rows in batches instead.
 """
 
 from __future__ import annotations
