@@ -57,15 +57,7 @@ def upgrade() -> None:
     op.rename_table(_TABLE, _OLD)
     op.create_table(
         _TABLE,
-        sa.Column("message_id", sa.String(255), nullable=False),
-        sa.Column("processed_at", _TS, nullable=False),
-        sa.Column("state", sa.String(16), nullable=False, server_default="done"),
-        sa.Column("token", sa.String(32), nullable=True),
-        sa.Column("session_id", sa.String(255), nullable=True),
-        sa.Column("ticket", sa.BigInteger(), nullable=True),
-        sa.Column("lease_expires_at", _TS, nullable=True),
-        sa.Column("claimed_at", _TS, nullable=True),
-        sa.Column("response", sa.Text(), nullable=True),
+        *_claim_columns(),
         sa.Column("partition_day", sa.Date(), nullable=False),
         postgresql_partition_by="RANGE (partition_day)",
     )
@@ -90,8 +82,20 @@ def downgrade() -> None:
     for signature in pg_claims.CLAIM_FUNCTION_SIGNATURES:
         op.execute(f"DROP FUNCTION IF EXISTS {signature}")
     op.rename_table(_TABLE, _OLD)
-    op.create_table(
-        _TABLE,
+    op.create_table(_TABLE, *_claim_columns())
+    # One row per id is what chatflow_claim_day kept; the newest day wins should two exist.
+    op.execute(
+        f"INSERT INTO {_TABLE} ({_COLUMNS}) "
+        f"SELECT DISTINCT ON (message_id) {_COLUMNS} FROM {_OLD} "
+        "ORDER BY message_id, partition_day DESC"
+    )
+    op.drop_table(_OLD)  # its partitions go with it
+    _keys_and_indexes(["message_id"])
+
+
+def _claim_columns() -> list[sa.Column[object]]:
+    """The columns of revision 0005's table (new objects on every call)."""
+    return [
         sa.Column("message_id", sa.String(255), nullable=False),
         sa.Column("processed_at", _TS, nullable=False),
         sa.Column("state", sa.String(16), nullable=False, server_default="done"),
@@ -101,15 +105,7 @@ def downgrade() -> None:
         sa.Column("lease_expires_at", _TS, nullable=True),
         sa.Column("claimed_at", _TS, nullable=True),
         sa.Column("response", sa.Text(), nullable=True),
-    )
-    # One row per id is what chatflow_claim_day kept; the newest day wins should two exist.
-    op.execute(
-        f"INSERT INTO {_TABLE} ({_COLUMNS}) "
-        f"SELECT DISTINCT ON (message_id) {_COLUMNS} FROM {_OLD} "
-        "ORDER BY message_id, partition_day DESC"
-    )
-    op.drop_table(_OLD)  # its partitions go with it
-    _keys_and_indexes(["message_id"])
+    ]
 
 
 def _keys_and_indexes(primary_key: list[str]) -> None:

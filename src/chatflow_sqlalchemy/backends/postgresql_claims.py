@@ -282,8 +282,9 @@ def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -
         _warn_not_owner()
         return _purge_batch(connection, PARENT, cutoff)  # row by row, as on other databases
     removed = _purge_batch(connection, DEFAULT_PARTITION, cutoff)
-    expired = sorted(day for day in _days(connection) if day < utc_day(cutoff))
-    if not expired and not _missing_days(connection, today):
+    children = _children(connection)
+    expired = sorted(day for day in _days(children) if day < utc_day(cutoff))
+    if not expired and not _missing_days(connection, today, set(children)):
         return removed
     # Counted before the lock: nothing inserts into a past day (new ids go to today).
     sizes = {day: _size(connection, day) for day in expired}
@@ -313,7 +314,7 @@ def _rotate(
     # Claims read the day of an id's row, then write it: they must not see it move.
     connection.execute(text(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE"))
     create_day_partitions(connection, today, today + timedelta(DAYS_AHEAD))
-    present = set(_days(connection))
+    present = set(_days(_children(connection)))
     removed = 0
     for day, size in sizes.items():
         if day in present:
@@ -349,9 +350,8 @@ def _purge_batch(connection: Connection, table: str, cutoff: datetime) -> int:
     )
 
 
-def _missing_days(connection: Connection, today: date) -> list[date]:
+def _missing_days(connection: Connection, today: date, existing: set[str]) -> list[date]:
     """Days ahead without a partition that one can be made for (none of their rows in default)."""
-    existing = set(_children(connection))
     return [
         day
         for day in (today + timedelta(n) for n in range(DAYS_AHEAD + 1))
@@ -403,9 +403,9 @@ def _children(connection: Connection) -> list[str]:
     return [row[0] for row in rows]
 
 
-def _days(connection: Connection) -> list[date]:
+def _days(children: list[str]) -> list[date]:
     found = []
-    for name in _children(connection):
+    for name in children:
         match = _DAY_NAME.match(name)
         if match:
             found.append(datetime.strptime(match.group(1), "%Y%m%d").date())
