@@ -124,7 +124,15 @@ class TurnLocks(Protocol):
     turn, :meth:`release` after it (written or discarded). Implementations
     raise :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`
     when the server cannot be reached, and must never block the calling loop.
+    They send their statements through SQLAlchemy engines of their own
+    (:attr:`engines`), so engine events, ``echo`` and instrumentation see
+    them; the store lists those engines in its own ``engines``.
     """
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engines the locks' statements run on (sync facades of async ones)."""
+        ...
 
     async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
         """Try to take the session's lock; never waits for another holder.

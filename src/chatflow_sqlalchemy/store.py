@@ -301,13 +301,16 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def engines(self) -> tuple[Engine, ...]:
         """Every engine this store runs statements on, for engine events and instrumentation.
 
-        ``store.engine``, and on a native-async store (PostgreSQL,
+        ``store.engine``; on a native-async store (PostgreSQL,
         ``sqlite+aiosqlite``) the sync facade of its ``AsyncEngine``, where
-        the async API's statements run: ``event.listen(engine, ...)`` on each
+        the async API's statements run; and the engines of its turn locks
+        (``turn_locks.engines``: PostgreSQL's and MariaDB's take their locks
+        on connections of their own). ``event.listen(engine, ...)`` on each
         of them, or ``SQLAlchemyInstrumentor().instrument(engines=store.engines)``,
-        sees every statement the store sends through SQLAlchemy.
+        sees every statement the store sends.
         """
-        return self.runtime.engines
+        locks = self.turns.locks
+        return self.runtime.engines + (tuple(getattr(locks, "engines", ())) if locks else ())
 
     @property
     def turn_locks(self) -> TurnLocks | None:

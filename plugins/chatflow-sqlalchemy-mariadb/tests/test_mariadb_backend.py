@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from chatflow_sqlalchemy import (
 from chatflow_sqlalchemy.cli import main
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, ChatflowSession, utcnow
 from chatflow_sqlalchemy.testing.suite import ScriptedEngine
-from sqlalchemy import URL, create_engine, inspect, select, text
+from sqlalchemy import URL, create_engine, event, inspect, select, text
 
 from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
 from chatflow_sqlalchemy_mariadb.dialect import lock_name
@@ -306,6 +307,113 @@ def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
             await asyncio.sleep(0.05)
         async with ctx.lock:  # the next turn gets it
             assert holder() is not None
+
+    try:
+        with MariaDBSessionStore(mariadb_database) as store:
+            asyncio.run(scenario(store))
+    finally:
+        probe.dispose()
+
+
+def test_turn_lock_statements_are_seen_by_the_lock_engines_events(mariadb_database: URL) -> None:
+    """Issue 12: ``GET_LOCK`` / ``RELEASE_LOCK`` go through SQLAlchemy, where listeners see them."""
+    seen: list[tuple[str, str]] = []
+
+    def before(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(("before", statement))
+
+    def after(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(("after", statement))
+
+    with MariaDBSessionStore(mariadb_database) as store:
+        locks = store.turn_locks
+        assert locks is not None
+        engines = locks.engines
+        assert engines and store.engine not in engines, "the locks run on an engine of their own"
+        for engine in engines:
+            event.listen(engine, "before_cursor_execute", before)
+            event.listen(engine, "after_cursor_execute", after)
+        runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+        reply = asyncio.run(runner.run_async("observed", "hello"))
+        assert reply.content == "Bot re: hello"
+    for hook in ("before", "after"):
+        statements = [s for h, s in seen if h == hook]
+        assert any("GET_LOCK" in s for s in statements), (hook, seen)
+        assert any("RELEASE_LOCK" in s for s in statements), (hook, seen)
+
+
+def test_the_lock_engine_echoes_like_the_store(mariadb_database: URL) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("sqlalchemy.engine.Engine")
+    logger.addHandler(handler)  # so echo adds no stdout handler of its own
+    try:
+        with MariaDBSessionStore(mariadb_database, echo=True) as store:
+            locks = store.turn_locks
+            assert locks is not None and all(e.echo is True for e in locks.engines)
+            runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+            asyncio.run(runner.run_async("echoed", "hello"))
+    finally:
+        logger.removeHandler(handler)
+    logged = [r.getMessage() for r in records]
+    assert any("GET_LOCK" in m for m in logged) and any("RELEASE_LOCK" in m for m in logged)
+
+
+def test_the_migration_lock_is_released_through_the_connection(mariadb_database: URL) -> None:
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
+
+    name = lock_name("migrate", mariadb_database.database)
+    engine = migrate.open_engine(mariadb_database)
+    statements: list[str] = []
+    event.listen(
+        engine, "before_cursor_execute", lambda _c, _k, statement, *_: statements.append(statement)
+    )
+    try:
+        with migrate.locked_connection(engine, MariaDBDialectSupport()) as conn:
+            assert conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": name}).scalar() is not None
+        assert any("RELEASE_LOCK" in s for s in statements), statements
+        with engine.connect() as conn:  # the pooled connection is back, without the lock
+            assert conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": name}).scalar() is None
+    finally:
+        engine.dispose()
+
+
+def test_a_killed_lock_connection_is_one_unavailable_error_then_a_new_one(
+    mariadb_database: URL,
+) -> None:
+    """The server kills the lock connection (its locks die with it): the next try fails
+    with ``DatabaseUnavailableError`` (``handle_error`` sees why), the one after reconnects."""
+    name = lock_name("turn", mariadb_database.database, "first")
+    probe = create_engine(mariadb_database, isolation_level="AUTOCOMMIT")
+    errors: list[Any] = []
+
+    def holder() -> Any:
+        with probe.connect() as conn:
+            return conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": name}).scalar()
+
+    async def scenario(store: Any) -> None:
+        locks = store.turn_locks
+        for engine in locks.engines:
+            event.listen(engine, "handle_error", errors.append)
+        assert (await locks.try_acquire("first"))[0] is True
+        connection_id = holder()
+        assert connection_id is not None
+        with probe.connect() as conn:
+            conn.execute(text(f"KILL {int(connection_id)}"))
+        deadline = time.monotonic() + 30
+        while holder() is not None:  # the server frees the killed connection's locks
+            assert time.monotonic() < deadline, "the killed connection still holds its lock"
+            await asyncio.sleep(0.05)
+        with pytest.raises(
+            DatabaseUnavailableError, match="cannot take the turn lock of session 'second'"
+        ):
+            await locks.try_acquire("second")
+        assert errors and errors[-1].is_disconnect, "handle_error saw the lost connection"
+        assert (await locks.try_acquire("first"))[0] is True, "a new connection takes it"
+        assert holder() not in (None, connection_id)
+        await locks.release("first")
+        assert holder() is None
 
     try:
         with MariaDBSessionStore(mariadb_database) as store:

@@ -10,12 +10,9 @@ advisory lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
 import math
-import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,11 +26,17 @@ from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.backends import postgresql_write
+from chatflow_sqlalchemy.backends.postgresql_locks import (
+    LOCK_RELEASE_TIMEOUT_SECONDS,
+    TURN_LOCK_LEASE_SECONDS,
+    AdvisoryTurnLocks,
+    lock_engine,
+    session_lock_key,
+)
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     AcquiredClaim,
-    ConnectArguments,
     DialectSupport,
     SessionWrite,
     TurnLocks,
@@ -112,14 +115,6 @@ preparing back on.
 OPERATION_TIMEOUT_SECONDS = 15.0
 """Bound of each async store operation and each turn-lock call (the default of
 ``PostgresSessionStore.operation_timeout``)."""
-
-LOCK_RELEASE_TIMEOUT_SECONDS = 5.0
-"""Bound of the ``ROLLBACK`` that releases a turn lock; a connection that does not answer
-is closed instead, which releases the lock too."""
-
-TURN_LOCK_LEASE_SECONDS = 30.0
-"""A turn lock whose holder went silent is released by the server after this long
-(``idle_in_transaction_session_timeout``); live holders renew it every third of it."""
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -205,329 +200,6 @@ def _collect_exponent_integral_floats(value: Any, found: list[float]) -> None:
 
 _R = TypeVar("_R")
 
-_PENDING: set[asyncio.Future[Any]] = set()
-"""Lock calls that outlive a cancelled caller (strong references until they finish)."""
-
-
-def _keep(future: asyncio.Future[_R]) -> asyncio.Future[_R]:
-    _PENDING.add(future)
-    future.add_done_callback(_PENDING.discard)
-    return future
-
-
-def session_lock_key(session_id: str) -> int:
-    """A stable signed 64-bit advisory-lock key for a session id."""
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8, person=b"chatflow").digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-_LOCK_AND_READ_VERSION = (
-    "BEGIN ISOLATION LEVEL READ COMMITTED; "
-    "SELECT set_config('idle_in_transaction_session_timeout', %s, true); "
-    "SELECT pg_try_advisory_xact_lock(%s); "
-    "SELECT version FROM chatflow_sessions WHERE session_id = %s"
-)
-"""A turn lock's first round trip; each statement reads its own snapshot, so the version
-is read after the lock was taken."""
-
-
-class _Held:
-    """A turn lock being held: its connection (in a transaction) and its heartbeat."""
-
-    __slots__ = ("conn", "heartbeat", "stop", "use")
-
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        self.conn = conn
-        self.stop = asyncio.Event()
-        self.use = asyncio.Lock()
-        self.heartbeat: asyncio.Future[None] | None = None
-
-
-class _LoopLocks:
-    """The lock connections of one event loop: idle ones, held locks, distrusted locks."""
-
-    __slots__ = ("distrusted", "held", "idle")
-
-    def __init__(self) -> None:
-        self.idle: list[psycopg.AsyncConnection[Any]] = []
-        self.held: dict[str, _Held] = {}
-        self.distrusted: set[str] = set()
-
-    def abandon(self) -> None:
-        """Close every socket at once (the loop is gone; the server frees the locks)."""
-        idle, self.idle = self.idle, []
-        held, self.held = self.held, {}
-        self.distrusted.clear()
-        for conn in idle:
-            _finish(conn)
-        for lock in held.values():
-            lock.stop.set()
-            _finish(lock.conn)
-
-
-class AdvisoryTurnLocks:
-    """Transaction-scoped advisory locks for turns, one lock connection per held lock.
-
-    A turn's lock is ``pg_try_advisory_xact_lock`` taken in a transaction
-    opened on a connection of the store's own (outside the SQLAlchemy pool,
-    so a turn that waits on a slow model pins no pooled connection) and
-    released by ``ROLLBACK``; the connection then serves the next turn.
-
-    Why a transaction and not a session-level lock: the transaction sets
-    ``idle_in_transaction_session_timeout`` to ``lease_seconds``, so a worker
-    that died or was cut off by a network partition loses its lock after at
-    most ``lease_seconds`` of silence: PostgreSQL ends the idle session, which
-    releases the lock, even when no TCP error ever reaches the server. A live
-    turn keeps its lock by a heartbeat (``SELECT 1``) every third of the
-    lease. Transaction-scoped locks also hold under a transaction-pooling
-    PgBouncer, which session-level locks do not.
-
-    Every call on a lock connection is bounded by ``call_timeout`` seconds
-    (``release`` by :data:`LOCK_RELEASE_TIMEOUT_SECONDS`); a connection that
-    did not answer is closed (which also gives its lock back).
-    """
-
-    max_idle_connections = 4
-    """Lock connections kept open between turns (more are closed after use)."""
-
-    def __init__(
-        self,
-        connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
-        *,
-        lease_seconds: float = TURN_LOCK_LEASE_SECONDS,
-        call_timeout: float = OPERATION_TIMEOUT_SECONDS,
-        url: URL | None = None,
-    ) -> None:
-        self._connect = connect
-        self.url = url
-        self.lease_seconds = lease_seconds
-        self.call_timeout = call_timeout
-        self._loops: dict[asyncio.AbstractEventLoop, _LoopLocks] = {}
-        self._loops_lock = threading.Lock()
-
-    def _here(self) -> _LoopLocks:
-        """The lock connections of the running loop (psycopg async connections are per loop).
-
-        Threads that each run their own loop over one store each get their
-        own; a lock taken in one loop is never touched from another. Those of
-        closed loops are dropped (closing their sockets frees their locks).
-        """
-        loop = asyncio.get_running_loop()
-        with self._loops_lock:
-            here = self._loops.get(loop)
-            if here is None:
-                for gone in [old for old in self._loops if old.is_closed()]:
-                    self._loops.pop(gone).abandon()
-                here = self._loops[loop] = _LoopLocks()
-            return here
-
-    @property
-    def _idle(self) -> list[psycopg.AsyncConnection[Any]]:
-        return self._here().idle
-
-    @property
-    def _held(self) -> dict[str, _Held]:
-        return self._here().held
-
-    @property
-    def _distrusted(self) -> set[str]:
-        return self._here().distrusted
-
-    def _abandon_all(self) -> None:
-        with self._loops_lock:
-            loops, self._loops = self._loops, {}
-        for state in loops.values():
-            state.abandon()
-
-    async def _take(self) -> psycopg.AsyncConnection[Any]:
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn
-        return await self._connect()
-
-    def _put(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        if conn.closed or len(self._idle) >= self.max_idle_connections:
-            _finish(conn)
-        else:
-            self._idle.append(conn)
-
-    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
-        """:meth:`try_acquire_reading_version` as the :class:`TurnLocks` protocol has it.
-
-        Raises:
-            DatabaseUnavailableError: The server failed or did not answer in ``call_timeout``.
-
-        """
-        try:
-            taken, version = await self.try_acquire_reading_version(session_id)
-        except psycopg.OperationalError as exc:
-            raise _lock_unavailable(session_id, self.url, exc) from exc
-        except asyncio.TimeoutError as exc:
-            reason = f"no answer within {self.call_timeout:g} s"
-            raise _lock_unavailable(session_id, self.url, exc, reason) from exc
-        return taken, True, version
-
-    async def try_acquire_reading_version(self, session_id: str) -> tuple[bool, int | None]:
-        """Try the lock and read the session's version in one round trip.
-
-        The server runs the statements in order, each in its own snapshot
-        (``READ COMMITTED``), so the version is read after the lock was taken
-        and reflects every turn committed before. It is meaningless when the
-        lock was not taken.
-
-        Raises:
-            asyncio.TimeoutError: The server did not answer within ``call_timeout``.
-            psycopg.OperationalError: The connection failed.
-
-        """
-        task = _keep(asyncio.ensure_future(self._attempt(session_id)))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The caller gave up, but the call goes on: a lock it takes must be given
-            # back, or the session stays locked until the lease runs out.
-            task.add_done_callback(lambda done: self._give_back(session_id, done))
-            raise
-
-    def _give_back(self, session_id: str, done: asyncio.Future[tuple[bool, int | None]]) -> None:
-        if done.cancelled() or done.exception() is not None or not done.result()[0]:
-            return
-        _keep(asyncio.ensure_future(self.release(session_id)))
-
-    async def _attempt(self, session_id: str) -> tuple[bool, int | None]:
-        conn = await self._take()
-        try:
-            taken, version = await asyncio.wait_for(
-                self._lock_in_transaction(conn, session_id), self.call_timeout
-            )
-        except BaseException:
-            _finish(conn)
-            raise
-        if not taken:
-            self._put(conn)
-            return False, None
-        held = _Held(conn)
-        held.heartbeat = _keep(asyncio.ensure_future(self._beat(session_id, held)))
-        self._held[session_id] = held
-        return True, version
-
-    async def _lock_in_transaction(
-        self, conn: psycopg.AsyncConnection[Any], session_id: str
-    ) -> tuple[bool, int | None]:
-        """BEGIN, the lease, the lock, the version; a lock not taken ends the transaction.
-
-        One simple-protocol query of four statements (one round trip), bound
-        client-side. Not a psycopg pipeline: a pipeline's trailing flush
-        leaves the server without its idle-in-transaction timer, and the
-        lease would never run out.
-        """
-        lease_ms = str(max(1, round(self.lease_seconds * 1000)))
-        cursor = psycopg.AsyncClientCursor(conn)
-        params = (lease_ms, session_lock_key(session_id), session_id)
-        await cursor.execute(_LOCK_AND_READ_VERSION, params)
-        results: list[Any] = []
-        while True:
-            results.append(await cursor.fetchone() if cursor.description else None)
-            if not cursor.nextset():
-                break
-        taken, row = results[2], results[3]
-        if not (taken and taken[0]):
-            await conn.execute("ROLLBACK")
-            return False, None
-        return True, (None if row is None else int(row[0]))
-
-    async def _beat(self, session_id: str, held: _Held) -> None:
-        """Keep the lease alive while the turn runs; a silent connection is closed."""
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(held.stop.wait(), self.lease_seconds / 3)
-                return
-            async with held.use:
-                if held.stop.is_set():
-                    return
-                try:
-                    await asyncio.wait_for(held.conn.execute("SELECT 1"), self.call_timeout)
-                except Exception as exc:
-                    logger.warning(
-                        "the turn lock of session %r was lost (%s); the turn's write is still "
-                        "checked against concurrent writers", session_id, type(exc).__name__,
-                    )
-                    _finish(held.conn)
-                    return
-
-    async def release(self, session_id: str) -> None:
-        """Release the session's lock (``ROLLBACK``); a lost connection already released it.
-
-        Shielded: a caller cancelled meanwhile does not stop the unlock.
-        """
-        held = self._held.pop(session_id, None)
-        if held is None:
-            return
-        held.stop.set()
-        if session_id in self._distrusted:
-            self._distrusted.discard(session_id)
-            _finish(held.conn)  # no round trip into a frozen network: closing releases too
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
-
-    async def _end(self, held: _Held) -> None:
-        async with held.use:
-            try:
-                await asyncio.wait_for(
-                    held.conn.execute("ROLLBACK"), LOCK_RELEASE_TIMEOUT_SECONDS
-                )
-            except BaseException:
-                _finish(held.conn)
-                raise
-            self._put(held.conn)
-
-    def held(self) -> list[str]:
-        """Sessions whose lock this process holds now (in every event loop)."""
-        with self._loops_lock:
-            return [session for state in self._loops.values() for session in state.held]
-
-    def distrust(self) -> None:
-        """Release the locks held now by closing their connections, not by ``ROLLBACK``.
-
-        For when the network looks frozen: a ``ROLLBACK`` would wait for an
-        answer first; a closed connection's lock is freed by the server at
-        once, or at the latest when its lease ends.
-        """
-        with self._loops_lock:
-            for state in self._loops.values():
-                state.distrusted.update(state.held)
-
-    async def aclose(self) -> None:
-        """Close every lock connection, releasing every lock."""
-        loop = asyncio.get_running_loop()
-        with self._loops_lock:
-            loops, self._loops = self._loops, {}
-        here = loops.pop(loop, None)
-        for state in loops.values():
-            state.abandon()
-        if here is None:
-            return
-        idle, held = here.idle, here.held
-        for lock in held.values():
-            lock.stop.set()
-        for conn in [*idle, *(lock.conn for lock in held.values())]:
-            try:
-                await asyncio.wait_for(conn.close(), LOCK_RELEASE_TIMEOUT_SECONDS)
-            except (Exception, asyncio.TimeoutError):
-                _finish(conn)
-
-    def close(self) -> None:
-        """Close from sync code: drop the sockets (the server releases the locks)."""
-        self._abandon_all()
-
-
-def _finish(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Close a connection's socket at once, without a round trip."""
-    with contextlib.suppress(Exception):
-        conn.pgconn.finish()
-
 
 def _processed_row() -> dict[str, Any]:
     """The values of a dedup row inserted by id (its day read under the id's lock)."""
@@ -571,7 +243,7 @@ class PostgresDialectSupport(DialectSupport):
         ping_when_idle(engine)
 
     def turn_locks(self, engine: Engine) -> TurnLocks | None:
-        """:class:`AdvisoryTurnLocks` on psycopg async connections opened like ``engine``'s.
+        """:class:`AdvisoryTurnLocks` on an AsyncEngine of their own (:func:`lock_engine`).
 
         Raises:
             BackendImportError: psycopg is not installed.
@@ -579,14 +251,10 @@ class PostgresDialectSupport(DialectSupport):
         """
         if psycopg is None:
             raise BackendImportError(INSTALL_HINT)
-        arguments = ConnectArguments(engine, default_connect_args(engine.url))
-
-        async def connect() -> psycopg.AsyncConnection[Any]:
-            return await psycopg.AsyncConnection.connect(
-                *arguments.args, **{**arguments.params, "autocommit": True}
-            )
-
-        return AdvisoryTurnLocks(connect, url=engine.url)
+        engine_of_locks = lock_engine(engine, default_connect_args(engine.url))
+        return AdvisoryTurnLocks(
+            engine_of_locks, call_timeout=OPERATION_TIMEOUT_SECONDS, url=engine.url
+        )
 
     def async_url(self, url: URL) -> URL | None:
         """Async work runs natively on psycopg 3's async driver (no thread hop)."""
@@ -699,17 +367,6 @@ async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
         return await asyncio.wait_for(awaitable, seconds)
     async with timeout(seconds):
         return await awaitable
-
-
-def _lock_unavailable(
-    session_id: str, url: URL | None, exc: BaseException, reason: str | None = None
-) -> DatabaseUnavailableError:
-    if reason is None:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-    where = "" if url is None else f" on {describe(url)}"
-    return DatabaseUnavailableError(
-        f"cannot take the turn lock of session {session_id!r}{where}: {reason}"
-    )
 
 
 class PostgresSessionStore(SQLAlchemySessionStore):

@@ -1793,6 +1793,36 @@ class TestCrossProcess(StoreTestBase):
         assert per_label == {label: list(range(n_turns)) for label in labels}
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_turn_lock_statements_are_seen_on_the_stores_engines(self, store: Any) -> None:
+        """The turn lock's statements run on ``turn_locks.engines``, all in ``store.engines``.
+
+        A listener on those engines sees statements while a Runner turn takes
+        and gives back its lock: tracing and ``echo`` miss none of them.
+        """
+        from sqlalchemy import event
+
+        locks = store.turn_locks
+        if locks is None:
+            pytest.skip("this backend has no cross-process turn locks")
+        assert locks.engines, "turn locks name the engines their statements run on"
+        assert set(locks.engines) <= set(store.engines)
+        seen: list[str] = []
+
+        def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            seen.append(statement)
+
+        for engine in locks.engines:
+            event.listen(engine, "before_cursor_execute", on_execute)
+        try:
+            runner = Runner(starting_agent=make_agents()[0], session_store=store,
+                            engine=ScriptedEngine())
+            run(runner.run_async(new_id(), "hello"))
+        finally:
+            for engine in locks.engines:
+                event.remove(engine, "before_cursor_execute", on_execute)
+        assert len(seen) >= 2, f"the lock was taken and given back unseen: {seen}"
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
     def test_process_killed_mid_turn_leaves_well_formed_history(
         self, harness: StoreHarness
     ) -> None:

@@ -176,6 +176,9 @@ class MariaDBDialectSupport(DialectSupport):
     def turn_locks(self, engine: Engine) -> TurnLocks | None:
         """Named locks (``GET_LOCK``) on a connection of their own, opened like ``engine``'s.
 
+        Their engine echoes like ``engine`` (``echo``), since the lock
+        statements are the store's too.
+
         Raises:
             BackendImportError: The driver is not installed.
 
@@ -184,7 +187,7 @@ class MariaDBDialectSupport(DialectSupport):
 
         arguments = ConnectArguments(engine)
         try:
-            lock_engine = create_engine(engine.url, poolclass=NullPool)
+            lock_engine = create_engine(engine.url, poolclass=NullPool, echo=engine.echo)
         except ImportError as exc:
             raise BackendImportError(f"{INSTALL_HINT} ({exc})") from exc
 
@@ -368,14 +371,19 @@ class MariaDBDialectSupport(DialectSupport):
             )
 
     def end_migration(self, connection: Connection) -> None:
-        """Release the migration lock (it is held per connection, not per transaction)."""
+        """Release the migration lock (it is held per connection, not per transaction).
+
+        Called once the migration transaction ended, so ``RELEASE_LOCK`` goes
+        through ``connection`` where engine events see it, in a transaction of
+        its own that is rolled back at once (named locks ignore transactions).
+        """
+        if connection.invalidated:  # a lost connection has released the lock already
+            return
         name = lock_name("migrate", connection.engine.url.database)
         try:
-            cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-            try:
-                cursor.execute("SELECT RELEASE_LOCK(%s)", (name,))
-                cursor.fetchall()
-            finally:
-                cursor.close()
+            began = not connection.in_transaction()
+            connection.exec_driver_sql("SELECT RELEASE_LOCK(%s)", (name,)).all()
+            if began:
+                connection.rollback()
         except Exception:  # a lost connection has released the lock already
             connection.invalidate()

@@ -20,8 +20,10 @@ from typing import Any
 
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
+from chatflow_sqlalchemy.iopool import IOPool
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from sqlalchemy import URL, Connection, Engine, make_url, select
+from sqlalchemy.exc import DBAPIError
 
 from chatflow_sqlalchemy_mariadb.dialect import (
     MariaDBDialectSupport,
@@ -62,10 +64,15 @@ class NamedTurnLocks:
     """Per-session named locks (``GET_LOCK(name, 0)``) on one dedicated connection.
 
     The :class:`~chatflow_sqlalchemy.dialect.TurnLocks` of MariaDB (see
-    :meth:`MariaDBDialectSupport.turn_locks`). The driver is sync: each call
-    runs in a worker thread (``asyncio.to_thread``, the caller's context
-    included) and calls are serialised by a thread lock, because the
-    connection is shared by every thread and event loop using the store.
+    :meth:`MariaDBDialectSupport.turn_locks`). The lock connection is a
+    SQLAlchemy :class:`~sqlalchemy.engine.Connection` of the locks' own engine
+    (:attr:`engines`), in autocommit: named locks belong to the connection,
+    not to a transaction, and every statement goes through SQLAlchemy, so
+    engine events and ``echo`` see it. The driver is sync: each call runs on
+    a thread of the locks' own (a ``chatflow-io`` pool, never the loop's
+    default executor, the caller's context included) and calls are
+    serialised by a thread lock, because the connection is shared by every
+    thread and event loop using the store.
 
     Args:
         engine: A ``NullPool`` engine whose connections are used only for locks.
@@ -75,34 +82,43 @@ class NamedTurnLocks:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._database = engine.url.database
-        self._conn: Any = None
+        self._conn: Connection | None = None
         self._mutex = threading.Lock()
         self._closed = False
+        self._pool = IOPool(1, thread_name_prefix="chatflow-io-locks")
 
-    def _cursor_call(self, sql: str, session_id: str) -> Any:
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engine the lock statements run on, apart from the store's own.
+
+        The locks hold a connection outside the store's pool, so listeners and
+        instrumentation on ``store.engine`` alone never see ``GET_LOCK`` or
+        ``RELEASE_LOCK``; listening on these engines too sees every statement
+        the store sends.
+        """
+        return (self._engine,)
+
+    def _call(self, sql: str, session_id: str) -> Any:
         with self._mutex:
             if self._closed:  # e.g. a late give-back after the store closed: nothing held
                 raise RuntimeError("the store's turn locks are closed")
-            if self._conn is None:
-                self._conn = self._engine.raw_connection()
-                self._conn.driver_connection.autocommit(True)
             try:
-                cursor = self._conn.cursor()
-                try:
-                    cursor.execute(sql, (lock_name("turn", self._database, session_id),))
-                    row = cursor.fetchone()
-                finally:
-                    cursor.close()
+                if self._conn is None:
+                    self._conn = self._engine.connect()
+                    self._conn.execution_options(isolation_level="AUTOCOMMIT")
+                name = lock_name("turn", self._database, session_id)
+                return self._conn.exec_driver_sql(sql, (name,)).scalar()
             except Exception:
                 self._abandon()
                 raise
-            return row[0] if row else None
 
     def _try_acquire(self, session_id: str) -> bool:
         try:
-            return bool(self._cursor_call("SELECT GET_LOCK(%s, 0)", session_id) == 1)
-        except self._engine.dialect.loaded_dbapi.Error as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            return bool(self._call("SELECT GET_LOCK(%s, 0)", session_id) == 1)
+        except DBAPIError as exc:  # the driver's error, wrapped (a lost connection included)
+            error = exc.orig if exc.orig is not None else exc
+            text = str(error).strip()
+            reason = text.splitlines()[0] if text else repr(error)
             raise DatabaseUnavailableError(
                 f"cannot take the turn lock of session {session_id!r}: {reason}"
             ) from exc
@@ -124,8 +140,10 @@ class NamedTurnLocks:
                 self._release(session_id)
             return False
 
+        if self._closed:
+            raise RuntimeError("the store's turn locks are closed")
         try:
-            return await asyncio.to_thread(take), False, None
+            return await self._pool.run(take), False, None
         except asyncio.CancelledError:
             if attempt.abandon():  # handed over just as the caller was cancelled
                 threading.Thread(target=self._release, args=(session_id,), daemon=True).start()
@@ -133,11 +151,12 @@ class NamedTurnLocks:
 
     def _release(self, session_id: str) -> None:
         with contextlib.suppress(Exception):
-            self._cursor_call("SELECT RELEASE_LOCK(%s)", session_id)
+            self._call("SELECT RELEASE_LOCK(%s)", session_id)
 
     async def release(self, session_id: str) -> None:
         """Release the session's lock (a lost connection already released it)."""
-        await asyncio.to_thread(self._release, session_id)
+        with contextlib.suppress(RuntimeError):  # closed: the server released it
+            await self._pool.run(self._release, session_id)
 
     def distrust(self) -> None:
         """Drop the lock connection (its locks are released by the server)."""
@@ -160,7 +179,7 @@ class NamedTurnLocks:
 
     async def aclose(self) -> None:
         """Close the connection off the loop; the server releases every lock it held."""
-        await asyncio.to_thread(self.close)
+        await asyncio.to_thread(self.close)  # not on the locks' thread: close() stops it
 
     def close(self) -> None:
         """Close the connection; the server releases every lock it held."""
@@ -170,6 +189,7 @@ class NamedTurnLocks:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+        self._pool.shutdown(wait=True)
         self._engine.dispose()
 
 

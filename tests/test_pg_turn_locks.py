@@ -1,0 +1,113 @@
+"""PostgreSQL's turn locks on their own engine: what SQLAlchemy sees, what they leave behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from chatflow_agent import Agent, Message, Role, Runner
+from sqlalchemy import event
+
+from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
+from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+
+from . import pg_util
+
+pytestmark = pytest.mark.postgres
+
+BOT = Agent(name="Bot", instructions="Answer.")
+
+
+def _backends_of(url: str, schema: str) -> int:
+    """Server connections open now for ``schema``'s stores (``application_name``)."""
+    admin = sa.create_engine(url)
+    try:
+        with admin.connect() as conn:
+            return int(conn.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"),
+                {"name": schema},
+            ).scalar_one())
+    finally:
+        admin.dispose()
+
+
+def test_each_turn_lock_is_one_statement_seen_by_the_lock_engine(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Taking the lock and reading the version is one statement; giving it back is another,
+    both before/after events and the statement's own transaction control included."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    (lock_engine,) = store.turn_locks.engines
+    before: list[str] = []
+    after: list[str] = []
+    event.listen(lock_engine, "before_cursor_execute", lambda *a: before.append(a[2]))
+    event.listen(lock_engine, "after_cursor_execute", lambda *a: after.append(a[2]))
+    try:
+        ctx = store.get_or_create("s", BOT)
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="q"))
+
+        asyncio.run(turn())
+    finally:
+        store.close()
+    assert before == after
+    assert len(before) == 2, before
+    take, give_back = before
+    assert "chatflow_turn_lock(" in take and take.rstrip().endswith("BEGIN")
+    assert give_back == "ROLLBACK"
+
+
+def test_turn_locks_refuse_an_isolation_level_that_reads_the_version_too_early(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Under REPEATABLE READ the version would be read in a snapshot older than the lock:
+    the turn fails with the fix named, and no lock is left behind."""
+    options = f"-csearch_path={pg_schema} -c default_transaction_isolation=repeatable\\ read"
+    store = PostgresSessionStore(
+        pg_url, connect_args={"options": options, "application_name": pg_schema}
+    )
+    try:
+        ctx = store.get_or_create("s", BOT)
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="q"))
+
+        with pytest.raises(sa.exc.DBAPIError) as caught:
+            asyncio.run(turn())
+        assert "need READ COMMITTED, not repeatable read" in str(caught.value)
+        assert "default_transaction_isolation" in str(caught.value)
+        assert store.turn_locks.held() == []
+    finally:
+        store.close()
+
+
+def test_lock_connections_of_finished_loops_are_closed_without_warnings(
+    pg_url: str, pg_schema: str
+) -> None:
+    """``asyncio.run`` per request: each run's lock connection is closed once its loop is
+    gone (its socket cut, SQLAlchemy's connection let go), never left for the collector."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+    opened: list[Any] = []
+    (lock_engine,) = store.turn_locks.engines
+    event.listen(lock_engine, "connect", lambda *_: opened.append(1))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for turn in range(6):
+                asyncio.run(runner.run_async("s", f"q{turn}"))
+            asyncio.run(asyncio.sleep(0))  # a loop after the last: it lets the last one go
+            gc.collect()
+        assert len(opened) == 6, "each loop opens its own lock connection"
+        assert _backends_of(pg_url, pg_schema) <= 3, "old loops' lock connections stay open"
+        assert [str(w.message) for w in caught if "connection" in str(w.message)] == []
+    finally:
+        store.close()
+    assert _backends_of(pg_url, pg_schema) == 0
