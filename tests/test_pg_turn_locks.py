@@ -111,3 +111,66 @@ def test_lock_connections_of_finished_loops_are_closed_without_warnings(
     finally:
         store.close()
     assert _backends_of(pg_url, pg_schema) == 0
+
+
+def _advisory_locks_of(url: str, schema: str) -> int:
+    admin = sa.create_engine(url)
+    try:
+        with admin.connect() as conn:
+            return int(conn.execute(
+                sa.text("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                        "WHERE l.locktype = 'advisory' AND a.application_name = :name"),
+                {"name": schema},
+            ).scalar_one())
+    finally:
+        admin.dispose()
+
+
+def test_a_loop_closed_while_holding_a_lock_leaves_nothing_held_after_close(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A hand-run loop closed with a turn lock held (its heartbeat still waiting): the
+    store still closes, cutting the lock's socket, so the server frees the lock at once."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(store.turn_locks.try_acquire("x"))[0]
+    finally:
+        loop.close()
+    assert _advisory_locks_of(pg_url, pg_schema) == 1
+    store.close()
+    assert store.turn_locks.held() == []
+    freed = asyncio.run(_until_zero(pg_url, pg_schema))
+    assert freed, "the closed loop's lock outlived store.close()"
+
+
+async def _until_zero(url: str, schema: str) -> bool:
+    for _ in range(50):  # the server ends a cut connection's backend within moments
+        if _advisory_locks_of(url, schema) == 0:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+def test_a_loop_closed_during_the_first_connection_does_not_stall_other_loops(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The lock engine's first connection is made by one loop at a time; one whose loop
+    was closed half-way is taken over, so the next loop's turn lock is taken."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    try:
+        loop = asyncio.new_event_loop()
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                loop.run_until_complete(
+                    asyncio.wait_for(store.turn_locks.try_acquire("x"), 0.001)
+                )
+        finally:
+            loop.close()
+
+        async def other_loop() -> tuple[bool, bool, int | None]:
+            return await asyncio.wait_for(store.turn_locks.try_acquire("y"), 30)
+
+        assert asyncio.run(other_loop())[0]
+    finally:
+        store.close()

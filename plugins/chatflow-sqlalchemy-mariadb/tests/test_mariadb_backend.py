@@ -315,6 +315,39 @@ def test_a_turn_cancelled_while_taking_its_lock_never_leaves_it_held(
         probe.dispose()
 
 
+def test_releases_cancelled_while_queued_still_release(mariadb_database: URL) -> None:
+    """A shutdown cancels turns while they give their locks back: the ``RELEASE_LOCK``
+    of each still runs (the lock connection lives on, so a skipped one stays held)."""
+    sessions = [f"s{i}" for i in range(6)]
+    names = [lock_name("turn", mariadb_database.database, sid) for sid in sessions]
+    probe = create_engine(mariadb_database)
+
+    def held() -> list[str]:
+        with probe.connect() as conn:
+            return [n for n in names
+                    if conn.execute(text("SELECT IS_USED_LOCK(:n)"), {"n": n}).scalar()]
+
+    async def scenario(store: Any) -> None:
+        locks = store.turn_locks
+        for sid in sessions:
+            assert (await locks.try_acquire(sid))[0]
+        releases = [asyncio.ensure_future(locks.release(sid)) for sid in sessions]
+        await asyncio.sleep(0)
+        for release in releases:
+            release.cancel()
+        await asyncio.gather(*releases, return_exceptions=True)
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(held):
+            assert time.monotonic() < deadline, "a cancelled release left its lock held"
+            await asyncio.sleep(0.05)
+
+    try:
+        with MariaDBSessionStore(mariadb_database) as store:
+            asyncio.run(scenario(store))
+    finally:
+        probe.dispose()
+
+
 def test_turn_lock_statements_are_seen_by_the_lock_engines_events(mariadb_database: URL) -> None:
     """Issue 12: ``GET_LOCK`` / ``RELEASE_LOCK`` go through SQLAlchemy, where listeners see them."""
     seen: list[tuple[str, str]] = []

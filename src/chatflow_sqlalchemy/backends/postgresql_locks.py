@@ -174,8 +174,12 @@ def _discard_soon(connections: list[_LockConnection]) -> None:
         conn.cut()
     try:
         asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(_discard(connections))
+    except RuntimeError:  # sync code: a private loop, the thread's own left as it was
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(_discard(connections))
+        finally:
+            loop.close()
     else:
         _keep(asyncio.ensure_future(_discard(connections)))
 
@@ -207,11 +211,12 @@ class _LoopLocks:
         idle, self.idle = self.idle, []
         held, self.held = self.held, {}
         self.distrusted.clear()
-        for lock in held.values():
-            lock.stop.set()
         gone = [*idle, *(lock.conn for lock in held.values())]
         for conn in gone:
             conn.cut()
+        for lock in held.values():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                lock.stop.set()
         return gone
 
 
@@ -248,7 +253,7 @@ class AdvisoryTurnLocks:
         self.call_timeout = call_timeout
         self._loops: dict[asyncio.AbstractEventLoop, _LoopLocks] = {}
         self._loops_lock = threading.Lock()
-        self._first_connect = threading.Lock()
+        self._first_connector: asyncio.AbstractEventLoop | None = None
         self._connected_once = False
 
     @property
@@ -295,18 +300,31 @@ class AdvisoryTurnLocks:
         SQLAlchemy initialises the dialect on an engine's first connection
         under a mutex of the loop that made it, which a second loop cannot
         wait on. Until a first connection succeeded, loops take turns
-        opening one (polling a thread lock: no loop ever blocks on it).
+        opening one: the others poll (no loop ever blocks), and a loop that
+        was closed while it was connecting is taken over.
         """
         if self._connected_once:
             return await self._engine.connect()
-        while not self._first_connect.acquire(blocking=False):
+        loop = asyncio.get_running_loop()
+        while not self._first_connect_for(loop):
             await asyncio.sleep(_FIRST_CONNECT_POLL_SECONDS)
         try:
             conn = await self._engine.connect()
             self._connected_once = True
             return conn
         finally:
-            self._first_connect.release()
+            with self._loops_lock:
+                if self._first_connector is loop:
+                    self._first_connector = None
+
+    def _first_connect_for(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether ``loop`` may open the engine's first connection now."""
+        with self._loops_lock:
+            owner = self._first_connector
+            if owner is None or owner is loop or owner.is_closed():
+                self._first_connector = loop
+                return True
+            return False
 
     def _put(self, conn: _LockConnection) -> None:
         idle = self._here().idle
@@ -361,7 +379,7 @@ class AdvisoryTurnLocks:
         _keep(asyncio.ensure_future(self.release(session_id)))
 
     async def _attempt(self, session_id: str) -> tuple[bool, int | None]:
-        conn = await self._take()
+        conn = await asyncio.wait_for(self._take(), self.call_timeout)
         try:
             taken, version = await asyncio.wait_for(
                 self._lock_in_transaction(conn, session_id), self.call_timeout

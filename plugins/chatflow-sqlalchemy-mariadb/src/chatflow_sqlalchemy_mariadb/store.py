@@ -60,6 +60,10 @@ class _Attempt:
             return self._handed_a_lock
 
 
+_UNLOCKING: set[asyncio.Future[None]] = set()
+"""Releases that outlive a cancelled caller (strong references until they finish)."""
+
+
 class NamedTurnLocks:
     """Per-session named locks (``GET_LOCK(name, 0)``) on one dedicated connection.
 
@@ -154,7 +158,18 @@ class NamedTurnLocks:
             self._call("SELECT RELEASE_LOCK(%s)", session_id)
 
     async def release(self, session_id: str) -> None:
-        """Release the session's lock (a lost connection already released it)."""
+        """Release the session's lock (a lost connection already released it).
+
+        Shielded: a caller cancelled meanwhile (a timeout, a shutdown) does not
+        stop the ``RELEASE_LOCK``, which would otherwise leave the lock held
+        for the life of the lock connection.
+        """
+        unlock = asyncio.ensure_future(self._release_on_pool(session_id))
+        _UNLOCKING.add(unlock)
+        unlock.add_done_callback(_UNLOCKING.discard)
+        await asyncio.shield(unlock)
+
+    async def _release_on_pool(self, session_id: str) -> None:
         with contextlib.suppress(RuntimeError):  # closed: the server released it
             await self._pool.run(self._release, session_id)
 
