@@ -113,6 +113,26 @@ def test_every_statement_of_a_turn_is_seen_by_the_engines_events(store_opener: O
         assert before <= stamp <= after
 
 
+def test_sqlite_transactions_begin_where_the_events_see_it(tmp_path: Path) -> None:
+    """SQLite's own BEGIN (IMMEDIATE for a write) is sent through the connection, not
+    around it: a turn's write shows ``BEGIN IMMEDIATE`` before its statements."""
+    store = SQLiteSessionStore(tmp_path / "begin.db")
+    sent: list[str] = []
+    session = store.get_or_create("chat", TRIAGE)
+
+    def record(*args: Any) -> None:
+        sent.append(" ".join(args[2].split()))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        session.add_message(Message(role=Role.USER, content="oi"))
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+        store.close()
+    begin = sent.index("BEGIN IMMEDIATE")
+    assert any(sql.startswith("INSERT INTO chatflow_messages") for sql in sent[begin:]), sent
+
+
 def test_stale_context_write_rebases(store_opener: Opener) -> None:
     """A context another store wrote behind: its write misses the CAS and rebases; it must not
     collide with the other writer's rows (seq) and fail."""

@@ -152,9 +152,9 @@ class SQLiteDialectSupport(DialectSupport):
             if options.get("chatflow_autocommit"):
                 return  # one self-contained statement: SQLite makes it atomic by itself
             write = options.get("chatflow_write", False)
-            # Straight to the driver: a full SQLAlchemy execution here would cost
-            # more than the BEGIN itself, on every transaction.
-            _raw(conn).execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            # SQLAlchemy's documented recipe for pysqlite: the BEGIN goes through the
+            # connection, so echo, cursor events and instrumentation see it too.
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     def insert_ignore(self, table: Table) -> Insert:
         """``INSERT ... ON CONFLICT DO NOTHING``."""
