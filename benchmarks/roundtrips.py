@@ -36,7 +36,7 @@ import asyncio
 import time
 from typing import Any
 
-__all__ = ["count_turns", "latency_run", "main"]
+__all__ = ["claiming_adapter", "count_turns", "latency_run", "main"]
 
 DELAY_MS = 0.5
 
@@ -116,7 +116,7 @@ def count_turns(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, dict[
     return results
 
 
-def _claiming_adapter() -> type[Any]:
+def claiming_adapter() -> type[Any]:
     """``ours-pg`` with each turn in ``async with store.claim(...)``, its reply stored."""
     from benchmarks.stores.chatflow import OursPostgres
 
@@ -151,7 +151,7 @@ def latency_run(proxy: Any, direct_url: str, turns: int = 300, rounds: int = 3) 
     try:
         for round_ in range(rounds):
             for name in ("raw-pg", "ours-pg", "ours-pg-claim", "oai-sqla-pg"):
-                cls = _claiming_adapter() if name == "ours-pg-claim" else adapter_class(name)
+                cls = claiming_adapter() if name == "ours-pg-claim" else adapter_class(name)
                 target = Target(pg_url=url, schema=create_schema(direct_url, name))
                 cls.prepare(target)
                 adapter = cls(target)
