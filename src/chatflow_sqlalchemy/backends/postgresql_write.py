@@ -9,13 +9,15 @@ swap itself needs the fence's row lock, so a missed swap or a lost claim
 changes nothing. Locks are taken in the order of every other writer (the
 session row, then its claim row: the step-by-step write, ``erase_user`` and
 ``sweep`` do the same), so none of them can deadlock with it. The messages
-travel as arrays (``unnest``): one statement text whatever the number of
-rows, so SQLAlchemy's compiled cache holds four (metadata changed or not,
-claim or not).
+travel as one JSON text (``json_to_recordset``): one statement text whatever
+the number of rows, so SQLAlchemy's compiled cache holds four (metadata
+changed or not, claim or not), and one parameter for the driver to send,
+where arrays of text make it scan and escape every element.
 """
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any, cast
 
@@ -27,6 +29,7 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
+    column,
     delete,
     exists,
     func,
@@ -35,7 +38,8 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import ARRAY, JSON
 
 from chatflow_sqlalchemy.dialect import SessionWrite
 from chatflow_sqlalchemy.models import (
@@ -95,14 +99,12 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
         _messages.c.seq == any_(bindparam("gone", type_=ARRAY(BigInteger))),
     ).cte("pruned")
     rows = (
-        func.unnest(
-            bindparam("seqs", type_=ARRAY(BigInteger)),
-            bindparam("roles", type_=ARRAY(Text)),
-            bindparam("contents", type_=ARRAY(Text)),
-            bindparam("jsons", type_=ARRAY(Text)),
+        func.json_to_recordset(sql_cast(bindparam("rows", type_=Text), JSON))
+        .table_valued(
+            column("seq", BigInteger), column("role", Text), column("content", Text),
+            column("message_json", Text),
         )
-        .table_valued("seq", "role", "content", "message_json")
-        .render_derived(name="new_rows")
+        .render_derived(name="new_rows", with_types=True)
     )
     added = insert(_messages).from_select(
         ["session_id", "seq", "role", "content", "message_json", "created_at"],
@@ -125,10 +127,13 @@ def write_at_once(connection: Connection, write: SessionWrite) -> tuple[bool, bo
     params: dict[str, Any] = {
         **write.swap,
         "gone": list(write.gone),
-        "seqs": [row["seq"] for row in write.rows],
-        "roles": [row["role"] for row in write.rows],
-        "contents": [row["content"] for row in write.rows],
-        "jsons": [row["message_json"] for row in write.rows],
+        "rows": json.dumps(
+            [
+                {key: row[key] for key in ("seq", "role", "content", "message_json")}
+                for row in write.rows
+            ],
+            ensure_ascii=False,
+        ),
     }
     fence = write.fence
     if fence is not None:
