@@ -56,6 +56,7 @@ def test_each_turn_lock_is_one_statement_seen_by_the_lock_engine(
         async def turn() -> None:
             async with ctx.lock:
                 ctx.add_message(Message(role=Role.USER, content="q"))
+            await _given_back(store)  # a worker's loop lives on after the turn
 
         asyncio.run(turn())
     finally:
@@ -65,6 +66,75 @@ def test_each_turn_lock_is_one_statement_seen_by_the_lock_engine(
     take, give_back = before
     assert "chatflow_turn_lock(" in take and take.rstrip().endswith("BEGIN")
     assert give_back == "ROLLBACK"
+
+
+async def _given_back(store: PostgresSessionStore) -> None:
+    """Until the process holds no lock (a hang guard, not a timing bound)."""
+    for _ in range(3000):
+        if not store.turn_locks.held():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still held: {store.turn_locks.held()}")
+
+
+def test_a_turn_goes_on_before_its_lock_is_given_back_and_its_next_turn_waits_for_it(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The turn's write is committed when the lock's ``ROLLBACK`` is sent, so the turn does
+    not wait for its answer; the session's next turn in this process waits for it instead
+    of finding its own lock taken. Another connection can take the lock once it is back."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    locks = store.turn_locks
+    try:
+        ctx = store.get_or_create("s", BOT)
+
+        async def turns() -> list[list[str]]:
+            seen = []
+            for turn in range(3):
+                async with ctx.lock:
+                    ctx.add_message(Message(role=Role.USER, content=f"q{turn}"))
+                seen.append(locks.held())
+            await _given_back(store)
+            return seen
+
+        assert asyncio.run(turns()) == [["s"], ["s"], ["s"]], "each turn went on at once"
+        assert _count_of(pg_url, pg_schema, _ADVISORY_LOCKS) == 0
+        assert [m.content for m in store.get_or_create("s", BOT).history] == ["q0", "q1", "q2"]
+
+        async def take_right_after_release() -> list[bool]:
+            taken = []
+            for _ in range(5):
+                taken.append((await locks.try_acquire("t"))[0])
+                await locks.release("t")
+            await _given_back(store)
+            return taken
+
+        assert asyncio.run(take_right_after_release()) == [True] * 5
+    finally:
+        store.close()
+
+
+def test_a_release_pending_when_the_store_closes_ends_cleanly(
+    pg_url: str, pg_schema: str
+) -> None:
+    """``aclose`` right after a turn waits for the ``ROLLBACK`` already sent: no lock is
+    left, and the connection is closed without a warning."""
+    store = pg_util.schema_store(pg_url, pg_schema)
+    ctx = store.get_or_create("s", BOT)
+
+    async def turn_then_close() -> None:
+        async with ctx.lock:
+            ctx.add_message(Message(role=Role.USER, content="q"))
+        assert store.turn_locks.held() == ["s"]
+        await store.aclose()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(turn_then_close())
+        gc.collect()
+    assert [str(w.message) for w in caught if "connection" in str(w.message)] == []
+    assert store.turn_locks.held() == []
+    assert _count_of(pg_url, pg_schema, _BACKENDS) == 0
 
 
 def test_turn_locks_refuse_an_isolation_level_that_reads_the_version_too_early(

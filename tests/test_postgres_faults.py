@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 import pytest
 from chatflow_agent import Agent, Message, Role
-from sqlalchemy import make_url
+from sqlalchemy import event, make_url
 
 from chatflow_sqlalchemy import DatabaseUnavailableError, PostgresSessionStore, dialect, open_store
 
@@ -244,6 +244,51 @@ def test_proxy_passes_and_delays_traffic(
         assert proxy.connections >= 1
     with pg_util.schema_store(fault_url, fault_schema) as direct:
         assert _contents(direct, "s") == ["through the proxy", "delayed", "answer"]
+
+
+def test_a_sessions_next_turn_lock_waits_for_the_answer_to_its_last_release(
+    fault_url: str, fault_schema: str, proxy: FaultProxy
+) -> None:
+    """``release`` returns once its ``ROLLBACK`` is sent; the session's next lock in this
+    process is asked for only after that ``ROLLBACK`` was answered, even with an idle lock
+    connection at hand (20 ms each way: without the wait it would go out first)."""
+    with pg_util.schema_store(proxy.url(fault_url), fault_schema) as store:
+        locks = store.turn_locks
+        (engine,) = locks.engines
+        order: list[tuple[str, str]] = []
+        event.listen(engine, "before_cursor_execute",
+                     lambda *a: order.append(("sent", a[2].split()[0])))
+        event.listen(engine, "after_cursor_execute",
+                     lambda *a: order.append(("answered", a[2].split()[0])))
+
+        async def given_back() -> None:
+            for _ in range(3000):  # a hang guard, not a timing bound
+                if not locks.held():
+                    return
+                await asyncio.sleep(0.01)
+
+        async def scenario() -> tuple[list[bool], list[str]]:
+            both = await asyncio.gather(locks.try_acquire("a"), locks.try_acquire("b"))
+            for session_id in ("a", "b"):
+                await locks.release(session_id)
+            await given_back()  # two idle lock connections now
+            proxy.set_mode(Mode.DELAY, delay_ms=20)
+            order.clear()
+            taken = [taken for taken, _, _ in both]
+            taken.append((await locks.try_acquire("t"))[0])
+            await locks.release("t")
+            held_after_release = locks.held()
+            taken.append((await locks.try_acquire("t"))[0])
+            await locks.release("t")
+            await given_back()
+            return taken, held_after_release
+
+        taken, held_after_release = asyncio.run(scenario())
+    assert taken == [True, True, True, True]
+    assert held_after_release == ["t"], "release waited for the ROLLBACK's answer"
+    assert order == [("sent", "SELECT"), ("answered", "SELECT"), ("sent", "ROLLBACK"),
+                     ("answered", "ROLLBACK"), ("sent", "SELECT"), ("answered", "SELECT"),
+                     ("sent", "ROLLBACK"), ("answered", "ROLLBACK")]
 
 
 def test_opening_a_store_on_a_server_that_never_answers_fails_cleanly(

@@ -185,36 +185,39 @@ def _discard_soon(connections: list[_LockConnection]) -> None:
 
 
 class _Held:
-    """A turn lock being held: its connection (in a transaction) and its heartbeat."""
+    """A turn lock being held: its connection (in a transaction), its heartbeat, its end."""
 
-    __slots__ = ("conn", "heartbeat", "stop", "use")
+    __slots__ = ("conn", "ending", "heartbeat", "stop", "use")
 
     def __init__(self, conn: _LockConnection) -> None:
         self.conn = conn
         self.stop = asyncio.Event()
         self.use = asyncio.Lock()
         self.heartbeat: asyncio.Future[None] | None = None
+        self.ending: asyncio.Future[None] | None = None
 
 
 class _LoopLocks:
-    """The lock connections of one event loop: idle ones, held locks, distrusted locks."""
+    """The lock connections of one event loop: idle, held, being released, distrusted."""
 
-    __slots__ = ("distrusted", "held", "idle")
+    __slots__ = ("distrusted", "held", "idle", "releasing")
 
     def __init__(self) -> None:
         self.idle: list[_LockConnection] = []
         self.held: dict[str, _Held] = {}
+        self.releasing: dict[str, _Held] = {}
         self.distrusted: set[str] = set()
 
     def abandon(self) -> list[_LockConnection]:
         """Cut every socket at once (the loop is gone; the server frees the locks)."""
         idle, self.idle = self.idle, []
-        held, self.held = self.held, {}
+        held = [*self.held.values(), *self.releasing.values()]
+        self.held, self.releasing = {}, {}
         self.distrusted.clear()
-        gone = [*idle, *(lock.conn for lock in held.values())]
+        gone = [*idle, *(lock.conn for lock in held)]
         for conn in gone:
             conn.cut()
-        for lock in held.values():
+        for lock in held:
             with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
                 lock.stop.set()
         return gone
@@ -379,6 +382,11 @@ class AdvisoryTurnLocks:
         _keep(asyncio.ensure_future(self.release(session_id)))
 
     async def _attempt(self, session_id: str) -> tuple[bool, int | None]:
+        releasing = self._here().releasing.get(session_id)
+        if releasing is not None and releasing.ending is not None:
+            # This process's last turn of the session is still giving the lock back.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(releasing.ending)
         conn = await asyncio.wait_for(self._take(), self.call_timeout)
         try:
             taken, version = await asyncio.wait_for(
@@ -430,9 +438,16 @@ class AdvisoryTurnLocks:
                     return
 
     async def release(self, session_id: str) -> None:
-        """Release the session's lock (``ROLLBACK``); a lost connection already released it.
+        """Give the session's lock back: send its ``ROLLBACK``, without waiting for the answer.
 
-        Shielded: a caller cancelled meanwhile does not stop the unlock.
+        The turn's write committed before, so nothing waits on the answer
+        but the connection's return to the idle ones: the caller goes on one
+        round trip sooner. This process's next :meth:`try_acquire` of the
+        session waits for the answer first; :meth:`aclose` waits for every
+        one of its loop. A ``ROLLBACK`` that fails, gets no answer within
+        :data:`LOCK_RELEASE_TIMEOUT_SECONDS` or is cut short by its loop's
+        end closes the connection instead, which frees the lock too. A lost
+        connection already released it.
         """
         here = self._here()
         held = here.held.pop(session_id, None)
@@ -443,24 +458,51 @@ class AdvisoryTurnLocks:
             here.distrusted.discard(session_id)
             _discard_soon([held.conn])  # no round trip into a frozen network: closing releases
             return
-        with contextlib.suppress(Exception):
-            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
+        here.releasing[session_id] = held
+        held.ending = ending = _keep(asyncio.ensure_future(self._end(held)))
+        bound = asyncio.get_running_loop().call_later(LOCK_RELEASE_TIMEOUT_SECONDS, ending.cancel)
+        ending.add_done_callback(lambda done: self._ended(here, session_id, held, done, bound))
+        await asyncio.sleep(0)  # one step of the task: the ROLLBACK is sent before we go on
 
-    async def _end(self, held: _Held) -> None:
+    @staticmethod
+    async def _end(held: _Held) -> None:
         async with held.use:
-            try:
-                await asyncio.wait_for(
-                    held.conn.sa.exec_driver_sql("ROLLBACK"), LOCK_RELEASE_TIMEOUT_SECONDS
-                )
-            except BaseException:
-                _discard_soon([held.conn])
-                raise
-            self._put(held.conn)
+            await held.conn.sa.exec_driver_sql("ROLLBACK")
+
+    def _ended(
+        self,
+        here: _LoopLocks,
+        session_id: str,
+        held: _Held,
+        done: asyncio.Future[None],
+        bound: asyncio.TimerHandle,
+    ) -> None:
+        """After a ``ROLLBACK``: the connection serves again, or is closed (freeing the lock)."""
+        bound.cancel()
+        if here.releasing.get(session_id) is held:
+            del here.releasing[session_id]
+        if done.cancelled():  # no answer in time, or the loop is ending
+            logger.debug("the turn lock of session %r: its connection is closed", session_id)
+            held.conn.cut()  # no I/O now; the idle list drops it at its next use or close
+            here.idle.append(held.conn)
+            return
+        failure = done.exception()
+        if failure is not None:
+            logger.warning(
+                "the turn lock of session %r was given back by closing its connection (%s)",
+                session_id, type(failure).__name__,
+            )
+            _discard_soon([held.conn])
+        elif held.conn.closed or len(here.idle) >= self.max_idle_connections:
+            _discard_soon([held.conn])
+        else:
+            here.idle.append(held.conn)
 
     def held(self) -> list[str]:
-        """Sessions whose lock this process holds now (in every event loop)."""
+        """Sessions whose lock this process holds now, or is giving back (every event loop)."""
         with self._loops_lock:
-            return [session for state in self._loops.values() for session in state.held]
+            return [session for state in self._loops.values()
+                    for session in (*state.held, *state.releasing)]
 
     def distrust(self) -> None:
         """Release the locks held now by closing their connections, not by ``ROLLBACK``.
@@ -474,7 +516,13 @@ class AdvisoryTurnLocks:
                 state.distrusted.update(state.held)
 
     async def aclose(self) -> None:
-        """Close every lock connection, releasing every lock."""
+        """Close every lock connection, releasing every lock.
+
+        The ``ROLLBACK``s this loop has sent are waited for first, so their
+        connections end cleanly.
+        """
+        endings = [held.ending for held in self._here().releasing.values() if held.ending]
+        await asyncio.gather(*endings, return_exceptions=True)
         with self._loops_lock:
             loops, self._loops = self._loops, {}
         gone = [conn for state in loops.values() for conn in state.abandon()]

@@ -1793,6 +1793,25 @@ class TestCrossProcess(StoreTestBase):
         assert per_label == {label: list(range(n_turns)) for label in labels}
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_a_turn_lock_given_back_is_taken_again_at_once(self, store: Any) -> None:
+        """``release`` may return before the server answered; the same session's next
+        ``try_acquire`` in this process still finds the lock free, every time."""
+        locks = store.turn_locks
+        if locks is None:
+            pytest.skip("this backend has no cross-process turn locks")
+        session_id = new_id()
+
+        async def take_and_give_back() -> list[bool]:
+            taken = []
+            for _ in range(5):
+                taken.append(bool((await locks.try_acquire(session_id))[0]))
+                await locks.release(session_id)
+            await asyncio.sleep(0.05)  # a loop that lives on: late answers arrive
+            return taken
+
+        assert run(take_and_give_back()) == [True] * 5
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
     def test_turn_lock_statements_are_seen_on_the_stores_engines(self, store: Any) -> None:
         """The turn lock's statements run on ``turn_locks.engines``, all in ``store.engines``.
 
@@ -1811,12 +1830,19 @@ class TestCrossProcess(StoreTestBase):
         def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
             seen.append(statement)
 
+        async def turn_on_a_loop_that_lives_on() -> None:
+            await runner.run_async(new_id(), "hello")
+            for _ in range(3000):  # a lock may be given back after the turn returned
+                if len(seen) >= 2:
+                    return
+                await asyncio.sleep(0.01)
+
         for engine in locks.engines:
             event.listen(engine, "before_cursor_execute", on_execute)
         try:
             runner = Runner(starting_agent=make_agents()[0], session_store=store,
                             engine=ScriptedEngine())
-            run(runner.run_async(new_id(), "hello"))
+            run(turn_on_a_loop_that_lives_on())
         finally:
             for engine in locks.engines:
                 event.remove(engine, "before_cursor_execute", on_execute)
