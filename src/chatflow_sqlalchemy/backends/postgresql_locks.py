@@ -36,6 +36,7 @@ do not.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -77,9 +78,6 @@ _TAKE = text(
     "FROM chatflow_turn_lock(CAST(:key AS bigint), :session_id, :lease_ms); BEGIN"
 )
 """A turn lock's one round trip: the lock and the version, then the transaction kept open."""
-
-_FIRST_CONNECT_POLL_SECONDS = 0.005
-"""How often a loop looks whether another loop's first connection of the lock engine is done."""
 
 _R = TypeVar("_R")
 
@@ -256,8 +254,8 @@ class AdvisoryTurnLocks:
         self.call_timeout = call_timeout
         self._loops: dict[asyncio.AbstractEventLoop, _LoopLocks] = {}
         self._loops_lock = threading.Lock()
-        self._first_connector: asyncio.AbstractEventLoop | None = None
-        self._connected_once = False
+        self._first_connection: concurrent.futures.Future[None] | None = None
+        self._initialised = False
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -298,36 +296,43 @@ class AdvisoryTurnLocks:
         return _LockConnection(sa, raw.driver_connection)
 
     async def _connect(self) -> AsyncConnection:
-        """A new connection of the lock engine; the engine's first one is made by one loop.
+        """A new connection of the lock engine, once its dialect is initialised."""
+        if not self._initialised:
+            # Shielded: a caller that gives up leaves the first connection to finish.
+            await asyncio.shield(asyncio.wrap_future(self._initialise()))
+        return await self._engine.connect()
+
+    def _initialise(self) -> concurrent.futures.Future[None]:
+        """The engine's first connection, made once on a thread and event loop of its own.
 
         SQLAlchemy initialises the dialect on an engine's first connection
-        under a mutex of the loop that made it, which a second loop cannot
-        wait on. Until a first connection succeeded, loops take turns
-        opening one: the others poll (no loop ever blocks), and a loop that
-        was closed while it was connecting is taken over.
+        under an asyncio mutex. A caller's loop closed half-way through would
+        leave that mutex held for good, and every later connection would wait
+        on it; a loop of the locks' own always runs the connection to its end.
+        A failed attempt (the server down) is retried by the next caller.
         """
-        if self._connected_once:
-            return await self._engine.connect()
-        loop = asyncio.get_running_loop()
-        while not self._first_connect_for(loop):
-            await asyncio.sleep(_FIRST_CONNECT_POLL_SECONDS)
-        try:
-            conn = await self._engine.connect()
-            self._connected_once = True
-            return conn
-        finally:
-            with self._loops_lock:
-                if self._first_connector is loop:
-                    self._first_connector = None
-
-    def _first_connect_for(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Whether ``loop`` may open the engine's first connection now."""
         with self._loops_lock:
-            owner = self._first_connector
-            if owner is None or owner is loop or owner.is_closed():
-                self._first_connector = loop
-                return True
-            return False
+            first = self._first_connection
+            if first is None or (first.done() and first.exception() is not None):
+                first = self._first_connection = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._first_connect, args=(first,),
+                    name="chatflow-lock-engine-init", daemon=True,
+                ).start()
+            return first
+
+    def _first_connect(self, done: concurrent.futures.Future[None]) -> None:
+        async def connect_once() -> None:
+            conn = await self._engine.connect()
+            await conn.close()
+
+        try:
+            asyncio.run(connect_once())
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            self._initialised = True
+            done.set_result(None)
 
     def _put(self, conn: _LockConnection) -> None:
         idle = self._here().idle
