@@ -10,8 +10,10 @@ connection with ``options=-csearch_path=<schema>``, dropped with CASCADE after.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from chatflow_sqlalchemy.backends.postgresql_locks import LOCK_RELEASE_TIMEOUT_SECONDS
 from chatflow_sqlalchemy.testing import database_problem
 
 ENV_VAR = "CHATFLOW_TEST_POSTGRES_URL"
@@ -151,3 +154,18 @@ def schema_store(url: str, schema: str, **options: Any) -> Any:
 
     connect_args = {**schema_connect_args(schema), "application_name": schema}
     return PostgresSessionStore(url, connect_args=connect_args, **options)
+
+
+async def take_once_given_back(store: Any, session_id: str) -> tuple[bool, bool, int | None]:
+    """Another process's try of a lock just given back, repeated as the store's turns do.
+
+    ``release`` returns once its ``ROLLBACK`` is sent, not answered: another
+    process may reach the server first and find the lock still held for that
+    moment. Repeated until taken; the bound is a hang guard, not a timing.
+    """
+    deadline = time.monotonic() + LOCK_RELEASE_TIMEOUT_SECONDS
+    while True:
+        taken, known, version = await store.turn_locks.try_acquire(session_id)
+        if taken or time.monotonic() > deadline:
+            return taken, known, version
+        await asyncio.sleep(0.005)

@@ -5,6 +5,7 @@ network freeze mid-turn, a partitioned lock holder and connections cut at COMMIT
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import uuid
@@ -496,3 +497,54 @@ def test_lost_commit_acknowledgement_of_a_claimed_turn_is_not_run_twice(
         store.close()
     with pg_util.schema_store(fault_url, fault_schema) as direct:
         assert _contents(direct, "s") == ["where is my order?", "on its way"]
+
+
+def test_a_store_closed_while_a_release_waits_for_its_answer_frees_nothing_under_it(
+    fault_url: str, fault_schema: str, proxy: FaultProxy
+) -> None:
+    """``close()`` from the loop while a ``ROLLBACK`` waits for its answer (200 ms each way).
+
+    psycopg's protocol code keeps libpq's connection while it waits, so the
+    close must only shut the socket down: the waiting ``ROLLBACK`` then fails on
+    the shut socket instead of resuming on freed memory (a heap corruption that
+    crashed the process later, in the garbage collector). Afterwards the lock is
+    free, the loop and new connections on it work, and nothing is left open.
+    """
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    locks = store.turn_locks
+    (lock_engine,) = locks.engines
+    rolling_back: list[Any] = []  # the psycopg connection the ROLLBACK waits on
+
+    @event.listens_for(lock_engine, "before_cursor_execute")
+    def _seen(conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        if statement == "ROLLBACK":
+            rolling_back.append(conn.connection.driver_connection)
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        assert (await locks.try_acquire("s"))[0]
+        with pg_util.schema_store(fault_url, fault_schema) as other:
+            proxy.set_mode(Mode.DELAY, delay_ms=200)
+            await locks.release("s")  # sent; its answer is 400 ms away
+            store.close()
+            closed_under_it = rolling_back[0].closed
+            proxy.set_mode(Mode.PASS)
+            # other's first lock connection is this loop's next socket: it would get the
+            # descriptor number a freed connection gave up, still watched for the ROLLBACK
+            taken = (await pg_util.take_once_given_back(other, "s"))[0]
+            await other.turn_locks.release("s")
+            ctx = other.get_or_create("after", BOT)
+            async with ctx.lock:
+                ctx.add_message(_user("the loop goes on"))
+        for _ in range(300):  # the waiting ROLLBACK unwinds (a hang guard, not a timing)
+            if rolling_back[0].closed:
+                break
+            await asyncio.sleep(0.01)
+        return closed_under_it, taken, rolling_back[0].closed
+
+    closed_under_it, taken, closed_after = asyncio.run(scenario())
+    gc.collect()
+    assert not closed_under_it, "libpq's connection was freed while the ROLLBACK waited on it"
+    assert taken, "the closed store's lock was freed on the server"
+    assert closed_after, "once the ROLLBACK unwound, its connection was closed"
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        assert _contents(direct, "after") == ["the loop goes on"]

@@ -40,8 +40,10 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import os
+import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL, Engine, event, text
@@ -137,28 +139,61 @@ def lock_engine(engine: Engine, fallback_connect_args: dict[str, Any]) -> AsyncE
 
 
 class _LockConnection:
-    """A connection of the lock engine, and its psycopg connection (to close it at once)."""
+    """A connection of the lock engine, its psycopg connection, and whether it is in use.
 
-    __slots__ = ("driver", "sa")
+    psycopg's protocol generators keep libpq's connection pointer while they
+    wait for the server, so libpq's memory must never be freed under a
+    statement that is still waiting: that statement would resume on freed
+    memory. :meth:`cut` therefore only shuts the socket down, and the
+    connection is closed (libpq freed) once no statement waits on it.
+    """
+
+    __slots__ = ("busy", "driver", "loop", "sa", "was_cut")
 
     def __init__(self, sa: AsyncConnection, driver: Any) -> None:
         self.sa = sa
         self.driver = driver
+        self.loop = asyncio.get_running_loop()
+        self.busy = False
+        self.was_cut = False
 
     @property
     def closed(self) -> bool:
-        return bool(self.sa.closed or self.sa.invalidated or self.driver.closed)
+        return bool(self.was_cut or self.sa.closed or self.sa.invalidated or self.driver.closed)
+
+    @property
+    def in_flight(self) -> bool:
+        """A statement waits on this connection, in a loop that can still resume it."""
+        return self.busy and not self.loop.is_closed()
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Mark a statement on this connection, from its start until it has unwound."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     def cut(self) -> None:
-        """Close the socket without a round trip (the server frees the connection's locks)."""
+        """Shut the socket down, no round trip: the server ends the session, freeing its locks.
+
+        A statement still waiting on the connection then fails on the shut
+        socket when it resumes.
+        """
+        self.was_cut = True
         with contextlib.suppress(Exception):
-            self.driver.pgconn.finish()
+            shared = socket.socket(fileno=os.dup(self.driver.fileno()))
+            with shared:
+                shared.shutdown(socket.SHUT_RDWR)
 
 
 async def _discard(connections: Iterable[_LockConnection]) -> None:
-    """Cut the sockets, then let SQLAlchemy forget the connections (no I/O left to do)."""
+    """Cut the sockets, then close what no statement waits on (a waiting one closes itself)."""
     for conn in connections:
         conn.cut()
+        if conn.in_flight:
+            continue  # its statement fails on the shut socket, and its failure discards it
         with contextlib.suppress(Exception):
             await conn.sa.invalidate()
             await conn.sa.close()
@@ -415,10 +450,11 @@ class AdvisoryTurnLocks:
         lease_ms = str(max(1, round(self.lease_seconds * 1000)))
         params = {"key": session_lock_key(session_id), "session_id": session_id,
                   "lease_ms": lease_ms}
-        taken, version = (await conn.sa.execute(_TAKE, params)).one()
-        if not taken:
-            await conn.sa.exec_driver_sql("ROLLBACK")
-            return False, None
+        with conn.in_use():
+            taken, version = (await conn.sa.execute(_TAKE, params)).one()
+            if not taken:
+                await conn.sa.exec_driver_sql("ROLLBACK")
+                return False, None
         return True, (None if version is None else int(version))
 
     async def _beat(self, session_id: str, held: _Held) -> None:
@@ -431,9 +467,10 @@ class AdvisoryTurnLocks:
                 if held.stop.is_set():
                     return
                 try:
-                    await asyncio.wait_for(
-                        held.conn.sa.exec_driver_sql("SELECT 1"), self.call_timeout
-                    )
+                    with held.conn.in_use():
+                        await asyncio.wait_for(
+                            held.conn.sa.exec_driver_sql("SELECT 1"), self.call_timeout
+                        )
                 except Exception as exc:
                     logger.warning(
                         "the turn lock of session %r was lost (%s); the turn's write is still "
@@ -472,7 +509,8 @@ class AdvisoryTurnLocks:
     @staticmethod
     async def _end(held: _Held) -> None:
         async with held.use:
-            await held.conn.sa.exec_driver_sql("ROLLBACK")
+            with held.conn.in_use():
+                await held.conn.sa.exec_driver_sql("ROLLBACK")
 
     def _ended(
         self,
