@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 import time
 import uuid
@@ -548,3 +549,35 @@ def test_a_store_closed_while_a_release_waits_for_its_answer_frees_nothing_under
     assert closed_after, "once the ROLLBACK unwound, its connection was closed"
     with pg_util.schema_store(fault_url, fault_schema) as direct:
         assert _contents(direct, "after") == ["the loop goes on"]
+
+
+def test_a_turn_lock_asked_into_a_network_that_never_answers_sends_no_cancel_request(
+    fault_url: str, fault_schema: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past ``call_timeout`` the lock call's socket is shut down, so it ends then.
+
+    Cancelling it instead makes psycopg ask the server to cancel the query and
+    wait for that, into a network that never answers: about ten seconds past
+    the bound, and psycopg logs that the cancellation failed.
+    """
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    store.turn_locks.call_timeout = 1.0
+    locks = store.turn_locks
+
+    async def scenario() -> None:
+        assert (await locks.try_acquire("warm"))[0]  # an idle lock connection to reuse
+        await locks.release("warm")
+        while locks.held():  # a hang guard bounds the whole test
+            await asyncio.sleep(0.01)
+        proxy.set_mode(Mode.BLACK_HOLE)
+        await locks.try_acquire("s")
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="psycopg"), pytest.raises(
+            DatabaseUnavailableError, match="no answer within 1 s"
+        ):
+            _within(lambda: asyncio.run(scenario()))
+    finally:
+        proxy.set_mode(Mode.PASS)
+        store.close()
+    assert [r.getMessage() for r in caplog.records if "cancel" in r.getMessage()] == []

@@ -43,7 +43,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL, Engine, event, text
@@ -215,6 +215,32 @@ def _discard_soon(connections: list[_LockConnection]) -> None:
             loop.close()
     else:
         _keep(asyncio.ensure_future(_discard(connections)))
+
+
+async def _bounded_on(conn: _LockConnection, call: Awaitable[_R], seconds: float) -> _R:
+    """``call`` on ``conn``, given at most ``seconds``; past them the socket is shut down.
+
+    ``asyncio.wait_for`` would cancel the call, and psycopg answers a
+    cancelled query by asking the server to cancel it and waiting for that:
+    into a network that does not answer, seconds past the bound. A shut
+    socket ends the call at once, and the server frees the connection's locks.
+
+    Raises:
+        asyncio.TimeoutError: No answer within ``seconds``.
+
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        conn.cut()
+        with contextlib.suppress(Exception):
+            await task  # fails on the shut socket at once
+        raise asyncio.TimeoutError
+    return task.result()
 
 
 class _Held:
@@ -429,8 +455,8 @@ class AdvisoryTurnLocks:
                 await asyncio.shield(releasing.ending)
         conn = await asyncio.wait_for(self._take(), self.call_timeout)
         try:
-            taken, version = await asyncio.wait_for(
-                self._lock_in_transaction(conn, session_id), self.call_timeout
+            taken, version = await _bounded_on(
+                conn, self._lock_in_transaction(conn, session_id), self.call_timeout
             )
         except BaseException:
             _discard_soon([conn])
@@ -467,10 +493,7 @@ class AdvisoryTurnLocks:
                 if held.stop.is_set():
                     return
                 try:
-                    with held.conn.in_use():
-                        await asyncio.wait_for(
-                            held.conn.sa.exec_driver_sql("SELECT 1"), self.call_timeout
-                        )
+                    await _bounded_on(held.conn, self._ping(held.conn), self.call_timeout)
                 except Exception as exc:
                     logger.warning(
                         "the turn lock of session %r was lost (%s); the turn's write is still "
@@ -478,6 +501,11 @@ class AdvisoryTurnLocks:
                     )
                     _discard_soon([held.conn])
                     return
+
+    @staticmethod
+    async def _ping(conn: _LockConnection) -> None:
+        with conn.in_use():
+            await conn.sa.exec_driver_sql("SELECT 1")
 
     async def release(self, session_id: str) -> None:
         """Give the session's lock back: send its ``ROLLBACK``, without waiting for the answer.
@@ -502,7 +530,7 @@ class AdvisoryTurnLocks:
             return
         here.releasing[session_id] = held
         held.ending = ending = _keep(asyncio.ensure_future(self._end(held)))
-        bound = asyncio.get_running_loop().call_later(LOCK_RELEASE_TIMEOUT_SECONDS, ending.cancel)
+        bound = asyncio.get_running_loop().call_later(LOCK_RELEASE_TIMEOUT_SECONDS, held.conn.cut)
         ending.add_done_callback(lambda done: self._ended(here, session_id, held, done, bound))
         await asyncio.sleep(0)  # one step of the task: the ROLLBACK is sent before we go on
 
