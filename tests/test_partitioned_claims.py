@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from chatflow_agent import Agent, Message, Role
 
 from chatflow_sqlalchemy import PostgresSessionStore, migrate
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
@@ -119,6 +121,46 @@ def test_an_id_in_an_earlier_days_partition_is_still_one_row(store: Any) -> None
         assert not claim.acquired and claim.response == "second try"
     for mid in ("done-before", "released-before"):
         assert [day for _, day in _rows(engine, mid)] == [three_days_ago]
+
+
+def test_a_claims_row_moved_to_today_by_the_purge_mid_turn_still_fences_the_turns_write(
+    store: Any,
+) -> None:
+    """The turn's write looks for its claim's row from the day it was taken in, on.
+
+    A taken-over id whose row sits in an expired day's partition is moved to
+    today's by a purge while its turn runs; the one-statement write still
+    finds it there (rows only move to a later day), commits the claim and
+    stores the reply, with no step-by-step write after it.
+    """
+    engine = store.engine
+    session_updates: list[str] = []
+    for seen in store.engines:
+        sa.event.listen(
+            seen, "before_cursor_execute",
+            lambda *a: session_updates.append(a[2]) if "UPDATE chatflow_sessions" in a[2] else None,
+        )
+    old_day = TODAY - timedelta(20)
+    _put(engine, "moved", old_day, datetime.now(timezone.utc) - timedelta(hours=2), "released")
+    bot = Agent(name="Bot", instructions="")
+
+    async def turn() -> None:
+        async with store.claim("moved", session_id="s-moved") as claim:
+            assert claim.acquired
+            assert [day for _, day in _rows(engine, "moved")] == [old_day]
+            store.purge_processed_messages()  # another worker's purge, mid-turn
+            assert [day for _, day in _rows(engine, "moved")] == [TODAY]
+            ctx = store.get_or_create("s-moved", bot)
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hello"))
+                ctx.add_message(Message(role=Role.MODEL, content="answer"))
+            claim.response = "answer"
+
+    asyncio.run(turn())
+    with store.claim("moved") as again:
+        assert not again.acquired and again.status == "done" and again.response == "answer"
+    assert [m.content for m in store.get("s-moved").history] == ["hello", "answer"]
+    assert len(session_updates) == 1, "the write was one statement"
 
 
 def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any) -> None:
@@ -354,7 +396,7 @@ def test_claims_of_one_session_taken_at_once_run_one_after_the_other(schema: str
 
 
 def _echo_runner(store: Any) -> Any:
-    from chatflow_agent import Agent, BaseEngine, Message, Runner
+    from chatflow_agent import Agent, BaseEngine, Runner
     from chatflow_agent.core.engines.base import EngineTurnResult
 
     class Echo(BaseEngine):

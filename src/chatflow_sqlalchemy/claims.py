@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
@@ -177,6 +177,8 @@ class ClaimFence:
         reply: The reply that write stored with the claim (the model answer
             the turn added, see :func:`reply_of`); the block's exit stores
             ``claim.response`` only if it differs.
+        partition_day: The day partition the claim's row was in when taken
+            (see :class:`~chatflow_sqlalchemy.dialect.AcquiredClaim`), or None.
 
     """
 
@@ -184,15 +186,24 @@ class ClaimFence:
     token: str
     committed: bool = False
     reply: str | None = None
+    partition_day: date | None = None
 
     def params(self, now: datetime, reply: str | None) -> dict[str, Any]:
-        """Parameters of :data:`FENCE_CLAIM`: the claim, the time, the reply stored with it."""
-        return {
+        """Parameters of :data:`FENCE_CLAIM`: the claim, the time, the reply stored with it.
+
+        With a ``partition_day``, also ``claim_day``: a backend partitioned by
+        day may look for the row from that day on (rows only ever move to a
+        later day, see :mod:`~chatflow_sqlalchemy.backends.postgresql_claims`).
+        """
+        params: dict[str, Any] = {
             "claim_id": self.message_id,
             "claim_token": self.token,
             "claim_now": now,
             "claim_reply": reply,
         }
+        if self.partition_day is not None:
+            params["claim_day"] = self.partition_day
+        return params
 
 
 def reply_of(added: Message | None) -> str | None:
@@ -358,12 +369,12 @@ class WebhookClaim:
         """
         return now - timedelta(seconds=self.lease_seconds)
 
-    def _set_acquired(self, ticket: int | None) -> None:
+    def _set_acquired(self, ticket: int | None, partition_day: date | None = None) -> None:
         assert self.token is not None
         self.acquired = True
         self.status = "acquired"
         self.ticket = ticket
-        self._fence = ClaimFence(self.message_id, self.token)
+        self._fence = ClaimFence(self.message_id, self.token, partition_day=partition_day)
 
     def _set_taken(self, done: bool, response: str | None) -> None:
         self.acquired = False

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Protocol, cast, runtime_checkable
 
 from sqlalchemy import (
@@ -83,6 +83,10 @@ class AcquiredClaim:
             backend with cross-process turn locks that read the version again
             may say so: the claim block's first ``get_or_create`` uses it.
         session_version: See ``session_checked``.
+        partition_day: The day partition the claim's row is in, for a backend
+            whose claims table is partitioned by day (None elsewhere): the
+            turn's write names it, so the database looks in that partition
+            alone rather than planning for every one.
 
     """
 
@@ -91,6 +95,7 @@ class AcquiredClaim:
     earlier_in_flight: bool | None = None
     session_checked: bool = False
     session_version: int | None = None
+    partition_day: date | None = None
 
 
 @dataclass(frozen=True)

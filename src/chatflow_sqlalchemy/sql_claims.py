@@ -157,7 +157,7 @@ class SQLClaims:
                     is not None
                 )
         if got.acquired:
-            claim._set_acquired(ticket)
+            claim._set_acquired(ticket, got.partition_day)
             claim._version_read = got.session_checked and claim.session_id is not None
             claim._session_version = got.session_version
         else:

@@ -281,15 +281,17 @@ class PostgresDialectSupport(DialectSupport):
         """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` in autocommit.
 
         The ticket is drawn under the session's lock; ``RETURNING`` gives it,
-        whether a claim with a smaller one is in flight, and the session's
-        version (:mod:`.postgresql_claims`).
+        whether a claim with a smaller one is in flight, the session's
+        version (:mod:`.postgresql_claims`) and the row's day partition.
         """
         day = pg_claims.claim_day(bindparam("now", type_=UTCDateTime()))
         acquire = on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
-        return acquire.returning(pg_claims.claim_waits(table), pg_claims.session_version(table))
+        return acquire.returning(
+            pg_claims.claim_waits(table), pg_claims.session_version(table), table.c.partition_day
+        )
 
     def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
-        """The ticket, the look for earlier claims and the session's version, off one row.
+        """The ticket, the look for earlier claims, the session's version and the day, off one row.
 
         The version serves the claim block's first ``get_or_create``; the turn
         lock reads it again, so a session written or deleted elsewhere since
@@ -298,8 +300,8 @@ class PostgresDialectSupport(DialectSupport):
         row = result.first()
         if row is None:
             return AcquiredClaim(False)
-        ticket, earlier, version = tuple(row)
-        return AcquiredClaim(True, ticket, bool(earlier), True, version)
+        ticket, earlier, version, day = tuple(row)
+        return AcquiredClaim(True, ticket, bool(earlier), True, version, day)
 
     def claim_ticket(self, table: Table) -> Any:
         """``chatflow_claim_ticket(session_id)``: ``nextval`` under the session's lock."""

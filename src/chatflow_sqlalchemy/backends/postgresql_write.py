@@ -10,20 +10,25 @@ changes nothing. Locks are taken in the order of every other writer (the
 session row, then its claim row: the step-by-step write, ``erase_user`` and
 ``sweep`` do the same), so none of them can deadlock with it. The messages
 travel as one JSON text (``json_to_recordset``): one statement text whatever
-the number of rows, so SQLAlchemy's compiled cache holds four (metadata
+the number of rows, so SQLAlchemy's compiled cache holds a handful (metadata
 changed or not, claim or not), and one parameter for the driver to send,
-where arrays of text make it scan and escape every element.
+where arrays of text make it scan and escape every element. A claim's row is
+looked for in its day partitions only (``claim_day``, read with the claim):
+for every partition, PostgreSQL would plan the fence's lookup and update
+once per turn.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from functools import cache
 from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
     Connection,
+    Date,
     Select,
     Table,
     Text,
@@ -41,6 +46,7 @@ from sqlalchemy import (
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import ARRAY, JSON
 
+from chatflow_sqlalchemy.backends.postgresql_claims import utc_day
 from chatflow_sqlalchemy.dialect import SessionWrite
 from chatflow_sqlalchemy.models import (
     ChatflowMessage,
@@ -58,9 +64,19 @@ _processed = cast(Table, ChatflowProcessedMessage.__table__)
 _NOW = bindparam("now", type_=UTCDateTime())
 
 
+_CLAIM_DAYS = _processed.c.partition_day.between(
+    bindparam("claim_day", type_=Date), bindparam("claim_day_until", type_=Date)
+)
+"""Where the claim's row can be: its day when taken, up to a day past now (see
+:func:`write_at_once`)."""
+
+
 @cache
-def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
-    """The write's statement; it returns one row: ``(swapped, fenced)`` as counts."""
+def _statement(*, metadata: bool, fence: bool, by_day: bool = False) -> Select[Any]:
+    """The write's statement; it returns one row: ``(swapped, fenced)`` as counts.
+
+    ``by_day``: the claim's row is looked for in its day partitions only.
+    """
     swap_where = [
         _sessions.c.session_id == bindparam("sid"),
         _sessions.c.version == bindparam("expected"),
@@ -73,9 +89,10 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
             .with_for_update(key_share=True)
             .cte("locked")
         )
+        mine = (CLAIM_IS_MINE & _CLAIM_DAYS) if by_day else CLAIM_IS_MINE
         fenced = (
             select(_processed.c.message_id)
-            .where(CLAIM_IS_MINE, exists(select(locked.c.session_id)))
+            .where(mine, exists(select(locked.c.session_id)))
             .with_for_update()
             .cte("fenced")
         )
@@ -116,8 +133,10 @@ def _statement(*, metadata: bool, fence: bool) -> Select[Any]:
     parts = [pruned, added]
     counts = [select(func.count()).select_from(swapped).scalar_subquery()]
     if fenced is not None:
-        done = FENCE_CLAIM.where(exists(select(swapped.c.session_id))).cte("done")
-        parts.append(done)
+        fence_claim = FENCE_CLAIM.where(exists(select(swapped.c.session_id)))
+        if by_day:
+            fence_claim = fence_claim.where(_CLAIM_DAYS)
+        parts.append(fence_claim.cte("done"))
         counts.append(select(func.count()).select_from(fenced).scalar_subquery())
     return select(*counts).add_cte(*parts)
 
@@ -136,8 +155,16 @@ def write_at_once(connection: Connection, write: SessionWrite) -> tuple[bool, bo
         ),
     }
     fence = write.fence
+    by_day = False
     if fence is not None:
         params.update(fence)  # the parameters of FENCE_CLAIM
-    statement = _statement(metadata="metadata" in write.swap, fence=fence is not None)
+        by_day = fence.get("claim_day") is not None
+        if by_day:
+            # Rows only move to a later day: the purge moves the live rows of a
+            # dropped day to its own today (a day of slack for its clock).
+            params["claim_day_until"] = utc_day(fence["claim_now"]) + timedelta(days=1)
+    statement = _statement(
+        metadata="metadata" in write.swap, fence=fence is not None, by_day=by_day
+    )
     row = connection.execute(statement, params).one()
     return row[0] == 1, fence is None or row[1] == 1
