@@ -157,11 +157,11 @@ def schema_store(url: str, schema: str, **options: Any) -> Any:
 
 
 async def take_once_given_back(store: Any, session_id: str) -> tuple[bool, bool, int | None]:
-    """Another process's try of a lock just given back, repeated as the store's turns do.
+    """Another process's try of a lock whose connection was just cut (a store closed).
 
-    ``release`` returns once its ``ROLLBACK`` is sent, not answered: another
-    process may reach the server first and find the lock still held for that
-    moment. Repeated until taken; the bound is a hang guard, not a timing.
+    The server frees the lock once it notices the closed socket, so another
+    process may find it held for that moment: repeated as the store's turns
+    do, until taken; the bound is a hang guard, not a timing.
     """
     deadline = time.monotonic() + LOCK_RELEASE_TIMEOUT_SECONDS
     while True:

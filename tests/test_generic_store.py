@@ -18,12 +18,11 @@ from sqlalchemy import create_engine
 from chatflow_sqlalchemy import SQLAlchemySessionStore
 from chatflow_sqlalchemy.testing.suite import ScriptedEngine
 
-from .pg_util import fresh_schema, postgres_url, schema_connect_args, take_once_given_back
+from .pg_util import fresh_schema, postgres_url, schema_connect_args
 
 pytestmark = pytest.mark.postgres
 
 BOT = Agent(name="Bot", instructions="")
-
 
 
 def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_process_lock() -> None:
@@ -47,7 +46,7 @@ def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_proc
                         assert other.turn_locks is not None
                         taken, _, _ = await other.turn_locks.try_acquire("s1")
                         assert taken is False, "another store (process) is kept out of the turn"
-                    taken, known, version = await take_once_given_back(other, "s1")
+                    taken, known, version = await other.turn_locks.try_acquire("s1")
                     assert taken and known and version is not None
                     await other.turn_locks.release("s1")
 

@@ -152,12 +152,7 @@ class TurnLocks(Protocol):
         ...
 
     async def release(self, session_id: str) -> None:
-        """Release what :meth:`try_acquire` took (a lost connection already released it).
-
-        It may return before the server answered (the turn's write is
-        committed by then); this process's next :meth:`try_acquire` of the
-        session must then wait for that answer, never fail on its own lock.
-        """
+        """Release what :meth:`try_acquire` took (a lost connection already released it)."""
         ...
 
     def distrust(self) -> None:

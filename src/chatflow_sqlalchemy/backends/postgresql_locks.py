@@ -40,7 +40,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 import threading
 from collections.abc import Awaitable, Iterable, Iterator
@@ -183,9 +182,11 @@ class _LockConnection:
         """
         self.was_cut = True
         with contextlib.suppress(Exception):
-            shared = socket.socket(fileno=os.dup(self.driver.fileno()))
-            with shared:
-                shared.shutdown(socket.SHUT_RDWR)
+            borrowed = socket.socket(fileno=self.driver.fileno())
+            try:
+                borrowed.shutdown(socket.SHUT_RDWR)
+            finally:
+                borrowed.detach()  # the descriptor stays psycopg's
 
 
 async def _discard(connections: Iterable[_LockConnection]) -> None:
@@ -226,34 +227,39 @@ async def _bounded_on(conn: _LockConnection, call: Awaitable[_R], seconds: float
     socket ends the call at once, and the server frees the connection's locks.
 
     Raises:
-        asyncio.TimeoutError: No answer within ``seconds``.
+        asyncio.TimeoutError: No answer within ``seconds`` (the connection is cut).
 
     """
-    task = asyncio.ensure_future(call)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
+    expired: list[bool] = []
+
+    def expire() -> None:
+        expired.append(True)
         conn.cut()
-        with contextlib.suppress(Exception):
-            await task  # fails on the shut socket at once
+
+    timer = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        result = await call
+    except Exception as exc:
+        if expired:
+            raise asyncio.TimeoutError from exc
+        raise
+    finally:
+        timer.cancel()
+    if expired:  # answered as the bound ran out: the connection is cut all the same
         raise asyncio.TimeoutError
-    return task.result()
+    return result
 
 
 class _Held:
     """A turn lock being held: its connection (in a transaction), its heartbeat, its end."""
 
-    __slots__ = ("conn", "ending", "heartbeat", "stop", "use")
+    __slots__ = ("conn", "heartbeat", "stop", "use")
 
     def __init__(self, conn: _LockConnection) -> None:
         self.conn = conn
         self.stop = asyncio.Event()
         self.use = asyncio.Lock()
         self.heartbeat: asyncio.Future[None] | None = None
-        self.ending: asyncio.Future[None] | None = None
 
 
 class _LoopLocks:
@@ -264,16 +270,17 @@ class _LoopLocks:
     def __init__(self) -> None:
         self.idle: list[_LockConnection] = []
         self.held: dict[str, _Held] = {}
-        self.releasing: dict[str, _Held] = {}
+        self.releasing: set[_LockConnection] = set()
         self.distrusted: set[str] = set()
 
     def abandon(self) -> list[_LockConnection]:
         """Cut every socket at once (the loop is gone; the server frees the locks)."""
         idle, self.idle = self.idle, []
-        held = [*self.held.values(), *self.releasing.values()]
-        self.held, self.releasing = {}, {}
+        held = list(self.held.values())
+        releasing, self.releasing = self.releasing, set()
+        self.held = {}
         self.distrusted.clear()
-        gone = [*idle, *(lock.conn for lock in held)]
+        gone = [*idle, *(lock.conn for lock in held), *releasing]
         for conn in gone:
             conn.cut()
         for lock in held:
@@ -448,11 +455,6 @@ class AdvisoryTurnLocks:
         _keep(asyncio.ensure_future(self.release(session_id)))
 
     async def _attempt(self, session_id: str) -> tuple[bool, int | None]:
-        releasing = self._here().releasing.get(session_id)
-        if releasing is not None and releasing.ending is not None:
-            # This process's last turn of the session is still giving the lock back.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(releasing.ending)
         conn = await asyncio.wait_for(self._take(), self.call_timeout)
         try:
             taken, version = await _bounded_on(
@@ -501,6 +503,9 @@ class AdvisoryTurnLocks:
                     )
                     _discard_soon([held.conn])
                     return
+                if held.conn.was_cut:  # cut meanwhile (the store closing): closed here
+                    _discard_soon([held.conn])
+                    return
 
     @staticmethod
     async def _ping(conn: _LockConnection) -> None:
@@ -508,16 +513,13 @@ class AdvisoryTurnLocks:
             await conn.sa.exec_driver_sql("SELECT 1")
 
     async def release(self, session_id: str) -> None:
-        """Give the session's lock back: send its ``ROLLBACK``, without waiting for the answer.
+        """Release the session's lock (``ROLLBACK``); a lost connection already released it.
 
-        The turn's write committed before, so nothing waits on the answer
-        but the connection's return to the idle ones: the caller goes on one
-        round trip sooner. This process's next :meth:`try_acquire` of the
-        session waits for the answer first; :meth:`aclose` waits for every
-        one of its loop. A ``ROLLBACK`` that fails, gets no answer within
-        :data:`LOCK_RELEASE_TIMEOUT_SECONDS` or is cut short by its loop's
-        end closes the connection instead, which frees the lock too. A lost
-        connection already released it.
+        It returns once the server answered, so the lock is free for every
+        process by then. Shielded: a caller cancelled meanwhile does not stop
+        the unlock. A ``ROLLBACK`` that fails or gets no answer within
+        :data:`LOCK_RELEASE_TIMEOUT_SECONDS` cuts the connection instead,
+        which frees the lock too.
         """
         here = self._here()
         held = here.held.pop(session_id, None)
@@ -528,52 +530,32 @@ class AdvisoryTurnLocks:
             here.distrusted.discard(session_id)
             _discard_soon([held.conn])  # no round trip into a frozen network: closing releases
             return
-        here.releasing[session_id] = held
-        held.ending = ending = _keep(asyncio.ensure_future(self._end(held)))
-        bound = asyncio.get_running_loop().call_later(LOCK_RELEASE_TIMEOUT_SECONDS, held.conn.cut)
-        ending.add_done_callback(lambda done: self._ended(here, session_id, held, done, bound))
-        await asyncio.sleep(0)  # one step of the task: the ROLLBACK is sent before we go on
+        with contextlib.suppress(Exception):
+            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
+
+    async def _end(self, held: _Held) -> None:
+        releasing = self._here().releasing  # where close() finds it meanwhile, to cut it
+        releasing.add(held.conn)
+        try:
+            async with held.use:
+                await _bounded_on(held.conn, self._rollback(held.conn),
+                                  LOCK_RELEASE_TIMEOUT_SECONDS)
+        except BaseException:
+            _discard_soon([held.conn])
+            raise
+        finally:
+            releasing.discard(held.conn)
+        self._put(held.conn)
 
     @staticmethod
-    async def _end(held: _Held) -> None:
-        async with held.use:
-            with held.conn.in_use():
-                await held.conn.sa.exec_driver_sql("ROLLBACK")
-
-    def _ended(
-        self,
-        here: _LoopLocks,
-        session_id: str,
-        held: _Held,
-        done: asyncio.Future[None],
-        bound: asyncio.TimerHandle,
-    ) -> None:
-        """After a ``ROLLBACK``: the connection serves again, or is closed (freeing the lock)."""
-        bound.cancel()
-        if here.releasing.get(session_id) is held:
-            del here.releasing[session_id]
-        if done.cancelled():  # no answer in time, or the loop is ending
-            logger.debug("the turn lock of session %r: its connection is closed", session_id)
-            held.conn.cut()  # no I/O now; the idle list drops it at its next use or close
-            here.idle.append(held.conn)
-            return
-        failure = done.exception()
-        if failure is not None:
-            logger.warning(
-                "the turn lock of session %r was given back by closing its connection (%s)",
-                session_id, type(failure).__name__,
-            )
-            _discard_soon([held.conn])
-        elif held.conn.closed or len(here.idle) >= self.max_idle_connections:
-            _discard_soon([held.conn])
-        else:
-            here.idle.append(held.conn)
+    async def _rollback(conn: _LockConnection) -> None:
+        with conn.in_use():
+            await conn.sa.exec_driver_sql("ROLLBACK")
 
     def held(self) -> list[str]:
-        """Sessions whose lock this process holds now, or is giving back (every event loop)."""
+        """Sessions whose lock this process holds now (in every event loop)."""
         with self._loops_lock:
-            return [session for state in self._loops.values()
-                    for session in (*state.held, *state.releasing)]
+            return [session for state in self._loops.values() for session in state.held]
 
     def distrust(self) -> None:
         """Release the locks held now by closing their connections, not by ``ROLLBACK``.
@@ -587,13 +569,7 @@ class AdvisoryTurnLocks:
                 state.distrusted.update(state.held)
 
     async def aclose(self) -> None:
-        """Close every lock connection, releasing every lock.
-
-        The ``ROLLBACK``s this loop has sent are waited for first, so their
-        connections end cleanly.
-        """
-        endings = [held.ending for held in self._here().releasing.values() if held.ending]
-        await asyncio.gather(*endings, return_exceptions=True)
+        """Close every lock connection, releasing every lock."""
         with self._loops_lock:
             loops, self._loops = self._loops, {}
         gone = [conn for state in loops.values() for conn in state.abandon()]

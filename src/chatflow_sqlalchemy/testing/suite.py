@@ -1794,11 +1794,7 @@ class TestCrossProcess(StoreTestBase):
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
     def test_a_turn_lock_given_back_is_taken_again_at_once(self, store: Any) -> None:
-        """A lock given back is free for the same session's next ``try_acquire`` at once.
-
-        ``release`` may return before the server answered; this process's next
-        try of the session must still find the lock free, every time.
-        """
+        """A lock given back is free for the same session's next ``try_acquire``, every time."""
         locks = store.turn_locks
         if locks is None:
             pytest.skip("this backend has no cross-process turn locks")
