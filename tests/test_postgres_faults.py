@@ -586,3 +586,48 @@ def test_a_turn_lock_asked_into_a_network_that_never_answers_sends_no_cancel_req
         proxy.set_mode(Mode.PASS)
         store.close()
     assert [r.getMessage() for r in caplog.records if "cancel" in r.getMessage()] == []
+
+
+def test_a_lock_being_taken_as_the_store_closes_is_given_back(
+    fault_url: str, fault_schema: str, proxy: FaultProxy
+) -> None:
+    """``aclose`` while a lock's statement waits for its answer (200 ms each way).
+
+    The connection taking it is in no list yet; the answer arriving after the
+    close must not leave the lock held (with a heartbeat renewing it) on a closed
+    store: the take fails, and the lock is free on the server.
+    """
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    locks = store.turn_locks
+    (lock_engine,) = locks.engines
+    sent: list[str] = []
+    event.listen(lock_engine, "before_cursor_execute", lambda *a: sent.append(a[2]))
+
+    async def scenario() -> tuple[str, list[str], bool]:
+        assert (await locks.try_acquire("warm"))[0]  # an idle lock connection to reuse
+        await locks.release("warm")
+        proxy.set_mode(Mode.DELAY, delay_ms=200)
+        sent.clear()
+        taking = asyncio.ensure_future(locks.try_acquire("s"))
+        while not sent:  # the lock's statement is on its way
+            await asyncio.sleep(0.001)
+        await locks.aclose()
+        outcome = "taken"
+        try:
+            await taking
+        except RuntimeError as exc:
+            outcome = str(exc)
+        proxy.set_mode(Mode.PASS)
+        with pg_util.schema_store(fault_url, fault_schema) as other:
+            free = (await pg_util.take_once_given_back(other, "s"))[0]
+            await other.turn_locks.release("s")
+        return outcome, locks.held(), free
+
+    try:
+        outcome, held, free = asyncio.run(scenario())
+    finally:
+        proxy.set_mode(Mode.PASS)
+        store.close()
+    assert "closed" in outcome
+    assert held == []
+    assert free, "the lock is free on the server"

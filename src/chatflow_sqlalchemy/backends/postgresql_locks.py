@@ -324,6 +324,7 @@ class AdvisoryTurnLocks:
         self._loops_lock = threading.Lock()
         self._first_connection: concurrent.futures.Future[None] | None = None
         self._initialised = False
+        self._closed = False
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -403,6 +404,9 @@ class AdvisoryTurnLocks:
             done.set_result(None)
 
     def _put(self, conn: _LockConnection) -> None:
+        if self._closed:  # closed while this connection was in use: nothing keeps it
+            _discard_soon([conn])
+            return
         idle = self._here().idle
         if conn.closed or len(idle) >= self.max_idle_connections:
             _discard_soon([conn])
@@ -463,6 +467,9 @@ class AdvisoryTurnLocks:
         except BaseException:
             _discard_soon([conn])
             raise
+        if self._closed:  # closed while the lock was being taken: give it back at once
+            _discard_soon([conn])
+            raise RuntimeError("the turn locks were closed (the store is closed)")
         if not taken:
             self._put(conn)
             return False, None
@@ -530,12 +537,11 @@ class AdvisoryTurnLocks:
             here.distrusted.discard(session_id)
             _discard_soon([held.conn])  # no round trip into a frozen network: closing releases
             return
+        here.releasing.add(held.conn)  # where close() finds it meanwhile, to cut it
         with contextlib.suppress(Exception):
-            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held))))
+            await asyncio.shield(_keep(asyncio.ensure_future(self._end(held, here.releasing))))
 
-    async def _end(self, held: _Held) -> None:
-        releasing = self._here().releasing  # where close() finds it meanwhile, to cut it
-        releasing.add(held.conn)
+    async def _end(self, held: _Held, releasing: set[_LockConnection]) -> None:
         try:
             async with held.use:
                 await _bounded_on(held.conn, self._rollback(held.conn),
@@ -570,6 +576,7 @@ class AdvisoryTurnLocks:
 
     async def aclose(self) -> None:
         """Close every lock connection, releasing every lock."""
+        self._closed = True
         with self._loops_lock:
             loops, self._loops = self._loops, {}
         gone = [conn for state in loops.values() for conn in state.abandon()]
@@ -578,6 +585,7 @@ class AdvisoryTurnLocks:
 
     def close(self) -> None:
         """Close from sync code: cut the sockets (the server releases the locks)."""
+        self._closed = True
         with self._loops_lock:
             loops, self._loops = self._loops, {}
         _discard_soon([conn for state in loops.values() for conn in state.abandon()])
