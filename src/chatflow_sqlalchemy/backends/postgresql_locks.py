@@ -251,7 +251,7 @@ async def _bounded_on(conn: _LockConnection, call: Awaitable[_R], seconds: float
 
 
 class _Held:
-    """A turn lock being held: its connection (in a transaction), its heartbeat, its end."""
+    """A turn lock being held: its connection (in a transaction) and its heartbeat."""
 
     __slots__ = ("conn", "heartbeat", "stop", "use")
 
