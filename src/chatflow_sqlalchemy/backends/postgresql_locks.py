@@ -174,6 +174,11 @@ class _LockConnection:
         finally:
             self.busy = False
 
+    async def send(self, statement: str) -> None:
+        """Run ``statement`` (a heartbeat, a ``ROLLBACK``), marked as in use until it ends."""
+        with self.in_use():
+            await self.sa.exec_driver_sql(statement)
+
     def cut(self) -> None:
         """Shut the socket down, no round trip: the server ends the session, freeing its locks.
 
@@ -502,7 +507,7 @@ class AdvisoryTurnLocks:
                 if held.stop.is_set():
                     return
                 try:
-                    await _bounded_on(held.conn, self._ping(held.conn), self.call_timeout)
+                    await _bounded_on(held.conn, held.conn.send("SELECT 1"), self.call_timeout)
                 except Exception as exc:
                     logger.warning(
                         "the turn lock of session %r was lost (%s); the turn's write is still "
@@ -513,11 +518,6 @@ class AdvisoryTurnLocks:
                 if held.conn.was_cut:  # cut meanwhile (the store closing): closed here
                     _discard_soon([held.conn])
                     return
-
-    @staticmethod
-    async def _ping(conn: _LockConnection) -> None:
-        with conn.in_use():
-            await conn.sa.exec_driver_sql("SELECT 1")
 
     async def release(self, session_id: str) -> None:
         """Release the session's lock (``ROLLBACK``); a lost connection already released it.
@@ -544,7 +544,7 @@ class AdvisoryTurnLocks:
     async def _end(self, held: _Held, releasing: set[_LockConnection]) -> None:
         try:
             async with held.use:
-                await _bounded_on(held.conn, self._rollback(held.conn),
+                await _bounded_on(held.conn, held.conn.send("ROLLBACK"),
                                   LOCK_RELEASE_TIMEOUT_SECONDS)
         except BaseException:
             _discard_soon([held.conn])
@@ -552,11 +552,6 @@ class AdvisoryTurnLocks:
         finally:
             releasing.discard(held.conn)
         self._put(held.conn)
-
-    @staticmethod
-    async def _rollback(conn: _LockConnection) -> None:
-        with conn.in_use():
-            await conn.sa.exec_driver_sql("ROLLBACK")
 
     def held(self) -> list[str]:
         """Sessions whose lock this process holds now (in every event loop)."""
