@@ -227,7 +227,7 @@ def test_unknown_dialect_lists_installed_backends(plugins: Plugins) -> None:
     for name in ("sqlite", "postgresql", "fakedb"):
         assert name in message
     assert "nosuchdb" in message
-    assert "pip install chatflow-sqlalchemy-nosuchdb" in message
+    assert "pip install" not in message  # no such package exists to suggest
     assert "fakedb" in info.value.installed
     assert isinstance(info.value, LookupError)
 

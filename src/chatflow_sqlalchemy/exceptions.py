@@ -17,6 +17,7 @@ __all__ = [
     "ChatflowStoreError",
     "ClaimLostError",
     "CorruptRowError",
+    "DatabaseURLError",
     "DatabaseUnavailableError",
     "DuplicateBackendError",
     "SchemaAheadError",
@@ -45,14 +46,26 @@ class SessionDeletedError(ChatflowStoreError):
         self.session_id = session_id
 
 
+class DatabaseURLError(ChatflowStoreError, ValueError):
+    """A database URL (or a store's path) cannot mean what it was given for.
+
+    Raised before anything is created on disk or on a server; the message gives
+    the URL to write instead.
+    """
+
+
 class BackendNotFoundError(ChatflowStoreError, LookupError):
     """No installed backend handles the requested database dialect."""
 
-    def __init__(self, name: str, installed: list[str]) -> None:
+    def __init__(self, name: str, installed: list[str], fix: str | None = None) -> None:
         listing = ", ".join(sorted(installed)) or "none"
+        fix = fix or (
+            "no known plugin provides it; use a URL of an installed backend, or write a "
+            "plugin (see the plugin authors' guide)"
+        )
         super().__init__(
-            f"no chatflow-sqlalchemy backend named {name!r} (installed: {listing}); "
-            f"install a plugin that provides it, e.g. pip install chatflow-sqlalchemy-{name}"
+            f"no chatflow-sqlalchemy backend for {name!r} databases (installed: {listing}); "
+            f"{fix}"
         )
         self.name = name
         self.installed = sorted(installed)

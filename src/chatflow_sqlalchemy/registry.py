@@ -36,12 +36,14 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
     BackendNotFoundError,
     DuplicateBackendError,
 )
+from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES, parse_database_url
 
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
@@ -73,8 +75,8 @@ _BUILTINS: dict[str, tuple[str, str | None]] = {
 _BUILTIN_DRIVERS = {"postgresql": "psycopg"}
 """name -> the driver module a built-in backend needs (its module imports without it)."""
 
-_ALIASES = {"postgres": "postgresql", "mariadb": "mysql"}
-"""Fallbacks tried when no backend has the exact name."""
+_KNOWN_PLUGINS = {"mysql": "chatflow-sqlalchemy-mariadb"}
+"""name -> the published distribution that provides it (after aliasing)."""
 
 _registered: dict[str, str | type[SQLAlchemySessionStore]] = {}
 _lock = threading.Lock()
@@ -270,11 +272,23 @@ def load_backend(name: str) -> type[SQLAlchemySessionStore]:
 
     """
     backend = _lookup(name)
-    if backend is None and name in _ALIASES:
-        backend = _lookup(_ALIASES[name])
+    if backend is None and name in ALIASES:
+        backend = _lookup(ALIASES[name])
     if backend is None:
-        raise BackendNotFoundError(name, installed=_names())
+        raise BackendNotFoundError(name, installed=_names(), fix=_not_found_fix(name))
     return backend
+
+
+def _not_found_fix(name: str) -> str | None:
+    """What to do about a name no backend serves: its plugin, or a URL that is a database's."""
+    plugin = _KNOWN_PLUGINS.get(ALIASES.get(name, name))
+    if plugin is not None:
+        return f"install its plugin: pip install {plugin}"
+    try:
+        make_url(f"{name}://").get_dialect()
+    except (NoSuchModuleError, ArgumentError):
+        return f"{name!r} is not a database SQLAlchemy knows; URLs look like: {URL_EXAMPLES}"
+    return None
 
 
 def _names() -> list[str]:
@@ -325,16 +339,20 @@ def available_backends() -> dict[str, type[SQLAlchemySessionStore] | Exception]:
     return result
 
 
-def open_store(url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
+def open_store(url: str | URL | None = None, **kwargs: Any) -> SQLAlchemySessionStore:
     """Open a session store for ``url``, picking the backend by its dialect.
 
-    ``postgresql://`` URLs use psycopg 3. Keyword arguments go to the
-    backend's ``from_url`` (e.g. ``default_max_turns``, ``dedup_ttl_hours``).
+    Without ``url``, ``$CHATFLOW_DATABASE_URL`` is used, else
+    ``sqlite:///chatflow.db``, as in the CLI. ``postgresql://`` URLs use
+    psycopg 3. Keyword arguments go to the backend's ``from_url`` (e.g.
+    ``default_max_turns``, ``dedup_ttl_hours``).
 
     Raises:
+        DatabaseURLError: The URL cannot mean a database (the message gives the fix).
         BackendNotFoundError: The dialect has no installed backend (lists installed ones).
         BackendImportError: Its driver is missing (names the extra to install).
         DuplicateBackendError: Two installed plugins claim the dialect.
 
     """
-    return load_backend(backend_name_for_url(url)).from_url(url, **kwargs)
+    parsed = parse_database_url(url)
+    return load_backend(parsed.get_backend_name()).from_url(parsed, **kwargs)

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
 from chatflow_agent import Agent, Message
-from sqlalchemy import URL, Engine, delete, make_url, select, update
+from sqlalchemy import URL, Engine, delete, select, update
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import telemetry
@@ -111,6 +111,7 @@ from chatflow_sqlalchemy.sql_lifecycle import (
     user_session_ids,
 )
 from chatflow_sqlalchemy.turns import Turns
+from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 from chatflow_sqlalchemy.writer import SessionWriter
 
 __all__ = [
@@ -222,8 +223,10 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         extra_options = dict(engine_options or {})
         if engine is None:
-            self.url = make_url(database_url_from_env(url))
+            self.url = parse_database_url(url)
             self.support = self._support_for(self.url.get_backend_name())
+            if type(self).dialect_support is not None:
+                require_backend(self.url, self.support.name, type(self).__name__)
             sync_url = self.support.sync_url(self.url)
             options = merged(self.support.engine_options(sync_url), extra_options)
             # A backend's own class picked the driver; the generic one takes the URL's.

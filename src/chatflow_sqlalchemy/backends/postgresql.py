@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from sqlalchemy import URL, Connection, CursorResult, Engine, Select, bindparam, make_url, text
+from sqlalchemy import URL, Connection, CursorResult, Engine, Select, bindparam, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
@@ -43,10 +43,15 @@ from chatflow_sqlalchemy.dialect import (
     on_conflict_acquire,
     ping_when_idle,
 )
-from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
+from chatflow_sqlalchemy.exceptions import (
+    BackendImportError,
+    DatabaseUnavailableError,
+    DatabaseURLError,
+)
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg
@@ -120,11 +125,24 @@ logger = logging.getLogger("chatflow_sqlalchemy")
 
 
 def psycopg_url(url: str | URL) -> URL:
-    """Map ``postgresql://`` / ``postgres://`` URLs to the psycopg 3 driver."""
-    parsed = make_url(str(url).replace("postgres://", "postgresql://", 1)
-                      if isinstance(url, str) else url)
+    """Map ``postgresql://`` / ``postgres://`` URLs to the psycopg 3 driver.
+
+    Raises:
+        DatabaseURLError: ``url`` is not a PostgreSQL URL, or names another driver
+            (the store runs on psycopg 3 only).
+
+    """
+    parsed = parse_database_url(str(url).replace("postgres://", "postgresql://", 1)
+                                if isinstance(url, str) else url)
+    require_backend(parsed, "postgresql", "PostgresSessionStore")
     if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
+        return parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername != "postgresql+psycopg":
+        driver = parsed.drivername.partition("+")[2]
+        raise DatabaseURLError(
+            f"the PostgreSQL store runs on psycopg 3, not {driver}: write the URL as "
+            f"{parsed.set(drivername='postgresql+psycopg').render_as_string()!r}"
+        )
     return parsed
 
 

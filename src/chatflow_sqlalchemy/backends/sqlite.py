@@ -31,7 +31,9 @@ from chatflow_sqlalchemy.dialect import (
     first_time_on,
     on_conflict_acquire,
 )
+from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
@@ -252,6 +254,29 @@ def make_private_directories(directory: Path) -> None:
             path.mkdir(mode=PRIVATE_DIRECTORY_MODE)
 
 
+def _refuse_url(db_path: str | Path) -> str:
+    """``db_path`` as a string; a URL there would become a folder named after it."""
+    path = str(db_path)
+    if "://" not in path:
+        return path
+    shown = quoted_url(path)
+    if path.startswith("sqlite"):
+        fix = f"pass the file's path, or open the URL with open_store({shown})"
+    else:
+        fix = f"open it with open_store({shown}), which picks the store for its database"
+    raise DatabaseURLError(f"SQLiteSessionStore takes a file path, not the URL {shown}: {fix}")
+
+
+def _make_folder_of(path: Path) -> None:
+    try:
+        make_private_directories(path.parent)
+    except OSError as exc:
+        raise DatabaseUnavailableError(
+            f"cannot create the folder {str(path.parent)!r} for the SQLite database "
+            f"{str(path)!r}: {exc.strerror or exc}; choose a path in a writable folder"
+        ) from None
+
+
 def _raw(connection: Connection) -> Any:
     return connection.connection.dbapi_connection
 
@@ -310,13 +335,13 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
-        self.db_path = str(db_path)
+        self.db_path = _refuse_url(db_path)
         url = sqlite_url(self.db_path)
         path = database_file(url)
         if path is not None and auto_migrate_enabled(auto_migrate):
             # Only a store that may create the schema creates the folder; a refusing
             # one leaves the file system as it found it.
-            make_private_directories(path.parent)
+            _make_folder_of(path)
         super().__init__(
             url,
             default_max_turns=default_max_turns,
@@ -335,7 +360,8 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         ``sqlite+aiosqlite:///path`` opens the generic store, whose async API
         then runs natively on aiosqlite.
         """
-        parsed = make_url(url)
+        parsed = parse_database_url(url)
+        require_backend(parsed, "sqlite", cls.__name__)
         if parsed.drivername == "sqlite+aiosqlite":
             return SQLAlchemySessionStore(parsed, **kwargs)
         database = parsed.database or ":memory:"

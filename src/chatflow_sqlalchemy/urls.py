@@ -1,0 +1,102 @@
+"""Database URLs: read one, and refuse what it cannot mean before anything is opened.
+
+SQLAlchemy parses a few common mistakes into something valid but unintended:
+``sqlite://chat.db`` (two slashes) is an in-memory database whose "host" is
+``chat.db``, so a bot answers and the history is gone at the next start. Every
+entry point (the store constructors, :func:`~chatflow_sqlalchemy.open_store` and
+the CLI) reads its URL through :func:`parse_database_url`, so they accept and
+refuse the same URLs with the same one-line fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sqlalchemy import URL, make_url
+from sqlalchemy import exc as sa_exc
+
+from chatflow_sqlalchemy.exceptions import DatabaseURLError
+
+__all__ = [
+    "ALIASES",
+    "DEFAULT_DATABASE_URL",
+    "URL_EXAMPLES",
+    "parse_database_url",
+    "quoted_url",
+    "require_backend",
+]
+
+DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
+"""The URL used when none is given and ``$CHATFLOW_DATABASE_URL`` is unset."""
+
+ALIASES = {"postgres": "postgresql", "mariadb": "mysql"}
+"""Dialect names served by the backend of another name."""
+
+URL_EXAMPLES = (
+    "sqlite:///chat.db (a file beside the program), sqlite:////var/lib/bot/chat.db "
+    "(an absolute path), postgresql+psycopg://user:password@host/dbname"
+)
+
+
+def parse_database_url(url: str | URL | None = None) -> URL:
+    """The URL to open: ``url``, else ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
+
+    Raises:
+        DatabaseURLError: ``url`` is not a database URL, or is a SQLite URL with two
+            slashes (which would open an in-memory database). The message gives the
+            URL to write instead.
+
+    """
+    raw = url or os.environ.get("CHATFLOW_DATABASE_URL") or DEFAULT_DATABASE_URL
+    if isinstance(raw, str) and "://" not in raw:
+        raise DatabaseURLError(
+            f"{raw!r} is not a database URL; for a SQLite file write 'sqlite:///{raw}' "
+            f"(or open SQLiteSessionStore({raw!r})); URLs look like: {URL_EXAMPLES}"
+        )
+    try:
+        parsed = make_url(raw)
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        reason = "the port is not a number" if "int()" in str(exc) else str(exc)
+        raise DatabaseURLError(
+            f"cannot read the database URL {quoted_url(raw)}: {reason}; "
+            f"URLs look like: {URL_EXAMPLES}"
+        ) from None
+    if parsed.get_backend_name() == "sqlite":
+        _refuse_sqlite_host(parsed)
+    return parsed
+
+
+def require_backend(url: URL, backend: str, store: str) -> None:
+    """Refuse ``url`` unless its dialect is ``backend``, naming the store that fits it.
+
+    Raises:
+        DatabaseURLError: The URL is for another database than ``store`` serves.
+
+    """
+    name = url.get_backend_name()
+    if ALIASES.get(name, name) != backend:
+        raise DatabaseURLError(
+            f"{store} opens {backend} databases, not {quoted_url(url)}; open any URL with "
+            f"chatflow_sqlalchemy.open_store(url), which picks the store for its database"
+        )
+
+
+def _refuse_sqlite_host(url: URL) -> None:
+    if not (url.host or url.port or url.username):
+        return
+    name = url.host or ""
+    raise DatabaseURLError(
+        f"{quoted_url(url)} has two slashes, so SQLite would open an in-memory database and "
+        f"keep nothing; write 'sqlite:///{name}' for a file beside the program, "
+        f"'sqlite:////path/to/{name or 'chat.db'}' for an absolute path, or 'sqlite://' "
+        "for an in-memory database"
+    )
+
+
+def quoted_url(url: str | URL) -> str:
+    """The URL in quotes, without its password, for messages."""
+    try:
+        text = make_url(url).render_as_string(hide_password=True)
+    except (sa_exc.ArgumentError, ValueError):
+        text = "<unreadable URL>" if "@" in str(url) else str(url)
+    return repr(text)
