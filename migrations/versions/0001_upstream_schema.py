@@ -20,12 +20,27 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import mysql
 
-from chatflow_sqlalchemy.migrate import table_options
-
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+
+def _table_options(dialect: sa.engine.Dialect) -> dict[str, str]:
+    """utf8mb4 with a binary no-pad collation on MySQL/MariaDB, so ids compare byte-wise.
+
+    Frozen with this revision: what it creates never follows the runtime's code.
+    """
+    if dialect.name not in ("mysql", "mariadb"):
+        return {}
+    version = tuple(getattr(dialect, "server_version_info", None) or ())
+    if getattr(dialect, "is_mariadb", False) or dialect.name == "mariadb":
+        collation = "utf8mb4_nopad_bin"
+    elif version >= (8, 0, 17):
+        collation = "utf8mb4_0900_bin"
+    else:
+        collation = "utf8mb4_bin"
+    return {"mysql_charset": "utf8mb4", "mysql_collate": collation}
 
 _UPSTREAM_COLUMNS = {
     "chatflow_sessions": {"session_id", "active_agent_name", "metadata_json"},
@@ -45,7 +60,7 @@ _STAMP = sa.TIMESTAMP().with_variant(mysql.DATETIME(), *_MYSQL)
 
 
 def _options(**kw: bool) -> dict[str, object]:
-    return {**table_options(op.get_context().dialect), **kw}
+    return {**_table_options(op.get_context().dialect), **kw}
 
 
 def _text_default() -> dict[str, object]:

@@ -22,12 +22,27 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-from chatflow_sqlalchemy.migrate import table_options
-
 revision: str = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+
+def _table_options(dialect: sa.engine.Dialect) -> dict[str, str]:
+    """utf8mb4 with a binary no-pad collation on MySQL/MariaDB, so ids compare byte-wise.
+
+    Frozen with this revision: what it creates never follows the runtime's code.
+    """
+    if dialect.name not in ("mysql", "mariadb"):
+        return {}
+    version = tuple(getattr(dialect, "server_version_info", None) or ())
+    if getattr(dialect, "is_mariadb", False) or dialect.name == "mariadb":
+        collation = "utf8mb4_nopad_bin"
+    elif version >= (8, 0, 17):
+        collation = "utf8mb4_0900_bin"
+    else:
+        collation = "utf8mb4_bin"
+    return {"mysql_charset": "utf8mb4", "mysql_collate": collation}
 
 _TABLE = "chatflow_message_archive"
 _INDEX = "ix_chatflow_message_archive_session_id_seq"
@@ -56,7 +71,7 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name="pk_chatflow_message_archive"),
-        **table_options(op.get_context().dialect),
+        **_table_options(op.get_context().dialect),
     )
     op.create_index(_INDEX, _TABLE, ["session_id", "seq"])
 

@@ -5,8 +5,7 @@ becomes ``PARTITION BY RANGE (partition_day)`` with the primary key
 ``(message_id, partition_day)``: one partition per UTC day
 (``chatflow_processed_messages_pYYYYMMDD``, today and a week ahead are
 created here, the purge keeps them coming) and a ``DEFAULT`` partition. Three
-functions serve the claim statement (see
-:mod:`chatflow_sqlalchemy.backends.postgresql_claims`): ``chatflow_claim_day(id)``
+functions serve the claim statement : ``chatflow_claim_day(id)``
 keeps one row per id across partitions, ``chatflow_claim_ticket(session)`` draws
 a claim's ticket under its session's lock and ``chatflow_claim_waits(...)``
 tells the claim whether an earlier one of its session is in flight. Existing
@@ -27,14 +26,66 @@ from datetime import datetime, timedelta, timezone
 import sqlalchemy as sa
 from alembic import op
 
-from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
-
 revision: str = "0006"
 down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_TABLE = pg_claims.PARENT
+_TABLE = "chatflow_processed_messages"
+_DEFAULT = f"{_TABLE}_default"
+_DAYS_AHEAD = 7
+# The claim functions as this revision made them (frozen: later revisions replace them).
+_CLAIM_LOCK_CLASS = 0x63666C77
+_SESSION_LOCK_CLASS = 0x63667373
+_FUNCTIONS = (
+    f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_day(claim_id text) RETURNS date
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    found_day date;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'chatflow claims need READ COMMITTED, not %',
+            current_setting('transaction_isolation')
+            USING HINT = 'remove isolation_level from the options of the store''s engine';
+    END IF;
+    PERFORM pg_advisory_xact_lock({_CLAIM_LOCK_CLASS}, hashtext(claim_id));
+    SELECT partition_day INTO found_day FROM {_TABLE}
+     WHERE message_id = claim_id ORDER BY partition_day DESC LIMIT 1;
+    RETURN found_day;
+END
+$$
+""",
+    f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_ticket(claim_session text) RETURNS bigint
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF claim_session IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock({_SESSION_LOCK_CLASS}, hashtext(claim_session));
+    END IF;
+    RETURN nextval('chatflow_claim_ticket_seq');
+END
+$$
+""",
+    f"""
+CREATE OR REPLACE FUNCTION chatflow_claim_waits(
+    claim_session text, claim_ticket bigint, claim_horizon timestamptz
+) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN claim_session IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {_TABLE}
+         WHERE session_id = claim_session AND ticket < claim_ticket
+           AND state = 'acquired' AND lease_expires_at > claim_horizon);
+END
+$$
+""",
+)
+_SIGNATURES = (
+    "chatflow_claim_day(text)",
+    "chatflow_claim_ticket(text)",
+    "chatflow_claim_waits(text, bigint, timestamptz)",
+)
 _OLD = f"{_TABLE}__unpartitioned"
 _COLUMNS = (
     "message_id, processed_at, state, token, session_id, ticket, "
@@ -61,8 +112,10 @@ def upgrade() -> None:
         sa.Column("partition_day", sa.Date(), nullable=False),
         postgresql_partition_by="RANGE (partition_day)",
     )
-    op.execute(f"CREATE TABLE {pg_claims.DEFAULT_PARTITION} PARTITION OF {_TABLE} DEFAULT")
-    pg_claims.create_day_partitions(bind, today, today + timedelta(pg_claims.DAYS_AHEAD))
+    op.execute(f"CREATE TABLE {_DEFAULT} PARTITION OF {_TABLE} DEFAULT")
+    for day in (today + timedelta(n) for n in range(_DAYS_AHEAD + 1)):
+        bounds = f"FOR VALUES FROM ('{day}') TO ('{day + timedelta(1)}')"
+        op.execute(f'CREATE TABLE "{_TABLE}_p{day:%Y%m%d}" PARTITION OF {_TABLE} {bounds}')
     op.execute(
         sa.text(
             f"INSERT INTO {_TABLE} ({_COLUMNS}, partition_day) "
@@ -71,7 +124,8 @@ def upgrade() -> None:
     )
     op.drop_table(_OLD)
     _keys_and_indexes(["message_id", "partition_day"])
-    pg_claims.create_claim_functions(bind)
+    for ddl in _FUNCTIONS:
+        op.execute(ddl)
 
 
 def downgrade() -> None:
@@ -79,7 +133,7 @@ def downgrade() -> None:
         with op.batch_alter_table(_TABLE) as batch:
             batch.drop_column("partition_day")
         return
-    for signature in pg_claims.CLAIM_FUNCTION_SIGNATURES:
+    for signature in _SIGNATURES:
         op.execute(f"DROP FUNCTION IF EXISTS {signature}")
     op.rename_table(_TABLE, _OLD)
     op.create_table(_TABLE, *_claim_columns())

@@ -21,7 +21,6 @@ from sqlalchemy import (
     URL,
     Connection,
     CursorResult,
-    Dialect,
     Engine,
     Select,
     Table,
@@ -403,16 +402,6 @@ class DialectSupport:
         idle session, see :data:`~chatflow_sqlalchemy.lifecycle.TURN_TOUCH_SECONDS`).
         """
         return nullcontext(set())
-
-    def table_options(self, dialect: Dialect) -> dict[str, Any]:
-        """Extra ``create_table`` keyword arguments for the chatflow tables.
-
-        Migrations pass these to every table they create (e.g. MySQL's
-        ``mysql_charset`` / ``mysql_collate``, so that ids compare byte-wise
-        like on every other database). ``dialect`` may not be connected
-        (offline ``--sql`` runs). Default: none.
-        """
-        return {}
 
     def begin_migration(self, connection: Connection) -> None:
         """Prepare a connection before the migration transaction begins."""

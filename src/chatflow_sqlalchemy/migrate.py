@@ -60,7 +60,6 @@ from typing import Any
 from sqlalchemy import (
     URL,
     Connection,
-    Dialect,
     Engine,
     MetaData,
     create_engine,
@@ -165,7 +164,6 @@ __all__ = [
     "require_existing_database",
     "run_locked",
     "stamp",
-    "table_options",
     "upgrade",
 ]
 
@@ -389,18 +387,6 @@ def _support_for(dialect_name: str) -> DialectSupport:
 
     support = load_backend(dialect_name).dialect_support
     return support if support is not None else DialectSupport()
-
-
-def table_options(dialect: Dialect) -> dict[str, Any]:
-    """The backend's extra ``create_table`` options for ``dialect`` (used by migrations).
-
-    Empty when no backend is installed for it (e.g. rendering SQL offline).
-    """
-    try:
-        support = _support_for(dialect.name)
-    except ChatflowStoreError:
-        return {}
-    return support.table_options(dialect)
 
 
 # --------------------------------------------------------------------------- chains

@@ -59,7 +59,6 @@ __all__ = [
     "INSTALL_HINT",
     "MIGRATION_LOCK_TIMEOUT",
     "MariaDBDialectSupport",
-    "id_collation",
     "lock_name",
     "skips_locked_rows",
     "with_driver",
@@ -133,22 +132,6 @@ def skips_locked_rows(dialect: Dialect) -> bool:
     if getattr(dialect, "is_mariadb", False):
         return version >= (10, 6)
     return version >= (8, 0, 1)
-
-
-def id_collation(dialect: Dialect) -> str:
-    """The binary collation for ids: exact bytes, trailing spaces significant.
-
-    MariaDB has ``utf8mb4_nopad_bin`` (10.2+); MySQL 8.0.17+ has
-    ``utf8mb4_0900_bin``; older servers only ``utf8mb4_bin`` (binary, but
-    it ignores trailing spaces). ``dialect`` may be unconnected (offline SQL),
-    then the portable ``utf8mb4_bin`` is used.
-    """
-    version = tuple(getattr(dialect, "server_version_info", None) or ())
-    if getattr(dialect, "is_mariadb", False) or dialect.name == "mariadb":
-        return "utf8mb4_nopad_bin"
-    if version >= (8, 0, 17):
-        return "utf8mb4_0900_bin"
-    return "utf8mb4_bin"
 
 
 class MariaDBDialectSupport(DialectSupport):
@@ -307,10 +290,6 @@ class MariaDBDialectSupport(DialectSupport):
             .where(table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()))
             .with_dialect_options(mysql_limit=batch_size)
         )
-
-    def table_options(self, dialect: Dialect) -> dict[str, Any]:
-        """``utf8mb4`` with a binary collation, so ids compare byte for byte."""
-        return {"mysql_charset": "utf8mb4", "mysql_collate": id_collation(dialect)}
 
     def lock_batch(self, select: Select[Any], connection: Connection) -> Select[Any]:
         """``FOR UPDATE SKIP LOCKED`` where the server has it, else ``FOR UPDATE``.
