@@ -146,3 +146,22 @@ def test_show_is_plain_text_when_not_a_terminal(
         assert "\x1b" not in out, argv
     code, out, _ = run(capsys, "--url", url, "sessions", "show", "s")
     assert "[bold]hi[/bold] \\x1b[31mred" in out
+
+
+def test_version_and_bare_help_import_nothing_heavy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from chatflow_sqlalchemy.cli import main\n"
+        "for argv in (['--version'], [], ['sessions'], ['keys', '--help']):\n"
+        "    assert main(argv) == 0, argv\n"
+        "heavy = ('sqlalchemy', 'alembic', 'chatflow_agent', 'rich', 'pydantic')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

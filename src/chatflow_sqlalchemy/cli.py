@@ -1,85 +1,32 @@
 r"""The ``chatflow-sqlalchemy`` command line (Click, with Rich output on a terminal).
 
-Commands::
-
-    chatflow-sqlalchemy [--url URL] db upgrade [REVISION] [--chain NAME]   # default: head
-    chatflow-sqlalchemy [--url URL] db downgrade REVISION [--chain NAME] [--yes]
-    chatflow-sqlalchemy [--url URL] db current [--json]
-    chatflow-sqlalchemy [--url URL] db history [--all | --chain NAME] [--json]
-    chatflow-sqlalchemy [--url URL] db check [--json]        # exit 1 if behind or drifted
-    chatflow-sqlalchemy [--url URL] db stamp REVISION [--chain NAME]
-    chatflow-sqlalchemy [--url URL] sessions list [--json]
-    chatflow-sqlalchemy [--url URL] sessions show SESSION_ID [--json]
-    chatflow-sqlalchemy [--url URL] sessions delete SESSION_ID [--yes]
-    chatflow-sqlalchemy [--url URL] sessions export [--output FILE] [--skip-corrupt]
-    chatflow-sqlalchemy [--url URL] dedup list [--limit N] [--ttl-hours H] [--json]
-    chatflow-sqlalchemy [--url URL] dedup count [--ttl-hours H] [--json]
-    chatflow-sqlalchemy [--url URL] dedup purge [--ttl-hours H] [--yes]
-    chatflow-sqlalchemy [--url URL] dedup release ID [--yes]
-    chatflow-sqlalchemy backends [--json]
-    chatflow-sqlalchemy demo [--db PATH]
+Commands: ``db upgrade|downgrade|current|check|history|stamp``,
+``sessions list|show|delete|export|sweep``, ``dedup list|count|purge|release``,
+``users export|erase``, ``keys rotate``, ``backends``, ``demo``; ``--version``.
+docs/cli.md is the reference: every option, the JSON documents, the exit codes.
 
 The URL comes from ``--url`` (accepted before or after the command), else
 ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
 
-Read commands (``sessions list|show|export``, ``db current|check|history``,
-``dedup list|count``) never create, migrate or write anything: a missing
-SQLite file is an error naming the path, and a schema behind head is an error
-naming ``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only
-for them. Only ``db upgrade|downgrade|stamp`` change the schema.
+Read commands never create, migrate or write anything: a missing SQLite file
+is an error naming the path, and a schema behind head is an error naming
+``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only for
+them. Only ``db upgrade|downgrade|stamp`` change the schema.
 
-Destructive commands (``db downgrade``, ``sessions delete``, ``sessions sweep``,
-``users erase``, a ``dedup purge`` that would remove ids still inside the
-default dedup window) ask first; with
-``--yes`` they do not ask, and without a terminal on stdin they refuse unless
-``--yes`` is given.
+Destructive commands ask first; with ``--yes`` they do not ask, and without a
+terminal on stdin they refuse unless ``--yes`` is given. ``--json`` on every
+command prints one JSON document (times are ISO 8601 with offset).
 
-``--json`` prints one JSON document (times are ISO 8601 with offset)::
-
-    sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
-                                   "created_at", "updated_at"}]}; with --limit also
-                    "next_after" (the --after of the next page, null on the last)
-    sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
-                     "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
-                     "messages": [{"id", "table", "role", "created_at",
-                                   "message": {...} | null,
-                                   "corrupt": null | {"reason", "raw"}}]}
-                    ("table": chatflow_messages, or chatflow_message_archive
-                    for an archived message of --all)
-    sessions export JSON lines {"session_id", "active_agent_name", "metadata",
-                    "messages"} (+ "archived_messages" for a session with an
-                    archive); with --output and --json the summary is
-                    {"exported", "output", "skipped": [line, ...]}
-    db current      {"database", "at_head", "chains": [{"chain", "distribution",
-                     "current", "head", "at_head", "description"}]}
-    db check        the same plus {"ok", "drift": [text, ...]}
-    db history      {"chains": [{"chain", "distribution", "version_table",
-                     "revisions": [{"revision", "down_revision", "is_head", "doc"}]}]}
-    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "state",
-                     "session_id", "lease_age", "lease_left", "has_response",
-                     "processed_at", "expires_at", "expired"}]}
-    dedup count     {"ttl_hours", "total", "expired", "live"}
-    backends        {"backends": [{"name", "from", "available", "detail"}]}
-    sessions sweep  {"dry_run": true, "expired", "oldest": [id, ...]} or
-                    {"dry_run": false, "removed"}
-    users export    always JSON: what store.export_user returns
-    users erase     {"user_id", "erased"}
-
-Exit codes:
-    0: success.
-    1: the command ran and failed: ``db check`` found the schema behind or
-       drifted, the named session does not exist, corrupt rows were found,
-       or a confirmation was answered "no".
-    2: usage error or bad input: bad arguments or URL, missing SQLite file,
-       unreachable database or missing driver, schema behind head (read
-       commands) or ahead of this package, unknown revision, a destructive
-       command without ``--yes`` and without a terminal.
-    130: interrupted (Ctrl-C).
+Exit codes: 0 success (or help printed for a missing command); 1 the command
+ran and failed (``db check`` behind or drifted, no such session, corrupt or
+locked rows, a question answered no); 2 usage error or bad input; 130
+interrupted.
 
 Expected errors print one ``error: ...`` line on stderr, never a traceback,
 and never the URL's password. All output is cleaned of terminal control
 characters (escape sequences, C0/C1 controls, bidi overrides), which are
 shown as ``\x1b``-style escapes; Rich markup in stored text prints literally.
+Piped output is plain text.
 
 Importing this module loads neither SQLAlchemy, Alembic, chatflow-agent nor
 Rich, so ``--help`` answers at once; each command imports what it needs.
@@ -138,7 +85,8 @@ UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
 EXIT_CODES_EPILOG = (
     "\b\nExit codes:\n"
     "  0    success\n"
-    "  1    failed: db check behind/drifted, no such session, corrupt rows, answered no\n"
+    "  1    failed: db check behind/drifted, no such session, corrupt or locked rows,\n"
+    "       answered no\n"
     "  2    usage or bad input: bad URL/arguments, missing SQLite file, unreachable\n"
     "       database or missing driver, schema not at head, unknown revision,\n"
     "       destructive command without --yes and without a terminal\n"
