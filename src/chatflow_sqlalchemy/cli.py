@@ -1273,7 +1273,7 @@ def _row_parts(row: _MessageRow) -> list[_Line]:
     if row.message is not None:
         return _message_parts(row.message)
     if row.locked_by is not None:
-        text = f"ENCRYPTED ROW id {row.row_id} in {row.table}: {_locked(row.locked_by)}"
+        text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
         return [_Line(row.role, clean(text), corrupt=True)]
     return [
         _Line(
@@ -1310,7 +1310,7 @@ def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
 
 def _metadata_text(record: _SessionRecord) -> str | None:
     if record.metadata_locked_by is not None:
-        return f"ENCRYPTED: {_locked(record.metadata_locked_by)}"
+        return f"({_locked(record.metadata_locked_by)})"
     if record.metadata_error is not None:
         return clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
     if record.metadata:
