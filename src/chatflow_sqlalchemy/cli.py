@@ -482,13 +482,17 @@ def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=EXIT_CODES_EPILOG,
     no_args_is_help=True,
+    invoke_without_command=True,
 )
 @click.version_option(
     package_name="chatflow-sqlalchemy", prog_name=PROG, message="%(prog)s %(version)s"
 )
 @_url_option
-def cli(url: str | None) -> None:
+@click.pass_context
+def cli(ctx: click.Context, url: str | None) -> None:
     """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids."""
+    if ctx.invoked_subcommand is None:  # only options (--url X): the help, not an error
+        click.echo(ctx.get_help())
 
 
 @cli.group(no_args_is_help=True)
