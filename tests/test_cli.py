@@ -490,8 +490,8 @@ def test_redact_masks_the_password_in_any_message() -> None:
     assert "sekret" not in _redact("x sekret y", ["postgresql://u:sekret@h:abc/db"])
 
 
-def test_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in ([], ["db"], ["nosuchcommand"], ["sessions", "show"], ["db", "check", "--bad"]):
+def test_bad_usage_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["nosuchcommand"], ["sessions", "show"], ["db", "check", "--bad"]):
         assert main(argv) == 2, argv
         assert "--help" in assert_one_error_line(capsys.readouterr().err)
     assert main(["--help"]) == 0

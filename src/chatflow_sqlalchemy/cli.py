@@ -1,85 +1,32 @@
 r"""The ``chatflow-sqlalchemy`` command line (Click, with Rich output on a terminal).
 
-Commands::
-
-    chatflow-sqlalchemy [--url URL] db upgrade [REVISION] [--chain NAME]   # default: head
-    chatflow-sqlalchemy [--url URL] db downgrade REVISION [--chain NAME] [--yes]
-    chatflow-sqlalchemy [--url URL] db current [--json]
-    chatflow-sqlalchemy [--url URL] db history [--all | --chain NAME] [--json]
-    chatflow-sqlalchemy [--url URL] db check [--json]        # exit 1 if behind or drifted
-    chatflow-sqlalchemy [--url URL] db stamp REVISION [--chain NAME]
-    chatflow-sqlalchemy [--url URL] sessions list [--json]
-    chatflow-sqlalchemy [--url URL] sessions show SESSION_ID [--json]
-    chatflow-sqlalchemy [--url URL] sessions delete SESSION_ID [--yes]
-    chatflow-sqlalchemy [--url URL] sessions export [--output FILE] [--skip-corrupt]
-    chatflow-sqlalchemy [--url URL] dedup list [--limit N] [--ttl-hours H] [--json]
-    chatflow-sqlalchemy [--url URL] dedup count [--ttl-hours H] [--json]
-    chatflow-sqlalchemy [--url URL] dedup purge [--ttl-hours H] [--yes]
-    chatflow-sqlalchemy [--url URL] dedup release ID [--yes]
-    chatflow-sqlalchemy backends [--json]
-    chatflow-sqlalchemy demo [--db PATH]
+Commands: ``db upgrade|downgrade|current|check|history|stamp``,
+``sessions list|show|delete|export|sweep``, ``dedup list|count|purge|release``,
+``users export|erase``, ``keys rotate``, ``backends``, ``demo``; ``--version``.
+docs/cli.md is the reference: every option, the JSON documents, the exit codes.
 
 The URL comes from ``--url`` (accepted before or after the command), else
 ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
 
-Read commands (``sessions list|show|export``, ``db current|check|history``,
-``dedup list|count``) never create, migrate or write anything: a missing
-SQLite file is an error naming the path, and a schema behind head is an error
-naming ``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only
-for them. Only ``db upgrade|downgrade|stamp`` change the schema.
+Read commands never create, migrate or write anything: a missing SQLite file
+is an error naming the path, and a schema behind head is an error naming
+``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only for
+them. Only ``db upgrade|downgrade|stamp`` change the schema.
 
-Destructive commands (``db downgrade``, ``sessions delete``, ``sessions sweep``,
-``users erase``, a ``dedup purge`` that would remove ids still inside the
-default dedup window) ask first; with
-``--yes`` they do not ask, and without a terminal on stdin they refuse unless
-``--yes`` is given.
+Destructive commands ask first; with ``--yes`` they do not ask, and without a
+terminal on stdin they refuse unless ``--yes`` is given. ``--json`` on every
+command prints one JSON document (times are ISO 8601 with offset).
 
-``--json`` prints one JSON document (times are ISO 8601 with offset)::
-
-    sessions list   {"sessions": [{"session_id", "active_agent_name", "messages",
-                                   "created_at", "updated_at"}]}; with --limit also
-                    "next_after" (the --after of the next page, null on the last)
-    sessions show   {"session_id", "active_agent_name", "created_at", "updated_at",
-                     "metadata", "metadata_corrupt": null | {"reason", "raw"}, "turns",
-                     "messages": [{"id", "table", "role", "created_at",
-                                   "message": {...} | null,
-                                   "corrupt": null | {"reason", "raw"}}]}
-                    ("table": chatflow_messages, or chatflow_message_archive
-                    for an archived message of --all)
-    sessions export JSON lines {"session_id", "active_agent_name", "metadata",
-                    "messages"} (+ "archived_messages" for a session with an
-                    archive); with --output and --json the summary is
-                    {"exported", "output", "skipped": [line, ...]}
-    db current      {"database", "at_head", "chains": [{"chain", "distribution",
-                     "current", "head", "at_head", "description"}]}
-    db check        the same plus {"ok", "drift": [text, ...]}
-    db history      {"chains": [{"chain", "distribution", "version_table",
-                     "revisions": [{"revision", "down_revision", "is_head", "doc"}]}]}
-    dedup list      {"ttl_hours", "total", "ids": [{"message_id", "state",
-                     "session_id", "lease_age", "lease_left", "has_response",
-                     "processed_at", "expires_at", "expired"}]}
-    dedup count     {"ttl_hours", "total", "expired", "live"}
-    backends        {"backends": [{"name", "from", "available", "detail"}]}
-    sessions sweep  {"dry_run": true, "expired", "oldest": [id, ...]} or
-                    {"dry_run": false, "removed"}
-    users export    always JSON: what store.export_user returns
-    users erase     {"user_id", "erased"}
-
-Exit codes:
-    0: success.
-    1: the command ran and failed: ``db check`` found the schema behind or
-       drifted, the named session does not exist, corrupt rows were found,
-       or a confirmation was answered "no".
-    2: usage error or bad input: bad arguments or URL, missing SQLite file,
-       unreachable database or missing driver, schema behind head (read
-       commands) or ahead of this package, unknown revision, a destructive
-       command without ``--yes`` and without a terminal.
-    130: interrupted (Ctrl-C).
+Exit codes: 0 success (or help printed for a missing command); 1 the command
+ran and failed (``db check`` behind or drifted, no such session, corrupt or
+locked rows, a question answered no); 2 usage error or bad input; 130
+interrupted.
 
 Expected errors print one ``error: ...`` line on stderr, never a traceback,
 and never the URL's password. All output is cleaned of terminal control
 characters (escape sequences, C0/C1 controls, bidi overrides), which are
 shown as ``\x1b``-style escapes; Rich markup in stored text prints literally.
+Piped output is plain text.
 
 Importing this module loads neither SQLAlchemy, Alembic, chatflow-agent nor
 Rich, so ``--help`` answers at once; each command imports what it needs.
@@ -119,6 +66,7 @@ __all__ = [
     "clean",
     "cli",
     "main",
+    "plain_rst",
 ]
 
 EXIT_OK = 0
@@ -137,7 +85,8 @@ UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
 EXIT_CODES_EPILOG = (
     "\b\nExit codes:\n"
     "  0    success\n"
-    "  1    failed: db check behind/drifted, no such session, corrupt rows, answered no\n"
+    "  1    failed: db check behind/drifted, no such session, corrupt or locked rows,\n"
+    "       answered no\n"
     "  2    usage or bad input: bad URL/arguments, missing SQLite file, unreachable\n"
     "       database or missing driver, schema not at head, unknown revision,\n"
     "       destructive command without --yes and without a terminal\n"
@@ -196,6 +145,20 @@ def _json_text(value: Any, **kwargs: Any) -> str:
     """
     text = json.dumps(value, ensure_ascii=False, default=str, **kwargs)
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_RST_ROLE = re.compile(r":[a-z]+(?::[a-z]+)*:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_RST_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
+
+
+def plain_rst(text: str) -> str:
+    """``text`` written in reStructuredText, as plain text for a terminal.
+
+    Roles (``:func:`x```) and literals (double or single backquotes) keep
+    only their text, so migration notes read as sentences.
+    """
+    text = _RST_ROLE.sub(lambda m: m.group(1), text)
+    return _RST_LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
 
 def _emit_json(value: Any) -> None:
@@ -518,24 +481,34 @@ def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=EXIT_CODES_EPILOG,
-    no_args_is_help=False,
+    no_args_is_help=True,
+    invoke_without_command=True,
+)
+@click.version_option(
+    package_name="chatflow-sqlalchemy", prog_name=PROG, message="%(prog)s %(version)s"
 )
 @_url_option
-def cli(url: str | None) -> None:
+@click.pass_context
+def cli(ctx: click.Context, url: str | None) -> None:
     """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids."""
+    if ctx.invoked_subcommand is None:  # only options (--url X): the help, not an error
+        click.echo(ctx.get_help())
 
 
-@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+@cli.group(no_args_is_help=True)
 def db() -> None:
     """Schema migrations. Only upgrade, downgrade and stamp change the schema."""
 
 
-@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+@cli.group(no_args_is_help=True)
 def sessions() -> None:
-    """Inspect, delete and export sessions (read commands never migrate)."""
+    """Inspect, delete, sweep and export sessions.
+
+    The read commands (list, show, export) never create or migrate anything.
+    """
 
 
-@cli.group(epilog=EXIT_CODES_EPILOG, no_args_is_help=False)
+@cli.group(no_args_is_help=True)
 def dedup() -> None:
     """Processed webhook ids (the dedup window)."""
 
@@ -598,6 +571,7 @@ def _move(
     *,
     down: bool,
     yes: bool = False,
+    as_json: bool = False,
 ) -> None:
     """Upgrade or downgrade, then report how each chain moved (plugins first going down)."""
     from chatflow_sqlalchemy import migrate
@@ -620,6 +594,18 @@ def _move(
         else:
             migrate.upgrade(engine, revision, chain_name)
         after = [_read_revision(engine, chain) for chain in chains]
+    if as_json:
+        _emit_json(
+            {
+                "database": _safe_url(url),
+                "chains": [
+                    {"chain": chain.name, "from": old, "to": new,
+                     "at_head": new == migrate.head_revision(chain)}
+                    for chain, old, new in zip(chains, before, after, strict=True)
+                ],
+            }
+        )
+        return
     verb = "downgraded" if down else "upgraded"
     for chain, old, new in zip(chains, before, after, strict=True):
         suffix = " (head)" if not down and new == migrate.head_revision(chain) else ""
@@ -645,30 +631,36 @@ def _prepare_new_sqlite_file(url: URL, *, create: bool) -> None:
         raise CliError(f"cannot create {clean(str(path))!r}: {exc.strerror}") from None
 
 
-@db.command("upgrade", epilog=EXIT_CODES_EPILOG)
+@db.command("upgrade")
 @click.argument("revision", default="head")
 @click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
+@_json_option
 @_url_option
-def db_upgrade(revision: str, chain_name: str | None, url: str | None) -> None:
-    """Upgrade the schema (default: the core chain and every plugin chain to head).
+def db_upgrade(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
+    """Upgrade the schema (default: every chain to head).
 
+    Moves the core chain and every plugin chain that applies to the database.
     Creates the SQLite file (mode 0600) if it does not exist.
     """
-    _move(url, revision, chain_name, down=False)
+    _move(url, revision, chain_name, down=False, as_json=as_json)
 
 
-@db.command("downgrade", epilog=EXIT_CODES_EPILOG)
+@db.command("downgrade")
 @click.argument("revision")
 @click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
 @_yes_option
+@_json_option
 @_url_option
-def db_downgrade(revision: str, chain_name: str | None, yes: bool, url: str | None) -> None:
-    """Downgrade the schema to REVISION ('base' drops the tables, plugins' first).
+def db_downgrade(
+    revision: str, chain_name: str | None, yes: bool, as_json: bool, url: str | None
+) -> None:
+    """Downgrade the schema to REVISION (asks first).
 
-    Asks for confirmation unless --yes. `db downgrade 0001` makes a file
-    readable by chatflow-agent 0.3.4 again.
+    'base' drops the tables, plugins' first. Asks for confirmation unless
+    --yes. 'db downgrade 0001' makes a file readable by chatflow-agent 0.3.4
+    again.
     """
-    _move(url, revision, chain_name, down=True, yes=yes)
+    _move(url, revision, chain_name, down=True, yes=yes, as_json=as_json)
 
 
 def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstream: bool) -> Any:
@@ -689,11 +681,11 @@ def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstr
     }
 
 
-@db.command("current", epilog=EXIT_CODES_EPILOG)
+@db.command("current")
 @_json_option
 @_url_option
 def db_current(as_json: bool, url: str | None) -> None:
-    """Show the database's revision of every chain (read-only)."""
+    """Show the database's revision of every chain."""
     from chatflow_sqlalchemy import migrate
 
     parsed = _resolve_url(url)
@@ -732,7 +724,7 @@ def _history_json(chain: migrate_module.MigrationChain) -> Any:
                 "revision": rev.revision,
                 "down_revision": rev.down_revision,
                 "is_head": rev.is_head,
-                "doc": rev.doc,
+                "doc": plain_rst(rev.doc),
             }
             for rev in reversed(migrate.history(chain))
         ],
@@ -744,16 +736,20 @@ def _print_history(chain: migrate_module.MigrationChain) -> None:
 
     for rev in reversed(migrate.history(chain)):
         marker = " (head)" if rev.is_head else ""
-        click.echo(f"{rev.down_revision or '<base>'} -> {rev.revision}{marker}: {clean(rev.doc)}")
+        doc = clean(plain_rst(rev.doc))
+        click.echo(f"{rev.down_revision or '<base>'} -> {rev.revision}{marker}: {doc}")
 
 
-@db.command("history", epilog=EXIT_CODES_EPILOG)
+@db.command("history")
 @click.option("--chain", "chain_name", metavar="NAME", help="this chain instead of the core's")
 @click.option("--all", "show_all", is_flag=True, help="also every installed plugin's chain")
 @_json_option
 @_url_option
 def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str | None) -> None:
-    """List the migration chain, newest first (reads no database)."""
+    """List the migration chain, newest first.
+
+    Reads no database: it shows the revisions this installation knows.
+    """
     from chatflow_sqlalchemy import migrate
 
     chains = (
@@ -775,11 +771,14 @@ def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str |
         _print_history(chain)
 
 
-@db.command("check", epilog=EXIT_CODES_EPILOG)
+@db.command("check")
 @_json_option
 @_url_option
 def db_check(as_json: bool, url: str | None) -> int:
-    """Exit 0 if the schema is at head and matches the models, else 1 (read-only)."""
+    """Check the schema is at head and matches the models.
+
+    Exit 0 if it is, else 1 (read-only).
+    """
     from chatflow_sqlalchemy import migrate
 
     parsed = _resolve_url(url)
@@ -823,13 +822,14 @@ def db_check(as_json: bool, url: str | None) -> int:
     return EXIT_OK
 
 
-@db.command("stamp", epilog=EXIT_CODES_EPILOG)
+@db.command("stamp")
 @click.argument("revision")
 @click.option(
     "--chain", "chain_name", metavar="NAME", help="the chain: 'core' (default) or a plugin"
 )
+@_json_option
 @_url_option
-def db_stamp(revision: str, chain_name: str | None, url: str | None) -> None:
+def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
     """Record REVISION without running any migration."""
     from chatflow_sqlalchemy import migrate
 
@@ -842,6 +842,11 @@ def db_stamp(revision: str, chain_name: str | None, url: str | None) -> None:
         upstream = before is None and chain.is_core and _has_upstream_tables(engine)
         migrate.stamp(engine, revision, chain)
         after = _read_revision(engine, chain)
+    if as_json:
+        _emit_json(
+            {"database": _safe_url(parsed), "chain": chain.name, "from": before, "to": after}
+        )
+        return
     click.echo(
         f"{_prefix(parsed, chain)} stamped revision {_label(after, chain)} "
         f"(was {_label(before, chain, upstream=upstream)}); no migration was run"
@@ -862,6 +867,8 @@ class _MessageRow:
     message: Message | None = None
     error: str | None = None
     table: str = "chatflow_messages"
+    locked_by: str | None = None
+    """The key id of an encrypted row whose key is not in ``$CHATFLOW_KEYS``."""
 
 
 @dataclass
@@ -879,8 +886,24 @@ class _SessionRecord:
     metadata: dict[str, Any] | None
     metadata_raw: str | None
     metadata_error: str | None
+    metadata_locked_by: str | None = None
     rows: list[_MessageRow] = field(default_factory=list)
     archived: list[_MessageRow] = field(default_factory=list)
+
+    def locked(self) -> list[tuple[str, str]]:
+        """(key id, what) per part encrypted with a key not in ``$CHATFLOW_KEYS``."""
+        sid = clean(repr(self.session_id))
+        found = []
+        if self.metadata_locked_by is not None:
+            found.append((self.metadata_locked_by, f"session {sid}: metadata_json"))
+        for row in [*self.rows, *self.archived]:
+            if row.locked_by is not None:
+                found.append((row.locked_by, f"session {sid}: {row.table} row id {row.row_id}"))
+        return found
+
+    def unreadable(self) -> list[str]:
+        """One line per part that cannot be read: corrupt, or locked by a missing key."""
+        return [*self.problems(), *(f"{what} is {_locked(key)}" for key, what in self.locked())]
 
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
@@ -898,6 +921,11 @@ class _SessionRecord:
                     f"({clean(row.error)})"
                 )
         return found
+
+
+def _locked(key_id: str) -> str:
+    """How a value encrypted with a key not in ``$CHATFLOW_KEYS`` is described."""
+    return f"encrypted with key {clean(repr(key_id))}, not in CHATFLOW_KEYS"
 
 
 def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str | None]:
@@ -970,6 +998,7 @@ def _record(
     Every corrupt row, archived ones included, is in ``problems()``.
     """
     from chatflow_sqlalchemy.cli_lifecycle import open_row
+    from chatflow_sqlalchemy.crypto import MissingKeyError
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
 
     window_table = ChatflowMessage.__tablename__
@@ -977,8 +1006,13 @@ def _record(
 
     sid = row.session_id
     metadata, raw, error = _decode_metadata(row.metadata_text)
+    locked_by = None
     if metadata is not None:
-        metadata = open_row(sid, metadata)
+        metadata, failure = open_row(sid, metadata)
+        if isinstance(failure, MissingKeyError):
+            metadata, locked_by = None, failure.key_id
+        elif failure is not None:
+            metadata, error = None, failure.reason
     record = _SessionRecord(
         session_id=sid,
         agent=row.active_agent_name,
@@ -987,11 +1021,19 @@ def _record(
         metadata=metadata,
         metadata_raw=raw,
         metadata_error=error,
+        metadata_locked_by=locked_by,
     )
 
     def decode(msg: Any, table: str) -> _MessageRow:
-        text = open_row(sid, msg.message_json)
-        return _decode_message(msg.id, msg.role, msg.created_at, text, table)
+        text, failure = open_row(sid, msg.message_json)
+        if isinstance(failure, MissingKeyError):
+            return _MessageRow(
+                msg.id, str(msg.role), msg.created_at, text, table=table, locked_by=failure.key_id
+            )
+        decoded = _decode_message(msg.id, msg.role, msg.created_at, text, table)
+        if failure is not None:
+            decoded.message, decoded.error = None, failure.reason
+        return decoded
 
     if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
         by_seq = {
@@ -1131,7 +1173,7 @@ def _list_filters(
         raise CliError(clean(str(exc))) from None
 
 
-@sessions.command("list", epilog=EXIT_CODES_EPILOG)
+@sessions.command("list")
 @click.option("--user", metavar="ID", help="only the sessions of this user_id")
 @click.option(
     "--meta", metavar="KEY=VALUE", multiple=True,
@@ -1150,7 +1192,7 @@ def sessions_list(
     user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
     after: str | None, as_json: bool, url: str | None,
 ) -> None:
-    """List sessions, most recently updated first (read-only).
+    """List sessions, most recently updated first.
 
     With --limit or --after the list is paged by session id (ascending), so
     that walking the pages returns every session once even while they are
@@ -1234,6 +1276,9 @@ def _message_parts(message: Message) -> list[_Line]:
 def _row_parts(row: _MessageRow) -> list[_Line]:
     if row.message is not None:
         return _message_parts(row.message)
+    if row.locked_by is not None:
+        text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
+        return [_Line(row.role, clean(text), corrupt=True)]
     return [
         _Line(
             row.role,
@@ -1268,6 +1313,8 @@ def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
 
 
 def _metadata_text(record: _SessionRecord) -> str | None:
+    if record.metadata_locked_by is not None:
+        return f"({_locked(record.metadata_locked_by)})"
     if record.metadata_error is not None:
         return clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
     if record.metadata:
@@ -1311,7 +1358,7 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
     head.add_row("updated", Text(_format_time(record.updated_at)))
     metadata = _metadata_text(record)
     if metadata is not None:
-        style = "bold red" if record.metadata_error else ""
+        style = "bold red" if record.metadata_error or record.metadata_locked_by else ""
         head.add_row("metadata", Text(metadata, style=style))
     head.add_row("messages", Text(f"{len(record.rows)} in {turns} turn(s)"))
     console.print(head)
@@ -1338,10 +1385,11 @@ def _message_json(row: _MessageRow) -> Any:
         "created_at": _iso(row.created_at),
         "message": None if row.message is None else row.message.model_dump(mode="json"),
         "corrupt": None if row.error is None else {"reason": row.error, "raw": row.raw},
+        "locked": None if row.locked_by is None else {"key_id": row.locked_by},
     }
 
 
-@sessions.command("show", epilog=EXIT_CODES_EPILOG)
+@sessions.command("show")
 @click.argument("session_id")
 @click.option(
     "--all", "whole", is_flag=True,
@@ -1350,7 +1398,7 @@ def _message_json(row: _MessageRow) -> Any:
 @_json_option
 @_url_option
 def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) -> int:
-    """Print a conversation turn by turn, with timestamps (read-only).
+    """Print a conversation turn by turn (read-only).
 
     Without --all: the window the model sees. With --all: the transcript
     (messages pruned from the window and kept by a store opened with
@@ -1375,6 +1423,9 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
                 "metadata_corrupt": None
                 if record.metadata_error is None
                 else {"reason": record.metadata_error, "raw": record.metadata_raw},
+                "metadata_locked": None
+                if record.metadata_locked_by is None
+                else {"key_id": record.metadata_locked_by},
                 "turns": turns,
                 "messages": [_message_json(row) for row in record.rows],
             }
@@ -1386,13 +1437,29 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
             _show_plain(record, groups, turns)
         else:
             _show_rich(console, record, groups, turns)
+    failures = []
     if problems:
-        raise CliError(
+        failures.append(
             f"{len(problems)} corrupt part(s): {'; '.join(problems)}; fix or delete them, "
-            "or delete the session",
-            EXIT_FAILED,
+            "or delete the session"
         )
+    locked = record.locked()
+    if locked:
+        failures.append(_locked_failure(locked))
+    if failures:
+        raise CliError("; ".join(failures), EXIT_FAILED)
     return EXIT_OK
+
+
+def _locked_failure(locked: Sequence[tuple[str, str]]) -> str:
+    """What to do about parts encrypted with keys not in ``$CHATFLOW_KEYS``."""
+    keys = sorted({key for key, _ in locked})
+    named = ", ".join(clean(repr(key)) for key in keys)
+    return (
+        f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
+        f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key to "
+        f"CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
+    )
 
 
 # --------------------------------------------------------------------------- delete / export
@@ -1403,12 +1470,16 @@ def _writing(url: URL) -> Any:
     return _engine(url, read_only=False)
 
 
-@sessions.command("delete", epilog=EXIT_CODES_EPILOG)
+@sessions.command("delete")
 @click.argument("session_id")
 @_yes_option
+@_json_option
 @_url_option
-def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
-    """Delete a session and its history (asks first unless --yes)."""
+def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+    """Delete a session and its history (asks first).
+
+    Asks for confirmation unless --yes.
+    """
     from sqlalchemy import Table, delete, select
 
     from chatflow_sqlalchemy.models import ChatflowSession
@@ -1429,6 +1500,9 @@ def sessions_delete(session_id: str, yes: bool, url: str | None) -> None:
             gone = conn.execute(delete(table).where(table.c.session_id == session_id)).rowcount
     if not gone:
         raise _no_session(session_id, parsed)
+    if as_json:
+        _emit_json({"session_id": session_id, "deleted": True})
+        return
     click.echo(f"deleted session {clean(repr(session_id))}")
 
 
@@ -1458,11 +1532,13 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
     with _read_conn(engine) as conn:  # one snapshot for the whole export
         for row in list(conn.execute(_session_query())):
             record = _record(conn, row, archived=True)
-            problems = record.problems()
+            problems = record.unreadable()
             if problems:
                 if not skip_corrupt:
                     # plain `show` reads the window only: an archived row needs --all
-                    whole = " --all" if any(r.error is not None for r in record.archived) else ""
+                    whole = " --all" if any(
+                        r.error is not None or r.locked_by is not None for r in record.archived
+                    ) else ""
                     raise CliError(
                         f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
                         f"other sessions, or see: {PROG} sessions show "
@@ -1476,28 +1552,69 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
     return exported, skipped
 
 
-def _private_temp(target: Path) -> tuple[IO[str], Path]:
-    """A new file beside ``target``, mode 0600 whatever the umask (mkstemp's guarantee)."""
+def _check_output(target: Path) -> None:
+    """Refuse an ``--output`` that exists and is not a regular file (never following a link).
+
+    Replacing a symlink, a FIFO, a device or a folder would not write where
+    the user meant: they are refused before anything is read or written.
+    """
+    import stat
+
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CliError(f"cannot use --output {clean(str(target))!r}: {exc.strerror}") from None
+    if stat.S_ISREG(mode):
+        return
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a named pipe",
+             stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device",
+             stat.S_ISSOCK: "a socket"}
+    kind = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    raise CliError(
+        f"--output {clean(str(target))!r} is {kind}; nothing was written: name a regular "
+        "file (it is replaced) or a new path, or omit --output to write to stdout"
+    )
+
+
+def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
+    """Run ``write`` on a private file beside ``target``, then rename it over ``target``.
+
+    The new file is mode 0600 whatever the umask (mkstemp's guarantee);
+    ``target`` is replaced atomically only if ``write`` succeeds, and only
+    while it is absent or a regular file (:func:`_check_output`).
+    """
     import tempfile
 
+    _check_output(target)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "w", encoding="utf-8"), Path(name)
+    partial = Path(name)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as sink:
+            result = write(sink)
+        _check_output(target)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return result
 
 
-@sessions.command("export", epilog=EXIT_CODES_EPILOG)
+@sessions.command("export")
 @click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
 @click.option(
     "--skip-corrupt",
     is_flag=True,
-    help="export the readable sessions and report the corrupt ones on stderr",
+    help="export the readable sessions; report the others on stderr (corrupt, or encrypted "
+    "with a key not in CHATFLOW_KEYS)",
 )
 @_json_option
 @_url_option
 def sessions_export(
     output: str | None, skip_corrupt: bool, as_json: bool, url: str | None
 ) -> None:
-    """Export sessions as JSON lines (read-only): one object per session.
+    """Export sessions as JSON lines (read-only).
 
     Each line: {"session_id", "active_agent_name", "metadata", "messages"}
     (+ "archived_messages" for a session with an archive). A session with a
@@ -1512,13 +1629,8 @@ def sessions_export(
             _report_skipped(skipped)
             return
         target = Path(output)
-        sink, partial = _private_temp(target)
-        try:
-            with sink:
-                count, skipped = _export(engine, sink, skip_corrupt)
-            partial.replace(target)
-        finally:
-            partial.unlink(missing_ok=True)
+        _check_output(target)
+        count, skipped = _write_output(target, lambda sink: _export(engine, sink, skip_corrupt))
     _report_skipped(skipped)
     if as_json:
         _emit_json({"exported": count, "output": str(target), "skipped": skipped})
@@ -1581,13 +1693,13 @@ def _dedup_counts(conn: Connection, ttl_hours: float) -> tuple[int, int]:
     return int(total), int(expired)
 
 
-@dedup.command("list", epilog=EXIT_CODES_EPILOG)
+@dedup.command("list")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
 @_ttl_option
 @_json_option
 @_url_option
 def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | None) -> None:
-    """List processed ids and their claim state, newest first (read-only).
+    """List processed ids and their claim state, newest first.
 
     States: in_flight (a worker holds it, lease live), expired (its worker
     stopped renewing: the next delivery takes it over), done, released (the
@@ -1648,11 +1760,12 @@ def _claim_state(state: str, lease_age: float | None) -> str:
     return f"{state} (lease renewed {lease_age:.0f} s ago)"
 
 
-@dedup.command("release", epilog=EXIT_CODES_EPILOG)
+@dedup.command("release")
 @click.argument("message_id")
 @_yes_option
+@_json_option
 @_url_option
-def dedup_release(message_id: str, yes: bool, url: str | None) -> None:
+def dedup_release(message_id: str, yes: bool, as_json: bool, url: str | None) -> None:
     """Free a webhook id held by a stuck or dead worker.
 
     The next delivery of the id acquires it at once. If the old holder is
@@ -1675,15 +1788,18 @@ def dedup_release(message_id: str, yes: bool, url: str | None) -> None:
             f"{clean(message_id)} is not held by any worker (unknown, done or released)",
             code=EXIT_FAILED,
         )
+    if as_json:
+        _emit_json({"message_id": message_id, "released": True})
+        return
     click.echo(f"released {clean(message_id)}: the next delivery acquires it")
 
 
-@dedup.command("count", epilog=EXIT_CODES_EPILOG)
+@dedup.command("count")
 @_ttl_option
 @_json_option
 @_url_option
 def dedup_count(ttl_hours: float | None, as_json: bool, url: str | None) -> None:
-    """Count processed ids, and how many are past the dedup window (read-only)."""
+    """Count processed ids, live and expired (read-only)."""
     ttl = _ttl(ttl_hours)
     with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
         total, expired = _dedup_counts(conn, ttl)
@@ -1694,11 +1810,12 @@ def dedup_count(ttl_hours: float | None, as_json: bool, url: str | None) -> None
     click.echo(f"{total} processed id(s): {live} live, {expired} expired (TTL {ttl:g} h)")
 
 
-@dedup.command("purge", epilog=EXIT_CODES_EPILOG)
+@dedup.command("purge")
 @_ttl_option
 @_yes_option
+@_json_option
 @_url_option
-def dedup_purge(ttl_hours: float | None, yes: bool, url: str | None) -> None:
+def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | None) -> None:
     """Delete processed ids older than the TTL.
 
     A --ttl-hours shorter than the default window removes ids a webhook
@@ -1731,13 +1848,16 @@ def dedup_purge(ttl_hours: float | None, yes: bool, url: str | None) -> None:
             removed = _dialect_support(parsed).drop_expired_processed(conn, cutoff, now)
         with engine.begin() as conn:
             removed += conn.execute(delete(table).where(table.c.processed_at < cutoff)).rowcount
+    if as_json:
+        _emit_json({"ttl_hours": ttl, "removed": removed})
+        return
     click.echo(f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
 
 
 # --------------------------------------------------------------------------- misc
 
 
-@cli.command("backends", epilog=EXIT_CODES_EPILOG)
+@cli.command("backends")
 @_json_option
 def backends(as_json: bool) -> None:
     """List installed backends and where they come from."""
@@ -1775,10 +1895,14 @@ def backends(as_json: bool) -> None:
     _table(("BACKEND", "FROM", "STORE CLASS OR ERROR"), rows)
 
 
-@cli.command("demo", epilog=EXIT_CODES_EPILOG)
+@cli.command("demo")
 @click.option("--db", "db_path", metavar="PATH", help="new SQLite file (default: a temp folder)")
-def demo(db_path: str | None) -> None:
-    """Run the offline demo (scripted engine, real Runner) on a new SQLite file."""
+@_json_option
+def demo(db_path: str | None, as_json: bool) -> None:
+    """Run the offline demo on a new SQLite file.
+
+    A scripted engine (no API key) drives the real Runner.
+    """
     import tempfile
 
     from chatflow_sqlalchemy.demo import DemoError, run_demo
@@ -1787,10 +1911,14 @@ def demo(db_path: str | None) -> None:
         path = Path(tempfile.mkdtemp(prefix="chatflow-demo-")) / "demo.db"
     else:
         path = Path(db_path)
+    lines: list[str] = []
+    out = lines.append if as_json else (lambda line: click.echo(clean(line)))
     try:
-        run_demo(str(path), lambda line: click.echo(clean(line)))
+        run_demo(str(path), out)
     except DemoError as exc:
         raise CliError(str(exc), EXIT_FAILED) from exc
+    if as_json:
+        _emit_json({"database": str(path), "output": lines})
 
 
 # --------------------------------------------------------------------------- main
@@ -1897,6 +2025,9 @@ def main(argv: list[str] | None = None) -> int:
         result = cli.main(args=args, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
+    except click.exceptions.NoArgsIsHelpError as exc:  # a bare group: its help, not an error
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else "")
+        return EXIT_OK
     except click.UsageError as exc:
         return _usage_error(exc)
     except click.Abort:

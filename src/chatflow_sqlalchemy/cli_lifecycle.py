@@ -9,13 +9,19 @@ the command line, importing it loads neither SQLAlchemy nor chatflow-agent.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
     "keys",
@@ -38,8 +44,6 @@ def register(cli_module: Any) -> None:
     """Add ``users`` to the root group and ``sweep`` to ``sessions`` of ``cli_module``."""
     global _cli
     _cli = cli_module
-    for command in (users, users_erase, users_export, sessions_sweep, keys, keys_rotate):
-        command.epilog = cli_module.EXIT_CODES_EPILOG
     cli_module.cli.add_command(users)
     cli_module.cli.add_command(keys)
     cli_module.sessions.add_command(sessions_sweep)
@@ -64,9 +68,12 @@ def _url_option(func: Callable[..., _T]) -> Callable[..., _T]:
     )(func)
 
 
-@click.group(no_args_is_help=False)
+@click.group(no_args_is_help=True)
 def users() -> None:
-    """Everything held about one user_id: export it, or erase it (GDPR / LGPD requests)."""
+    """Export or erase everything held about a user_id.
+
+    For GDPR / LGPD requests.
+    """
 
 
 def _validated(user_id: str) -> str:
@@ -91,8 +98,9 @@ def _count(engine: Any, user_id: str) -> int:
 @_json_option
 @_url_option
 def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
-    """Erase every session of USER_ID with its messages and claims, in one transaction.
+    """Erase every session of USER_ID (asks first).
 
+    Its sessions go with their messages and claims, in one transaction.
     Asks first unless --yes. Workers with a live context of an erased
     session get SessionDeletedError on their next read or write.
     """
@@ -120,71 +128,69 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
 @users.command("export")
 @click.argument("user_id")
 @click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_json_option
 @_url_option
-def users_export(user_id: str, output: str | None, url: str | None) -> None:
-    """Export everything held about USER_ID as one JSON document (read-only).
+def users_export(user_id: str, output: str | None, as_json: bool, url: str | None) -> None:
+    """Export everything held about USER_ID as JSON (read-only).
 
     {"format", "user_id", "exported_at", "sessions": [{"session_id",
     "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
     "messages", "archived_messages", "webhook_claims"}]} -- what
-    ``store.export_user`` returns. Encrypted rows are opened with the keys of
+    store.export_user returns. Encrypted rows are opened with the keys of
     $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
+    The document is JSON already; with --output and --json the summary is
+    {"user_id", "exported", "output"}.
     """
+    target = None if output in (None, "-") else Path(output)
+    if target is not None:
+        _cli._check_output(target)  # before reading anything
     document = _export(user_id, url)
     text = _cli._json_text(document, indent=2) + "\n"
-    if output in (None, "-"):
+    if target is None:
         sys.stdout.write(text)
         return
-    target = Path(output)
-    sink, partial = _cli._private_temp(target)
-    try:
-        with sink:
-            sink.write(text)
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
+    _cli._write_output(target, lambda sink: sink.write(text))
     count = len(document["sessions"])
+    if as_json:
+        _cli._emit_json({"user_id": user_id, "exported": count, "output": str(target)})
+        return
     click.echo(f"exported {count} session(s) of user {_cli.clean(repr(user_id))} to "
                f"{_cli.clean(str(target))}")
 
 
-def open_row(session_id: str, stored: Any) -> Any:
+def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]:
     """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
 
-    For the read commands: without keys, or when a value does not open,
-    it is returned as stored (and shown as unreadable).
+    For the read commands: returns ``(value, None)``, or ``(stored, why)``
+    when a sealed value does not open -- a ``MissingKeyError`` when its key
+    is not in ``$CHATFLOW_KEYS`` (locked, not corrupt), else the
+    ``CorruptRowError`` saying what is wrong with it.
     """
     from chatflow_sqlalchemy.crypto import is_encrypted
-
-    sealed = is_encrypted(stored) or (
-        isinstance(stored, dict) and set(stored) == {"_enc"}
-    )
-    if not sealed:
-        return stored
-    sealer = _sealer_from_env()
-    if not sealer.active:
-        return stored
     from chatflow_sqlalchemy.exceptions import CorruptRowError
 
+    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
+    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
+        return stored, None
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
-        if isinstance(stored, dict):
-            return sealer.open_metadata(session_id, stored)
-        return sealer.open_text(session_id, None, stored, "chatflow_messages")
-    except CorruptRowError:
-        return stored
+        if sealed_dict:
+            return sealer.open_metadata(session_id, stored), None
+        return sealer.open_text(session_id, None, stored, "chatflow_messages"), None
+    except CorruptRowError as exc:
+        return stored, exc
 
 
-def _sealer_from_env() -> Any:
-    """Open encrypted rows with the keys of ``$CHATFLOW_KEYS`` when it is set."""
-    import os
-
-    from chatflow_sqlalchemy.crypto import KEYS_ENV_VAR, AESGCMCipher
+@functools.lru_cache(maxsize=4)
+def _sealer_from_env(keys: str) -> Sealer:
+    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (value ``keys``); none when unset."""
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.sealing import Sealer
 
-    if not os.environ.get(KEYS_ENV_VAR):
+    if not keys:
         return Sealer(None, False)
     try:
-        return Sealer(AESGCMCipher.from_env(), False)
+        return Sealer(AESGCMCipher.from_env(keys), False)
     except (ValueError, ImportError) as exc:
         raise _cli.CliError(_cli.clean(str(exc))) from None
 
@@ -197,7 +203,7 @@ def _export(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
 
     _validated(user_id)
-    sealer = _sealer_from_env()
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     with _cli._reading(url) as (_parsed, engine), _cli._read_conn(engine) as conn:
         try:
             sessions = export_sessions(
@@ -230,11 +236,12 @@ def sessions_sweep(
     ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
     url: str | None,
 ) -> None:
-    """Remove expired sessions with their messages and claims (asks first unless --yes).
+    """Remove expired sessions (asks first).
 
-    Sessions whose turn is in progress or that a live webhook claim holds are
-    kept (a later sweep takes them). Safe while workers run and while other
-    sweepers run.
+    Expired sessions go with their messages and claims; asks for
+    confirmation unless --yes. Sessions whose turn is in progress or that a
+    live webhook claim holds are kept (a later sweep takes them). Safe while
+    workers run and while other sweepers run.
     """
     from chatflow_sqlalchemy.lifecycle import validate_session_ttl
     from chatflow_sqlalchemy.models import utcnow
@@ -274,9 +281,12 @@ def _sweep(url: Any, hours: float, limit: int | None) -> int:
         return int(store.sweep(limit))
 
 
-@click.group(no_args_is_help=False)
+@click.group(no_args_is_help=True)
 def keys() -> None:
-    """Encryption keys: re-encrypt stored rows with the primary key of $CHATFLOW_KEYS."""
+    """Encryption keys: re-encrypt rows with a new key.
+
+    The keys come from $CHATFLOW_KEYS; the first is the primary.
+    """
 
 
 @keys.command("rotate")
@@ -284,14 +294,19 @@ def keys() -> None:
     "--batch", type=click.IntRange(min=1), default=200, show_default=True,
     help="rows per table re-encrypted in one short transaction",
 )
+@_yes_option
 @_json_option
 @_url_option
-def keys_rotate(batch: int, as_json: bool, url: str | None) -> None:
-    """Re-encrypt every row not sealed with the primary key, online, in batches.
+def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
+    """Re-encrypt every row with the primary key, online.
+
+    Rows not sealed with the primary key are rewritten in batches.
 
     Keys come from $CHATFLOW_KEYS ("k2:<base64>,k1:<base64>": the first is
     the primary, the others still decrypt). Plaintext rows are encrypted
-    too. Workers keep running turns meanwhile; give them the same keys
+    too: on a database holding any, it asks first unless --yes (without a
+    terminal it refuses unless --yes), since from then on only these keys
+    read them. Workers keep running turns meanwhile; give them the same keys
     first, then rotate, then drop the old key. Exit 0 when done.
     """
     from chatflow_sqlalchemy.crypto import AESGCMCipher
@@ -304,9 +319,40 @@ def keys_rotate(batch: int, as_json: bool, url: str | None) -> None:
     parsed = _cli._resolve_url(url)
     with _cli._writing(parsed) as engine:
         _cli._require_head(engine, parsed)
+        if _holds_plaintext(engine):
+            _cli._confirm(
+                f"{_cli._safe_url(parsed)} holds plaintext rows: encrypt them with key "
+                f"{_cli.clean(repr(cipher.primary))} (only $CHATFLOW_KEYS reads them after)?",
+                yes,
+            )
     with open_store(parsed, cipher=cipher, auto_migrate=False) as store:
         count = int(store.rotate_keys(batch))
     if as_json:
         _cli._emit_json({"primary": cipher.primary, "rewritten": count})
     else:
         click.echo(f"re-encrypted {count} row(s) with key {_cli.clean(repr(cipher.primary))}")
+
+
+def _holds_plaintext(engine: Any) -> bool:
+    """True if a message, archived message or session metadata is stored unencrypted."""
+    from sqlalchemy import Text, cast, not_, select
+
+    from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
+    from chatflow_sqlalchemy.models import (
+        ChatflowMessage,
+        ChatflowMessageArchive,
+        ChatflowSession,
+    )
+
+    sessions = ChatflowSession.__table__
+    queries = [
+        select(table.c.id).where(
+            not_(table.c.message_json.startswith(TOKEN_PREFIX, autoescape=True))
+        )
+        for table in (ChatflowMessage.__table__, ChatflowMessageArchive.__table__)
+    ]
+    queries.append(select(sessions.c.session_id).where(
+        not_(cast(sessions.c.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))
+    ))
+    with _cli._read_conn(engine) as conn:
+        return any(conn.execute(query.limit(1)).first() is not None for query in queries)

@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+from chatflow_sqlalchemy.exceptions import ChatflowStoreError, CorruptRowError
 
 __all__ = [
     "CRYPTO_INSTALL_HINT",
@@ -35,6 +35,7 @@ __all__ = [
     "TOKEN_PREFIX",
     "AESGCMCipher",
     "CipherError",
+    "MissingKeyError",
     "is_encrypted",
     "token_key_id",
 ]
@@ -51,6 +52,28 @@ _KEY_SIZES = (16, 24, 32)
 
 class CipherError(ChatflowStoreError):
     """A token cannot be decrypted (unknown key id, wrong key, tampered or truncated)."""
+
+
+class MissingKeyError(CorruptRowError):
+    """A row is encrypted with a key the reader does not hold: not corrupt, only locked.
+
+    A :class:`~chatflow_sqlalchemy.exceptions.CorruptRowError` (so existing
+    handlers still catch it) whose message names the key id and what to set
+    instead of calling the row corrupt. ``key_id`` is the key the row names.
+    """
+
+    def __init__(
+        self, session_id: str, row_id: object, key_id: str, *, table: str = "chatflow_messages"
+    ) -> None:
+        where = f"session {session_id!r}" + ("" if row_id is None else f", id {row_id}")
+        reason = f"encrypted with key {key_id!r}, not in {KEYS_ENV_VAR}"
+        super().__init__(session_id, row_id, reason, table=table)
+        self.key_id = key_id
+        self.args = (
+            f"a row in {table} ({where}) is {reason}: add that key to {KEYS_ENV_VAR} "
+            f"('{key_id}:<base64 key>', after the primary) and open the store with "
+            "cipher=AESGCMCipher.from_env()",
+        )
 
 
 def is_encrypted(text: object) -> bool:

@@ -26,7 +26,14 @@ from typing import Any, cast
 from chatflow_agent import Message
 from sqlalchemy import Connection, Select, Table, and_, not_, select, update
 
-from chatflow_sqlalchemy.crypto import TOKEN_PREFIX, AESGCMCipher, CipherError, is_encrypted
+from chatflow_sqlalchemy.crypto import (
+    TOKEN_PREFIX,
+    AESGCMCipher,
+    CipherError,
+    MissingKeyError,
+    is_encrypted,
+    token_key_id,
+)
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive, ChatflowSession
 
@@ -98,11 +105,11 @@ class Sealer:
                     "chatflow-sqlalchemy keys rotate)", table=table,
                 )
             return text
+        key_id = token_key_id(text)
+        if key_id is not None and (self.cipher is None or key_id not in self.cipher.key_ids):
+            raise MissingKeyError(session_id, row_id, key_id, table=table)
         if self.cipher is None:
-            raise CorruptRowError(
-                session_id, row_id, "encrypted row, but the store has no cipher= to read it",
-                table=table,
-            )
+            raise CorruptRowError(session_id, row_id, "malformed encrypted value", table=table)
         try:
             return self.cipher.decrypt(text, session_id)
         except CipherError as exc:
