@@ -206,25 +206,21 @@ _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "
 
 
 def _resolve_url(given: str | None) -> URL:
-    """The URL to use: ``--url`` (after the command, else before it), env, default file."""
-    from sqlalchemy import exc as sa_exc
-    from sqlalchemy import make_url
+    """The URL to use: ``--url`` (after the command, else before it), env, default file.
 
-    from chatflow_sqlalchemy.store import database_url_from_env
+    Read by :func:`~chatflow_sqlalchemy.urls.parse_database_url`, so the CLI refuses
+    exactly the URLs the stores refuse, with the same fix.
+    """
+    from chatflow_sqlalchemy.exceptions import DatabaseURLError
+    from chatflow_sqlalchemy.urls import parse_database_url
 
     if given is None:
         ctx = click.get_current_context(silent=True)
         given = ctx.find_root().params.get("url") if ctx is not None else None
-    raw = str(database_url_from_env(given))
     try:
-        return make_url(raw)
-    except sa_exc.ArgumentError as exc:
-        raise CliError(f"invalid database URL: {exc}") from None
-    except ValueError as exc:
-        reason = str(exc)
-        if "int()" in reason:
-            reason = "the port is not a number"
-        raise CliError(f"invalid database URL: {reason}") from None
+        return parse_database_url(given)
+    except DatabaseURLError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _safe_url(url: URL) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack, suppress
@@ -115,27 +114,18 @@ from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 from chatflow_sqlalchemy.writer import SessionWriter
 
 __all__ = [
-    "DEFAULT_DATABASE_URL",
     "DEFAULT_DEDUP_TTL_HOURS",
     "MAX_DEDUP_TTL_HOURS",
     "SQLAlchemySessionStore",
-    "database_url_from_env",
 ]
 
 _T = TypeVar("_T")
-
-DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
 
 logger = logging.getLogger(__name__)
 
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
 _SWEEP_DEADLOCK_RETRIES = 5
-
-
-def database_url_from_env(url: str | URL | None = None) -> str | URL:
-    """Return ``url``, else ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``."""
-    return url or os.environ.get("CHATFLOW_DATABASE_URL") or DEFAULT_DATABASE_URL
 
 
 def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
