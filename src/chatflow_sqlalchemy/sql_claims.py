@@ -84,20 +84,20 @@ class DatabaseNow(FunctionElement[datetime]):
     inherit_cache = True
 
 
-def _parts(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> tuple[str, str | None]:
-    """The element's arguments compiled: the worker's value and the seconds (None if none)."""
-    args = [compiler.process(arg, **kw) for arg in element.clauses]
-    return args[0], args[1] if len(args) > 1 else None
+def _seconds(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str | None:
+    """The seconds argument compiled (None if none); the worker's value is left out."""
+    args = list(element.clauses)
+    return compiler.process(args[1], **kw) if len(args) > 1 else None
 
 
 @compiles(DatabaseNow)
 def _worker_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    return _parts(element, compiler, **kw)[0]
+    return str(compiler.process(next(iter(element.clauses)), **kw))
 
 
 @compiles(DatabaseNow, "postgresql")
 def _postgresql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _parts(element, compiler, **kw)[1]
+    seconds = _seconds(element, compiler, **kw)
     if seconds is None:
         return "statement_timestamp()"
     return f"(statement_timestamp() + make_interval(secs => {seconds}))"
@@ -105,7 +105,7 @@ def _postgresql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) ->
 
 @compiles(DatabaseNow, "sqlite")
 def _sqlite_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _parts(element, compiler, **kw)[1]
+    seconds = _seconds(element, compiler, **kw)
     shift = "" if seconds is None else f", printf('%.6f seconds', {seconds})"
     return f"(strftime('%Y-%m-%d %H:%M:%f', 'now'{shift}) || '000')"
 
@@ -113,7 +113,7 @@ def _sqlite_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str
 @compiles(DatabaseNow, "mysql")
 @compiles(DatabaseNow, "mariadb")
 def _mysql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _parts(element, compiler, **kw)[1]
+    seconds = _seconds(element, compiler, **kw)
     if seconds is None:
         return "UTC_TIMESTAMP(6)"
     return f"TIMESTAMPADD(MICROSECOND, ROUND(({seconds}) * 1000000), UTC_TIMESTAMP(6))"

@@ -2980,6 +2980,23 @@ class TestLeaseClock(StoreTestBase):
         with store.claim(mid, session_id=sid) as rival:  # a true clock: the lease holds
             assert (rival.acquired, rival.status) == (False, "in_flight")
 
+    @requires(Capability.SQL)
+    def test_a_lease_ends_lease_seconds_after_its_claim_on_one_clock(self, store: Any) -> None:
+        """The claim's start and its lease's end are read from one clock in one statement."""
+        from datetime import timedelta
+
+        from sqlalchemy import select
+
+        from chatflow_sqlalchemy.models import ChatflowProcessedMessage as Row
+
+        mid = new_id("wamid")
+        with store.claim(mid, lease_seconds=42.5) as claim:
+            assert claim.acquired
+            with store.engine.connect() as conn:
+                query = select(Row.claimed_at, Row.lease_expires_at).where(Row.message_id == mid)
+                claimed_at, lease_end = conn.execute(query).one()
+        assert lease_end - claimed_at == timedelta(seconds=42.5)
+
     def test_a_dead_worker_whose_clock_ran_ahead_is_taken_over_one_lease_later(
         self, harness: StoreHarness, store: Any
     ) -> None:
