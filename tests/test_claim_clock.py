@@ -73,3 +73,25 @@ def test_every_clocked_dialect_reads_the_database(tmp_path: Path) -> None:
     for dialect, clock in expected.items():
         sql = str(_RENEW.compile(dialect=dialect))
         assert clock in sql and "lease)" not in sql and ":lease " not in sql, sql
+
+
+def test_mariadb_reads_utc_whatever_the_sessions_time_zone() -> None:
+    """``DATETIME(6)`` columns hold naive UTC: the clock must not follow ``time_zone``."""
+    import os
+
+    from sqlalchemy import create_engine
+
+    url = os.environ.get("CHATFLOW_TEST_MARIADB_URL")
+    if not url:
+        pytest.skip("set CHATFLOW_TEST_MARIADB_URL=mysql+pymysql://user@host:3306/db to run it")
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SET time_zone = '+05:00'"))
+            clock, utc, local = conn.execute(
+                select(CLAIM_NOW, text("UTC_TIMESTAMP(6)"), text("NOW(6)"))
+            ).one()
+    finally:
+        engine.dispose()
+    assert clock == utc.replace(tzinfo=clock.tzinfo)
+    assert local - utc == timedelta(hours=5)
