@@ -296,7 +296,10 @@ class DialectSupport:
         takeover draws the new ``token`` but keeps the row's ``ticket`` (its
         place in its session's order). Bind parameters: ``message_id``,
         ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry),
-        ``session_id`` and ``horizon`` (see :class:`AcquiredClaim`).
+        ``session_id`` and ``horizon`` (see :class:`AcquiredClaim`): the
+        worker's clock values; ``lease_seconds`` and ``ttl_seconds`` for the
+        database's clock (``sql_claims.CLAIM_NOW``, ``CLAIM_LEASE``,
+        ``CLAIM_CUTOFF``, ``CLAIM_HORIZON``), which its leases and takeover test use.
         :meth:`read_claim` reads the result. Backends with
         ``ON CONFLICT ... WHERE ... RETURNING`` build it with
         :func:`on_conflict_acquire`.
@@ -425,11 +428,10 @@ def on_conflict_acquire(
     A ``partition_day`` expression (a table partitioned by day) is inserted
     with the row and joins ``message_id`` as the conflict target.
     """
-    from chatflow_sqlalchemy.models import UTCDateTime
+    from chatflow_sqlalchemy.sql_claims import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
 
     c = table.c
-    now = bindparam("now", type_=UTCDateTime())
-    cutoff = bindparam("cutoff", type_=UTCDateTime())
+    now, cutoff = CLAIM_NOW, CLAIM_CUTOFF  # the database's clock (see sql_claims)
     stmt = insert(table).values(
         message_id=bindparam("message_id"),
         processed_at=now,
@@ -437,7 +439,7 @@ def on_conflict_acquire(
         token=bindparam("token"),
         session_id=bindparam("session_id"),
         ticket=ticket,
-        lease_expires_at=bindparam("lease", type_=UTCDateTime()),
+        lease_expires_at=CLAIM_LEASE,
         claimed_at=now,
     )
     keys = [c.message_id]

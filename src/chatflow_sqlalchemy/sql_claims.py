@@ -4,6 +4,14 @@ How claims behave is described in :mod:`chatflow_sqlalchemy.claims`; this
 module is that behaviour on ``chatflow_processed_messages``. The acquire
 statement is the dialect's (:meth:`DialectSupport.acquire_claim`); the rest
 is portable Core.
+
+**One clock for leases: the database's.** Every lease a claim stores, and
+every comparison that decides whether a lease still holds (takeover, order,
+renewal), reads :class:`DatabaseNow` inside the statement, never a worker's
+clock: a worker whose clock runs ahead can no longer take over a live claim,
+and one whose clock runs behind no longer stores a lease that has already
+lapsed. The workers' clock values are still sent, for databases that have no
+compilation of :class:`DatabaseNow` (see there).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
+    Float,
     Table,
     Text,
     bindparam,
@@ -22,6 +31,9 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
@@ -31,13 +43,100 @@ from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASE
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
-__all__ = ["CLAIM_IS_MINE", "FENCE_CLAIM", "SQLClaims", "free_claim", "read_claims"]
+__all__ = [
+    "CLAIM_CUTOFF",
+    "CLAIM_HORIZON",
+    "CLAIM_IS_MINE",
+    "CLAIM_LEASE",
+    "CLAIM_NOW",
+    "FENCE_CLAIM",
+    "DatabaseNow",
+    "SQLClaims",
+    "free_claim",
+    "read_claims",
+]
 
 _T = TypeVar("_T")
 
+
+class DatabaseNow(FunctionElement[datetime]):
+    """The database's clock, optionally moved by some seconds: the time claim leases use.
+
+    Arguments: the bind parameter of the worker's clock value (rendered only
+    on a database this module does not compile for), then optionally a SQL
+    expression of seconds to add. Per dialect:
+
+    * PostgreSQL: ``statement_timestamp()``, the start of the statement: one
+      value throughout the statement, fresh for every statement even inside
+      a long transaction (``now()`` would be the transaction's start).
+    * SQLite: the machine's clock, ``strftime('%Y-%m-%d %H:%M:%f', 'now')``,
+      padded to the six-digit text :class:`UTCDateTime` stores, so text
+      comparisons with stored values hold.
+    * MySQL / MariaDB: ``UTC_TIMESTAMP(6)``, UTC whatever the session's time
+      zone, as the ``DATETIME(6)`` columns hold naive UTC.
+
+    Another database renders the worker's clock value, as before; its backend
+    gets the database's clock by compiling this element for its dialect
+    (``sqlalchemy.ext.compiler.compiles``).
+    """
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+def _seconds(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str | None:
+    """The seconds argument compiled (None if none); the worker's value is left out."""
+    args = list(element.clauses)
+    return compiler.process(args[1], **kw) if len(args) > 1 else None
+
+
+@compiles(DatabaseNow)
+def _worker_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
+    return str(compiler.process(next(iter(element.clauses)), **kw))
+
+
+@compiles(DatabaseNow, "postgresql")
+def _postgresql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = _seconds(element, compiler, **kw)
+    if seconds is None:
+        return "statement_timestamp()"
+    return f"(statement_timestamp() + make_interval(secs => {seconds}))"
+
+
+@compiles(DatabaseNow, "sqlite")
+def _sqlite_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = _seconds(element, compiler, **kw)
+    shift = "" if seconds is None else f", printf('%.6f seconds', {seconds})"
+    return f"(strftime('%Y-%m-%d %H:%M:%f', 'now'{shift}) || '000')"
+
+
+@compiles(DatabaseNow, "mysql")
+@compiles(DatabaseNow, "mariadb")
+def _mysql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = _seconds(element, compiler, **kw)
+    if seconds is None:
+        return "UTC_TIMESTAMP(6)"
+    return f"TIMESTAMPADD(MICROSECOND, ROUND(({seconds}) * 1000000), UTC_TIMESTAMP(6))"
+
+
+def _worker_time(name: str) -> Any:
+    return bindparam(name, type_=UTCDateTime())
+
+
+_LEASE_SECONDS = bindparam("lease_seconds", type_=Float())
+CLAIM_NOW = DatabaseNow(_worker_time("now"))
+"""Now (worker's value: bind parameter ``now``)."""
+CLAIM_LEASE = DatabaseNow(_worker_time("lease"), _LEASE_SECONDS)
+"""The end of a lease taken or renewed now (``lease``; seconds: ``lease_seconds``)."""
+CLAIM_HORIZON = DatabaseNow(_worker_time("horizon"), -_LEASE_SECONDS)
+"""One lease ago (``horizon``): see :meth:`WebhookClaim.order_horizon`."""
+CLAIM_CUTOFF = DatabaseNow(
+    _worker_time("cutoff"), -bindparam("ttl_seconds", type_=Float())
+)
+"""One dedup TTL ago (``cutoff``; seconds: ``ttl_seconds``): older ids are taken over."""
+
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
 _c = _processed.c
-_NOW = bindparam("now", type_=UTCDateTime())
 CLAIM_IS_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
 """The claim row of ``claim_id`` while it still holds this holder's ``claim_token``."""
 
@@ -57,24 +156,24 @@ FENCE_CLAIM = (
 _RENEW = (
     update(_processed)
     .where(CLAIM_IS_MINE, _c.state == CLAIM_ACQUIRED)
-    .values(lease_expires_at=bindparam("lease", type_=UTCDateTime()))
+    .values(lease_expires_at=CLAIM_LEASE)
 )
 _FINISH = (
     update(_processed)
     .where(CLAIM_IS_MINE)
     .values(
-        state=CLAIM_DONE, response=bindparam("reply"), processed_at=_NOW, lease_expires_at=None
+        state=CLAIM_DONE, response=bindparam("reply"), processed_at=CLAIM_NOW, lease_expires_at=None
     )
 )
 _RELEASE = (
     update(_processed)
     .where(CLAIM_IS_MINE, _c.state == CLAIM_ACQUIRED)
-    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=CLAIM_NOW)
 )
 _FREE = (
     update(_processed)
     .where(_c.message_id == bindparam("claim_id"), _c.state == CLAIM_ACQUIRED)
-    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=_NOW)
+    .values(state=CLAIM_RELEASED, token=None, lease_expires_at=None, processed_at=CLAIM_NOW)
 )
 _STATUS = select(_c.state, _c.response, _c.lease_expires_at, _c.processed_at).where(
     _c.message_id == bindparam("claim_id")
@@ -86,13 +185,14 @@ _EARLIER_IN_FLIGHT = (
         _c.session_id == bindparam("session_id"),
         _c.ticket < bindparam("ticket"),
         _c.state == CLAIM_ACQUIRED,
-        _c.lease_expires_at > bindparam("horizon", type_=UTCDateTime()),
+        _c.lease_expires_at > CLAIM_HORIZON,
     )
     .limit(1)
 )
 """An earlier claim of the session still held, or lapsed less than one lease ago (see
 :meth:`WebhookClaim.order_horizon`)."""
 _LIST = select(
+    CLAIM_NOW.label("now"),
     _c.message_id,
     _c.state,
     _c.session_id,
@@ -132,6 +232,8 @@ class SQLClaims:
             "claim_id": claim.message_id,
             "claim_token": claim.token,
             "horizon": claim.order_horizon(now),
+            "lease_seconds": claim.lease_seconds,
+            "ttl_seconds": self._store._dedup_ttl.total_seconds(),
         }
         with telemetry.operation("claim", self._store.runtime.system) as op:
             self._acquire_in_one_call(claim, params, now)
@@ -187,6 +289,7 @@ class SQLClaims:
             "claim_id": claim.message_id,
             "claim_token": claim.token,
             "lease": claim._lease_until(),
+            "lease_seconds": claim.lease_seconds,
         }
         return bool(self._execute(_RENEW, params).rowcount == 1)
 
@@ -203,6 +306,7 @@ class SQLClaims:
             "session_id": claim.session_id,
             "ticket": claim.ticket,
             "horizon": claim.order_horizon(utcnow()),
+            "lease_seconds": claim.lease_seconds,
         }
         with self._store.runtime.transaction(single=True) as conn:
             return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
@@ -219,17 +323,19 @@ class SQLClaims:
 
 
 def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
-    """``dedup list`` on a connection (a read-only one will do): newest change first."""
+    """``dedup list`` on a connection (a read-only one will do): newest change first.
+
+    Leases are judged by the database's clock, as the claims themselves are.
+    """
     query = _LIST.order_by(_c.processed_at.desc(), _c.message_id)
     if limit is not None:
         query = query.limit(limit)
-    now = utcnow()
     return [
         claim_info(
             row.message_id, row.state, row.session_id, row.ticket, row.claimed_at,
-            row.lease_expires_at, row.processed_at, bool(row.has_response), now,
+            row.lease_expires_at, row.processed_at, bool(row.has_response), row.now,
         )
-        for row in conn.execute(query)
+        for row in conn.execute(query, {"now": utcnow()})
     ]
 
 

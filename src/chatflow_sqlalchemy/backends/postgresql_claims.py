@@ -62,7 +62,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from chatflow_sqlalchemy import rows
-from chatflow_sqlalchemy.models import UTCDateTime
+from chatflow_sqlalchemy.sql_claims import CLAIM_HORIZON
 
 __all__ = [
     "CLAIM_FUNCTIONS",
@@ -199,7 +199,8 @@ def utc_day(moment: datetime) -> date:
 def claim_day(now: Any) -> Any:
     """The ``partition_day`` of an inserted id: its row's day, else the UTC day of ``now``.
 
-    ``now`` is the statement's timestamp bind parameter.
+    ``now`` is the statement's timestamp: a bind parameter, or the database's
+    clock for a claim (``sql_claims.CLAIM_NOW``).
     """
     return func.coalesce(
         func.chatflow_claim_day(bindparam("message_id")),
@@ -213,10 +214,12 @@ def claim_ticket() -> Any:
 
 
 def claim_waits(table: Table) -> Any:
-    """The ``RETURNING`` column that says whether an earlier claim of the session is in flight."""
+    """The ``RETURNING`` column that says whether an earlier claim of the session is in flight.
+
+    Its horizon (one lease ago) is read from the database's clock.
+    """
     c = table.c
-    horizon = bindparam("horizon", type_=UTCDateTime())
-    return func.chatflow_claim_waits(c.session_id, c.ticket, horizon).label("earlier")
+    return func.chatflow_claim_waits(c.session_id, c.ticket, CLAIM_HORIZON).label("earlier")
 
 
 def session_version(table: Table) -> Any:

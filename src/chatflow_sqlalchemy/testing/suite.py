@@ -2883,3 +2883,137 @@ class TestArchive(ArchiveTests, StoreTestBase):
 
 class TestEncryption(EncryptionTests, StoreTestBase):
     """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""
+
+
+# ========================================================== lease clocks
+
+_SKEW = 3600.0
+"""How far a skewed worker's clock is off: far more than any lease in these tests."""
+
+
+def _skew_wall_clock(seconds: float) -> None:
+    """Move this process's wall clock, as chatflow-sqlalchemy reads it, by ``seconds``.
+
+    Every wall-clock read of the package goes through ``values.utcnow``;
+    each module that imported it gets the skewed one.
+    """
+    import sys
+    from datetime import timedelta
+
+    from chatflow_sqlalchemy import values
+
+    real = values.utcnow
+    shift = timedelta(seconds=seconds)
+
+    def skewed() -> Any:
+        return real() + shift
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("chatflow_sqlalchemy") and getattr(module, "utcnow", None) is real:
+            setattr(module, "utcnow", skewed)  # noqa: B010 - a module attribute, by name
+
+
+def _skewed_claim_worker(
+    spec: Any, message_id: str, session_id: str, skew: float, phase: str,
+    lease_seconds: float, barrier: Any, results: Any,
+) -> None:
+    """Claim ``message_id`` on a clock ``skew`` seconds off, report the status, die holding it.
+
+    ``phase`` says when the clock is off: ``"acquire"`` (from the start) or
+    ``"renew"`` (the claim is taken on a true clock, then renewed once on the
+    skewed one). The process ends without leaving the block, as a crashed
+    worker would: an acquired claim stays held under the lease it stored.
+    """
+    store: Any = spec.open()
+    if phase == "acquire":
+        _skew_wall_clock(skew)
+    claim = store.claim(message_id, session_id=session_id, lease_seconds=lease_seconds)
+    claim.__enter__()
+    status = claim.status
+    if phase == "renew" and claim.acquired:
+        _skew_wall_clock(skew)
+        status = "renewed" if claim._backend.renew(claim) else "lost"
+    results.put(status)
+    results.close()
+    results.join_thread()  # the status is on its way before the process ends
+    os._exit(0)
+
+
+@requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+class TestLeaseClock(StoreTestBase):
+    """Claim leases run on the database's clock, never a worker's (DESIGN "Webhook claims").
+
+    A worker whose clock is off neither takes over a live claim nor stores a
+    lease longer or shorter than ``lease_seconds`` of the database's time.
+    """
+
+    @staticmethod
+    def _skewed(
+        harness: StoreHarness, mid: str, sid: str, skew: float, phase: str = "acquire",
+        lease_seconds: float = 60.0,
+    ) -> str:
+        args = (harness.spec(), mid, sid, skew, phase, lease_seconds)
+        [status] = run_workers(_skewed_claim_worker, [args])
+        return str(status)
+
+    def test_a_worker_whose_clock_runs_ahead_does_not_take_over_a_live_claim(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        with store.claim(mid, session_id=sid) as held:
+            assert held.acquired
+            assert self._skewed(harness, mid, sid, _SKEW) == "in_flight"
+            held.response = "the holder's reply"
+        with store.claim(mid, session_id=sid) as later:
+            assert (later.status, later.response) == ("done", "the holder's reply")
+
+    @pytest.mark.parametrize("phase", ["acquire", "renew"])
+    @pytest.mark.parametrize("skew", [_SKEW, -_SKEW], ids=["ahead", "behind"])
+    def test_a_lease_lasts_lease_seconds_of_database_time_whatever_the_workers_clock(
+        self, harness: StoreHarness, store: Any, skew: float, phase: str
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        assert self._skewed(harness, mid, sid, skew, phase) in ("acquired", "renewed")
+        info = {i.message_id: i for i in list_claims(store)}[mid]
+        assert info.state == "in_flight"
+        assert info.lease_left is not None and 0 < info.lease_left <= 60.0, info
+        with store.claim(mid, session_id=sid) as rival:  # a true clock: the lease holds
+            assert (rival.acquired, rival.status) == (False, "in_flight")
+
+    @requires(Capability.SQL)
+    def test_a_lease_ends_lease_seconds_after_its_claim_on_one_clock(self, store: Any) -> None:
+        """The claim's start and its lease's end are read from one clock in one statement."""
+        from datetime import timedelta
+
+        from sqlalchemy import select
+
+        from chatflow_sqlalchemy.models import ChatflowProcessedMessage as Row
+
+        mid = new_id("wamid")
+        with store.claim(mid, lease_seconds=42.5) as claim:
+            assert claim.acquired
+            with store.engine.connect() as conn:
+                query = select(Row.claimed_at, Row.lease_expires_at).where(Row.message_id == mid)
+                claimed_at, lease_end = conn.execute(query).one()
+        assert lease_end - claimed_at == timedelta(seconds=42.5)
+
+    def test_a_dead_worker_whose_clock_ran_ahead_is_taken_over_one_lease_later(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        sid, mid = new_id(), new_id("wamid")
+        assert self._skewed(harness, mid, sid, _SKEW, lease_seconds=1.0) == "acquired"
+        deadline = time.monotonic() + 60  # far beyond the 1 s lease, far below the skew
+        while time.monotonic() < deadline:
+            with store.claim(mid, session_id=sid) as claim:
+                if claim.acquired:
+                    claim.response = "taken over"
+                    break
+                assert claim.status == "in_flight"
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"claim {mid!r} was not taken over after its lease lapsed")
+        with store.claim(mid) as later:
+            assert (later.status, later.response) == ("done", "taken over")
+
+
+__all__ += ["TestLeaseClock"]

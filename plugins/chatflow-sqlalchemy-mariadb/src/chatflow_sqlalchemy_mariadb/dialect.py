@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.dialect import (
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError
 from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
+from chatflow_sqlalchemy.sql_claims import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
 from sqlalchemy import (
     URL,
     Connection,
@@ -233,9 +234,10 @@ class MariaDBDialectSupport(DialectSupport):
         column tests ``token = VALUES(token)`` (a fresh random token: only a
         takeover sets it). ``processed_at`` goes last since the expiry test
         reads it. Affected rows: 1 inserted, 2 taken over, 0 left alone.
+        Every time in it is the server's ``UTC_TIMESTAMP(6)`` (``CLAIM_NOW``...).
         """
         c = table.c
-        now = bindparam("now", type_=UTCDateTime())
+        now = CLAIM_NOW
         stmt = mysql_insert(table).values(
             message_id=bindparam("message_id"),
             processed_at=now,
@@ -243,11 +245,11 @@ class MariaDBDialectSupport(DialectSupport):
             token=bindparam("token"),
             session_id=bindparam("session_id"),
             ticket=self.claim_ticket(table),
-            lease_expires_at=bindparam("lease", type_=UTCDateTime()),
+            lease_expires_at=CLAIM_LEASE,
             claimed_at=now,
         )
         new = stmt.inserted
-        expired = c.processed_at < bindparam("cutoff", type_=UTCDateTime())
+        expired = c.processed_at < CLAIM_CUTOFF
         takeover = or_(
             c.state == "released", and_(c.state == "acquired", c.lease_expires_at < now), expired
         )

@@ -1,0 +1,97 @@
+"""Claim leases on the database's clock: what each dialect reads, and what it stores.
+
+The behaviour (a worker whose clock is off neither takes over a live claim nor
+stores a lease of another length) is the kit's ``TestLeaseClock``, on every
+backend; these are the SQL store's own details.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text
+from sqlalchemy.dialects import mssql
+
+from chatflow_sqlalchemy import SQLiteSessionStore
+from chatflow_sqlalchemy.models import ChatflowProcessedMessage as Row
+from chatflow_sqlalchemy.sql_claims import _RENEW, CLAIM_LEASE, CLAIM_NOW
+
+from . import pg_util
+
+
+def test_sqlite_stores_the_databases_time_in_the_columns_own_text(tmp_path: Path) -> None:
+    """Text comparisons with stored values hold only if the clock writes the same format."""
+    with SQLiteSessionStore(tmp_path / "clock.db") as store, store.claim("m1") as claim:
+        assert claim.acquired
+        with store.engine.connect() as conn:
+            raw = conn.execute(
+                text("SELECT claimed_at, lease_expires_at FROM chatflow_processed_messages")
+            ).one()
+            typed = conn.execute(select(Row.claimed_at, Row.lease_expires_at)).one()
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}$")
+    assert all(stamp.match(value) for value in raw), raw
+    assert all(value.utcoffset() == timedelta(0) for value in typed), typed
+
+
+@pytest.mark.postgres
+def test_postgresql_reads_the_statements_time_not_the_transactions() -> None:
+    """Inside a long transaction the clock still moves: ``now()`` would not."""
+    url = pg_util.postgres_url()
+    with (
+        pg_util.fresh_schema(url) as schema,
+        pg_util.schema_store(url, schema) as store,
+        store.engine.connect() as conn,
+    ):
+        started = conn.execute(text("SELECT now()")).scalar_one()
+        time.sleep(0.05)
+        clock, lease = conn.execute(select(CLAIM_NOW, CLAIM_LEASE), {"lease_seconds": 30.0}).one()
+        conn.rollback()
+    assert clock > started
+    assert lease - clock == timedelta(seconds=30)
+
+
+def test_a_database_without_a_clock_of_its_own_keeps_the_workers_value() -> None:
+    """Another dialect renders the worker's bind parameter, so its backends keep working."""
+    sql = str(_RENEW.compile(dialect=mssql.dialect()))
+    assert "lease_expires_at=:lease " in sql, sql
+
+
+def test_every_clocked_dialect_reads_the_database(tmp_path: Path) -> None:
+    """SQLite, PostgreSQL and MySQL/MariaDB render a server-side clock, no bind parameter."""
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    expected: dict[Any, str] = {
+        sqlite.dialect(): "strftime(",
+        postgresql.dialect(): "statement_timestamp()",
+        mysql.dialect(): "UTC_TIMESTAMP(6)",
+    }
+    for dialect, clock in expected.items():
+        sql = str(_RENEW.compile(dialect=dialect))
+        assert clock in sql and "lease)" not in sql and ":lease " not in sql, sql
+
+
+def test_mariadb_reads_utc_whatever_the_sessions_time_zone() -> None:
+    """``DATETIME(6)`` columns hold naive UTC: the clock must not follow ``time_zone``."""
+    import os
+
+    from sqlalchemy import create_engine
+
+    url = os.environ.get("CHATFLOW_TEST_MARIADB_URL")
+    if not url:
+        pytest.skip("set CHATFLOW_TEST_MARIADB_URL=mysql+pymysql://user@host:3306/db to run it")
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SET time_zone = '+05:00'"))
+            clock, utc, local = conn.execute(
+                select(CLAIM_NOW, text("UTC_TIMESTAMP(6)"), text("NOW(6)"))
+            ).one()
+    finally:
+        engine.dispose()
+    assert clock == utc.replace(tzinfo=clock.tzinfo)
+    assert local - utc == timedelta(hours=5)
