@@ -475,8 +475,7 @@ def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
             {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
         )
     with engine.connect() as other:  # another purge is at work
-        other.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"),
-                      {"key": pg_claims.PURGE_LOCK_KEY})
+        other.execute(sa.text(f"SELECT pg_advisory_xact_lock({pg_claims.PURGE_LOCK_KEYS})"))
         _upkeep_due(store)
         assert store.record_processed_message("first") is True
         assert pg_claims.partition_name(old_day) in _days(engine)

@@ -21,8 +21,8 @@ from chatflow_sqlalchemy import (
     SQLAlchemySessionStore,
     SQLiteSessionStore,
     open_store,
+    registry,
 )
-from chatflow_sqlalchemy import registry
 from chatflow_sqlalchemy.cli import main
 
 

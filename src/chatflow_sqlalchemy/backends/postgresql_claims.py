@@ -11,7 +11,7 @@ writes no WAL for the rows it removes.
 in every unique key, so the primary key is ``(message_id, partition_day)``
 and cannot by itself stop a second row of an id in another day's partition.
 Every statement that inserts an id therefore takes its day from
-``chatflow_claim_day(id)`` (:data:`CLAIM_FUNCTIONS`): it waits for a
+``chatflow_claim_day(id)`` (created by revision 0006): it waits for a
 transaction-scoped advisory lock on the id, then (a volatile PL/pgSQL function
 takes a fresh snapshot for each query) returns the day of the id's existing
 row, whatever partition holds it. A concurrent insert of the same id waits
@@ -37,7 +37,7 @@ rows in it that are still live (an id taken over or finished days after its
 first claim: ``processed_at`` moved on) are moved to today's partition. Rows
 that fell into the default partition (a day without a partition of its own)
 stay there and are deleted in batches once expired. One purge runs at a
-time (:data:`PURGE_LOCK_KEY`); a role that does not own the table cannot
+time per table (:data:`PURGE_LOCK_KEYS`); a role that does not own the table cannot
 create or drop partitions and deletes expired rows in batches instead.
 """
 
@@ -65,20 +65,17 @@ from chatflow_sqlalchemy import rows
 from chatflow_sqlalchemy.sql_claims import CLAIM_HORIZON
 
 __all__ = [
-    "CLAIM_FUNCTIONS",
-    "CLAIM_FUNCTION_SIGNATURES",
     "CLAIM_LOCK_CLASS",
     "DAYS_AHEAD",
     "DEFAULT_PARTITION",
     "DRAIN_BATCH",
     "DROP_LOCK_TIMEOUT",
     "PARENT",
-    "PURGE_LOCK_KEY",
-    "SESSION_LOCK_CLASS",
+    "PURGE_LOCK_CLASS",
+    "PURGE_LOCK_KEYS",
     "claim_day",
     "claim_ticket",
     "claim_waits",
-    "create_claim_functions",
     "create_day_partitions",
     "drop_expired_days",
     "partition_name",
@@ -94,8 +91,14 @@ PARENT = "chatflow_processed_messages"
 DEFAULT_PARTITION = f"{PARENT}_default"
 """Rows of a day that has no partition of its own land here."""
 
-PURGE_LOCK_KEY = 0x6366707572676531
-"""One-key advisory lock ("cfpurge1") held by the purge at work: one purge at a time."""
+PURGE_LOCK_CLASS = 0x63667075
+"""The first key of the purge's two-key advisory lock ("cfpu"): one purge at a time.
+
+The second key is the claims table's oid, so a purge of the table in another
+schema of the database never holds this one back."""
+
+PURGE_LOCK_KEYS = f"{PURGE_LOCK_CLASS}, CAST(CAST(CAST('{PARENT}' AS regclass) AS oid) AS integer)"
+"""The lock's two keys, as SQL (the table is found on the ``search_path``)."""
 
 DRAIN_BATCH = 1000
 """Expired rows of the default partition deleted by one upkeep."""
@@ -115,73 +118,8 @@ CLAIM_LOCK_CLASS = 0x63666C77
 The two-key form is a key space of its own: these locks never meet the
 store's turn locks or its migration lock (one-key ``bigint`` locks)."""
 
-SESSION_LOCK_CLASS = 0x63667373
-"""The first key of the two-key advisory locks a claim's ticket is drawn under ("cfss")."""
-
-CLAIM_FUNCTIONS = (
-    f"""
-CREATE OR REPLACE FUNCTION chatflow_claim_day(claim_id text) RETURNS date
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    found_day date;
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'chatflow claims need READ COMMITTED, not %',
-            current_setting('transaction_isolation')
-            USING HINT = 'remove isolation_level from the options of the store''s engine';
-    END IF;
-    PERFORM pg_advisory_xact_lock({CLAIM_LOCK_CLASS}, hashtext(claim_id));
-    SELECT partition_day INTO found_day FROM {PARENT}
-     WHERE message_id = claim_id ORDER BY partition_day DESC LIMIT 1;
-    RETURN found_day;
-END
-$$
-""",
-    f"""
-CREATE OR REPLACE FUNCTION chatflow_claim_ticket(claim_session text) RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    IF claim_session IS NOT NULL THEN
-        PERFORM pg_advisory_xact_lock({SESSION_LOCK_CLASS}, hashtext(claim_session));
-    END IF;
-    RETURN nextval('chatflow_claim_ticket_seq');
-END
-$$
-""",
-    f"""
-CREATE OR REPLACE FUNCTION chatflow_claim_waits(
-    claim_session text, claim_ticket bigint, claim_horizon timestamptz
-) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    RETURN claim_session IS NOT NULL AND EXISTS (
-        SELECT 1 FROM {PARENT}
-         WHERE session_id = claim_session AND ticket < claim_ticket
-           AND state = 'acquired' AND lease_expires_at > claim_horizon);
-END
-$$
-""",
-)
-"""The claim functions (revision 0006), created in the schema the tables are in.
-
-PL/pgSQL keeps their plans from call to call; being volatile, each of their
-queries reads a snapshot of its own, taken after the lock before it. Each:
-
-* ``chatflow_claim_day(id)``: the partition day of the id's row (NULL if it has
-  none), read under the id's lock;
-* ``chatflow_claim_ticket(session)``: the next ticket, drawn under the
-  session's lock (none for a claim without a session);
-* ``chatflow_claim_waits(session, ticket, horizon)``: whether a claim of the
-  session with a smaller ticket is held, or lapsed after ``horizon``
-  (:meth:`~chatflow_sqlalchemy.claims.WebhookClaim.order_horizon`).
-"""
-
-CLAIM_FUNCTION_SIGNATURES = (
-    "chatflow_claim_day(text)",
-    "chatflow_claim_ticket(text)",
-    "chatflow_claim_waits(text, bigint, timestamptz)",
-)
-"""What the downgrade drops."""
+# The claim functions (chatflow_claim_day, chatflow_claim_ticket, chatflow_claim_waits)
+# are created by revision 0006, which holds their SQL; a change to them is a new revision.
 
 _DAY_NAME = re.compile(rf"^{PARENT}_p(\d{{8}})$")
 
@@ -233,12 +171,6 @@ def session_version(table: Table) -> Any:
     return literal_column(version, BigInteger()).label("session_version")
 
 
-def create_claim_functions(connection: Connection) -> None:
-    """Create (or replace) the :data:`CLAIM_FUNCTIONS` in the current schema."""
-    for ddl in CLAIM_FUNCTIONS:
-        connection.execute(text(ddl))
-
-
 def create_day_partitions(connection: Connection, first: date, last: date) -> list[str]:
     """Create the missing day partitions from ``first`` to ``last``; return their names.
 
@@ -276,7 +208,7 @@ def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -
     one batch of expired rows instead, as on other databases (warned once).
     """
     taken = connection.execute(
-        text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": PURGE_LOCK_KEY}
+        text(f"SELECT pg_try_advisory_xact_lock({PURGE_LOCK_KEYS})")
     ).scalar()
     if not taken:
         return 0
