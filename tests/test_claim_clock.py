@@ -95,3 +95,22 @@ def test_mariadb_reads_utc_whatever_the_sessions_time_zone() -> None:
         engine.dispose()
     assert clock == utc.replace(tzinfo=clock.tzinfo)
     assert local - utc == timedelta(hours=5)
+
+
+def test_a_sweeper_whose_clock_runs_ahead_keeps_a_session_under_a_live_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep judges a claim's lease as the claims do, by the database's clock."""
+    from chatflow_agent import Agent
+
+    from chatflow_sqlalchemy import store as store_module
+    from chatflow_sqlalchemy.values import utcnow
+
+    with SQLiteSessionStore(tmp_path / "sweep.db", session_ttl_hours=1) as store:
+        store.get_or_create("s1", Agent(name="Bot", instructions=""))
+        with store.claim("m1", session_id="s1") as claim:
+            assert claim.acquired
+            monkeypatch.setattr(store_module, "utcnow", lambda: utcnow() + timedelta(hours=2))
+            assert store.sweep() == 0
+            assert "s1" in store.list_sessions()
+        assert store.sweep() == 1  # the claim is done: the session is two hours stale

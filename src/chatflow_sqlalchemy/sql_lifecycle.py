@@ -43,6 +43,7 @@ from sqlalchemy import (
     Connection,
     Select,
     Table,
+    bindparam,
     case,
     delete,
     func,
@@ -68,6 +69,7 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     UTCDateTime,
 )
+from chatflow_sqlalchemy.sql_claims import DatabaseNow
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
@@ -227,13 +229,18 @@ def touch_session(conn: Connection, session_id: str, now: datetime, interval: fl
 
 
 def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
-    """No live acquired webhook claim names the session (its turn may be running)."""
+    """No live acquired webhook claim names the session (its turn may be running).
+
+    A lease is live by the database's clock, as the claims judge it: a sweeper
+    whose clock runs ahead must not remove a session under a live claim.
+    """
+    database_now = DatabaseNow(bindparam(None, now, type_=UTCDateTime()))
     live = (
         select(_processed.c.message_id)
         .where(
             _processed.c.session_id == _sessions.c.session_id,
             _processed.c.state == CLAIM_ACQUIRED,
-            _processed.c.lease_expires_at > now,
+            _processed.c.lease_expires_at > database_now,
         )
         .exists()
     )
