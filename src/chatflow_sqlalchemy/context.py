@@ -446,6 +446,7 @@ class SessionContext(_UpstreamSessionContext):
 
     Raises:
         ValueError: For an invalid ``session_id``, ``max_turns`` or ``metadata``.
+        TypeError: For ``metadata`` with a key that is not a str.
 
     """
 
