@@ -379,18 +379,23 @@ def test_a_turn_without_an_answer_of_its_own_stores_no_reply(store_opener: Any) 
     assert _stored_reply(store, "m2") == ("done", None)
 
 
-def test_a_reply_with_nul_does_not_stop_the_turn_being_stored(store_opener: Any) -> None:
-    """PostgreSQL text cannot hold NUL: such a reply is not stored with the turn's
-    write (the turn is), and is the block's to store, as any reply."""
+def test_a_claimed_turn_whose_reply_holds_nul_is_not_written(store_opener: Any) -> None:
+    """PostgreSQL text cannot hold NUL, so no claim can store such a reply: the turn
+    is refused before it is written (on every backend alike), rather than committed
+    with its claim done and the reply lost (more in ``test_bad_input.py``)."""
     store = store_opener()
 
-    def answered(ctx: Any) -> None:
-        ctx.add_message(Message(role=Role.USER, content="hi"))
-        ctx.add_message(Message(role=Role.MODEL, content="a\x00b"))
+    async def main() -> None:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        with pytest.raises(ValueError, match="NUL"):
+            async with store.claim("m1", session_id="s"), ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hi"))
+                ctx.add_message(Message(role=Role.MODEL, content="a\x00b"))
 
-    _claimed_turn_then(store, "m1", answered)
-    assert _stored_reply(store, "m1") == ("done", None)
-    assert [m.content for m in store_opener().get("s").history] == ["hi", "a\x00b"]
+    asyncio.run(main())
+    assert store_opener().get("s").history == []
+    with store.claim("m1", session_id="s") as again:
+        assert again.acquired
 
 
 def test_an_encrypting_store_keeps_the_turns_reply_out_of_the_claim_row(tmp_path: Path) -> None:

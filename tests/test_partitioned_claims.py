@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
@@ -19,12 +20,29 @@ from chatflow_sqlalchemy import PostgresSessionStore, migrate
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.cli import main as cli_main
 from chatflow_sqlalchemy.rows import processed
+from chatflow_sqlalchemy.values import utcnow
 
 from . import pg_util
 
 pytestmark = pytest.mark.postgres
 
-TODAY = datetime.now(timezone.utc).date()
+
+
+def _today() -> date:
+    """Today as the claims code reckons it: the UTC day of the clock it stamps rows with.
+
+    Read when needed, never once per module: a run that crosses midnight
+    (CI near 00:00 UTC) must compare with the day the code saw.
+    """
+    return pg_claims.utc_day(utcnow())
+
+
+@contextmanager
+def _days_spanned() -> Iterator[set[date]]:
+    """The UTC days the block ran on: one, or both sides of a midnight it crossed."""
+    days = {_today()}
+    yield days
+    days.add(_today())
 
 
 @pytest.fixture
@@ -81,30 +99,37 @@ def _days(engine: sa.Engine) -> set[str]:
         }
 
 
-def test_the_table_is_partitioned_by_day_a_week_ahead(store: Any) -> None:
-    with store.engine.connect() as conn:
+def test_the_table_is_partitioned_by_day_a_week_ahead(schema: str) -> None:
+    with _days_spanned() as opened:  # the migration creates the days from its today on
+        store = pg_util.schema_store(pg_util.postgres_url(), schema)
+    with store, store.engine.connect() as conn:
         strategy = conn.execute(
             sa.text(
                 "SELECT partstrat FROM pg_partitioned_table "
                 "WHERE partrelid = 'chatflow_processed_messages'::regclass"
             )
         ).scalar()
-    assert strategy == "r"
-    expected = {pg_claims.partition_name(TODAY + timedelta(n)) for n in range(8)}
-    assert expected | {pg_claims.DEFAULT_PARTITION} <= _days(store.engine)
-    assert store.record_processed_message("m-today") is True
-    with store.claim("c-today", session_id="s") as claim:
-        assert claim.acquired
-        claim.response = "ok"
-    for mid in ("m-today", "c-today"):
-        (where, day), = _rows(store.engine, mid)
-        assert day == TODAY and where.endswith(pg_claims.partition_name(TODAY))
-    assert migrate.drift(store.engine) == []
+        assert strategy == "r"
+        days = _days(store.engine)
+        assert any(
+            {pg_claims.partition_name(first + timedelta(n)) for n in range(8)}
+            | {pg_claims.DEFAULT_PARTITION} <= days
+            for first in opened
+        ), days
+        with _days_spanned() as written:
+            assert store.record_processed_message("m-today") is True
+            with store.claim("c-today", session_id="s") as claim:
+                assert claim.acquired
+                claim.response = "ok"
+        for mid in ("m-today", "c-today"):
+            (where, day), = _rows(store.engine, mid)
+            assert day in written and where.endswith(pg_claims.partition_name(day))
+        assert migrate.drift(store.engine) == []
 
 
 def test_an_id_in_an_earlier_days_partition_is_still_one_row(store: Any) -> None:
     engine = store.engine
-    three_days_ago = TODAY - timedelta(3)
+    three_days_ago = _today() - timedelta(3)
     recently = datetime.now(timezone.utc) - timedelta(hours=1)
     _put(engine, "done-before", three_days_ago, recently)
     _put(engine, "released-before", three_days_ago, recently, state="released")
@@ -140,7 +165,7 @@ def test_a_claims_row_moved_to_today_by_the_purge_mid_turn_still_fences_the_turn
             seen, "before_cursor_execute",
             lambda *a: session_updates.append(a[2]) if "UPDATE chatflow_sessions" in a[2] else None,
         )
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(engine, "moved", old_day, datetime.now(timezone.utc) - timedelta(hours=2), "released")
     bot = Agent(name="Bot", instructions="")
 
@@ -148,8 +173,10 @@ def test_a_claims_row_moved_to_today_by_the_purge_mid_turn_still_fences_the_turn
         async with store.claim("moved", session_id="s-moved") as claim:
             assert claim.acquired
             assert [day for _, day in _rows(engine, "moved")] == [old_day]
-            store.purge_processed_messages()  # another worker's purge, mid-turn
-            assert [day for _, day in _rows(engine, "moved")] == [TODAY]
+            with _days_spanned() as purged:
+                store.purge_processed_messages()  # another worker's purge, mid-turn
+            (_, day), = _rows(engine, "moved")
+            assert day in purged
             ctx = store.get_or_create("s-moved", bot)
             async with ctx.lock:
                 ctx.add_message(Message(role=Role.USER, content="hello"))
@@ -170,7 +197,8 @@ def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any)
     later claim would insert a second row into the next day's partition.
     """
     statement = store.support.acquire_claim(processed)
-    midnight = datetime.combine(TODAY + timedelta(1), datetime.min.time(), timezone.utc)
+    first_day = _today()  # the claims below give their own clock, either side of a midnight
+    midnight = datetime.combine(first_day + timedelta(1), datetime.min.time(), timezone.utc)
     mid = f"midnight-{uuid.uuid4().hex}"
 
     def params(now: datetime) -> dict[str, Any]:  # no session: only the id's lock is taken
@@ -204,7 +232,7 @@ def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any)
         engine.dispose()
     assert results["first"] is not None, "the first claim takes the id"
     assert results["second"] is None, "the second one finds it taken"
-    assert [day for _, day in _rows(store.engine, mid)] == [TODAY]
+    assert [day for _, day in _rows(store.engine, mid)] == [first_day]
 
 
 def _schema_of(store: Any) -> str:
@@ -235,7 +263,7 @@ def _wait_until_blocked(engine: sa.Engine, racer: threading.Thread, message_id: 
 def test_the_purge_drops_expired_days_and_keeps_their_live_ids(store: Any) -> None:
     engine = store.engine
     now = datetime.now(timezone.utc)
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(engine, "expired", old_day, now - timedelta(days=20))
     _put(engine, "expired-too", old_day, now - timedelta(days=19))
     _put(engine, "taken-over-lately", old_day, now - timedelta(hours=2))
@@ -245,15 +273,18 @@ def test_the_purge_drops_expired_days_and_keeps_their_live_ids(store: Any) -> No
                 "INSERT INTO chatflow_processed_messages (message_id, processed_at, partition_day) "
                 "VALUES ('in-default', :at, :day)"
             ),
-            {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
+            {"at": now - timedelta(days=15), "day": _today() - timedelta(15)},
         )
     assert store.record_processed_message("fresh") is True
 
-    assert store.purge_processed_messages() == 3
+    with _days_spanned() as purged:
+        assert store.purge_processed_messages() == 3
     days = _days(engine)
     assert pg_claims.partition_name(old_day) not in days
-    assert pg_claims.partition_name(TODAY + timedelta(pg_claims.DAYS_AHEAD)) in days
-    assert [day for _, day in _rows(engine, "taken-over-lately")] == [TODAY]
+    last = max(purged) + timedelta(pg_claims.DAYS_AHEAD)
+    assert pg_claims.partition_name(last) in days
+    (_, day), = _rows(engine, "taken-over-lately")
+    assert day in purged
     assert store.record_processed_message("taken-over-lately") is False
     assert store.record_processed_message("fresh") is False
     for gone in ("expired", "expired-too", "in-default"):
@@ -265,7 +296,7 @@ def test_the_stores_own_upkeep_drops_days_but_deletes_no_rows(schema: str) -> No
     """What claims do every five minutes on PostgreSQL: DROP whole days, no row-by-row DELETE."""
     url = pg_util.postgres_url()
     with pg_util.schema_store(url, schema, dedup_ttl_hours=0.001) as store:
-        old_day = TODAY - timedelta(2)
+        old_day = _today() - timedelta(2)
         _put(store.engine, "old", old_day, datetime.now(timezone.utc) - timedelta(days=2))
         assert store.record_processed_message("expires-soon") is True
         time.sleep(4)  # past the 3.6 s TTL: expired, but its day is today
@@ -281,7 +312,7 @@ def test_the_stores_own_upkeep_drops_days_but_deletes_no_rows(schema: str) -> No
 
 def test_the_purge_gives_up_its_table_lock_rather_than_stall_claims(store: Any) -> None:
     engine = store.engine
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(engine, "expired", old_day, datetime.now(timezone.utc) - timedelta(days=20))
     with engine.connect() as holder:
         holder.execute(sa.text("LOCK TABLE chatflow_processed_messages IN ROW EXCLUSIVE MODE"))
@@ -297,7 +328,7 @@ def test_dedup_purge_on_the_command_line_drops_whole_days(
     store: Any, schema: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     engine = store.engine
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(engine, "expired", old_day, datetime.now(timezone.utc) - timedelta(days=20))
     store.record_processed_message("live")
     url = sa.make_url(pg_util.postgres_url()).update_query_dict(
@@ -326,10 +357,12 @@ def test_upgrading_keeps_every_id_and_downgrading_unpartitions(schema: str) -> N
                 ),
                 {"now": now, "old": now - timedelta(days=30)},
             )
-        migrate.upgrade(engine)
+        with _days_spanned() as upgraded:
+            migrate.upgrade(engine)
         assert migrate.drift(engine) == []
         for mid in ("kept", "held", "long-ago"):
-            assert [day for _, day in _rows(engine, mid)] == [TODAY]
+            (_, day), = _rows(engine, mid)
+            assert day in upgraded
         with pg_util.schema_store(url, schema) as store:
             assert store.record_processed_message("kept") is False
             assert store.record_processed_message("long-ago") is True  # expired: taken again
@@ -355,8 +388,10 @@ def test_upgrading_keeps_every_id_and_downgrading_unpartitions(schema: str) -> N
         assert partitioned == 0 and function == 0
         assert ids == {"kept", "held", "long-ago"}
         assert keys["constrained_columns"] == ["message_id"]
-        migrate.upgrade(engine)
-        assert [day for _, day in _rows(engine, "held")] == [TODAY]
+        with _days_spanned() as upgraded:
+            migrate.upgrade(engine)
+        (_, day), = _rows(engine, "held")
+        assert day in upgraded
     finally:
         engine.dispose()
 
@@ -464,7 +499,7 @@ def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
 ) -> None:
     engine = store.engine
     now = datetime.now(timezone.utc)
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(engine, "expired", old_day, now - timedelta(days=20))
     with engine.begin() as conn:
         conn.execute(
@@ -472,7 +507,7 @@ def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
                 "INSERT INTO chatflow_processed_messages (message_id, processed_at, partition_day) "
                 "VALUES ('in-default', :at, :day)"
             ),
-            {"at": now - timedelta(days=15), "day": TODAY - timedelta(15)},
+            {"at": now - timedelta(days=15), "day": _today() - timedelta(15)},
         )
     with engine.connect() as other:  # another purge is at work
         other.execute(sa.text(f"SELECT pg_advisory_xact_lock({pg_claims.PURGE_LOCK_KEYS})"))
@@ -489,7 +524,7 @@ def test_the_upkeep_drains_the_default_partition_and_one_purge_runs_at_a_time(
 
 def test_the_purge_puts_lock_timeout_back(store: Any) -> None:
     now = datetime.now(timezone.utc)
-    _put(store.engine, "expired", TODAY - timedelta(20), now - timedelta(days=20))
+    _put(store.engine, "expired", _today() - timedelta(20), now - timedelta(days=20))
     with store.engine.begin() as conn:
         conn.execute(sa.text("SET LOCAL lock_timeout = '7s'"))
         assert store.support.drop_expired_processed(conn, now - timedelta(days=8), now) == 1
@@ -502,7 +537,7 @@ def test_a_role_that_may_not_change_the_table_still_claims(
     """The upkeep needs the table's owner; without, it logs, and claims carry on."""
     role = f"app_{uuid.uuid4().hex[:12]}"
     now = datetime.now(timezone.utc)
-    old_day = TODAY - timedelta(20)
+    old_day = _today() - timedelta(20)
     _put(store.engine, "expired", old_day, now - timedelta(days=20))
     with store.engine.begin() as conn:
         conn.execute(sa.text(f'CREATE ROLE "{role}"'))
@@ -583,7 +618,7 @@ def test_the_upkeep_with_nothing_to_drop_takes_no_table_lock(
     store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A day whose rows sit in the default partition gets no partition: no lock for it."""
-    later = TODAY + timedelta(pg_claims.DAYS_AHEAD)
+    later = _today() + timedelta(pg_claims.DAYS_AHEAD)
     with store.engine.begin() as conn:
         conn.execute(sa.text(f'DROP TABLE "{pg_claims.partition_name(later)}"'))
         conn.execute(

@@ -69,7 +69,9 @@ from chatflow_sqlalchemy.values import (
     CLAIM_DONE,
     CLAIM_RELEASED,
     SESSION_ID_MAX_LENGTH,
+    check_storable_text,
     utcnow,
+    validate_page_limit,
 )
 
 if TYPE_CHECKING:
@@ -131,8 +133,7 @@ def validate_message_id(message_id: object) -> str:
         raise ValueError(f"message_id must be a non-empty str, got {message_id!r}")
     if len(message_id) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"message_id is longer than {SESSION_ID_MAX_LENGTH} characters")
-    if "\x00" in message_id:  # PostgreSQL cannot store it: refused on every backend alike
-        raise ValueError("message_id must not contain the NUL character ('\\x00')")
+    check_storable_text(message_id, "message_id")  # refused on every backend alike
     return message_id
 
 
@@ -214,14 +215,31 @@ def reply_of(added: Message | None) -> str | None:
     ``added`` is the last message the turn added (None: it added none). A
     model answer without tool calls is what ``Runner.run_async`` returns as
     ``content``; the turn's write stores it with the claim, so the block's
-    ``claim.response = result.content`` needs no statement of its own. Text
-    a database column cannot hold (NUL) is left to the block's exit, as any
-    other reply.
+    ``claim.response = result.content`` needs no statement of its own.
+
+    Raises:
+        ValueError: The answer holds text a claim cannot store as its reply
+            (see :func:`~chatflow_sqlalchemy.values.check_storable_text`),
+            raised before the turn is written, so the turn is discarded and
+            the claim released rather than done without its reply.
+
     """
     if added is None or added.role != Role.MODEL or added.tool_calls:
         return None
-    content = added.content
-    return None if content is None or "\x00" in content else content
+    if added.content is not None:
+        _check_reply(added.content, "the model's reply")
+    return added.content
+
+
+def _check_reply(reply: str, name: str) -> None:
+    try:
+        check_storable_text(reply, name)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}; a webhook claim stores the reply as text on every backend (with "
+            "PostgreSQL's text type no NUL): clean the model's output (an output guardrail "
+            "or a wrapper engine), or run this turn outside store.claim"
+        ) from None
 
 
 def active_fence(session_id: str) -> ClaimFence | None:
@@ -319,7 +337,8 @@ class WebhookClaim:
             holds the stored reply) or ``"in_flight"`` (another worker holds
             it under a live lease).
         response: The reply: set it inside the block to have it stored; for
-            a done id, the stored one.
+            a done id, the stored one. A str or None (``TypeError`` otherwise:
+            ``json.dumps`` structured data), without NUL (``ValueError``).
 
     """
 
@@ -337,7 +356,7 @@ class WebhookClaim:
         self.lease_seconds = validate_lease(lease_seconds)
         self.acquired = False
         self.status: ClaimStatus = "in_flight"
-        self.response: str | None = None
+        self._response: str | None = None
         self.token: str | None = None
         self.ticket: int | None = None
         self.lost = False
@@ -351,6 +370,22 @@ class WebhookClaim:
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = threading.Event()
+
+    @property
+    def response(self) -> str | None:
+        """The reply stored with the claim (see the class docstring)."""
+        return self._response
+
+    @response.setter
+    def response(self, value: str | None) -> None:
+        if value is not None and not isinstance(value, str):
+            raise TypeError(
+                f"claim.response must be a str or None, got {type(value).__name__}: store "
+                "text (json.dumps(value) for structured data, value.decode('utf-8') for bytes)"
+            )
+        if value is not None:
+            _check_reply(value, "claim.response")
+        self._response = value
 
     # ------------------------------------------------------------ backend side
 
@@ -381,7 +416,7 @@ class WebhookClaim:
     def _set_taken(self, done: bool, response: str | None) -> None:
         self.acquired = False
         self.status = "done" if done else "in_flight"
-        self.response = response if done else None
+        self._response = response if done else None  # as stored: not checked again
 
     # ------------------------------------------------------------ async use
 
@@ -650,8 +685,11 @@ def list_claims(store: Any, *, limit: int | None = 100) -> list[ClaimInfo]:
         store: Any chatflow-sqlalchemy store.
         limit: At most this many rows (None: all).
 
+    Raises:
+        ValueError: ``limit`` is not a positive int or None.
+
     """
-    return _backend_of(store).list(limit)
+    return _backend_of(store).list(validate_page_limit(limit))
 
 
 def release_claim(store: Any, message_id: str) -> bool:

@@ -36,13 +36,16 @@ from chatflow_agent import SessionContext as _UpstreamSessionContext
 from pydantic_core import to_json
 
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH
+from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, check_storable_text
 
 __all__ = [
+    "METADATA_MAX_DEPTH",
     "SessionContext",
     "TurnLock",
+    "check_metadata",
     "dump_message",
     "dump_metadata",
+    "validate_agent",
     "validate_id",
     "validate_max_turns",
     "validate_session_id",
@@ -57,8 +60,10 @@ _JOURNAL_LIMIT = 64
 def validate_id(value: object, name: str) -> str:
     """Return ``value`` if it is a usable id, else raise ``ValueError`` naming ``name``.
 
-    One rule for every id the store keys rows by (sessions, users): a non-empty
-    str of at most ``SESSION_ID_MAX_LENGTH`` characters, without NUL.
+    One rule for every id the store keys rows by (sessions, users) and for
+    agent names: a non-empty str of at most ``SESSION_ID_MAX_LENGTH``
+    characters that every backend can store (no NUL, no lone surrogate; see
+    :func:`~chatflow_sqlalchemy.values.check_storable_text`).
     """
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a str, got {type(value).__name__}")
@@ -66,14 +71,27 @@ def validate_id(value: object, name: str) -> str:
         raise ValueError(f"{name} must be a non-empty string")
     if len(value) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"{name} is {len(value)} characters; the limit is {SESSION_ID_MAX_LENGTH}")
-    if "\x00" in value:
-        raise ValueError(f"{name} must not contain the NUL character ('\\x00')")
+    check_storable_text(value, name)
     return value
 
 
 def validate_session_id(session_id: object) -> str:
     """Return ``session_id`` if it is a usable id, else raise ``ValueError`` naming it."""
     return validate_id(session_id, "session_id")
+
+
+def validate_agent(agent: Agent) -> Agent:
+    """Return ``agent`` if its name fits the session's ``active_agent_name`` column.
+
+    Checked before a session is created or switches agent, so a name no
+    backend can store never reaches the database (the rule of :func:`validate_id`).
+    """
+    try:
+        validate_id(agent.name, "agent name")
+    except ValueError as exc:
+        reason = f"{exc} (the session stores its agent by name: rename the agent)"
+        raise ValueError(reason) from None
+    return agent
 
 
 def validate_max_turns(value: object, name: str = "max_turns") -> int:
@@ -87,6 +105,47 @@ def validate_max_turns(value: object, name: str = "max_turns") -> int:
 
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 """An escaped NUL in JSON text (not an escaped backslash followed by ``u0000``)."""
+
+
+METADATA_MAX_DEPTH = 31
+"""Deepest nesting of dicts and lists accepted in metadata (the deepest MariaDB's JSON
+type takes; deeper is refused on every backend alike, as is a container that holds
+itself: much deeper nesting would exhaust Python's recursion limit too)."""
+
+
+def _check_shape(value: object, depth: int = 1) -> None:
+    """Refuse non-str dict keys (JSON would turn them into strings) and over-deep nesting."""
+    if isinstance(value, dict):
+        children: Iterable[object] = value.values()
+        for key in value:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"metadata keys must be str, got {key!r} ({type(key).__name__}): JSON "
+                    f"would read it back as a str; use str keys (e.g. str({key!r}))"
+                )
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return
+    if depth > METADATA_MAX_DEPTH:
+        raise ValueError(
+            f"metadata is nested more than {METADATA_MAX_DEPTH} dicts/lists deep (or holds "
+            "itself): flatten it, or store the deep part as a JSON string"
+        )
+    for child in children:
+        _check_shape(child, depth + 1)
+
+
+def check_metadata(metadata: object) -> str:
+    """:func:`dump_metadata` of new metadata, refusing also what JSON would not keep.
+
+    Metadata given by the caller (and metadata a write changed) is checked
+    with this: nesting deeper than ``METADATA_MAX_DEPTH`` (``ValueError``)
+    and dict keys that are not str (``TypeError``) are refused before
+    anything is written. Stored metadata is only dumped, never refused.
+    """
+    _check_shape(metadata)
+    return dump_metadata(metadata)
 
 
 def dump_metadata(metadata: object) -> str:
@@ -198,7 +257,7 @@ class _TrackedDict(dict[str, Any]):
         self._owner._on_metadata_change()
 
     def __setitem__(self, key: str, value: Any) -> None:
-        dump_metadata({key: value})
+        check_metadata({key: value})
         super().__setitem__(key, value)
         self._changed()
 
@@ -208,7 +267,7 @@ class _TrackedDict(dict[str, Any]):
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         incoming = dict(*args, **kwargs)
-        dump_metadata(incoming)
+        check_metadata(incoming)
         super().update(incoming)
         self._changed()
 
@@ -387,6 +446,7 @@ class SessionContext(_UpstreamSessionContext):
 
     Raises:
         ValueError: For an invalid ``session_id``, ``max_turns`` or ``metadata``.
+        TypeError: For ``metadata`` with a key that is not a str.
 
     """
 
@@ -471,7 +531,7 @@ class SessionContext(_UpstreamSessionContext):
     @metadata.setter
     def metadata(self, value: dict[str, Any] | None) -> None:
         value = dict(value or {})
-        dump_metadata(value)
+        check_metadata(value)
         with self._mutex:
             self._check_alive()
             self._metadata = _TrackedDict(self, value)
@@ -508,7 +568,14 @@ class SessionContext(_UpstreamSessionContext):
             self._changed(undo)
 
     def set_active_agent(self, agent: Agent) -> None:
-        """Switch the agent handling this session (persisted by name)."""
+        """Switch the agent handling this session (persisted by name).
+
+        Raises:
+            ValueError: The agent's name cannot be stored (see :func:`validate_agent`).
+            SessionDeletedError: If the session was deleted.
+
+        """
+        validate_agent(agent)
         with self._mutex:
             self._check_alive()
             undo = self._push_undo()

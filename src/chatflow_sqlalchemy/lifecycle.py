@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from chatflow_sqlalchemy.context import dump_metadata, validate_id, validate_session_id
+from chatflow_sqlalchemy.context import check_metadata, validate_id, validate_session_id
+from chatflow_sqlalchemy.values import validate_page_limit
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -78,10 +79,7 @@ class ListFilters:
                 "updated_after must be a timezone-aware datetime "
                 f"(e.g. datetime.now(timezone.utc) - timedelta(days=1)), got {updated_after!r}"
             )
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+        limit = validate_page_limit(limit)
         if after is not None:
             try:
                 validate_session_id(after)
@@ -104,7 +102,7 @@ def _validate_metadata_filter(metadata: Mapping[str, Any] | None) -> dict[str, A
             f"metadata must be a dict of str keys to JSON values, got {metadata!r}"
         )
     wanted = dict(metadata)
-    dump_metadata(wanted)  # refuses NaN, NUL and non-JSON values, as stored metadata does
+    check_metadata(wanted)  # refuses what stored metadata cannot hold (NaN, NUL, depth...)
     return wanted
 
 

@@ -34,7 +34,9 @@ from chatflow_sqlalchemy.claims import (
 from chatflow_sqlalchemy.context import (
     SessionContext,
     _Snapshot,
+    check_metadata,
     dump_metadata,
+    validate_agent,
     validate_max_turns,
     validate_session_id,
 )
@@ -135,9 +137,10 @@ class SessionStore(AsyncStoreAPI):
 
         """
         validate_session_id(session_id)
+        validate_agent(default_agent)
         if user_id is not None:
             validate_user_id(user_id)
-        dump_metadata(metadata or {})
+        check_metadata(metadata or {})
         with self._lock:
             owner = self._users.get(session_id)
             if user_id is not None and owner is not None and owner != user_id:

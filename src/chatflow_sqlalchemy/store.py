@@ -49,7 +49,8 @@ from chatflow_sqlalchemy.claims import (
 )
 from chatflow_sqlalchemy.context import (
     SessionContext,
-    dump_metadata,
+    check_metadata,
+    validate_agent,
     validate_max_turns,
     validate_session_id,
 )
@@ -390,11 +391,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         anyone holds it, so its ``lock`` serialises turns within the process.
 
         Raises:
-            ValueError: For an invalid ``session_id``, ``user_id`` or non-JSON
+            ValueError: For an invalid ``session_id``, ``user_id``, agent name or
                 ``metadata``, or a ``user_id`` other than the session's own.
+            TypeError: For ``metadata`` with a key that is not a str.
 
         """
         validate_session_id(session_id)
+        validate_agent(default_agent)
         if user_id is not None:
             validate_user_id(user_id)
             ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
@@ -433,7 +436,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     ) -> SessionContext:
         metadata = dict(metadata or {})
         if metadata:
-            dump_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
+            check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx

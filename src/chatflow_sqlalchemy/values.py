@@ -1,8 +1,9 @@
 """Values the tables hold that code outside SQL needs too, without SQLAlchemy.
 
-The id length limit, the claim states and the UTC clock are shared by the
-SQL stores (``models.py`` builds the tables with them) and the in-memory
-store, which must run without importing SQLAlchemy.
+The id length limit, the claim states, the UTC clock and the rules for text
+and page sizes every backend can store are shared by the SQL stores
+(``models.py`` builds the tables with them) and the in-memory store, which
+must run without importing SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ __all__ = [
     "CLAIM_ACQUIRED",
     "CLAIM_DONE",
     "CLAIM_RELEASED",
+    "MAX_PAGE_LIMIT",
     "SESSION_ID_MAX_LENGTH",
+    "check_storable_text",
     "utcnow",
+    "validate_page_limit",
 ]
 
 SESSION_ID_MAX_LENGTH = 255
@@ -31,3 +35,44 @@ CLAIM_RELEASED = "released"
 def utcnow() -> datetime:
     """Return the current time as a timezone-aware UTC datetime."""
     return datetime.now(timezone.utc)
+
+
+MAX_PAGE_LIMIT = 2**31 - 1
+"""Largest row limit sent to a database (the largest a signed ``INTEGER`` holds,
+which every backend's ``LIMIT`` takes); a larger ``limit`` asks for every row, and
+is clamped to this."""
+
+
+def check_storable_text(value: str, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``value`` is text a column cannot hold.
+
+    Refused on every backend alike: the NUL character (PostgreSQL's text
+    types cannot hold it) and lone surrogates (a half of a UTF-16 pair
+    alone: not UTF-8, so no driver can send them).
+    """
+    if "\x00" in value:
+        raise ValueError(
+            f"{name} must not contain the NUL character ('\\x00'): remove it first "
+            "(e.g. value.replace('\\x00', ''))"
+        )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"{name} must be UTF-8 text, but holds a lone surrogate ('\\ud800'-'\\udfff'): "
+                "decode the bytes it came from properly (bytes.decode('utf-8'))"
+            ) from None
+
+
+def validate_page_limit(limit: object, name: str = "limit") -> int | None:
+    """Return ``limit`` (None: no limit) clamped to ``MAX_PAGE_LIMIT``, else raise ``ValueError``.
+
+    A limit larger than any database's ``LIMIT`` means "every row", which is
+    what the clamped limit returns; the same on every backend.
+    """
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"{name} must be a positive int or None (no limit), got {limit!r}")
+    return min(limit, MAX_PAGE_LIMIT)

@@ -25,7 +25,12 @@ from sqlalchemy import Connection, Executable
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, reply_of
-from chatflow_sqlalchemy.context import DurableState, SessionContext, dump_metadata
+from chatflow_sqlalchemy.context import (
+    DurableState,
+    SessionContext,
+    check_metadata,
+    dump_metadata,
+)
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, SessionDeletedError
@@ -103,12 +108,14 @@ class SessionWriter:
 
         The model answer this turn added, if it is the window's last message.
         None on a store that encrypts: the claim's reply column holds only
-        what the block itself stores there.
+        what the block itself stores there (an answer it could not store is
+        refused all the same, before the turn is written).
         """
         durable = ctx._durable
-        if self._sealer.active or durable is None or not ctx._seqs:
+        if durable is None or not ctx._seqs or ctx._seqs[-1] in durable.seqs:
             return None
-        return None if ctx._seqs[-1] in durable.seqs else reply_of(ctx._history[-1])
+        reply = reply_of(ctx._history[-1])
+        return None if self._sealer.active else reply
 
     def _write_at_once(
         self, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
@@ -224,6 +231,7 @@ class SessionWriter:
         metadata_json = dump_metadata(ctx._metadata)
         if metadata_json == durable.metadata_json:
             return None, params
+        check_metadata(ctx._metadata)  # a nested change made in place is checked here
         params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
         return metadata_json, params
 
