@@ -32,6 +32,8 @@ How it holds (one row of ``chatflow_processed_messages`` per id):
   an exception releases it (a claim whose turn committed stays done).
 * **Order**: claims with a ``session_id`` get a ticket from the database
   (a sequence, or ``MAX + 1`` under SQLite's write lock) on first insert.
+  Within one process the claims of a session send their acquire in the
+  order they were entered, so their tickets follow call order.
   An acquired claim's block starts only when no earlier ticket of the same
   session is still ``acquired``, under a live lease or one that lapsed less
   than ``lease_seconds`` (this claim's) ago: a dead holder's message is
@@ -50,6 +52,7 @@ Operators: :func:`list_claims` (``dedup list``) and :func:`release_claim`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import logging
 import secrets
@@ -118,6 +121,43 @@ ClaimStatus = Literal["acquired", "done", "in_flight"]
 _ORDER_POLL_MIN = 0.005
 _ORDER_POLL_MAX = 0.1
 """Seconds between checks for earlier claims of the session (doubling up to the max)."""
+
+class _CallOrder:
+    """The claims of one session, in this process, send their acquire in call order.
+
+    A claim takes its place when it is entered and sends its acquire once the
+    claim entered before it (of the same session) has had its answer, so the
+    tickets the database draws follow the order the claims were entered in.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, concurrent.futures.Future[None]] = {}
+
+    def take_place(
+        self, session_id: str | None
+    ) -> tuple[concurrent.futures.Future[None] | None, concurrent.futures.Future[None] | None]:
+        """(the place of the claim before this one, this claim's place); Nones: no session."""
+        if session_id is None:
+            return None, None
+        mine: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            before = self._last.get(session_id)
+            self._last[session_id] = mine
+        return before, mine
+
+    def leave(self, session_id: str | None, mine: concurrent.futures.Future[None] | None) -> None:
+        """The claim had its answer: the next one may send its acquire."""
+        if session_id is None or mine is None:
+            return
+        with self._lock:
+            if self._last.get(session_id) is mine:
+                del self._last[session_id]
+        if not mine.done():
+            mine.set_result(None)
+
+
+_CALL_ORDER = _CallOrder()
 
 _LATE_RELEASES: set[asyncio.Future[bool]] = set()
 """Releases of claims acquired after their handler was cancelled (kept until done)."""
@@ -422,7 +462,8 @@ class WebhookClaim:
 
     async def __aenter__(self) -> WebhookClaim:
         self._enter_once()
-        acquiring = asyncio.ensure_future(self._backend.run(self._backend.acquire, self))
+        before, mine = _CALL_ORDER.take_place(self.session_id)
+        acquiring = asyncio.ensure_future(self._acquire_after(before, mine))
         try:
             await asyncio.shield(acquiring)
         except asyncio.CancelledError:
@@ -440,6 +481,18 @@ class WebhookClaim:
             await self._aclose(failed=True)
             raise
         return self
+
+    async def _acquire_after(
+        self,
+        before: concurrent.futures.Future[None] | None,
+        mine: concurrent.futures.Future[None] | None,
+    ) -> None:
+        try:
+            if before is not None:  # shielded: cancelling this must not cancel the other's place
+                await asyncio.shield(asyncio.wrap_future(before))
+            await self._backend.run(self._backend.acquire, self)
+        finally:
+            _CALL_ORDER.leave(self.session_id, mine)
 
     def _give_back_late_acquire(self, acquiring: asyncio.Future[None]) -> None:
         if acquiring.cancelled() or acquiring.exception() is not None or not self.acquired:
@@ -492,7 +545,13 @@ class WebhookClaim:
 
     def __enter__(self) -> WebhookClaim:
         self._enter_once()
-        self._backend.acquire(self)
+        before, mine = _CALL_ORDER.take_place(self.session_id)
+        try:
+            if before is not None and not _on_a_running_loop():
+                before.result()  # on a loop's own thread, waiting would stall the one before
+            self._backend.acquire(self)
+        finally:
+            _CALL_ORDER.leave(self.session_id, mine)
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)
@@ -593,6 +652,14 @@ class WebhookClaim:
             f"<WebhookClaim {self.message_id!r} status={self.status} "
             f"session={self.session_id!r} ticket={self.ticket}>"
         )
+
+
+def _on_a_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class _SyncRenewals:
