@@ -24,15 +24,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from chatflow_sqlalchemy.dialect import (
+from chatflow_sqlalchemy.backend import (
+    CLAIM_CUTOFF,
+    CLAIM_LEASE,
+    CLAIM_NOW,
+    CLAIM_TICKETS,
     RECLAIMED_AS_DONE,
+    BackendImportError,
     ConnectArguments,
     DialectSupport,
     TurnLocks,
+    UTCDateTime,
 )
-from chatflow_sqlalchemy.exceptions import BackendImportError
-from chatflow_sqlalchemy.models import CLAIM_TICKETS, UTCDateTime
-from chatflow_sqlalchemy.sql_claims import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
 from sqlalchemy import (
     URL,
     Connection,

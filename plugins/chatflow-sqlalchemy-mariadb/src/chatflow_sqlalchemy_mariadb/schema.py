@@ -15,8 +15,7 @@ The entry point ``chatflow_sqlalchemy.migrations: mariadb`` names
 
 from __future__ import annotations
 
-from chatflow_sqlalchemy.migrate import MigrationChain
-from chatflow_sqlalchemy.models import NAMING_CONVENTION, UTCDateTime
+from chatflow_sqlalchemy.backend import NAMING_CONVENTION, MigrationChain, UTCDateTime
 from sqlalchemy import Column, MetaData, String, Table
 
 __all__ = ["DIALECTS", "INFO_TABLE", "MIGRATIONS", "VERSION_TABLE", "info", "metadata"]

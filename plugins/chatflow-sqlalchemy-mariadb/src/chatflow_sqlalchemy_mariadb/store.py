@@ -18,10 +18,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from chatflow_sqlalchemy.crypto import AESGCMCipher
-from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError
-from chatflow_sqlalchemy.iopool import IOPool
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.backend import (
+    DEFAULT_DEDUP_TTL_HOURS,
+    AESGCMCipher,
+    DatabaseUnavailableError,
+    IOPool,
+    SQLAlchemySessionStore,
+)
 from sqlalchemy import URL, Connection, Engine, make_url, select
 from sqlalchemy.exc import DBAPIError
 

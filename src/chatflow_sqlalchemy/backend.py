@@ -1,0 +1,95 @@
+"""What a backend plugin builds on: the one module plugin authors import from.
+
+A plugin (such as ``chatflow-sqlalchemy-mariadb``) subclasses
+:class:`DialectSupport` for its database and :class:`SQLAlchemySessionStore`
+for its store class, ships its own tables as a :class:`MigrationChain`, and
+writes claim statements with the database-clock times (:data:`CLAIM_NOW`,
+:data:`CLAIM_LEASE`, :data:`CLAIM_CUTOFF`, :data:`CLAIM_HORIZON`). Everything
+here is public and covered by the conformance kit (:mod:`chatflow_sqlalchemy.testing`);
+the rest of the package may change between releases. Names are imported on
+first use, so a plugin's driver-free schema module stays cheap to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.dialect import (
+        RECLAIMED_AS_DONE,
+        ConnectArguments,
+        DialectSupport,
+        TurnLocks,
+    )
+    from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
+    from chatflow_sqlalchemy.iopool import IOPool
+    from chatflow_sqlalchemy.migrate import MigrationChain
+    from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
+    from chatflow_sqlalchemy.sql_claims import (
+        CLAIM_CUTOFF,
+        CLAIM_HORIZON,
+        CLAIM_LEASE,
+        CLAIM_NOW,
+        DatabaseNow,
+    )
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+
+_SOURCES: dict[str, str] = {
+    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
+    "AESGCMCipher": "chatflow_sqlalchemy.crypto",
+    "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",
+    "ConnectArguments": "chatflow_sqlalchemy.dialect",
+    "DialectSupport": "chatflow_sqlalchemy.dialect",
+    "TurnLocks": "chatflow_sqlalchemy.dialect",
+    "BackendImportError": "chatflow_sqlalchemy.exceptions",
+    "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
+    "IOPool": "chatflow_sqlalchemy.iopool",
+    "MigrationChain": "chatflow_sqlalchemy.migrate",
+    "CLAIM_TICKETS": "chatflow_sqlalchemy.models",
+    "NAMING_CONVENTION": "chatflow_sqlalchemy.models",
+    "UTCDateTime": "chatflow_sqlalchemy.models",
+    "CLAIM_CUTOFF": "chatflow_sqlalchemy.sql_claims",
+    "CLAIM_HORIZON": "chatflow_sqlalchemy.sql_claims",
+    "CLAIM_LEASE": "chatflow_sqlalchemy.sql_claims",
+    "CLAIM_NOW": "chatflow_sqlalchemy.sql_claims",
+    "DatabaseNow": "chatflow_sqlalchemy.sql_claims",
+    "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
+}
+
+__all__ = [
+    "CLAIM_CUTOFF",
+    "CLAIM_HORIZON",
+    "CLAIM_LEASE",
+    "CLAIM_NOW",
+    "CLAIM_TICKETS",
+    "DEFAULT_DEDUP_TTL_HOURS",
+    "NAMING_CONVENTION",
+    "RECLAIMED_AS_DONE",
+    "AESGCMCipher",
+    "BackendImportError",
+    "ConnectArguments",
+    "DatabaseNow",
+    "DatabaseUnavailableError",
+    "DialectSupport",
+    "IOPool",
+    "MigrationChain",
+    "SQLAlchemySessionStore",
+    "TurnLocks",
+    "UTCDateTime",
+]
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
