@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import os
 import random
-import re
 import signal
 import threading
 import time
@@ -62,6 +60,7 @@ from chatflow_sqlalchemy import (
 from chatflow_sqlalchemy.claims import list_claims, release_claim
 from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.testing.claim_workers import reply_to, start_worker
+from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
     Capability,
@@ -327,66 +326,6 @@ def make_agents() -> tuple[Agent, Agent]:
     )
     billing.add_handoff(support)
     return support, billing
-
-
-_ORDER = re.compile(r"\border\s+#?(\w+)", re.IGNORECASE)
-_TRANSFER = re.compile(r"\btransfer\s+(?:to\s+)?(\w+)", re.IGNORECASE)
-_REFUND = re.compile(r"\brefund\s+(\w+)", re.IGNORECASE)
-
-
-class ScriptedEngine(BaseEngine):
-    """An offline engine for the real ``Runner``, scripted by the user's words.
-
-    The user message is split on ``" then "`` into steps; step *k* runs when
-    the turn already holds *k* TOOL messages:
-
-    * ``order <id>``: call ``check_order_status(order_id=<id>)``;
-    * ``transfer <agent>``: call the handoff tool ``transfer_to_<agent>``;
-    * ``refund <amount>``: call ``refund(amount=<amount>)``;
-    * ``fail``: raise ``RuntimeError`` (the Runner must roll the turn back);
-    * anything else, or no step left: answer with text naming the agent, the
-      user message and the last tool results.
-
-    Args:
-        delay: Seconds to ``await asyncio.sleep`` before every answer, so that
-            concurrent turns get a chance to interleave.
-
-    """
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.calls = 0
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        self.calls += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        start = max(i for i, m in enumerate(history) if m.role == Role.USER)
-        text = history[start].content or ""
-        turn = history[start + 1 :]
-        done = sum(1 for m in turn if m.role == Role.TOOL)
-        steps = [s.strip() for s in text.split(" then ")]
-        if done < len(steps):
-            step = steps[done]
-            if step.lower() == "fail":
-                raise RuntimeError(f"scripted engine failure in turn {text!r}")
-            planned = self._plan(agent, step)
-            if planned is not None:
-                return EngineTurnResult(tool_calls=[planned])
-        results = [r.content for m in turn if m.role == Role.TOOL for r in m.tool_results or []]
-        tail = f" | {json.dumps(results[-1], sort_keys=True)}" if results else ""
-        return EngineTurnResult(text=f"{agent.name} re: {text}{tail}")
-
-    @staticmethod
-    def _plan(agent: Agent, step: str) -> ToolCall | None:
-        tools = {t.name for t in agent.get_all_tools()}
-        if (m := _TRANSFER.search(step)) and f"transfer_to_{m[1].lower()}" in tools:
-            return call(f"transfer_to_{m[1].lower()}", reason=step)
-        if (m := _ORDER.search(step)) and "check_order_status" in tools:
-            return call("check_order_status", order_id=m[1])
-        if (m := _REFUND.search(step)) and "refund" in tools:
-            return call("refund", amount=m[1])
-        return None
 
 
 # ============================================================ base class
@@ -2759,12 +2698,12 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
         sid, mid = new_id(), new_id("wamid")
         failing = start_worker(harness.spec(), sid, [(mid, "hello")], mode="fail")
         try:
-            assert failing.outcomes() == [(mid, "error", None, "RuntimeError")]
+            assert failing.result() == [(mid, "error", None, "RuntimeError")]
         finally:
             failing.stop()
         retry = start_worker(harness.spec(), sid, [(mid, "hello"), (mid, "hello")])
         try:
-            assert retry.outcomes() == [
+            assert retry.result() == [
                 (mid, "acquired", reply_to("hello"), None),
                 (mid, "done", reply_to("hello"), None),
             ]
@@ -2812,7 +2751,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             )
             stopped = False
             assert reply == reply_to("hello")
-            assert worker.outcomes() == [(mid, "error", None, "ClaimLostError")]
+            assert worker.result() == [(mid, "error", None, "ClaimLostError")]
         finally:
             if stopped:
                 os.kill(worker.pid, signal.SIGCONT)
@@ -2832,7 +2771,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             for _ in range(n_processes)
         ]
         try:
-            outcomes = [outcome for worker in workers for outcome in worker.outcomes()]
+            outcomes = [outcome for worker in workers for outcome in worker.result()]
         finally:
             for worker in workers:
                 worker.stop()
@@ -2847,7 +2786,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
         sid, mid = new_id(), new_id("wamid")
         first = start_worker(harness.spec(), sid, [(mid, "hello")])
         try:
-            assert first.outcomes() == [(mid, "acquired", reply_to("hello"), None)]
+            assert first.result() == [(mid, "acquired", reply_to("hello"), None)]
         finally:
             first.stop()
         fresh: Any = harness.open()
@@ -2857,7 +2796,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             )
         again = start_worker(harness.spec(), sid, [(mid, "hello")])
         try:
-            assert again.outcomes() == [(mid, "done", reply_to("hello"), None)]
+            assert again.result() == [(mid, "done", reply_to("hello"), None)]
         finally:
             again.stop()
 
