@@ -40,17 +40,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 _WORKER = r"""
 import asyncio, json, sys, time
-from chatflow_agent import Agent, BaseEngine, Runner
-from chatflow_agent.core.engines.base import EngineTurnResult
+from chatflow_agent import Agent, Runner
 from chatflow_sqlalchemy import PostgresSessionStore
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 url, worker, count, ack_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-
-
-class Echo(BaseEngine):
-    async def generate_turn_async(self, agent, history):
-        await asyncio.sleep(0.01)
-        return EngineTurnResult(text="answer to " + history[-1].content)
 
 
 class Store(PostgresSessionStore):
@@ -60,7 +54,7 @@ class Store(PostgresSessionStore):
 
 store = Store(url, default_max_turns=10_000)  # nothing pruned: every turn is counted
 runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
-                engine=Echo())
+                engine=ScriptedEngine(delay=0.01))
 errors = 0
 
 

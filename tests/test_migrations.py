@@ -34,13 +34,13 @@ from typing import Any
 import chatflow_agent
 import pytest
 import sqlalchemy as sa
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
-from chatflow_agent.core.engines.base import EngineTurnResult
+from chatflow_agent import Agent, Message, Role, Runner
 
 from chatflow_sqlalchemy import SchemaAheadError, SchemaError, migrate
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
 from chatflow_sqlalchemy.models import metadata
+from tests.fakes import Playback, calls, say
 from tests.pg_util import fresh_schema, postgres_url, schema_connect_args, schema_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,25 +63,6 @@ def make_agents() -> dict[str, Agent]:
     return {"triage": triage, "billing": billing}
 
 
-def calls(*specs: tuple[str, str, dict[str, Any]]) -> EngineTurnResult:
-    return EngineTurnResult(tool_calls=[ToolCall(id=i, name=n, args=a) for i, n, a in specs])
-
-
-def say(text: str) -> EngineTurnResult:
-    return EngineTurnResult(text=text)
-
-
-class ScriptedEngine(BaseEngine):
-    """An offline engine that plays a fixed list of model turns, in order."""
-
-    def __init__(self, script: list[EngineTurnResult]) -> None:
-        self.script = list(script)
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        assert history, "the Runner always passes the history"
-        return self.script.pop(0)
-
-
 HANDOFF = "wa:5511999990001"  # system prompt, handoff, tool call + result, two turns
 TOOL_ERROR = "tg:1001"  # a tool the agent lacks: an is_error tool result
 PRUNED = "web:pruned"  # written with max_turns=2, so ids have gaps
@@ -102,7 +83,7 @@ def close(store: Any) -> None:
 def write_conversations(make_store: StoreFactory) -> None:
     """Drive the real Runner with the scripted engine through ``make_store``'s stores."""
     agents = make_agents()
-    engine = ScriptedEngine(
+    engine = Playback(
         [
             calls(("c1", "transfer_to_billing", {"reason": "invoice question"})),
             calls(("c2", "lookup_order", {"order_id": "A-17"})),
@@ -410,7 +391,7 @@ def test_adopts_a_file_written_by_chatflow_agent(tmp_path: Path, engines: Any, h
     try:
         assert store.record_processed_message(DEDUP_IDS[0]) is False
         agents = make_agents()
-        runner = Runner(agents["triage"], session_store=store, engine=ScriptedEngine([say("Hi!")]))
+        runner = Runner(agents["triage"], session_store=store, engine=Playback([say("Hi!")]))
         asyncio.run(runner.run_async(HANDOFF, "One more thing"))
     finally:
         store.close()

@@ -22,10 +22,11 @@ import pytest
 from sqlalchemy import Engine, text
 
 from chatflow_sqlalchemy import migrate
+from chatflow_sqlalchemy.testing import StoreSpec
 
 from .conftest import PGBOUNCER_CONNECT_ARGS
 from .test_migrations import HEAD, version_rows
-from .test_processes import check_fleet_histories, run_fleet
+from .test_processes import check_fleet_histories, postgres_spec, run_fleet
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -41,8 +42,8 @@ def bounced_database(pgbouncer: Any, postgres_admin: Engine) -> Iterator[str]:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-def _spec(url: str) -> dict[str, Any]:
-    return {"kind": "postgresql", "url": url}
+def _spec(url: str) -> StoreSpec:
+    return postgres_spec(url)
 
 
 @pytest.mark.parametrize("workers", [2, 4])

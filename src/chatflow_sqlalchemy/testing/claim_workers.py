@@ -5,22 +5,20 @@ DESIGN.md's webhook handler (``store.claim`` around ``Runner.run_async``)
 for a list of deliveries, reporting on a queue: ``("ready", pid)`` when its
 model is called (so a test can kill or stop it inside the turn), then
 ``("done", pid, outcomes)`` with one ``(message_id, status, response,
-error)`` per delivery. Module-level functions, so ``spawn`` can pickle them.
+error)`` per delivery (the :class:`~.harness.Worker` protocol).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import queue as queue_module
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from chatflow_sqlalchemy.testing.harness import StoreSpec, worker_context, worker_process
+from chatflow_sqlalchemy.testing.harness import StoreSpec, Worker, start_process
 
-__all__ = ["Worker", "reply_to", "start_worker", "webhook_worker"]
+__all__ = ["reply_to", "start_worker", "webhook_worker"]
 
 Outcome = tuple[str, str, "str | None", "str | None"]
 
@@ -98,60 +96,6 @@ def webhook_worker(
         store.close()
 
 
-def _report_crash(events: Any, target: Any, *args: Any) -> None:
-    try:
-        target(*args, events)
-    except BaseException as exc:
-        events.put(("crash", os.getpid(), f"{type(exc).__name__}: {exc}"))
-        raise
-
-
-class Worker:
-    """A started worker process and its event queue."""
-
-    def __init__(self, process: Any, events: Any) -> None:
-        self.process = process
-        self.events = events
-
-    @property
-    def pid(self) -> int:
-        """The worker's process id."""
-        assert self.process.pid is not None
-        return int(self.process.pid)
-
-    def next_event(self, timeout: float = 120.0) -> tuple[Any, ...]:
-        """The worker's next event; fails if it crashed, died silently or ``timeout`` passed."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event: tuple[Any, ...] = self.events.get(timeout=0.2)
-            except queue_module.Empty:
-                if not self.process.is_alive() and self.events.empty():
-                    raise AssertionError(
-                        f"worker {self.pid} exited with {self.process.exitcode} and no event"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"worker {self.pid} sent nothing for {timeout}s") from None
-                continue
-            if event[0] == "crash":
-                raise AssertionError(f"worker {self.pid} failed: {event[2]}")
-            return event
-
-    def outcomes(self, timeout: float = 120.0) -> list[Outcome]:
-        """Wait for the worker's final report, skipping ``ready`` events."""
-        while True:
-            event = self.next_event(timeout)
-            if event[0] == "done":
-                outcomes: list[Outcome] = event[2]
-                return outcomes
-
-    def stop(self) -> None:
-        """Kill the worker if it still runs, and reap it."""
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-
-
 def start_worker(
     spec: StoreSpec,
     session_id: str,
@@ -161,14 +105,10 @@ def start_worker(
     lease_seconds: float = 60.0,
     latency: float = 0.0,
 ) -> Worker:
-    """Start :func:`webhook_worker` in a worker process (:func:`worker_context`)."""
-    ctx = worker_context()
-    events: Any = ctx.Queue()
-    process = worker_process(
-        ctx,
-        _report_crash,
-        (events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
-         latency),
+    """Start :func:`webhook_worker` in a worker process (:func:`~.harness.start_process`).
+
+    Its ``result()`` is one ``(message_id, status, response, error)`` per delivery.
+    """
+    return start_process(
+        webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds, latency
     )
-    process.start()
-    return Worker(process, events)
