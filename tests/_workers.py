@@ -23,6 +23,20 @@ from chatflow_sqlalchemy.testing import StoreSpec
 
 from .fakes import Recording, ToolThenAnswer
 
+SQLITE = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
+POSTGRES = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
+
+
+def sqlite_spec(path: Any) -> StoreSpec:
+    """How a worker process opens the SQLite file ``path``."""
+    return StoreSpec(SQLITE, (str(path),))
+
+
+def postgres_spec(url: str, schema: str | None = None) -> StoreSpec:
+    """How a worker process opens PostgreSQL at ``url``, in ``schema`` (None: as it is)."""
+    connect_args = {"options": f"-csearch_path={schema}"} if schema else {}
+    return StoreSpec(POSTGRES, (url,), {"connect_args": connect_args})
+
 
 def kill_mid_turn(spec: StoreSpec, events: Any) -> None:
     """Two whole turns, then a third that blocks inside its tool until killed."""
@@ -138,3 +152,61 @@ def _pausing_lookup(rng: Any) -> Any:
         return f"looked up {q}"
 
     return slow_tool
+
+
+def open_counting_migrations(spec: StoreSpec, barrier: Any, results: Any) -> None:
+    """Open (and close) a store at the same instant as the others; report what it migrated.
+
+    For :func:`~chatflow_sqlalchemy.testing.harness.run_workers`: the result is
+    the Alembic ``Running upgrade ...`` lines this process ran (none if another
+    process had migrated first).
+    """
+    import logging
+
+    ran: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Running "):
+                ran.append(record.getMessage())
+
+    log = logging.getLogger("alembic.runtime.migration")
+    log.setLevel(logging.DEBUG)  # the store passes Alembic's INFO lines on at DEBUG
+    log.addHandler(Capture())
+    try:
+        barrier.wait(60)
+        store: Any = spec.open()
+        store.close()
+        results.put(ran)
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+CRASH_EXIT = 17
+"""Exit status of :func:`crash_mid_migration` when it died where it meant to."""
+
+
+def crash_mid_migration(url: str, step: str, schema: str | None) -> None:
+    """Upgrade ``url`` to head and die (``os._exit``) at Alembic operation ``step``.
+
+    No rollback, no close: like a kill -9 in the middle of a revision.
+    """
+    from alembic.operations import Operations
+
+    from chatflow_sqlalchemy import migrate
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        os._exit(CRASH_EXIT)
+
+    setattr(Operations, step, crash)
+    if schema is not None:
+        from sqlalchemy import create_engine
+
+        from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
+
+        engine = create_engine(url, connect_args={"options": "-csearch_path=" + schema})
+        PostgresDialectSupport().prepare_engine(engine)
+    else:
+        engine = migrate.open_engine(url)
+    migrate.upgrade(engine)
+    raise SystemExit("the migration was expected to crash")

@@ -3,8 +3,8 @@
 Tests use :class:`chatflow_sqlalchemy.testing.ScriptedEngine` wherever the
 user's words can script the turn. The engines here cover the rest: a fixed
 list of model turns with fixed call ids (:class:`Playback`), a tool of any
-name (:class:`ToolThenAnswer`), a record of what each model call saw
-(:class:`Recording`) and a provider that fails its first calls (:class:`Flaky`).
+name (:class:`ToolThenAnswer`) and a record of what each model call saw
+(:class:`Recording`).
 They import nothing beyond chatflow-agent and the kit, so worker processes
 can use them too.
 """
@@ -18,7 +18,7 @@ from chatflow_agent.core.engines import EngineTurnResult
 
 from chatflow_sqlalchemy.testing import ScriptedEngine
 
-__all__ = ["Flaky", "Playback", "Recording", "ToolThenAnswer", "calls", "say"]
+__all__ = ["Playback", "Recording", "ToolThenAnswer", "calls", "say"]
 
 
 def calls(*specs: tuple[str, str, dict[str, object]]) -> EngineTurnResult:
@@ -80,16 +80,3 @@ class Recording(ScriptedEngine):
         self.seen.append([m.content for m in history])
         return await super().generate_turn_async(agent, history)
 
-
-class Flaky(ScriptedEngine):
-    """:class:`ScriptedEngine` behind a provider that is down for its first ``failures`` calls."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__()
-        self.failures = failures
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        if self.failures:
-            self.failures -= 1
-            raise RuntimeError("503 from the model provider")
-        return await super().generate_turn_async(agent, history)

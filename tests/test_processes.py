@@ -25,20 +25,7 @@ from chatflow_sqlalchemy.testing import StoreSpec
 from chatflow_sqlalchemy.testing.harness import Worker, start_process
 
 from . import _workers, pg_util
-
-SQLITE = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
-POSTGRES = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
-
-
-def sqlite_spec(path: Path) -> StoreSpec:
-    """How a worker process opens the SQLite file ``path``."""
-    return StoreSpec(SQLITE, (str(path),))
-
-
-def postgres_spec(url: str, schema: str | None = None) -> StoreSpec:
-    """How a worker process opens PostgreSQL at ``url``, in ``schema`` (None: as it is)."""
-    connect_args = {"options": f"-csearch_path={schema}"} if schema else {}
-    return StoreSpec(POSTGRES, (url,), {"connect_args": connect_args})
+from ._workers import postgres_spec, sqlite_spec
 
 
 def kill_when_ready(worker: Worker) -> None:
