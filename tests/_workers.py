@@ -210,3 +210,52 @@ def crash_mid_migration(url: str, step: str, schema: str | None) -> None:
         engine = migrate.open_engine(url)
     migrate.upgrade(engine)
     raise SystemExit("the migration was expected to crash")
+
+
+def failover_worker(url: str, worker: str, count: int, ack_path: str, events: Any) -> None:
+    """Answer ``count`` webhooks the documented way, redelivering each until acknowledged.
+
+    Each id is appended to ``ack_path`` once its claim block exited cleanly;
+    the result is ``{"errors": <failed attempts retried>}``.
+    """
+    from chatflow_sqlalchemy import PostgresSessionStore
+    from chatflow_sqlalchemy.testing import ScriptedEngine
+
+    class Store(PostgresSessionStore):
+        operation_timeout = 5.0
+        turn_lock_lease_seconds = 3.0
+
+    store = Store(url, default_max_turns=10_000)  # nothing pruned: every turn is counted
+    runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                    engine=ScriptedEngine(delay=0.01))
+    errors = 0
+
+    async def deliver(mid: str, session_id: str) -> bool:
+        nonlocal errors
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                async with store.claim(mid, session_id=session_id, lease_seconds=2.0) as claim:
+                    if claim.acquired:
+                        result = await runner.run_async(session_id, mid)
+                        claim.response = result.content
+                    elif claim.status != "done":
+                        await asyncio.sleep(0.2)
+                        continue
+                return True
+            except Exception:
+                errors += 1
+                await asyncio.sleep(0.2)
+        return False
+
+    async def main() -> None:
+        with open(ack_path, "a") as acks:
+            for k in range(count):
+                mid = f"{worker}-{k}"
+                if await deliver(mid, f"s{k % 3}"):
+                    acks.write(mid + "\n")
+                    acks.flush()
+
+    asyncio.run(main())
+    store.close()
+    events.put(("done", os.getpid(), {"errors": errors}))
