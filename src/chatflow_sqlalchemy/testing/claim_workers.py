@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
+from chatflow_agent.core.engines import EngineTurnResult
 
 from chatflow_sqlalchemy.testing.harness import StoreSpec, Worker, start_process
 
-__all__ = ["reply_to", "start_worker", "webhook_worker"]
+__all__ = ["ReplyModel", "reply_to", "start_worker", "webhook_worker"]
 
 Outcome = tuple[str, str, "str | None", "str | None"]
 
@@ -26,6 +29,43 @@ Outcome = tuple[str, str, "str | None", "str | None"]
 def reply_to(text: str) -> str:
     """The reply the workers' model gives to ``text``."""
     return f"reply to {text}"
+
+
+class ReplyModel(BaseEngine):
+    """The claim tests' model: it answers :func:`reply_to` the user's text.
+
+    Args:
+        failures: How many calls fail first (the model provider is down); -1: all.
+        latency: Each reply comes after a random pause of up to this many seconds.
+        seed: Seed of those pauses.
+        before_reply: Awaited before each reply, in place of the pause (a worker
+            reports ``ready`` there, then hangs or pauses).
+
+    """
+
+    def __init__(
+        self,
+        failures: int = 0,
+        latency: float = 0.0,
+        seed: int = 0,
+        before_reply: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.failures = failures
+        self.latency = latency
+        self.rng = random.Random(seed)
+        self.before_reply = before_reply
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        """``reply_to`` the latest user message, unless this call is one that fails."""
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the model provider is down")
+        if self.before_reply is not None:
+            await self.before_reply()
+        elif self.latency:
+            await asyncio.sleep(self.rng.uniform(0, self.latency))
+        text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
+        return EngineTurnResult(text=reply_to(text))
 
 
 def webhook_worker(
@@ -44,28 +84,21 @@ def webhook_worker(
     answer: the test kills it), ``pause`` (report ready, then answer after
     ``latency`` seconds: the test stops and continues it meanwhile).
     """
-    from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
-    from chatflow_agent.core.engines import EngineTurnResult
-
     rng = random.Random(os.getpid())
 
-    class Model(BaseEngine):
-        async def generate_turn_async(
-            self, agent: Agent, history: list[Message]
-        ) -> EngineTurnResult:
-            text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
-            if mode == "fail":
-                raise RuntimeError("the model provider is down")
-            if mode in ("hang", "pause"):
-                events.put(("ready", os.getpid()))
-                await asyncio.sleep(3600 if mode == "hang" else latency)
-            elif latency:
-                await asyncio.sleep(rng.uniform(0, latency))
-            return EngineTurnResult(text=reply_to(text))
+    async def ready_then_wait() -> None:
+        events.put(("ready", os.getpid()))
+        await asyncio.sleep(3600 if mode == "hang" else latency)
 
+    if mode == "fail":
+        model = ReplyModel(failures=-1)
+    elif mode in ("hang", "pause"):
+        model = ReplyModel(before_reply=ready_then_wait)
+    else:
+        model = ReplyModel(latency=latency, seed=os.getpid())
     store: Any = spec.open()
     runner = Runner(
-        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=Model()
+        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=model
     )
 
     async def on_webhook(message_id: str, text: str) -> Outcome:

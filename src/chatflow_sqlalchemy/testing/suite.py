@@ -59,7 +59,7 @@ from chatflow_sqlalchemy import (
 )
 from chatflow_sqlalchemy.claims import list_claims, release_claim
 from chatflow_sqlalchemy.context import dump_message
-from chatflow_sqlalchemy.testing.claim_workers import reply_to, start_worker
+from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to, start_worker
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
@@ -1995,23 +1995,20 @@ class TestTurnFaults(StoreTestBase):
     ) -> None:
         sid = new_id("meta")
 
-        async def note(q: str) -> str:
+        noted: list[str] = []
+
+        async def note(amount: str) -> str:
             store.get(sid).metadata["v"] = 99
+            noted.append(amount)
             return "noted"
 
-        class FailAfterTool(OneToolEngine):
-            async def generate_turn_async(
-                self, agent: Agent, history: list[Message]
-            ) -> EngineTurnResult:
-                if history[-1].role == Role.TOOL:
-                    raise RuntimeError("model failed after the tool")
-                return await super().generate_turn_async(agent, history)
-
-        agent = Agent(name="Slow", instructions="", tools=[Tool(note, name="note")])
-        runner = Runner(starting_agent=agent, session_store=store, engine=FailAfterTool("note"))
+        # ScriptedEngine: call the tool (named "refund"), then the model fails
+        agent = Agent(name="Slow", instructions="", tools=[Tool(note, name="refund")])
+        runner = Runner(starting_agent=agent, session_store=store, engine=ScriptedEngine())
         ctx = self._pre_turn(store, sid, agent)
-        with pytest.raises(RuntimeError, match="model failed"):
-            run(runner.run_async(sid, "note it"))
+        with pytest.raises(RuntimeError, match="scripted engine failure"):
+            run(runner.run_async(sid, "refund 99 then fail"))
+        assert noted == ["99"], "the tool changed the metadata before the model failed"
         self._assert_back_to_pre_turn(harness, store, ctx)
 
     @requires(Capability.SQL)
@@ -2369,27 +2366,9 @@ class TestCorruptSessionRows(StoreTestBase):
 # ========================================================= webhook claims
 
 
-class _FlakyEngine(BaseEngine):
-    """Fails its first ``failures`` calls (the model provider is down), then echoes."""
-
-    def __init__(self, failures: int = 0, latency: float = 0.0, seed: int = 0) -> None:
-        self.failures = failures
-        self.latency = latency
-        self.rng = random.Random(seed)
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        if self.failures > 0:
-            self.failures -= 1
-            raise RuntimeError("the model provider is down")
-        if self.latency:
-            await asyncio.sleep(self.rng.uniform(0, self.latency))
-        text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
-        return EngineTurnResult(text=reply_to(text))
-
-
 def _claims_runner(store: Any, engine: BaseEngine | None = None) -> Runner:
     bot = Agent(name="Bot", instructions="")
-    return Runner(starting_agent=bot, session_store=store, engine=engine or _FlakyEngine())
+    return Runner(starting_agent=bot, session_store=store, engine=engine or ReplyModel())
 
 
 async def _on_webhook(
@@ -2546,7 +2525,7 @@ class TestWebhookClaims(StoreTestBase):
 
     def test_failed_turn_is_released_and_the_retry_processes_it_once(self, store: Any) -> None:
         sid, mid = new_id(), new_id("wamid")
-        runner = _claims_runner(store, _FlakyEngine(failures=1))
+        runner = _claims_runner(store, ReplyModel(failures=1))
         with pytest.raises(RuntimeError, match="provider is down"):
             run(_on_webhook(store, runner, sid, mid, "where is my order?"))
         assert store.record_processed_message(mid) is False  # still a known id
@@ -2648,7 +2627,7 @@ class TestWebhookClaims(StoreTestBase):
         sid = new_id()
         texts = [f"message {k:02d}" for k in range(16)]
         ids = [new_id("wamid") for _ in texts]
-        runner = _claims_runner(store, _FlakyEngine(latency=0.01, seed=7))
+        runner = _claims_runner(store, ReplyModel(latency=0.01, seed=7))
         rng = random.Random(11)
 
         async def platform_worker() -> None:  # every worker receives every delivery
