@@ -53,17 +53,12 @@ def _txid(direct_url: str) -> int:
 
 
 def _runner(store: Any) -> Any:
-    from chatflow_agent import Agent, BaseEngine, Message, Runner
-    from chatflow_agent.core.engines.base import EngineTurnResult
+    from chatflow_agent import Agent, Runner
 
-    class Echo(BaseEngine):
-        async def generate_turn_async(
-            self, agent: Agent, history: list[Message]
-        ) -> EngineTurnResult:
-            return EngineTurnResult(text=f"answer to {history[-1].content}")
+    from chatflow_sqlalchemy.testing import ScriptedEngine
 
     return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
-                  engine=Echo())
+                  engine=ScriptedEngine())
 
 
 async def _handle(kind: str, store: Any, runner: Any, session_id: str, k: int) -> None:

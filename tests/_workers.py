@@ -1,82 +1,78 @@
-"""Worker processes for the multi-process tests (run as ``python tests/_workers.py``).
+"""Worker processes for the multi-process tests, started with the kit's harness.
 
-Each worker opens a store from a JSON spec, does its part, and exits; the
-tests kill some of them mid-turn on purpose.
+Each is a module-level function ``worker(spec, ..., events)`` for
+:func:`chatflow_sqlalchemy.testing.harness.start_process`: it opens a store
+from a :class:`~chatflow_sqlalchemy.testing.StoreSpec`, does its part and
+reports on ``events`` (``("ready", pid)`` where the test kills it, ``("ack",
+question)`` once a turn is stored, ``("done", pid, result)``); the tests
+kill some of them mid-turn on purpose.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import sys
+import os
+import random
 import time
 from typing import Any
 
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall, ToolResult
-from chatflow_agent.core.engines.base import EngineTurnResult
+from chatflow_agent import Agent, Message, Role, Runner, ToolCall, ToolResult
+
+from chatflow_sqlalchemy.testing import StoreSpec
+
+from .fakes import Recording, ToolThenAnswer
+
+SQLITE = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
+POSTGRES = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
 
 
-def open_store(spec: dict[str, Any], **kwargs: Any) -> Any:
-    """Open the store a test describes: ``{"kind": "sqlite", "path": ...}`` or postgres."""
-    if spec["kind"] == "sqlite":
-        from chatflow_sqlalchemy import SQLiteSessionStore
+def sqlite_spec(path: Any) -> StoreSpec:
+    """How a worker process opens the SQLite file ``path``."""
+    return StoreSpec(SQLITE, (str(path),))
 
-        return SQLiteSessionStore(spec["path"], **kwargs)
-    from chatflow_sqlalchemy import PostgresSessionStore
 
-    schema = spec.get("schema")  # none: the URL's database as it is (through PgBouncer)
+def postgres_spec(url: str, schema: str | None = None) -> StoreSpec:
+    """How a worker process opens PostgreSQL at ``url``, in ``schema`` (None: as it is)."""
     connect_args = {"options": f"-csearch_path={schema}"} if schema else {}
-    return PostgresSessionStore(spec["url"], connect_args=connect_args, **kwargs)
+    return StoreSpec(POSTGRES, (url,), {"connect_args": connect_args})
 
 
-class ToolThenAnswer(BaseEngine):
-    """USER -> one tool call; TOOL -> a text answer naming the question."""
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        last = history[-1]
-        if last.role == Role.USER:
-            call = ToolCall(id=f"call-{last.content}", name="slow_tool", args={"q": last.content})
-            return EngineTurnResult(tool_calls=[call])
-        question = next(m.content for m in reversed(history) if m.role == Role.USER)
-        return EngineTurnResult(text=f"answer to {question}")
-
-
-def kill_mid_turn(spec: dict[str, Any]) -> None:
+def kill_mid_turn(spec: StoreSpec, events: Any) -> None:
     """Two whole turns, then a third that blocks inside its tool until killed."""
     blocking = {"on": False}
 
     def slow_tool(q: str) -> str:
         if blocking["on"]:
-            print("READY", flush=True)
+            events.put(("ready", os.getpid()))
             time.sleep(600)
         return f"looked up {q}"
 
     agent = Agent(name="Bot", instructions="", tools=[slow_tool])
-    store = open_store(spec)
-    runner = Runner(starting_agent=agent, session_store=store, engine=ToolThenAnswer())
+    store = spec.open()
+    runner = Runner(starting_agent=agent, session_store=store, engine=ToolThenAnswer("slow_tool"))
     runner.run("s1", "q1")
     runner.run("s1", "q2")
     blocking["on"] = True
     runner.run("s1", "q3")
 
 
-def direct_writes_then_hang(spec: dict[str, Any]) -> None:
+def direct_writes_then_hang(spec: StoreSpec, events: Any) -> None:
     """Persist USER and a MODEL tool call outside any turn, then hang before the result."""
-    store = open_store(spec)
+    store = spec.open()
     session = store.get_or_create("s1", Agent(name="Bot", instructions=""))
     session.add_message(Message(role=Role.USER, content="q1"))
     session.add_message(Message(role=Role.MODEL, content="a1"))
     session.add_message(Message(role=Role.USER, content="q2"))
     call = ToolCall(id="c2", name="lookup", args={})
     session.add_message(Message(role=Role.MODEL, tool_calls=[call]))
-    print("READY", flush=True)
+    events.put(("ready", os.getpid()))
     time.sleep(600)
 
 
-def turn_lock_then_hang(spec: dict[str, Any]) -> None:
+def turn_lock_then_hang(spec: StoreSpec, events: Any) -> None:
     """Inside ``session.lock``: USER and a MODEL tool call, then hang before the result."""
-    store = open_store(spec)
+    store = spec.open()
     session = store.get_or_create("s1", Agent(name="Bot", instructions=""))
     session.add_message(Message(role=Role.USER, content="q1"))
     session.add_message(Message(role=Role.MODEL, content="a1"))
@@ -86,35 +82,23 @@ def turn_lock_then_hang(spec: dict[str, Any]) -> None:
             session.add_message(Message(role=Role.USER, content="q2"))
             call = ToolCall(id="c2", name="lookup", args={})
             session.add_message(Message(role=Role.MODEL, tool_calls=[call]))
-            print("READY", flush=True)
+            events.put(("ready", os.getpid()))
             await asyncio.sleep(600)
 
     asyncio.run(turn())
 
 
-class SlowEcho(BaseEngine):
-    """Answers after a pause, and logs how much history each call saw."""
+def fleet(spec: StoreSpec, worker: str, turns: int, sessions: list[str], delay: float,
+          events: Any) -> None:
+    """Run ``turns`` turns on every session concurrently through the real Runner.
 
-    def __init__(self, log: list[dict[str, Any]], delay: float) -> None:
-        self.log = log
-        self.delay = delay
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        question = history[-1].content
-        self.log.append({"question": question, "seen": len(history)})
-        await asyncio.sleep(self.delay)
-        return EngineTurnResult(text=f"answer to {question}")
-
-
-def fleet(spec: dict[str, Any], worker: str, turns: int, sessions: list[str], delay: float,
-          log_path: str) -> None:
-    """Run ``turns`` turns on every session concurrently through the real Runner."""
-    log: list[dict[str, Any]] = []
-    store = open_store(spec, default_max_turns=10_000)
+    Its result: one ``{"question", "seen"}`` per model call (how many messages
+    of history the call saw).
+    """
+    engine = Recording(delay)
+    store: Any = spec.open(default_max_turns=10_000)
     runner = Runner(
-        starting_agent=Agent(name="Bot", instructions=""),
-        session_store=store,
-        engine=SlowEcho(log, delay),
+        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=engine
     )
 
     async def drive(session_id: str) -> None:
@@ -126,30 +110,29 @@ def fleet(spec: dict[str, Any], worker: str, turns: int, sessions: list[str], de
 
     asyncio.run(main())
     store.close()
-    with open(log_path, "w") as fh:
-        json.dump(log, fh)
+    log = [{"question": seen[-1], "seen": len(seen)} for seen in engine.seen]
+    events.put(("done", os.getpid(), log))
 
 
-def campaign_writer(spec: dict[str, Any], session_id: str, label: str, mode: str,
-                    seed: int) -> None:
-    """Write whole turns forever, printing ``ACK <user text>`` once each is stored.
+def campaign_writer(spec: StoreSpec, session_id: str, label: str, mode: str, seed: int,
+                    events: Any) -> None:
+    """Write whole turns forever, sending ``("ack", <user text>)`` once each is stored.
 
     ``mode`` ``"direct"``: every message is its own ``add_message`` outside any
     lock (USER, MODEL tool call, TOOL result, MODEL answer), as upstream's docs
     do. ``"locked"``: each turn runs through the real Runner inside
     ``session.lock``, its tool pausing a little. The test kills it at random.
     """
-    import random
-
     rng = random.Random(seed)
-    store = open_store(spec, default_max_turns=10_000)
+    store = spec.open(default_max_turns=10_000)
     agent = Agent(name="Bot", instructions="", tools=[_pausing_lookup(rng)])
     if mode == "locked":
-        runner = Runner(starting_agent=agent, session_store=store, engine=ToolThenAnswer())
+        runner = Runner(starting_agent=agent, session_store=store,
+                        engine=ToolThenAnswer("slow_tool"))
         for turn in itertools.count():
             question = f"{label}-{turn}"
             runner.run(session_id, question)
-            print(f"ACK {question}", flush=True)
+            events.put(("ack", question))
     session = store.get_or_create(session_id, agent)
     for turn in itertools.count():
         question = f"{label}-{turn}"
@@ -160,7 +143,7 @@ def campaign_writer(spec: dict[str, Any], session_id: str, label: str, mode: str
         result = ToolResult(tool_call_id=call.id, name="lookup", content={"q": question})
         session.add_message(Message(role=Role.TOOL, tool_results=[result]))
         session.add_message(Message(role=Role.MODEL, content=f"answer to {question}"))
-        print(f"ACK {question}", flush=True)
+        events.put(("ack", question))
 
 
 def _pausing_lookup(rng: Any) -> Any:
@@ -171,9 +154,108 @@ def _pausing_lookup(rng: Any) -> Any:
     return slow_tool
 
 
-if __name__ == "__main__":
-    name, *args = sys.argv[1:]
-    decoded = [json.loads(a) for a in args]
-    {"kill_mid_turn": kill_mid_turn, "direct_writes_then_hang": direct_writes_then_hang,
-     "turn_lock_then_hang": turn_lock_then_hang, "fleet": fleet,
-     "campaign_writer": campaign_writer}[name](*decoded)
+def open_counting_migrations(spec: StoreSpec, barrier: Any, results: Any) -> None:
+    """Open (and close) a store at the same instant as the others; report what it migrated.
+
+    For :func:`~chatflow_sqlalchemy.testing.harness.run_workers`: the result is
+    the Alembic ``Running upgrade ...`` lines this process ran (none if another
+    process had migrated first).
+    """
+    import logging
+
+    ran: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Running "):
+                ran.append(record.getMessage())
+
+    log = logging.getLogger("alembic.runtime.migration")
+    log.setLevel(logging.DEBUG)  # the store passes Alembic's INFO lines on at DEBUG
+    log.addHandler(Capture())
+    try:
+        barrier.wait(60)
+        store: Any = spec.open()
+        store.close()
+        results.put(ran)
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+CRASH_EXIT = 17
+"""Exit status of :func:`crash_mid_migration` when it died where it meant to."""
+
+
+def crash_mid_migration(url: str, step: str, schema: str | None) -> None:
+    """Upgrade ``url`` to head and die (``os._exit``) at Alembic operation ``step``.
+
+    No rollback, no close: like a kill -9 in the middle of a revision.
+    """
+    from alembic.operations import Operations
+
+    from chatflow_sqlalchemy import migrate
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        os._exit(CRASH_EXIT)
+
+    setattr(Operations, step, crash)
+    if schema is not None:
+        from sqlalchemy import create_engine
+
+        from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
+
+        engine = create_engine(url, connect_args={"options": "-csearch_path=" + schema})
+        PostgresDialectSupport().prepare_engine(engine)
+    else:
+        engine = migrate.open_engine(url)
+    migrate.upgrade(engine)
+    raise SystemExit("the migration was expected to crash")
+
+
+def failover_worker(url: str, worker: str, count: int, ack_path: str, events: Any) -> None:
+    """Answer ``count`` webhooks the documented way, redelivering each until acknowledged.
+
+    Each id is appended to ``ack_path`` once its claim block exited cleanly;
+    the result is ``{"errors": <failed attempts retried>}``.
+    """
+    from chatflow_sqlalchemy import PostgresSessionStore
+    from chatflow_sqlalchemy.testing import ScriptedEngine
+
+    class Store(PostgresSessionStore):
+        operation_timeout = 5.0
+        turn_lock_lease_seconds = 3.0
+
+    store = Store(url, default_max_turns=10_000)  # nothing pruned: every turn is counted
+    runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                    engine=ScriptedEngine(delay=0.01))
+    errors = 0
+
+    async def deliver(mid: str, session_id: str) -> bool:
+        nonlocal errors
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                async with store.claim(mid, session_id=session_id, lease_seconds=2.0) as claim:
+                    if claim.acquired:
+                        result = await runner.run_async(session_id, mid)
+                        claim.response = result.content
+                    elif claim.status != "done":
+                        await asyncio.sleep(0.2)
+                        continue
+                return True
+            except Exception:
+                errors += 1
+                await asyncio.sleep(0.2)
+        return False
+
+    async def main() -> None:
+        with open(ack_path, "a") as acks:
+            for k in range(count):
+                mid = f"{worker}-{k}"
+                if await deliver(mid, f"s{k % 3}"):
+                    acks.write(mid + "\n")
+                    acks.flush()
+
+    asyncio.run(main())
+    store.close()
+    events.put(("done", os.getpid(), {"errors": errors}))

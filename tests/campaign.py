@@ -32,12 +32,13 @@ def _databases(tmp: Path) -> Iterator[tuple[str, Callable[..., Any], Any]]:
     from chatflow_sqlalchemy import SQLiteSessionStore
 
     from . import test_fault_model as fm
+    from . import test_processes as tp
 
     path = tmp / "campaign.db"
     yield (
         "sqlite",
         lambda: SQLiteSessionStore(path, default_max_turns=fm.MAX_TURNS),
-        {"kind": "sqlite", "path": str(tmp / "kills.db")},
+        tp.sqlite_spec(tmp / "kills.db"),
     )
     url = os.environ.get("CHATFLOW_TEST_POSTGRES_URL")
     if not url:
@@ -52,7 +53,7 @@ def _databases(tmp: Path) -> Iterator[tuple[str, Callable[..., Any], Any]]:
         yield (
             "postgresql",
             lambda: pg_util.schema_store(url, schema, default_max_turns=fm.MAX_TURNS),
-            {"kind": "postgresql", "url": url, "schema": kill_schema},
+            tp.postgres_spec(url, kill_schema),
         )
 
 

@@ -3,7 +3,8 @@
 ``store_factory`` (overriding the plugin's default) is parametrised over:
 
 ============================  ==================================================
-``sqlite-file``               a temporary file: PERSISTENT, CROSS_PROCESS, SQL,
+``sqlite-file``               a temporary file (a copy of one the store migrated):
+                              PERSISTENT, CROSS_PROCESS, SQL,
                               ASYNC_THREADPOOL
 ``sqlite-memory``             ``":memory:"`` (each store is its own database):
                               SQL, EPHEMERAL
@@ -11,7 +12,8 @@
                               alive by an anchor connection: PERSISTENT (within
                               this process), SQL, EPHEMERAL
 ``memory``                    ``chatflow_sqlalchemy.SessionStore``: EPHEMERAL
-``postgresql``                a fresh schema per test: PERSISTENT,
+``postgresql``                a schema per test (reused, emptied, by the next
+                              test: tests/pg_reuse.py): PERSISTENT,
                               CROSS_PROCESS, SQL, and ASYNC_NATIVE (psycopg
                               async) or ASYNC_THREADPOOL, as the store runs
 ============================  ==================================================
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sqlite3
 import tempfile
 import uuid
@@ -134,43 +137,75 @@ def postgres_admin(postgres_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _postgres_harness(
-    url: str, admin: Engine, async_mode: Capability, *, generic: bool = False
-) -> StoreHarness:
-    schema = f"t_{uuid.uuid4().hex}"
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-
-    def drop_schema() -> None:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-
+def _postgres_spec(url: str, schema: str, *, generic: bool = False) -> StoreSpec:
+    """How the store under test opens ``schema``."""
     options = f"-csearch_path={schema}"
     if generic:  # SQLAlchemySessionStore(url): the schema rides in the URL's query
         generic_url = make_url(url).update_query_dict({"options": options})
-        spec = StoreSpec(GENERIC_TARGET, (generic_url.render_as_string(hide_password=False),))
-    else:
-        spec = StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": {"options": options}})
+        return StoreSpec(GENERIC_TARGET, (generic_url.render_as_string(hide_password=False),))
+    return StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": {"options": options}})
+
+
+@pytest.fixture(scope="session")
+def postgres_schemas(postgres_url: str, postgres_admin: Engine) -> Iterator[dict[bool, Any]]:
+    """Schemas for the PostgreSQL harnesses, reused test after test (tests/pg_reuse.py).
+
+    Keyed by ``generic``: the generic store and the PostgreSQL store each get theirs.
+    """
+    from .pg_reuse import SchemaPool
+
+    def new_schema() -> str:
+        schema = f"t_{uuid.uuid4().hex}"
+        with postgres_admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        return schema
+
+    def drop_schema(schema: str) -> None:
+        with postgres_admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+    def migrator(generic: bool) -> Any:
+        def migrate_schema(schema: str) -> None:
+            store: Any = _postgres_spec(postgres_url, schema, generic=generic).open()
+            store.close()
+
+        return migrate_schema
+
+    pools = {
+        generic: SchemaPool(postgres_admin, migrator(generic), new_schema, drop_schema)
+        for generic in (False, True)
+    }
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+def _postgres_harness(
+    url: str, pool: Any, async_mode: Capability, *, generic: bool = False
+) -> StoreHarness:
+    schema = pool.take()
     return SpecHarness(
         "postgresql-generic" if generic else "postgresql",
-        spec,
+        _postgres_spec(url, schema, generic=generic),
         {
             Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
             Capability.ENCRYPTION,
             Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
         },
-        cleanup=drop_schema,
+        cleanup=lambda: pool.give_back(schema),
     )
 
 
 @pytest.fixture(scope="session")
-def postgres_async_mode(postgres_url: str, postgres_admin: Engine) -> Capability:
+def postgres_async_mode(postgres_url: str, postgres_schemas: dict[bool, Any]) -> Capability:
     """How the PostgreSQL store runs its async API: native driver or thread pool.
 
     Declared from what the installed store really does (psycopg's async mode
     when greenlet is available), so the suite checks the right guarantee.
     """
-    harness = _postgres_harness(postgres_url, postgres_admin, Capability.ASYNC_THREADPOOL)
+    harness = _postgres_harness(
+        postgres_url, postgres_schemas[False], Capability.ASYNC_THREADPOOL
+    )
     try:
         native = harness.open().runtime.native_async
     finally:
@@ -199,28 +234,76 @@ PGBOUNCER_CONNECT_ARGS: dict[str, Any] = {}
 are off by default, see ``postgresql.PREPARE_THRESHOLD``)."""
 
 
-def _pgbouncer_harness(bouncer: Any, admin: Engine, async_mode: Capability) -> StoreHarness:
-    """A fresh database per test, reached through PgBouncer."""
-    database = f"t_{uuid.uuid4().hex}"
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'CREATE DATABASE "{database}"'))
+def _bounced_spec(bouncer: Any, database: str) -> StoreSpec:
+    url = bouncer.url(database).render_as_string(hide_password=False)
+    return StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": PGBOUNCER_CONNECT_ARGS})
 
-    def drop_database() -> None:
-        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+
+@pytest.fixture(scope="session")
+def pgbouncer_databases(
+    pgbouncer: Any, postgres_url: str, postgres_admin: Engine
+) -> Iterator[Any]:
+    """Databases behind PgBouncer, reused test after test (tests/pg_reuse.py)."""
+    from sqlalchemy.pool import NullPool
+
+    from .pg_reuse import SchemaPool
+
+    engines: dict[str, Engine] = {}
+
+    def engine_on(database: str) -> Engine:  # direct, not through PgBouncer
+        if database not in engines:
+            url = make_url(postgres_url).set(database=database)
+            engines[database] = create_engine(url, poolclass=NullPool)
+        return engines[database]
+
+    def new_database() -> str:
+        database = f"t_{uuid.uuid4().hex}"
+        with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f'CREATE DATABASE "{database}"'))
+        return database
+
+    def drop_database(database: str) -> None:
+        engines.pop(database, None)
+        with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
 
-    url = bouncer.url(database).render_as_string(hide_password=False)
-    spec = StoreSpec(POSTGRES_TARGET, (url,), {"connect_args": PGBOUNCER_CONNECT_ARGS})
+    def migrate_database(database: str) -> None:
+        store: Any = _bounced_spec(pgbouncer, database).open()
+        store.close()
+
+    pool = SchemaPool(engine_on, migrate_database, new_database, drop_database)
+    yield pool
+    pool.close()
+
+
+def _pgbouncer_harness(bouncer: Any, pool: Any, async_mode: Capability) -> StoreHarness:
+    """A database of its own per test (reused, emptied, after it), reached through PgBouncer."""
+    database = pool.take()
     return SpecHarness(
         "postgresql-pgbouncer",
-        spec,
+        _bounced_spec(bouncer, database),
         {Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode},
-        cleanup=drop_database,
+        cleanup=lambda: pool.give_back(database),
     )
 
 
-def _sqlite_file_harness(tmp_path: Path) -> StoreHarness:
+@pytest.fixture(scope="session")
+def sqlite_migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file the store migrated (once per pytest process), to copy per test.
+
+    A copy is what a fresh file becomes when the store opens it, without running
+    the migration chain again for every test (the migration tests start empty).
+    """
+    path = tmp_path_factory.mktemp("sqlite-migrated") / "chatflow.db"
+    store: Any = StoreSpec(SQLITE_TARGET, (str(path),)).open()
+    store.close()
+    assert not path.with_name("chatflow.db-wal").exists(), "the template has a WAL left"
+    return path
+
+
+def _sqlite_file_harness(tmp_path: Path, migrated: Path) -> StoreHarness:
     path = tmp_path / "chatflow.db"
+    shutil.copyfile(migrated, path)
     return SpecHarness(
         "sqlite-file",
         StoreSpec(SQLITE_TARGET, (str(path),)),
@@ -258,7 +341,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
     name: str = request.param
     harness: StoreHarness
     if name == "sqlite-file":
-        harness = _sqlite_file_harness(tmp_path)
+        harness = _sqlite_file_harness(tmp_path, request.getfixturevalue("sqlite_migrated"))
     elif name == "sqlite-memory":
         harness = SpecHarness(
             name,
@@ -282,9 +365,10 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         except PostgresUnreachable as exc:
             yield UnreachableHarness(name, str(exc))
             return
-        admin: Engine = request.getfixturevalue("postgres_admin")
+        generic = name == "postgresql-generic"
+        pool = request.getfixturevalue("postgres_schemas")[generic]
         mode: Capability = request.getfixturevalue("postgres_async_mode")
-        harness = _postgres_harness(url, admin, mode, generic=name == "postgresql-generic")
+        harness = _postgres_harness(url, pool, mode, generic=generic)
     elif name == "postgresql-pgbouncer":
         try:
             request.getfixturevalue("postgres_url")
@@ -293,7 +377,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
             return
         harness = _pgbouncer_harness(
             request.getfixturevalue("pgbouncer"),
-            request.getfixturevalue("postgres_admin"),
+            request.getfixturevalue("pgbouncer_databases"),
             request.getfixturevalue("postgres_async_mode"),
         )
     else:  # pragma: no cover

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
-from chatflow_agent.core.engines.base import EngineTurnResult
+from chatflow_agent import Agent, Message, Role, Runner
 
 from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
 
+from .fakes import ToolThenAnswer
 from .pg_util import fresh_schema, postgres_url, schema_connect_args
 
 HANG_GUARD_SECONDS = 60.0  # only against a hang; never a speed bound
@@ -99,19 +99,6 @@ async def test_disk_io_runs_on_the_private_pool_not_the_loop(tmp_path: Path) -> 
     assert store.runtime.pool is None  # aclose shut the pool down
 
 
-class Scripted(BaseEngine):
-    """USER -> tool call; TOOL -> answer, with a yield to the loop in between."""
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        await asyncio.sleep(0)
-        last = history[-1]
-        if last.role == Role.USER:
-            call = ToolCall(id=f"c-{last.content}", name="lookup", args={"q": last.content})
-            return EngineTurnResult(tool_calls=[call])
-        question = next(m.content for m in reversed(history) if m.role == Role.USER)
-        return EngineTurnResult(text=f"answer to {question}")
-
-
 def lookup(q: str) -> str:
     return f"found {q}"
 
@@ -145,7 +132,7 @@ async def test_runner_fifty_concurrent_sessions_ten_turns(backend: dict[str, Any
     runner = Runner(
         starting_agent=Agent(name="Bot", instructions="", tools=[lookup]),
         session_store=store,
-        engine=Scripted(),
+        engine=ToolThenAnswer("lookup"),  # a yield to the loop before each answer
     )
 
     async def conversation(index: int) -> None:

@@ -81,7 +81,7 @@ def test_the_in_memory_store_runs_without_sqlalchemy(tmp_path: Path) -> None:
         "import asyncio\n"
         "from chatflow_agent import Agent, Runner\n"
         "from chatflow_sqlalchemy import SessionStore\n"
-        "from chatflow_sqlalchemy.testing.suite import ScriptedEngine\n"
+        "from chatflow_sqlalchemy.testing import ScriptedEngine\n"
         "bot = Agent(name='Bot', instructions='')\n"
         "async def main():\n"
         "    async with SessionStore(session_ttl_hours=1, archive_pruned=True) as store:\n"

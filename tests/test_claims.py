@@ -18,6 +18,8 @@ from chatflow_sqlalchemy import ClaimLostError, SQLiteSessionStore, migrate
 from chatflow_sqlalchemy.claims import _SYNC_RENEWALS, list_claims, release_claim
 from chatflow_sqlalchemy.sql_claims import free_claim, read_claims
 
+from .fakes import Recording
+
 
 def _engine_at(url: str, revision: str) -> Any:
     engine = create_engine(url)
@@ -287,15 +289,13 @@ def test_a_claimed_turn_on_a_session_erased_meanwhile_reports_the_deletion(
 
 
 def _echo_runner(store: Any) -> Any:
-    from chatflow_agent import BaseEngine, Runner
-    from chatflow_agent.core.engines.base import EngineTurnResult
+    """A Runner whose model answers ``"Bot re: <text>"``."""
+    from chatflow_agent import Runner
 
-    class Echo(BaseEngine):
-        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
-            return EngineTurnResult(text=f"re: {history[-1].content}")
+    from chatflow_sqlalchemy.testing import ScriptedEngine
 
     return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
-                  engine=Echo())
+                  engine=ScriptedEngine())
 
 
 class _Statements:
@@ -333,7 +333,7 @@ def test_a_claimed_runner_turns_reply_rides_in_its_write(store_opener: Any) -> N
     runner = _echo_runner(store)
     asyncio.run(_webhook(store, runner, "warm-up", "hello"))
     with _Statements() as seen:
-        assert asyncio.run(_webhook(store, runner, "m1", "again")) == "re: again"
+        assert asyncio.run(_webhook(store, runner, "m1", "again")) == "Bot re: again"
     claim_rows = seen.touching("chatflow_processed_messages")
     assert claim_rows[0].startswith("INSERT INTO chatflow_processed_messages"), seen.sql
     fence = [n for n, sql in enumerate(seen.sql) if "UPDATE chatflow_processed_messages" in sql]
@@ -341,8 +341,8 @@ def test_a_claimed_runner_turns_reply_rides_in_its_write(store_opener: Any) -> N
     assert "chatflow_processed_messages" not in " ".join(seen.sql[fence[0] + 1:]), seen.sql
     fresh = store_opener()
     with fresh.claim("m1", session_id="s") as again:
-        assert (again.status, again.response) == ("done", "re: again")
-    assert [m.content for m in fresh.get("s").history][-2:] == ["again", "re: again"]
+        assert (again.status, again.response) == ("done", "Bot re: again")
+    assert [m.content for m in fresh.get("s").history][-2:] == ["again", "Bot re: again"]
 
 
 def _claimed_turn_then(store: Any, mid: str, turn: Any, reply: Any = None) -> None:
@@ -426,16 +426,7 @@ def test_a_claim_that_waited_for_an_earlier_one_catches_up_with_its_turn(
     first_store, second_store = store_opener(), store_opener()
     first_runner, second_runner = _echo_runner(first_store), _echo_runner(second_store)
     asyncio.run(_webhook(second_store, second_runner, "warm-up", "hello"))
-    seen: list[list[str | None]] = []
-
-    class Recording:
-        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
-            from chatflow_agent.core.engines.base import EngineTurnResult
-
-            seen.append([m.content for m in history])
-            return EngineTurnResult(text=f"re: {history[-1].content}")
-
-    second_runner.engine = Recording()
+    second_runner.engine = recording = Recording()
 
     async def both() -> None:
         entered = asyncio.Event()
@@ -456,4 +447,4 @@ def test_a_claim_that_waited_for_an_earlier_one_catches_up_with_its_turn(
         await asyncio.gather(earlier(), later())
 
     asyncio.run(both())
-    assert seen[-1][-3:] == ["first", "re: first", "second"]
+    assert recording.seen[-1][-3:] == ["first", "Bot re: first", "second"]

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, event
 
 from chatflow_sqlalchemy import SQLiteSessionStore
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 from .pg_util import fresh_schema, postgres_url, schema_connect_args
 

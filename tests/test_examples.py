@@ -167,7 +167,7 @@ def test_subscription_check_echoes_the_challenge_only_for_our_token(tmp_path: Pa
 def test_a_failed_turn_answers_500_and_its_retry_runs_it_again(tmp_path: Path) -> None:
     """A failed turn releases its claim: the platform's retry runs the turn again.
 
-    The scripted engine fails on every "crash" message, so the retry fails too; what
+    The scripted engine fails on every "fail" message, so the retry fails too; what
     matters is that it ran (500 again, not a skipped "duplicate") and wrote nothing.
     """
     from chatflow_sqlalchemy.claims import list_claims
@@ -175,9 +175,9 @@ def test_a_failed_turn_answers_500_and_its_retry_runs_it_again(tmp_path: Path) -
     db = tmp_path / "webhook.db"
     with serve(db) as client:
         post(client, payload(("wamid.1", "Hello")))
-        failed = client.post("/webhook", json=payload(("wamid.2", "please crash now")))
+        failed = client.post("/webhook", json=payload(("wamid.2", "fail")))
         assert failed.status_code == 500
-        retry = client.post("/webhook", json=payload(("wamid.2", "please crash now")))
+        retry = client.post("/webhook", json=payload(("wamid.2", "fail")))
         assert retry.status_code == 500, "the retry must run the turn, not skip it"
     assert [text for role, text in history(db) if role == "user"] == ["Hello"]  # rolled back
     with SQLiteSessionStore(db) as store:

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import psycopg
 import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
 from sqlalchemy import Engine, ExceptionContext, Table, event, make_url, select, text
@@ -28,6 +27,9 @@ from chatflow_sqlalchemy import (
 from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowProcessedMessage, ChatflowSession
 
 from . import pg_util
+
+if TYPE_CHECKING:
+    import psycopg
 
 Opener = Callable[[], SQLAlchemySessionStore]
 
@@ -144,10 +146,15 @@ def test_stale_context_write_rebases(store_opener: Opener) -> None:
     assert reloaded is not None and [m.content for m in reloaded.history] == ["theirs", "mine"]
 
 
+def _psycopg() -> Any:
+    """psycopg, imported by the PostgreSQL tests only (collection needs no extra)."""
+    return pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+
+
 def _admin(pg_url: str) -> psycopg.Connection[Any]:
     """A psycopg connection outside the store's pool, to kill the store's backends."""
     dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    return psycopg.connect(dsn, autocommit=True)
+    return _psycopg().connect(dsn, autocommit=True)  # type: ignore[no-any-return]
 
 
 def _terminate(admin: psycopg.Connection[Any], schema: str, pid: int | None = None) -> int:
@@ -201,7 +208,7 @@ def test_connection_lost_mid_call_is_invalidated(pg_url: str, pg_schema: str, pa
             call("lost")
         cause = caught.value.__cause__
         assert isinstance(cause, sa_exc.OperationalError) and cause.connection_invalidated
-        assert isinstance(cause.orig, psycopg.OperationalError)
+        assert isinstance(cause.orig, _psycopg().OperationalError)
         call("kept")
     with pg_util.schema_store(pg_url, pg_schema) as fresh:
         if path == "claim":
@@ -241,7 +248,7 @@ def test_a_failed_statement_leaves_no_autocommit_connection(pg_url: str, pg_sche
                     ))
             with pytest.raises(sa_exc.DBAPIError) as caught:
                 store.record_processed_message("wamid-evil")
-            assert isinstance(caught.value.orig, psycopg.errors.RaiseException)
+            assert isinstance(caught.value.orig, _psycopg().errors.RaiseException)
             with pytest.raises(sa_exc.DBAPIError):  # the write's insert fails: nothing stands
                 session.add_message(Message(role=Role.USER, content="evil inside"))
         with engine.connect() as conn:
@@ -371,7 +378,7 @@ def test_a_missing_table_is_the_databases_error_not_an_unreachable_database(
         try:
             with pytest.raises(sa_exc.ProgrammingError) as caught:
                 store.transcript("s")
-            assert isinstance(caught.value.orig, psycopg.errors.UndefinedTable)
+            assert isinstance(caught.value.orig, _psycopg().errors.UndefinedTable)
             assert not caught.value.connection_invalidated
         finally:
             with store.engine.begin() as conn:

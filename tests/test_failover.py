@@ -26,7 +26,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,69 +33,12 @@ from typing import Any
 
 import pytest
 
+from chatflow_sqlalchemy.testing.harness import start_process
+
+from . import _workers
 from .pg_private import _bin_dir, _free_port, private_cluster_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
-
-_WORKER = r"""
-import asyncio, json, sys, time
-from chatflow_agent import Agent, BaseEngine, Runner
-from chatflow_agent.core.engines.base import EngineTurnResult
-from chatflow_sqlalchemy import PostgresSessionStore
-
-url, worker, count, ack_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-
-
-class Echo(BaseEngine):
-    async def generate_turn_async(self, agent, history):
-        await asyncio.sleep(0.01)
-        return EngineTurnResult(text="answer to " + history[-1].content)
-
-
-class Store(PostgresSessionStore):
-    operation_timeout = 5.0
-    turn_lock_lease_seconds = 3.0
-
-
-store = Store(url, default_max_turns=10_000)  # nothing pruned: every turn is counted
-runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
-                engine=Echo())
-errors = 0
-
-
-async def deliver(mid, session_id):
-    global errors
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            async with store.claim(mid, session_id=session_id, lease_seconds=2.0) as claim:
-                if claim.acquired:
-                    result = await runner.run_async(session_id, mid)
-                    claim.response = result.content
-                elif claim.status != "done":
-                    await asyncio.sleep(0.2)
-                    continue
-            return True
-        except Exception:
-            errors += 1
-            await asyncio.sleep(0.2)
-    return False
-
-
-async def main():
-    with open(ack_path, "a") as acks:
-        for k in range(count):
-            mid = f"{worker}-{k}"
-            if await deliver(mid, f"s{k % 3}"):
-                acks.write(mid + "\n")
-                acks.flush()
-    print(json.dumps({"errors": errors}))
-
-
-asyncio.run(main())
-store.close()
-"""
-
 
 class _Server:
     """One PostgreSQL server of the pair (data directory, port, pg_ctl)."""
@@ -190,13 +132,10 @@ def test_primary_killed_and_replica_promoted_under_claimed_turns(
     from chatflow_sqlalchemy import PostgresSessionStore
 
     PostgresSessionStore(url).close()  # the schema, created on the primary
-    workers, per_worker = 3, 60
+    workers, per_worker = 3, 40  # the crash comes after 30 acknowledged: most are after it
     acks = [root / f"acks-{i}.txt" for i in range(workers)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, url, f"w{i}", str(per_worker), str(acks[i])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
+        start_process(_workers.failover_worker, url, f"w{i}", per_worker, str(acks[i]))
         for i in range(workers)
     ]
     try:
@@ -205,22 +144,16 @@ def test_primary_killed_and_replica_promoted_under_claimed_turns(
         deadline = time.monotonic() + 120
         while len(_acked(acks)) < 30 or not all(_acked([path]) for path in acks):
             assert time.monotonic() < deadline, "no steady load before the crash"
-            failed = [p for p in procs if p.poll() not in (None, 0)]  # 0: done already
-            assert not failed, [p.communicate() for p in failed]
+            failed = [p for p in procs if p.process.exitcode not in (None, 0)]  # 0: done already
+            assert not failed, [p.process.exitcode for p in failed]
             time.sleep(0.05)
         acked_before_crash = len(_acked(acks))
         primary.ctl("stop", "-m", "immediate")
         replica.ctl("promote")
-        outcomes = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err
-            outcomes.append(json.loads(out.strip().splitlines()[-1]))
+        outcomes = [proc.result(timeout=300) for proc in procs]
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            proc.stop()
     acked = _acked(acks)
     store = PostgresSessionStore(url, default_max_turns=100_000)
     try:

@@ -28,11 +28,19 @@ from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from chatflow_sqlalchemy import SessionDeletedError
+
+pytest.importorskip("hypothesis", reason="hypothesis is not installed (the dev extra has it)")
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
 
 MAX_TURNS = 4
 LONG = os.environ.get("CHATFLOW_CAMPAIGN") == "long"

@@ -16,7 +16,7 @@ from chatflow_agent import Agent, Runner
 from sqlalchemy import create_engine
 
 from chatflow_sqlalchemy import SQLAlchemySessionStore
-from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 from .pg_util import fresh_schema, postgres_url, schema_connect_args
 

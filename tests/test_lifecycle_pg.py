@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from urllib.parse import quote
 
-import psycopg
 import pytest
 from chatflow_agent import Agent
 
@@ -15,6 +14,7 @@ from chatflow_sqlalchemy.backends.postgresql import session_lock_key
 from . import pg_util
 
 pytestmark = pytest.mark.postgres
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
 
 
 def test_sweep_keeps_a_session_whose_turn_lock_is_held_elsewhere() -> None:

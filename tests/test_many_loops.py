@@ -20,7 +20,7 @@ from chatflow_agent import Agent, Message, Role, Runner
 
 from chatflow_sqlalchemy import SessionStore, SQLAlchemySessionStore, SQLiteSessionStore
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 from .pg_util import fresh_schema, postgres_url, schema_connect_args
 

@@ -34,13 +34,16 @@ from typing import Any
 import chatflow_agent
 import pytest
 import sqlalchemy as sa
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
-from chatflow_agent.core.engines.base import EngineTurnResult
+from chatflow_agent import Agent, Message, Role, Runner
 
 from chatflow_sqlalchemy import SchemaAheadError, SchemaError, migrate
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
 from chatflow_sqlalchemy.models import metadata
+from chatflow_sqlalchemy.testing import StoreSpec
+from chatflow_sqlalchemy.testing.harness import run_process, run_workers
+from tests import _workers
+from tests.fakes import Playback, calls, say
 from tests.pg_util import fresh_schema, postgres_url, schema_connect_args, schema_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,25 +66,6 @@ def make_agents() -> dict[str, Agent]:
     return {"triage": triage, "billing": billing}
 
 
-def calls(*specs: tuple[str, str, dict[str, Any]]) -> EngineTurnResult:
-    return EngineTurnResult(tool_calls=[ToolCall(id=i, name=n, args=a) for i, n, a in specs])
-
-
-def say(text: str) -> EngineTurnResult:
-    return EngineTurnResult(text=text)
-
-
-class ScriptedEngine(BaseEngine):
-    """An offline engine that plays a fixed list of model turns, in order."""
-
-    def __init__(self, script: list[EngineTurnResult]) -> None:
-        self.script = list(script)
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        assert history, "the Runner always passes the history"
-        return self.script.pop(0)
-
-
 HANDOFF = "wa:5511999990001"  # system prompt, handoff, tool call + result, two turns
 TOOL_ERROR = "tg:1001"  # a tool the agent lacks: an is_error tool result
 PRUNED = "web:pruned"  # written with max_turns=2, so ids have gaps
@@ -102,7 +86,7 @@ def close(store: Any) -> None:
 def write_conversations(make_store: StoreFactory) -> None:
     """Drive the real Runner with the scripted engine through ``make_store``'s stores."""
     agents = make_agents()
-    engine = ScriptedEngine(
+    engine = Playback(
         [
             calls(("c1", "transfer_to_billing", {"reason": "invoice question"})),
             calls(("c2", "lookup_order", {"order_id": "A-17"})),
@@ -410,7 +394,7 @@ def test_adopts_a_file_written_by_chatflow_agent(tmp_path: Path, engines: Any, h
     try:
         assert store.record_processed_message(DEDUP_IDS[0]) is False
         agents = make_agents()
-        runner = Runner(agents["triage"], session_store=store, engine=ScriptedEngine([say("Hi!")]))
+        runner = Runner(agents["triage"], session_store=store, engine=Playback([say("Hi!")]))
         asyncio.run(runner.run_async(HANDOFF, "One more thing"))
     finally:
         store.close()
@@ -639,81 +623,16 @@ def test_postgres_foreign_table_is_refused_untouched(pg: PG) -> None:
 
 # =========================================================================== 7. concurrent start
 
-_STARTER = r"""
-import json, logging, os, sys, time
-
-spec = json.loads(sys.argv[1])
-ran = []
-
-
-class Capture(logging.Handler):
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Running "):
-            ran.append(message)
-
-
-log = logging.getLogger("alembic.runtime.migration")
-log.setLevel(logging.DEBUG)  # the store passes Alembic's INFO lines on at DEBUG
-log.addHandler(Capture())
-from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
-
-print("READY", flush=True)
-deadline = time.monotonic() + 60
-while not os.path.exists(spec["go"]):
-    if time.monotonic() > deadline:
-        sys.exit("never told to go")
-    time.sleep(0.001)
-if spec["kind"] == "sqlite":
-    store = SQLiteSessionStore(spec["path"])
-else:
-    options = {"options": "-csearch_path=" + spec["schema"]}
-    store = PostgresSessionStore(spec["url"], connect_args=options)
-store.close()
-print(json.dumps(ran), flush=True)
-"""
-
-
-def start_together(spec: dict[str, Any], count: int, tmp_path: Path) -> list[list[str]]:
-    """Start ``count`` processes that each open a store at the same instant."""
-    go = tmp_path / "go"
-    spec = {**spec, "go": str(go)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _STARTER, json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
-        for _ in range(count)
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if line.strip() != "READY":
-                pytest.fail(f"starter did not start: {line!r}\n{proc.communicate()[1]}")
-        go.touch()
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+def start_together(spec: StoreSpec, count: int) -> list[list[str]]:
+    """``count`` worker processes open a store at the same instant; what each migrated."""
+    return run_workers(_workers.open_counting_migrations, [(spec,)] * count, timeout=120)
 
 
 @pytest.mark.slow
 def test_eight_processes_open_one_empty_sqlite_file_at_once(tmp_path: Path, engines: Any) -> None:
     db = tmp_path / "race.db"
     db.touch()
-    ran = start_together({"kind": "sqlite", "path": str(db)}, 8, tmp_path)
+    ran = start_together(_workers.sqlite_spec(db), 8)
     migrations = [line for lines in ran for line in lines]
     assert len(migrations) == len(CHAIN), f"the chain ran exactly once in all: {migrations}"
     assert sum(1 for lines in ran if lines) == 1, "one process migrated, seven found it done"
@@ -725,7 +644,7 @@ def test_eight_processes_open_one_empty_sqlite_file_at_once(tmp_path: Path, engi
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_eight_processes_open_one_empty_postgres_schema_at_once(pg: PG, tmp_path: Path) -> None:
-    ran = start_together({"kind": "postgres", "url": pg.url, "schema": pg.schema}, 8, tmp_path)
+    ran = start_together(_workers.postgres_spec(pg.url, pg.schema), 8)
     migrations = [line for lines in ran for line in lines]
     assert len(migrations) == len(CHAIN), f"the chain ran exactly once in all: {migrations}"
     assert sum(1 for lines in ran if lines) == 1, "one process migrated, seven found it done"
@@ -881,40 +800,9 @@ def test_failing_migration_leaves_upstream_file_exactly_as_before(tmp_path: Path
     assert snapshot(SQLiteSessionStore(db)) == expected
 
 
-_CRASHER = r"""
-import os, sys
-from alembic.operations import Operations
-from chatflow_sqlalchemy import migrate
-
-step = sys.argv[2]
-
-
-def crash(*args, **kwargs):
-    os._exit(17)  # no rollback, no close: like a kill -9 in the middle of revision 0002
-
-
-setattr(Operations, step, crash)
-if len(sys.argv) > 3:
-    from sqlalchemy import create_engine
-    from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
-
-    engine = create_engine(sys.argv[1], connect_args={"options": "-csearch_path=" + sys.argv[3]})
-    PostgresDialectSupport().prepare_engine(engine)
-else:
-    engine = migrate.open_engine(sys.argv[1])
-migrate.upgrade(engine)
-sys.exit("the migration was expected to crash")
-"""
-
-
-def crash_upgrade(url: str, step: str, *schema: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _CRASHER, url, step, *schema],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 17, done.stderr
+def crash_upgrade(url: str, step: str, schema: str | None = None) -> None:
+    exit_code = run_process(_workers.crash_mid_migration, (url, step, schema), timeout=120)
+    assert exit_code == _workers.CRASH_EXIT, f"the upgrade exited with {exit_code}"
 
 
 def test_process_killed_mid_migration_leaves_sqlite_file_as_before(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from chatflow_agent import Agent, Message, Role, Runner
 from sqlalchemy import event
 
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.testing.suite import ScriptedEngine
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 from . import pg_util
 

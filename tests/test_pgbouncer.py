@@ -10,9 +10,6 @@ from one transaction to the next, whose server connection may be another).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +19,11 @@ import pytest
 from sqlalchemy import Engine, text
 
 from chatflow_sqlalchemy import migrate
+from chatflow_sqlalchemy.testing import StoreSpec
+from chatflow_sqlalchemy.testing.harness import run_workers
 
+from . import _workers
+from ._workers import POSTGRES, postgres_spec
 from .conftest import PGBOUNCER_CONNECT_ARGS
 from .test_migrations import HEAD, version_rows
 from .test_processes import check_fleet_histories, run_fleet
@@ -41,8 +42,8 @@ def bounced_database(pgbouncer: Any, postgres_admin: Engine) -> Iterator[str]:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-def _spec(url: str) -> dict[str, Any]:
-    return {"kind": "postgresql", "url": url}
+def _spec(url: str) -> StoreSpec:
+    return postgres_spec(url)
 
 
 @pytest.mark.parametrize("workers", [2, 4])
@@ -88,14 +89,6 @@ def test_concurrent_turns_need_a_pool_slot_each_plus_one(
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-_STARTER = r"""
-import json, sys
-from chatflow_sqlalchemy import PostgresSessionStore
-url, connect_args = sys.argv[1], json.loads(sys.argv[2])
-PostgresSessionStore(url, connect_args=connect_args).close()
-"""
-
-
 def test_processes_migrating_one_empty_database_through_pgbouncer(
     bounced_database: str,
 ) -> None:
@@ -104,16 +97,9 @@ def test_processes_migrating_one_empty_database_through_pgbouncer(
     The migration lock is ``pg_advisory_xact_lock``, held by the migrating
     transaction, so it survives a pooler that moves sessions between clients.
     """
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _STARTER, bounced_database, json.dumps(PGBOUNCER_CONNECT_ARGS)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for _ in range(6)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    spec = StoreSpec(POSTGRES, (bounced_database,), {"connect_args": PGBOUNCER_CONNECT_ARGS})
+    ran = run_workers(_workers.open_counting_migrations, [(spec,)] * 6, timeout=180)
+    assert sum(1 for lines in ran if lines) == 1, f"one process migrated: {ran}"
     engine = migrate.open_engine(bounced_database)
     try:
         assert version_rows(engine) == [HEAD]

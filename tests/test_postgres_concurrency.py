@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-import psycopg
 import pytest
 from chatflow_agent import Agent, Message, Role
 from sqlalchemy import make_url
@@ -26,6 +25,7 @@ from chatflow_sqlalchemy.rows import SELECT_VERSION as _SELECT_VERSION
 from . import pg_util
 
 pytestmark = pytest.mark.postgres
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
 BOT = Agent(name="Bot", instructions="")
 
 

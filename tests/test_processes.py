@@ -7,12 +7,9 @@ These prove the crash-safety and cross-process guarantees of DESIGN.md
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -24,40 +21,24 @@ import pytest
 from chatflow_agent import Agent, Message, Role
 
 from chatflow_sqlalchemy import SQLiteSessionStore
+from chatflow_sqlalchemy.testing import StoreSpec
+from chatflow_sqlalchemy.testing.harness import Worker, start_process
 
-from . import pg_util
-
-WORKERS = str(Path(__file__).with_name("_workers.py"))
-
-
-def start_worker(name: str, *args: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, WORKERS, name, *(json.dumps(a) for a in args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+from . import _workers, pg_util
+from ._workers import postgres_spec, sqlite_spec
 
 
-def kill_when_ready(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "READY" not in line:
-        proc.kill()
-        _, err = proc.communicate(timeout=30)
-        pytest.fail(f"worker did not reach its blocking point: {line!r}\n{err}")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-
-
-def open_spec(spec: dict[str, Any], **kwargs: Any) -> Any:
-    sys.path.insert(0, str(Path(WORKERS).parent))
+def kill_when_ready(worker: Worker) -> None:
     try:
-        from _workers import open_store
+        event = worker.next_event()
+        assert event[0] == "ready", f"worker did not reach its blocking point: {event!r}"
     finally:
-        sys.path.pop(0)
-    return open_store(spec, **kwargs)
+        worker.kill()
+    assert worker.process.exitcode == -signal.SIGKILL
+
+
+def open_spec(spec: StoreSpec, **kwargs: Any) -> Any:
+    return spec.open(**kwargs)
 
 
 @pytest.fixture
@@ -72,13 +53,12 @@ def postgres_schema_factory(postgres_url: str) -> Iterator[Any]:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def spec(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+def spec(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreSpec]:
     if request.param == "sqlite":
-        yield {"kind": "sqlite", "path": str(tmp_path / "chat.db")}
+        yield sqlite_spec(tmp_path / "chat.db")
         return
     url = request.getfixturevalue("postgres_url")
-    schema = request.getfixturevalue("postgres_schema_factory")()
-    yield {"kind": "postgresql", "url": url, "schema": schema}
+    yield postgres_spec(url, request.getfixturevalue("postgres_schema_factory")())
 
 
 def assert_clean_window(history: list[Any]) -> None:
@@ -97,8 +77,8 @@ def assert_clean_window(history: list[Any]) -> None:
     assert not open_calls, f"history ends with unanswered tool calls {open_calls}"
 
 
-def test_killed_mid_turn_keeps_only_whole_turns(spec: dict[str, Any]) -> None:
-    kill_when_ready(start_worker("kill_mid_turn", spec))
+def test_killed_mid_turn_keeps_only_whole_turns(spec: StoreSpec) -> None:
+    kill_when_ready(start_process(_workers.kill_mid_turn, spec))
     store = open_spec(spec)
     try:
         session = store.get("s1")
@@ -112,9 +92,9 @@ def test_killed_mid_turn_keeps_only_whole_turns(spec: dict[str, Any]) -> None:
 
 
 def test_killed_inside_the_lock_between_tool_call_and_result_leaves_no_trace(
-    spec: dict[str, Any],
+    spec: StoreSpec,
 ) -> None:
-    kill_when_ready(start_worker("turn_lock_then_hang", spec))
+    kill_when_ready(start_process(_workers.turn_lock_then_hang, spec))
     store = open_spec(spec)
     try:
         session = store.get("s1")
@@ -133,10 +113,10 @@ def stored_rows(store: Any, session_id: str) -> int:
         return int(conn.execute(query, {"sid": session_id}).scalar())
 
 
-def test_writes_outside_the_lock_are_each_durable(spec: dict[str, Any]) -> None:
+def test_writes_outside_the_lock_are_each_durable(spec: StoreSpec) -> None:
     """Without the lock every message is its own unit: a killed writer loses none,
     and the tool call it never answered is not shown (providers reject it)."""
-    kill_when_ready(start_worker("direct_writes_then_hang", spec))
+    kill_when_ready(start_process(_workers.direct_writes_then_hang, spec))
     store = open_spec(spec)
     try:
         session = store.get("s1")
@@ -174,7 +154,7 @@ class CampaignCounts:
     problems: list[str] = field(default_factory=list)
 
 
-def kill_campaign(spec: dict[str, Any], mode: str, kills: int, seed: int) -> CampaignCounts:
+def kill_campaign(spec: StoreSpec, mode: str, kills: int, seed: int) -> CampaignCounts:
     """Start a writer, kill -9 it at a random point, reload, check; ``kills`` times.
 
     Every round continues the same session, so each writer also repairs what
@@ -185,29 +165,26 @@ def kill_campaign(spec: dict[str, Any], mode: str, kills: int, seed: int) -> Cam
     counts = CampaignCounts()
     acked: list[str] = []
     for round_no in range(kills):
-        proc = start_worker(
-            "campaign_writer", spec, "s", f"{mode}{seed}r{round_no}", mode, rng.randrange(1 << 30)
+        worker = start_process(
+            _workers.campaign_writer, spec, "s", f"{mode}{seed}r{round_no}", mode,
+            rng.randrange(1 << 30),
         )
-        assert proc.stdout is not None
-        for _ in range(rng.randint(1, 4)):
-            line = proc.stdout.readline()
-            if not line.startswith("ACK "):
-                proc.kill()
-                _, err = proc.communicate(timeout=30)
-                pytest.fail(f"campaign writer failed: {line!r}\n{err}")
-            acked.append(line.split()[1])
-        time.sleep(rng.uniform(0, 0.01))  # land the kill anywhere in the next turn
-        os.kill(proc.pid, signal.SIGKILL)
-        for line in proc.communicate(timeout=30)[0].splitlines():
-            if line.startswith("ACK "):
-                acked.append(line.split()[1])
+        try:
+            for _ in range(rng.randint(1, 4)):
+                event = worker.next_event()
+                assert event[0] == "ack", f"campaign writer sent {event!r}"
+                acked.append(event[1])
+            time.sleep(rng.uniform(0, 0.01))  # land the kill anywhere in the next turn
+        finally:
+            left = worker.kill()
+        acked.extend(event[1] for event in left if event[0] == "ack")
         counts.kills += 1
         check_campaign_round(spec, acked, counts)
     counts.acknowledged = len(acked)
     return counts
 
 
-def check_campaign_round(spec: dict[str, Any], acked: list[str], counts: CampaignCounts) -> None:
+def check_campaign_round(spec: StoreSpec, acked: list[str], counts: CampaignCounts) -> None:
     store = open_spec(spec, default_max_turns=10_000)
     store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
     try:
@@ -232,7 +209,7 @@ def check_campaign_round(spec: dict[str, Any], acked: list[str], counts: Campaig
 
 
 @pytest.mark.parametrize("mode", ["direct", "locked"])
-def test_kill_campaign_loses_and_duplicates_nothing(spec: dict[str, Any], mode: str) -> None:
+def test_kill_campaign_loses_and_duplicates_nothing(spec: StoreSpec, mode: str) -> None:
     kills = int(os.environ.get("CHATFLOW_CAMPAIGN_KILLS", "4"))
     counts = kill_campaign(spec, mode, kills, seed=1234)
     assert counts.kills == kills
@@ -241,20 +218,20 @@ def test_kill_campaign_loses_and_duplicates_nothing(spec: dict[str, Any], mode: 
     assert not counts.problems, counts.problems
 
 
-def run_fleet(spec: dict[str, Any], tmp_path: Path, workers: int, turns: int,
+def run_fleet(spec: StoreSpec, tmp_path: Path, workers: int, turns: int,
               sessions: list[str], delay: float) -> list[dict[str, Any]]:
-    logs = [tmp_path / f"log-{i}.json" for i in range(workers)]
-    procs = [
-        start_worker("fleet", spec, f"w{i}", turns, sessions, delay, str(logs[i]))
+    started = [
+        start_process(_workers.fleet, spec, f"w{i}", turns, sessions, delay)
         for i in range(workers)
     ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err
-    return [entry for log in logs for entry in json.loads(log.read_text())]
+    try:
+        return [entry for worker in started for entry in worker.result(timeout=240)]
+    finally:
+        for worker in started:
+            worker.stop()
 
 
-def check_fleet_histories(spec: dict[str, Any], sessions: list[str], expected: int) -> None:
+def check_fleet_histories(spec: StoreSpec, sessions: list[str], expected: int) -> None:
     store = open_spec(spec, default_max_turns=10_000)
     try:
         for session_id in sessions:
@@ -265,7 +242,7 @@ def check_fleet_histories(spec: dict[str, Any], sessions: list[str], expected: i
             for question, answer in zip(history[::2], history[1::2], strict=True):
                 assert question.role == Role.USER
                 assert answer.role == Role.MODEL
-                assert answer.content == f"answer to {question.content}"
+                assert answer.content == f"Bot re: {question.content}"
     finally:
         store.close()
 
@@ -273,7 +250,7 @@ def check_fleet_histories(spec: dict[str, Any], sessions: list[str], expected: i
 @pytest.mark.slow
 def test_processes_on_one_sqlite_session_never_interleave_turns(tmp_path: Path) -> None:
     """SQLite has no turn lock across processes: turns are rebased, whole and in order."""
-    spec = {"kind": "sqlite", "path": str(tmp_path / "fleet.db")}
+    spec = sqlite_spec(tmp_path / "fleet.db")
     open_spec(spec).close()  # create the schema once, like a deploy step would
     run_fleet(spec, tmp_path, workers=2, turns=15, sessions=["a", "b"], delay=0.005)
     check_fleet_histories(spec, ["a", "b"], expected=2 * 15 * 2)
@@ -285,7 +262,7 @@ def test_postgres_fleet_serialises_turns_across_processes(
     tmp_path: Path, postgres_url: str, postgres_schema_factory: Any
 ) -> None:
     """Two workers x 25 turns on the same two sessions through the real Runner."""
-    spec = {"kind": "postgresql", "url": postgres_url, "schema": postgres_schema_factory()}
+    spec = postgres_spec(postgres_url, postgres_schema_factory())
     open_spec(spec).close()
     log = run_fleet(spec, tmp_path, workers=2, turns=25, sessions=["a", "b"], delay=0.02)
     check_fleet_histories(spec, ["a", "b"], expected=100)

@@ -21,21 +21,28 @@ from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Message, Role, Runner
+from sqlalchemy.exc import InvalidRequestError
+
+from chatflow_sqlalchemy import SQLiteSessionStore, telemetry
+from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
+from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.testing import ScriptedEngine
+
+from .pg_util import fresh_schema, postgres_url, schema_connect_args
+
+pytest.importorskip("opentelemetry.sdk", reason="the dev extra is not installed")
+pytest.importorskip("opentelemetry.instrumentation.sqlalchemy",
+                    reason="the dev extra is not installed")
+
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
 from opentelemetry.instrumentation.sqlalchemy.engine import EngineTracer
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from sqlalchemy.exc import InvalidRequestError
-
-from chatflow_sqlalchemy import SQLiteSessionStore, telemetry
-from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.testing.suite import ScriptedEngine
-
-from .pg_util import fresh_schema, postgres_url, schema_connect_args
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
 
 BOT = Agent(name="Bot", instructions="")
 

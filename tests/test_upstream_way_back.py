@@ -20,7 +20,7 @@ import pytest
 from chatflow_agent import Agent, Message, Role, Runner
 
 from chatflow_sqlalchemy import SQLiteSessionStore, migrate
-from chatflow_sqlalchemy.demo import ScriptedEngine
+from chatflow_sqlalchemy.testing import ScriptedEngine
 from tests.test_migrations import (
     BASELINE,
     HANDOFF,

@@ -3,8 +3,10 @@
 ``chatflow-sqlalchemy demo`` (or :func:`run_demo`) runs a two-agent support bot
 (``Support`` with an order-status tool, ``Billing`` with a refund tool, each able
 to hand off to the other) on an embedded SQLite file through the real
-``chatflow_agent.Runner``. The LLM is replaced by :class:`ScriptedEngine`,
-which picks tool calls from keywords, so the demo needs no network and no key.
+``chatflow_agent.Runner``. The LLM is replaced by
+:class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine`, which plays the
+steps written in each user message ("... transfer to billing then refund 49"),
+so the demo needs no network and no key.
 
 It shows, step by step: a tool call, a handoff, a process restart that
 reloads the session (with the active agent and its tools), turn-safe pruning
@@ -20,22 +22,21 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from chatflow_agent import Agent, BaseEngine, Message, Role, Runner, ToolCall
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
 from chatflow_agent.core.engines.base import EngineTurnResult
 
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 
 __all__ = [
     "DEMO_MAX_TURNS",
     "DEMO_SESSION_ID",
     "DemoError",
-    "ScriptedEngine",
     "build_agents",
     "run_demo",
 ]
@@ -51,30 +52,9 @@ _RETRY_SESSION_ID = "whatsapp:+15550111"
 _BURST_SESSION_ID = "whatsapp:+15550122"
 _BURST = 6
 
-_ORDER_RE = re.compile(r"\border\s*#?\s*(\d+)", re.IGNORECASE)
-_CALL_ID_RE = re.compile(r"^call_(\d+)$")
-_FAILURE_WORDS = ("crash", "fail")
-
 
 class DemoError(RuntimeError):
     """A behaviour the demo shows did not hold (the demo doubles as a smoke test)."""
-
-
-# --------------------------------------------------------------------------- engine
-
-
-def _handoff_tool_name(agent_name: str) -> str:
-    """The tool name chatflow-agent generates for a handoff to ``agent_name``."""
-    from chatflow_agent.core.agent import _sanitize_tool_name
-
-    return str(_sanitize_tool_name(agent_name))
-
-
-def _latest_user_text(history: Sequence[Message]) -> str:
-    for message in reversed(history):
-        if message.role == Role.USER:
-            return message.content or ""
-    return ""
 
 
 def _format_value(value: Any, limit: int = 72) -> str:
@@ -87,137 +67,6 @@ def _format_value(value: Any, limit: int = 72) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class ScriptedEngine(BaseEngine):
-    """An offline, deterministic stand-in for an LLM provider.
-
-    It decides from the history alone:
-
-    * last message USER: the first rule that applies wins:
-
-      - "refund" and the agent has no ``issue_refund`` tool but can hand off to
-        ``Billing`` → call ``transfer_to_billing``;
-      - "support" and the agent can hand off to ``Support`` → call ``transfer_to_support``;
-      - "crash" or "fail" → raise ``RuntimeError`` (a simulated provider outage);
-      - "refund" and the agent has ``issue_refund`` → call it;
-      - "order <n>" and the agent has ``check_order_status`` → call it with ``order_id="<n>"``;
-      - anything else → a plain text answer;
-
-    * last message TOOL: after a successful handoff the new agent continues the
-      user's request (raising if it asked to "crash"/"fail", calling
-      ``issue_refund`` for a refund); otherwise it answers with a text summary of
-      the tool results.
-
-    Tool call ids are ``call_<n>``, with ``n`` above every id in the history and
-    every id this engine issued, so they are unique within a session.
-
-    Attributes:
-        calls: How many times the engine was asked for a turn.
-        last_agent: Name of the agent of the latest request (None before the first).
-
-    """
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.last_agent: str | None = None
-        self._last_id = 0
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        """Return the scripted next step for ``agent`` given ``history``.
-
-        Raises:
-            RuntimeError: When the user asked for a failure ("crash"/"fail").
-
-        """
-        self.calls += 1
-        self.last_agent = agent.name
-        if not history:
-            return EngineTurnResult(text=f"[{agent.name}] Hello! How can I help?")
-        last = history[-1]
-        tools = {tool.name for tool in agent.get_all_tools()}
-        if last.role == Role.TOOL:
-            return self._after_tool(agent, history, last, tools)
-        if last.role == Role.USER:
-            return self._after_user(agent, history, last.content or "", tools)
-        return EngineTurnResult(text=f"[{agent.name}] Is there anything else I can do?")
-
-    # ------------------------------------------------------------ decisions
-
-    def _after_user(
-        self, agent: Agent, history: list[Message], text: str, tools: set[str]
-    ) -> EngineTurnResult:
-        lowered = text.lower()
-        to_billing = _handoff_tool_name("Billing")
-        to_support = _handoff_tool_name("Support")
-        if "refund" in lowered and "issue_refund" not in tools and to_billing in tools:
-            return self._call(history, to_billing, reason="refund request")
-        if "support" in lowered and to_support in tools:
-            return self._call(history, to_support, reason="back to general support")
-        if any(word in lowered for word in _FAILURE_WORDS):
-            raise RuntimeError("simulated provider outage (ScriptedEngine)")
-        if "refund" in lowered and "issue_refund" in tools:
-            return self._call(history, "issue_refund", order_id=_order_id(text))
-        match = _ORDER_RE.search(text)
-        if match and "check_order_status" in tools:
-            return self._call(history, "check_order_status", order_id=match.group(1))
-        return EngineTurnResult(text=f"[{agent.name}] Noted: {text.strip()}")
-
-    def _after_tool(
-        self, agent: Agent, history: list[Message], last: Message, tools: set[str]
-    ) -> EngineTurnResult:
-        results = last.tool_results or []
-        handed_off = any(
-            isinstance(r.content, dict) and r.content.get("status") == "HANDOFF_SUCCESS"
-            for r in results
-        )
-        user_text = _latest_user_text(history)
-        if handed_off:
-            lowered = user_text.lower()
-            if any(word in lowered for word in _FAILURE_WORDS):
-                raise RuntimeError("simulated provider outage (ScriptedEngine)")
-            if "refund" in lowered and "issue_refund" in tools:
-                return self._call(history, "issue_refund", order_id=_order_id(user_text))
-            return EngineTurnResult(text=f"[{agent.name}] Hi, {agent.name} here. How can I help?")
-        parts = [_summarise(r.name, r.content, r.is_error) for r in results]
-        return EngineTurnResult(text=f"[{agent.name}] " + " ".join(parts))
-
-    def _call(self, history: list[Message], name: str, **args: Any) -> EngineTurnResult:
-        return EngineTurnResult(
-            tool_calls=[ToolCall(id=self._next_id(history), name=name, args=args)]
-        )
-
-    def _next_id(self, history: list[Message]) -> str:
-        highest = self._last_id
-        for message in history:
-            for call in message.tool_calls or []:
-                match = _CALL_ID_RE.match(call.id)
-                if match:
-                    highest = max(highest, int(match.group(1)))
-        self._last_id = highest + 1
-        return f"call_{self._last_id}"
-
-
-def _order_id(text: str) -> str:
-    match = _ORDER_RE.search(text)
-    return match.group(1) if match else "unknown"
-
-
-def _summarise(name: str, content: Any, is_error: bool) -> str:
-    if is_error:
-        return f"Sorry, {name} failed: {_format_value(content)}"
-    if isinstance(content, dict):
-        if name == "check_order_status":
-            return (
-                f"Order {content.get('order_id')} is {content.get('status')}"
-                f" (ETA {content.get('eta')})."
-            )
-        if name == "issue_refund":
-            return (
-                f"Refund {content.get('refund_id')} of {content.get('amount')} "
-                f"for order {content.get('order_id')} is {content.get('status')}."
-            )
-    return f"{name} says: {_format_value(content)}."
-
-
 # --------------------------------------------------------------------------- agents
 
 
@@ -228,14 +77,9 @@ def check_order_status(order_id: str) -> dict[str, Any]:
     return {"order_id": order_id, "status": status, "eta": f"2025-06-{10 + number % 20:02d}"}
 
 
-def issue_refund(order_id: str) -> dict[str, Any]:
-    """Refund an order in full."""
-    return {
-        "refund_id": f"RF-{order_id}",
-        "order_id": order_id,
-        "amount": "49.90 EUR",
-        "status": "approved",
-    }
+def refund(amount: str) -> dict[str, Any]:
+    """Refund an amount to the customer."""
+    return {"refund_id": f"RF-{amount}", "amount": f"{amount} EUR", "status": "approved"}
 
 
 def build_agents() -> dict[str, Agent]:
@@ -254,7 +98,7 @@ def build_agents() -> dict[str, Agent]:
     billing = Agent(
         name="Billing",
         instructions="You handle refunds and invoices.",
-        tools=[issue_refund],
+        tools=[refund],
     )
     support.add_handoff(billing)
     billing.add_handoff(support)
@@ -268,7 +112,7 @@ def _describe_message(message: Message) -> list[str]:
     role = message.role.value
     lines: list[str] = []
     if message.content:
-        lines.append(f"{role:>6}: {message.content}")
+        lines.append(f"{role:>6}: {_format_value(message.content, 100)}")
     for call in message.tool_calls or []:
         args = ", ".join(f"{k}={v!r}" for k, v in call.args.items())
         lines.append(f"{role:>6}: calls {call.name}({args})  [{call.id}]")
@@ -390,10 +234,10 @@ class _Demo:
 
     async def handoff(self) -> None:
         self.heading("2. Handoff: a refund goes to Billing, which uses its own tool")
-        await self.turn("It never arrived. I want a refund for order 404.")
+        await self.turn("It never arrived. Please transfer to billing then refund 49")
         _check(self.active_agent().name == "Billing", "Billing is now the active agent")
         called = [c.name for m in _last_turn(self.history()) for c in m.tool_calls or []]
-        _check("issue_refund" in called, "Billing called issue_refund")
+        _check("refund" in called, "Billing called refund")
         self.out("  active agent: Billing")
 
     async def restart(self) -> None:
@@ -416,7 +260,7 @@ class _Demo:
     async def pruning(self) -> None:
         self.heading(f"4. Pruning: max_turns={DEMO_MAX_TURNS} keeps the newest whole turns")
         for text in (
-            "Thanks! Back to support, please.",
+            "Thanks! Please transfer to support",
             "Where is order 405?",
             "And order 406?",
         ):
@@ -459,14 +303,17 @@ class _Demo:
         before = _dump(self.history())
         agent_before = self.active_agent().name
         self.out(f"  before: {len(before)} messages, active agent {agent_before}")
+        text = "Refund order 406 too: transfer to billing then fail"
+        calls = self.engine.calls
         try:
-            await self.runner.run_async(DEMO_SESSION_ID, "Refund order 406 too... then fail.")
+            await self.runner.run_async(DEMO_SESSION_ID, text)
         except RuntimeError as exc:
-            self.out("    user: Refund order 406 too... then fail.")
-            self.out(f"  Support handed off to {self.engine.last_agent}, then: {exc}")
+            self.out(f"    user: {text}")
+            self.out(f"  Support handed off to Billing, then the provider failed: {exc}")
         else:
             raise DemoError("demo check failed: the failing turn raised")
-        _check(self.engine.last_agent == "Billing", "the turn failed after its handoff")
+        # Step 2 ("fail") runs only once step 1's handoff has its TOOL result.
+        _check(self.engine.calls == calls + 2, "the turn failed after its handoff")
         after = _dump(self.history())
         agent_after = self.active_agent().name
         _check(after == before, "the history is unchanged after the rollback")
@@ -486,7 +333,7 @@ class _Demo:
     async def retried(self) -> None:
         self.heading("7. Webhook claim: the provider is down, the platform retries the delivery")
         tour = _ClaimsTour(self, _RETRY_SESSION_ID)
-        runner = tour.runner(_Outage(failures=1))
+        runner = tour.runner(_ProviderDown(failures=1))
         try:
             try:
                 await tour.on_webhook(runner, "wamid.R", "Where is order 407?")
@@ -508,7 +355,7 @@ class _Demo:
             f"8. A burst of {_BURST} messages, every one delivered to three handlers at once"
         )
         tour = _ClaimsTour(self, _BURST_SESSION_ID)
-        runner = tour.runner(_Outage(failures=0, rng=random.Random(5)))
+        runner = tour.runner(ScriptedEngine(delay=0.01))  # a model that takes its time
         rng = random.Random(9)
         texts = [f"message {k + 1}" for k in range(_BURST)]
 
@@ -530,20 +377,18 @@ def _last_reply(history: Sequence[Message]) -> str | None:
     return next((m.content for m in reversed(history) if m.role == Role.MODEL), None)
 
 
-class _Outage(BaseEngine):
-    """The model provider is down for the first ``failures`` calls, then answers."""
+class _ProviderDown(ScriptedEngine):
+    """:class:`ScriptedEngine` behind a provider that is down for its first ``failures`` calls."""
 
-    def __init__(self, failures: int, rng: random.Random | None = None) -> None:
+    def __init__(self, failures: int) -> None:
+        super().__init__()
         self.failures = failures
-        self.rng = rng
 
     async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
         if self.failures:
             self.failures -= 1
             raise RuntimeError("503 from the model provider")
-        if self.rng is not None:  # a model with varying latency
-            await asyncio.sleep(self.rng.uniform(0, 0.02))
-        return EngineTurnResult(text=f"[{agent.name}] got: {_latest_user_text(history)}")
+        return await super().generate_turn_async(agent, history)
 
 
 class _ClaimsTour:

@@ -11,6 +11,10 @@ Three pieces, in the style of SQLAlchemy's dialect compliance suite:
   (the ``chatflow_requires`` marker and a default ``store_factory`` fixture
   that you override in ``conftest.py`` to return your harness).
 
+Beside them, :class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine`: an
+offline engine for the real ``Runner`` (no network, no API key, no pytest),
+for quick starts, demos and tests.
+
 Importing this package is cheap; the suite module is only imported by test
 modules that use it.
 """
@@ -21,6 +25,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from chatflow_sqlalchemy.testing.engines import ScriptedEngine
     from chatflow_sqlalchemy.testing.harness import (
         Capability,
         FactoryHarness,
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Capability",
     "FactoryHarness",
+    "ScriptedEngine",
     "SpecHarness",
     "StoreHarness",
     "StoreSpec",
@@ -46,8 +52,12 @@ __all__ = [
 ]
 
 
+_HOMES = {"ScriptedEngine": "chatflow_sqlalchemy.testing.engines"}
+
+
 def __getattr__(name: str) -> Any:
     # Lazy, so the auto-loaded pytest plugin (a submodule) imports nothing heavy.
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("chatflow_sqlalchemy.testing.harness"), name)
+    home = _HOMES.get(name, "chatflow_sqlalchemy.testing.harness")
+    return getattr(importlib.import_module(home), name)

@@ -5,22 +5,23 @@ DESIGN.md's webhook handler (``store.claim`` around ``Runner.run_async``)
 for a list of deliveries, reporting on a queue: ``("ready", pid)`` when its
 model is called (so a test can kill or stop it inside the turn), then
 ``("done", pid, outcomes)`` with one ``(message_id, status, response,
-error)`` per delivery. Module-level functions, so ``spawn`` can pickle them.
+error)`` per delivery (the :class:`~.harness.Worker` protocol).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import queue as queue_module
 import random
-import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from chatflow_sqlalchemy.testing.harness import StoreSpec, worker_context, worker_process
+from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
+from chatflow_agent.core.engines import EngineTurnResult
 
-__all__ = ["Worker", "reply_to", "start_worker", "webhook_worker"]
+from chatflow_sqlalchemy.testing.harness import StoreSpec, Worker, start_process
+
+__all__ = ["ReplyModel", "reply_to", "start_worker", "webhook_worker"]
 
 Outcome = tuple[str, str, "str | None", "str | None"]
 
@@ -28,6 +29,43 @@ Outcome = tuple[str, str, "str | None", "str | None"]
 def reply_to(text: str) -> str:
     """The reply the workers' model gives to ``text``."""
     return f"reply to {text}"
+
+
+class ReplyModel(BaseEngine):
+    """The claim tests' model: it answers :func:`reply_to` the user's text.
+
+    Args:
+        failures: How many calls fail first (the model provider is down); -1: all.
+        latency: Each reply comes after a random pause of up to this many seconds.
+        seed: Seed of those pauses.
+        before_reply: Awaited before each reply, in place of the pause (a worker
+            reports ``ready`` there, then hangs or pauses).
+
+    """
+
+    def __init__(
+        self,
+        failures: int = 0,
+        latency: float = 0.0,
+        seed: int = 0,
+        before_reply: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.failures = failures
+        self.latency = latency
+        self.rng = random.Random(seed)
+        self.before_reply = before_reply
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
+        """``reply_to`` the latest user message, unless this call is one that fails."""
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the model provider is down")
+        if self.before_reply is not None:
+            await self.before_reply()
+        elif self.latency:
+            await asyncio.sleep(self.rng.uniform(0, self.latency))
+        text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
+        return EngineTurnResult(text=reply_to(text))
 
 
 def webhook_worker(
@@ -46,28 +84,21 @@ def webhook_worker(
     answer: the test kills it), ``pause`` (report ready, then answer after
     ``latency`` seconds: the test stops and continues it meanwhile).
     """
-    from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
-    from chatflow_agent.core.engines import EngineTurnResult
-
     rng = random.Random(os.getpid())
 
-    class Model(BaseEngine):
-        async def generate_turn_async(
-            self, agent: Agent, history: list[Message]
-        ) -> EngineTurnResult:
-            text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
-            if mode == "fail":
-                raise RuntimeError("the model provider is down")
-            if mode in ("hang", "pause"):
-                events.put(("ready", os.getpid()))
-                await asyncio.sleep(3600 if mode == "hang" else latency)
-            elif latency:
-                await asyncio.sleep(rng.uniform(0, latency))
-            return EngineTurnResult(text=reply_to(text))
+    async def ready_then_wait() -> None:
+        events.put(("ready", os.getpid()))
+        await asyncio.sleep(3600 if mode == "hang" else latency)
 
+    if mode == "fail":
+        model = ReplyModel(failures=-1)
+    elif mode in ("hang", "pause"):
+        model = ReplyModel(before_reply=ready_then_wait)
+    else:
+        model = ReplyModel(latency=latency, seed=os.getpid())
     store: Any = spec.open()
     runner = Runner(
-        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=Model()
+        starting_agent=Agent(name="Bot", instructions=""), session_store=store, engine=model
     )
 
     async def on_webhook(message_id: str, text: str) -> Outcome:
@@ -98,60 +129,6 @@ def webhook_worker(
         store.close()
 
 
-def _report_crash(events: Any, target: Any, *args: Any) -> None:
-    try:
-        target(*args, events)
-    except BaseException as exc:
-        events.put(("crash", os.getpid(), f"{type(exc).__name__}: {exc}"))
-        raise
-
-
-class Worker:
-    """A started worker process and its event queue."""
-
-    def __init__(self, process: Any, events: Any) -> None:
-        self.process = process
-        self.events = events
-
-    @property
-    def pid(self) -> int:
-        """The worker's process id."""
-        assert self.process.pid is not None
-        return int(self.process.pid)
-
-    def next_event(self, timeout: float = 120.0) -> tuple[Any, ...]:
-        """The worker's next event; fails if it crashed, died silently or ``timeout`` passed."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event: tuple[Any, ...] = self.events.get(timeout=0.2)
-            except queue_module.Empty:
-                if not self.process.is_alive() and self.events.empty():
-                    raise AssertionError(
-                        f"worker {self.pid} exited with {self.process.exitcode} and no event"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"worker {self.pid} sent nothing for {timeout}s") from None
-                continue
-            if event[0] == "crash":
-                raise AssertionError(f"worker {self.pid} failed: {event[2]}")
-            return event
-
-    def outcomes(self, timeout: float = 120.0) -> list[Outcome]:
-        """Wait for the worker's final report, skipping ``ready`` events."""
-        while True:
-            event = self.next_event(timeout)
-            if event[0] == "done":
-                outcomes: list[Outcome] = event[2]
-                return outcomes
-
-    def stop(self) -> None:
-        """Kill the worker if it still runs, and reap it."""
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-
-
 def start_worker(
     spec: StoreSpec,
     session_id: str,
@@ -161,14 +138,10 @@ def start_worker(
     lease_seconds: float = 60.0,
     latency: float = 0.0,
 ) -> Worker:
-    """Start :func:`webhook_worker` in a worker process (:func:`worker_context`)."""
-    ctx = worker_context()
-    events: Any = ctx.Queue()
-    process = worker_process(
-        ctx,
-        _report_crash,
-        (events, webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds,
-         latency),
+    """Start :func:`webhook_worker` in a worker process (:func:`~.harness.start_process`).
+
+    Its ``result()`` is one ``(message_id, status, response, error)`` per delivery.
+    """
+    return start_process(
+        webhook_worker, spec, session_id, list(deliveries), mode, lease_seconds, latency
     )
-    process.start()
-    return Worker(process, events)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import enum
 import importlib
 import multiprocessing
@@ -58,6 +59,7 @@ __all__ = [
     "StoreHarness",
     "StoreSpec",
     "UnreachableHarness",
+    "Worker",
     "claim_worker",
     "crash_worker",
     "database_problem",
@@ -65,6 +67,7 @@ __all__ = [
     "requires",
     "run_process",
     "run_workers",
+    "start_process",
     "turns_worker",
     "worker_context",
     "worker_process",
@@ -556,6 +559,90 @@ def run_process(target: Callable[..., Any], args: tuple[Any, ...], *, timeout: f
         raise AssertionError(f"worker process did not finish within {timeout}s")
     assert process.exitcode is not None
     return process.exitcode
+
+
+class Worker:
+    """A worker process started by :func:`start_process`, and the queue it reports on.
+
+    Events are tuples whose first item names them: ``("ready", pid)`` (the
+    worker reached the point a test acts at: kill it, stop it), ``("ack",
+    what)`` (something it did is stored), ``("done", pid, result)`` and
+    ``("crash", pid, reason)`` (its target raised).
+    """
+
+    def __init__(self, process: BaseProcess, events: Any) -> None:
+        self.process = process
+        self.events = events
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        assert self.process.pid is not None
+        return int(self.process.pid)
+
+    def next_event(self, timeout: float = 120.0) -> tuple[Any, ...]:
+        """The worker's next event; fails if it crashed, died silently or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event: tuple[Any, ...] = self.events.get(timeout=0.2)
+            except queue_module.Empty:
+                if not self.process.is_alive() and self.events.empty():
+                    raise AssertionError(
+                        f"worker {self.pid} exited with {self.process.exitcode} and no event"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker {self.pid} sent nothing for {timeout}s") from None
+                continue
+            if event[0] == "crash":
+                raise AssertionError(f"worker {self.pid} failed: {event[2]}")
+            return event
+
+    def result(self, timeout: float = 120.0) -> Any:
+        """Wait for the worker's ``done`` event and return its result, skipping other events."""
+        while True:
+            event = self.next_event(timeout)
+            if event[0] == "done":
+                return event[2]
+
+    def kill(self) -> list[tuple[Any, ...]]:
+        """``SIGKILL`` the worker, reap it, and return the events it sent but nobody read."""
+        self.process.kill()
+        self.process.join(30)
+        assert self.process.exitcode is not None, f"worker {self.pid} survived SIGKILL"
+        left: list[tuple[Any, ...]] = []
+        with contextlib.suppress(queue_module.Empty):
+            while True:
+                left.append(self.events.get(timeout=0.1))
+        return left
+
+    def stop(self) -> None:
+        """Kill the worker if it still runs, and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+
+def start_process(target: Callable[..., Any], *args: Any) -> Worker:
+    """Start ``target(*args, events)`` in a worker process (:func:`worker_context`).
+
+    ``target`` reports on ``events`` (see :class:`Worker`); if it raises, a
+    ``crash`` event carries the error. It must be a module-level function, so
+    that it pickles by name.
+    """
+    ctx = worker_context()
+    events: Any = ctx.Queue()
+    process = worker_process(ctx, _report_crash, (events, target, *args))
+    process.start()
+    return Worker(process, events)
+
+
+def _report_crash(events: Any, target: Callable[..., Any], *args: Any) -> None:
+    try:
+        target(*args, events)
+    except BaseException as exc:
+        events.put(("crash", os.getpid(), f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def _report_errors(results: Any, fn: Callable[[], Any]) -> None:

@@ -49,6 +49,12 @@ TINY_TTL_HOURS = 0.001
 """3.6 seconds: sessions created before a ``time.sleep(EXPIRE_SECONDS)`` are expired."""
 EXPIRE_SECONDS = 4.0
 
+SHORT_TTL_HOURS = 0.0001
+"""0.36 seconds, for tests where no session has to stay fresh (live turns and claims
+protect theirs): sessions created before a ``time.sleep(SHORT_EXPIRE_SECONDS)`` are
+expired, with a second to spare for timestamps stored to the second."""
+SHORT_EXPIRE_SECONDS = 1.5
+
 
 def _agent() -> Agent:
     return Agent(name="support", instructions="help", model="gemini-2.5-flash")
@@ -431,7 +437,7 @@ class RetentionTests:
     def test_sweep_keeps_a_session_whose_turn_runs_in_another_process(
         self, harness: StoreHarness
     ) -> None:
-        store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
+        store: Any = harness.open(session_ttl_hours=SHORT_TTL_HOURS)
         tag = _uid()
         busy, idle = f"{tag}-busy", f"{tag}-idle"
         workers = worker_context()
@@ -441,7 +447,7 @@ class RetentionTests:
                 store.get_or_create(sid, _agent()).add_message(
                     Message(role=Role.USER, content="before")
                 )
-            time.sleep(EXPIRE_SECONDS)
+            time.sleep(SHORT_EXPIRE_SECONDS)
             worker = worker_process(
                 workers, turn_holder, (harness.spec(), busy, started, finish, results)
             )
@@ -463,15 +469,15 @@ class RetentionTests:
 
     @requires(Capability.CROSS_PROCESS)
     def test_four_processes_sweep_each_session_once(self, harness: StoreHarness) -> None:
-        store: Any = harness.open(session_ttl_hours=TINY_TTL_HOURS)
+        store: Any = harness.open(session_ttl_hours=SHORT_TTL_HOURS)
         tag = _uid()
-        expired = [f"{tag}-x{n:04d}" for n in range(400)]
+        expired = [f"{tag}-x{n:04d}" for n in range(120)]  # one sweep batch, raced by all four
         held = [f"{tag}-h{n}" for n in range(4)]
         try:
             for sid in expired + held:
                 ctx = store.get_or_create(sid, _agent())
                 ctx.add_message(Message(role=Role.USER, content=sid))
-            time.sleep(EXPIRE_SECONDS)
+            time.sleep(SHORT_EXPIRE_SECONDS)
             # (fresh sessions are tested in one process: starting the workers may take
             # longer than the tiny TTL here, so sessions held by live claims stand for
             # the live ones)
@@ -480,7 +486,7 @@ class RetentionTests:
                 claim.__enter__()
             try:
                 results = run_workers(
-                    sweep_worker, [(harness.spec(), TINY_TTL_HOURS)] * 4, timeout=180
+                    sweep_worker, [(harness.spec(), SHORT_TTL_HOURS)] * 4, timeout=180
                 )
             finally:
                 for claim in claims:

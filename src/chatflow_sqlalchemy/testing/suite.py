@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import os
 import random
-import re
 import signal
 import threading
 import time
@@ -61,7 +59,8 @@ from chatflow_sqlalchemy import (
 )
 from chatflow_sqlalchemy.claims import list_claims, release_claim
 from chatflow_sqlalchemy.context import dump_message
-from chatflow_sqlalchemy.testing.claim_workers import reply_to, start_worker
+from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to, start_worker
+from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
     Capability,
@@ -327,66 +326,6 @@ def make_agents() -> tuple[Agent, Agent]:
     )
     billing.add_handoff(support)
     return support, billing
-
-
-_ORDER = re.compile(r"\border\s+#?(\w+)", re.IGNORECASE)
-_TRANSFER = re.compile(r"\btransfer\s+(?:to\s+)?(\w+)", re.IGNORECASE)
-_REFUND = re.compile(r"\brefund\s+(\w+)", re.IGNORECASE)
-
-
-class ScriptedEngine(BaseEngine):
-    """An offline engine for the real ``Runner``, scripted by the user's words.
-
-    The user message is split on ``" then "`` into steps; step *k* runs when
-    the turn already holds *k* TOOL messages:
-
-    * ``order <id>``: call ``check_order_status(order_id=<id>)``;
-    * ``transfer <agent>``: call the handoff tool ``transfer_to_<agent>``;
-    * ``refund <amount>``: call ``refund(amount=<amount>)``;
-    * ``fail``: raise ``RuntimeError`` (the Runner must roll the turn back);
-    * anything else, or no step left: answer with text naming the agent, the
-      user message and the last tool results.
-
-    Args:
-        delay: Seconds to ``await asyncio.sleep`` before every answer, so that
-            concurrent turns get a chance to interleave.
-
-    """
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.calls = 0
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        self.calls += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        start = max(i for i, m in enumerate(history) if m.role == Role.USER)
-        text = history[start].content or ""
-        turn = history[start + 1 :]
-        done = sum(1 for m in turn if m.role == Role.TOOL)
-        steps = [s.strip() for s in text.split(" then ")]
-        if done < len(steps):
-            step = steps[done]
-            if step.lower() == "fail":
-                raise RuntimeError(f"scripted engine failure in turn {text!r}")
-            planned = self._plan(agent, step)
-            if planned is not None:
-                return EngineTurnResult(tool_calls=[planned])
-        results = [r.content for m in turn if m.role == Role.TOOL for r in m.tool_results or []]
-        tail = f" | {json.dumps(results[-1], sort_keys=True)}" if results else ""
-        return EngineTurnResult(text=f"{agent.name} re: {text}{tail}")
-
-    @staticmethod
-    def _plan(agent: Agent, step: str) -> ToolCall | None:
-        tools = {t.name for t in agent.get_all_tools()}
-        if (m := _TRANSFER.search(step)) and f"transfer_to_{m[1].lower()}" in tools:
-            return call(f"transfer_to_{m[1].lower()}", reason=step)
-        if (m := _ORDER.search(step)) and "check_order_status" in tools:
-            return call("check_order_status", order_id=m[1])
-        if (m := _REFUND.search(step)) and "refund" in tools:
-            return call("refund", amount=m[1])
-        return None
 
 
 # ============================================================ base class
@@ -2056,23 +1995,20 @@ class TestTurnFaults(StoreTestBase):
     ) -> None:
         sid = new_id("meta")
 
-        async def note(q: str) -> str:
+        noted: list[str] = []
+
+        async def note(amount: str) -> str:
             store.get(sid).metadata["v"] = 99
+            noted.append(amount)
             return "noted"
 
-        class FailAfterTool(OneToolEngine):
-            async def generate_turn_async(
-                self, agent: Agent, history: list[Message]
-            ) -> EngineTurnResult:
-                if history[-1].role == Role.TOOL:
-                    raise RuntimeError("model failed after the tool")
-                return await super().generate_turn_async(agent, history)
-
-        agent = Agent(name="Slow", instructions="", tools=[Tool(note, name="note")])
-        runner = Runner(starting_agent=agent, session_store=store, engine=FailAfterTool("note"))
+        # ScriptedEngine: call the tool (named "refund"), then the model fails
+        agent = Agent(name="Slow", instructions="", tools=[Tool(note, name="refund")])
+        runner = Runner(starting_agent=agent, session_store=store, engine=ScriptedEngine())
         ctx = self._pre_turn(store, sid, agent)
-        with pytest.raises(RuntimeError, match="model failed"):
-            run(runner.run_async(sid, "note it"))
+        with pytest.raises(RuntimeError, match="scripted engine failure"):
+            run(runner.run_async(sid, "refund 99 then fail"))
+        assert noted == ["99"], "the tool changed the metadata before the model failed"
         self._assert_back_to_pre_turn(harness, store, ctx)
 
     @requires(Capability.SQL)
@@ -2430,27 +2366,9 @@ class TestCorruptSessionRows(StoreTestBase):
 # ========================================================= webhook claims
 
 
-class _FlakyEngine(BaseEngine):
-    """Fails its first ``failures`` calls (the model provider is down), then echoes."""
-
-    def __init__(self, failures: int = 0, latency: float = 0.0, seed: int = 0) -> None:
-        self.failures = failures
-        self.latency = latency
-        self.rng = random.Random(seed)
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        if self.failures > 0:
-            self.failures -= 1
-            raise RuntimeError("the model provider is down")
-        if self.latency:
-            await asyncio.sleep(self.rng.uniform(0, self.latency))
-        text = next(m.content for m in reversed(history) if m.role == Role.USER) or ""
-        return EngineTurnResult(text=reply_to(text))
-
-
 def _claims_runner(store: Any, engine: BaseEngine | None = None) -> Runner:
     bot = Agent(name="Bot", instructions="")
-    return Runner(starting_agent=bot, session_store=store, engine=engine or _FlakyEngine())
+    return Runner(starting_agent=bot, session_store=store, engine=engine or ReplyModel())
 
 
 async def _on_webhook(
@@ -2607,7 +2525,7 @@ class TestWebhookClaims(StoreTestBase):
 
     def test_failed_turn_is_released_and_the_retry_processes_it_once(self, store: Any) -> None:
         sid, mid = new_id(), new_id("wamid")
-        runner = _claims_runner(store, _FlakyEngine(failures=1))
+        runner = _claims_runner(store, ReplyModel(failures=1))
         with pytest.raises(RuntimeError, match="provider is down"):
             run(_on_webhook(store, runner, sid, mid, "where is my order?"))
         assert store.record_processed_message(mid) is False  # still a known id
@@ -2709,7 +2627,7 @@ class TestWebhookClaims(StoreTestBase):
         sid = new_id()
         texts = [f"message {k:02d}" for k in range(16)]
         ids = [new_id("wamid") for _ in texts]
-        runner = _claims_runner(store, _FlakyEngine(latency=0.01, seed=7))
+        runner = _claims_runner(store, ReplyModel(latency=0.01, seed=7))
         rng = random.Random(11)
 
         async def platform_worker() -> None:  # every worker receives every delivery
@@ -2759,12 +2677,12 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
         sid, mid = new_id(), new_id("wamid")
         failing = start_worker(harness.spec(), sid, [(mid, "hello")], mode="fail")
         try:
-            assert failing.outcomes() == [(mid, "error", None, "RuntimeError")]
+            assert failing.result() == [(mid, "error", None, "RuntimeError")]
         finally:
             failing.stop()
         retry = start_worker(harness.spec(), sid, [(mid, "hello"), (mid, "hello")])
         try:
-            assert retry.outcomes() == [
+            assert retry.result() == [
                 (mid, "acquired", reply_to("hello"), None),
                 (mid, "done", reply_to("hello"), None),
             ]
@@ -2812,7 +2730,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             )
             stopped = False
             assert reply == reply_to("hello")
-            assert worker.outcomes() == [(mid, "error", None, "ClaimLostError")]
+            assert worker.result() == [(mid, "error", None, "ClaimLostError")]
         finally:
             if stopped:
                 os.kill(worker.pid, signal.SIGCONT)
@@ -2832,7 +2750,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             for _ in range(n_processes)
         ]
         try:
-            outcomes = [outcome for worker in workers for outcome in worker.outcomes()]
+            outcomes = [outcome for worker in workers for outcome in worker.result()]
         finally:
             for worker in workers:
                 worker.stop()
@@ -2847,7 +2765,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
         sid, mid = new_id(), new_id("wamid")
         first = start_worker(harness.spec(), sid, [(mid, "hello")])
         try:
-            assert first.outcomes() == [(mid, "acquired", reply_to("hello"), None)]
+            assert first.result() == [(mid, "acquired", reply_to("hello"), None)]
         finally:
             first.stop()
         fresh: Any = harness.open()
@@ -2857,7 +2775,7 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
             )
         again = start_worker(harness.spec(), sid, [(mid, "hello")])
         try:
-            assert again.outcomes() == [(mid, "done", reply_to("hello"), None)]
+            assert again.result() == [(mid, "done", reply_to("hello"), None)]
         finally:
             again.stop()
 
