@@ -6,7 +6,7 @@ Run it from the repository root (after ``pip install '.[examples]'`` or ``make i
 
 The store comes from ``CHATFLOW_DATABASE_URL`` (any URL ``open_store`` accepts),
 else the SQLite file ``chatflow-webhook.db`` in the working directory. The
-"model" is :class:`chatflow_sqlalchemy.demo.ScriptedEngine`, so no network and
+"model" is :class:`chatflow_sqlalchemy.testing.ScriptedEngine`, so no network and
 no API key are needed; swap in a real engine for a real bot.
 
 A real WhatsApp app sends its reply through the Graph API
@@ -38,7 +38,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatflow_sqlalchemy import ClaimLostError, open_store
-from chatflow_sqlalchemy.demo import ScriptedEngine, build_agents
+from chatflow_sqlalchemy.demo import build_agents
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 __all__ = [
     "DEFAULT_DATABASE_URL",
