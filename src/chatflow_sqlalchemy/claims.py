@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import secrets
@@ -118,6 +119,9 @@ MAX_LEASE_SECONDS = 30 * 86400.0
 
 ClaimStatus = Literal["acquired", "done", "in_flight"]
 
+_ORDER_WAIT_MAX = 5.0
+"""Seconds a claim waits for the acquire of the claim entered before it (see _CallOrder)."""
+
 _ORDER_POLL_MIN = 0.005
 _ORDER_POLL_MAX = 0.1
 """Seconds between checks for earlier claims of the session (doubling up to the max)."""
@@ -126,35 +130,44 @@ class _CallOrder:
     """The claims of one session, in this process, send their acquire in call order.
 
     A claim takes its place when it is entered and sends its acquire once the
-    claim entered before it (of the same session) has had its answer, so the
-    tickets the database draws follow the order the claims were entered in.
+    claim entered before it (same store, same session) has had its answer, so
+    the tickets the database draws follow the order the claims were entered
+    in. Best effort, never a stall: a claim waits for the one before it at
+    most ``_ORDER_WAIT_MAX`` seconds (the one before may sit on a stopped
+    loop), and gives its place up as soon as its own acquire returned.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: dict[str, concurrent.futures.Future[None]] = {}
+        self._last: dict[tuple[object, str], concurrent.futures.Future[None]] = {}
 
-    def take_place(
-        self, session_id: str | None
-    ) -> tuple[concurrent.futures.Future[None] | None, concurrent.futures.Future[None] | None]:
-        """(the place of the claim before this one, this claim's place); Nones: no session."""
-        if session_id is None:
-            return None, None
+    def take_place(self, claim: WebhookClaim) -> _Place:
+        """Give ``claim`` its place, behind the claim of its session entered before it."""
+        if claim.session_id is None:
+            return _Place(None, None, None)
+        key = (claim._backend, claim.session_id)
         mine: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
-            before = self._last.get(session_id)
-            self._last[session_id] = mine
-        return before, mine
+            before = self._last.get(key)
+            self._last[key] = mine
+        return _Place(key, before, mine)
 
-    def leave(self, session_id: str | None, mine: concurrent.futures.Future[None] | None) -> None:
+    def leave(self, place: _Place) -> None:
         """The claim had its answer: the next one may send its acquire."""
-        if session_id is None or mine is None:
+        if place.key is None or place.mine is None:
             return
         with self._lock:
-            if self._last.get(session_id) is mine:
-                del self._last[session_id]
-        if not mine.done():
-            mine.set_result(None)
+            if self._last.get(place.key) is place.mine:
+                del self._last[place.key]
+        if not place.mine.done():
+            place.mine.set_result(None)
+
+
+@dataclass(frozen=True)
+class _Place:
+    key: tuple[object, str] | None
+    before: concurrent.futures.Future[None] | None
+    mine: concurrent.futures.Future[None] | None
 
 
 _CALL_ORDER = _CallOrder()
@@ -433,8 +446,8 @@ class WebhookClaim:
         self.token = secrets.token_hex(16)
         return self.token
 
-    def _lease_until(self) -> datetime:
-        return utcnow() + timedelta(seconds=self.lease_seconds)
+    def _lease_until(self, now: datetime) -> datetime:
+        return now + timedelta(seconds=self.lease_seconds)
 
     def order_horizon(self, now: datetime) -> datetime:
         """Earlier claims whose lease lapsed after this instant still hold this one back.
@@ -462,8 +475,8 @@ class WebhookClaim:
 
     async def __aenter__(self) -> WebhookClaim:
         self._enter_once()
-        before, mine = _CALL_ORDER.take_place(self.session_id)
-        acquiring = asyncio.ensure_future(self._acquire_after(before, mine))
+        place = _CALL_ORDER.take_place(self)
+        acquiring = asyncio.ensure_future(self._acquire_after(place))
         try:
             await asyncio.shield(acquiring)
         except asyncio.CancelledError:
@@ -482,17 +495,21 @@ class WebhookClaim:
             raise
         return self
 
-    async def _acquire_after(
-        self,
-        before: concurrent.futures.Future[None] | None,
-        mine: concurrent.futures.Future[None] | None,
-    ) -> None:
+    async def _acquire_after(self, place: _Place) -> None:
         try:
-            if before is not None:  # shielded: cancelling this must not cancel the other's place
-                await asyncio.shield(asyncio.wrap_future(before))
-            await self._backend.run(self._backend.acquire, self)
+            if place.before is not None:  # shielded: a timeout must not cancel the other's place
+                waiting = asyncio.shield(asyncio.wrap_future(place.before))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(waiting, _ORDER_WAIT_MAX)
+            await self._backend.run(self._acquire_in_place, place)
         finally:
-            _CALL_ORDER.leave(self.session_id, mine)
+            _CALL_ORDER.leave(place)  # the acquire never ran (cancelled): free the place
+
+    def _acquire_in_place(self, place: _Place) -> None:
+        try:
+            self._backend.acquire(self)
+        finally:
+            _CALL_ORDER.leave(place)  # here, not on the loop: a stopped loop holds nobody
 
     def _give_back_late_acquire(self, acquiring: asyncio.Future[None]) -> None:
         if acquiring.cancelled() or acquiring.exception() is not None or not self.acquired:
@@ -545,13 +562,12 @@ class WebhookClaim:
 
     def __enter__(self) -> WebhookClaim:
         self._enter_once()
-        before, mine = _CALL_ORDER.take_place(self.session_id)
-        try:
-            if before is not None and not _on_a_running_loop():
-                before.result()  # on a loop's own thread, waiting would stall the one before
-            self._backend.acquire(self)
-        finally:
-            _CALL_ORDER.leave(self.session_id, mine)
+        place = _CALL_ORDER.take_place(self)
+        if place.before is not None and not _on_a_running_loop():
+            # On a loop's own thread, waiting would stall the claim before this one.
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                place.before.result(timeout=_ORDER_WAIT_MAX)
+        self._acquire_in_place(place)
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)

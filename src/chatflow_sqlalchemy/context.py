@@ -113,7 +113,7 @@ type takes; deeper is refused on every backend alike, as is a container that hol
 itself: much deeper nesting would exhaust Python's recursion limit too)."""
 
 
-def _check_shape(value: object, depth: int = 1) -> None:
+def _check_shape(value: object, max_depth: int, depth: int = 1) -> None:
     """Refuse non-str dict keys (JSON would turn them into strings) and over-deep nesting."""
     if isinstance(value, dict):
         children: Iterable[object] = value.values()
@@ -127,24 +127,41 @@ def _check_shape(value: object, depth: int = 1) -> None:
         children = value
     else:
         return
-    if depth > METADATA_MAX_DEPTH:
+    if depth > max_depth:
         raise ValueError(
-            f"metadata is nested more than {METADATA_MAX_DEPTH} dicts/lists deep (or holds "
+            f"metadata is nested more than {max_depth} dicts/lists deep (or holds "
             "itself): flatten it, or store the deep part as a JSON string"
         )
     for child in children:
-        _check_shape(child, depth + 1)
+        _check_shape(child, max_depth, depth + 1)
 
 
-def check_metadata(metadata: object) -> str:
+def _depth(value: object) -> int:
+    """How many dicts/lists deep decoded JSON ``value`` is nested."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 0
+    return 1 + max((_depth(child) for child in value), default=0)
+
+
+def check_metadata(metadata: object, *, stored_json: str | None = None) -> str:
     """:func:`dump_metadata` of new metadata, refusing also what JSON would not keep.
 
     Metadata given by the caller (and metadata a write changed) is checked
     with this: nesting deeper than ``METADATA_MAX_DEPTH`` (``ValueError``)
     and dict keys that are not str (``TypeError``) are refused before
-    anything is written. Stored metadata is only dumped, never refused.
+    anything is written. Stored metadata is never refused: a change to
+    metadata that was already stored deeper (``stored_json``, written before
+    the limit) may keep that depth.
     """
-    _check_shape(metadata)
+    try:
+        _check_shape(metadata, METADATA_MAX_DEPTH)
+    except ValueError:
+        stored_depth = _depth(json.loads(stored_json)) if stored_json else 0
+        if stored_depth <= METADATA_MAX_DEPTH:
+            raise
+        _check_shape(metadata, stored_depth)
     return dump_metadata(metadata)
 
 

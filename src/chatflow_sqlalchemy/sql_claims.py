@@ -227,7 +227,7 @@ class SQLClaims:
             "now": now,
             "cutoff": now - self._store._dedup_ttl,
             "token": claim._new_token(),
-            "lease": claim._lease_until(),
+            "lease": claim._lease_until(now),
             "session_id": claim.session_id,
             "claim_id": claim.message_id,
             "claim_token": claim.token,
@@ -288,7 +288,7 @@ class SQLClaims:
         params = {
             "claim_id": claim.message_id,
             "claim_token": claim.token,
-            "lease": claim._lease_until(),
+            "lease": claim._lease_until(utcnow()),
             "lease_seconds": claim.lease_seconds,
         }
         return bool(self._execute(_RENEW, params).rowcount == 1)

@@ -231,7 +231,8 @@ class SessionWriter:
         metadata_json = dump_metadata(ctx._metadata)
         if metadata_json == durable.metadata_json:
             return None, params
-        check_metadata(ctx._metadata)  # a nested change made in place is checked here
+        # A nested change made in place is checked here.
+        check_metadata(ctx._metadata, stored_json=durable.metadata_json)
         params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
         return metadata_json, params
 
