@@ -267,3 +267,33 @@ def test_an_agent_name_the_column_cannot_hold_is_refused_up_front(
     longest = Agent(name="y" * 255, instructions="")
     ctx.set_active_agent(longest)
     assert opener().get("s").active_agent.name == "y" * 255
+
+
+def test_metadata_stored_deeper_than_the_limit_by_an_earlier_release_stays_writable(
+    tmp_path: Path,
+) -> None:
+    """The depth limit refuses new deep metadata, never what is already stored."""
+    import json
+
+    bot = Agent(name="Bot", instructions="")
+    deep: object = "leaf"
+    for _ in range(METADATA_MAX_DEPTH + 9):
+        deep = {"d": deep}
+    path = tmp_path / "old.db"
+    with SQLiteSessionStore(path) as store:
+        store.get_or_create("s", bot).add_message(Message(role=Role.USER, content="hello"))
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:  # what a release without the limit stored
+        conn.execute(
+            text("UPDATE chatflow_sessions SET metadata_json = :m WHERE session_id = 's'"),
+            {"m": json.dumps({"profile": deep})},
+        )
+    engine.dispose()
+    with SQLiteSessionStore(path) as store:
+        ctx = store.get_or_create("s", bot)
+        ctx.metadata["plan"] = "pro"
+        ctx.add_message(Message(role=Role.USER, content="again"))
+    with SQLiteSessionStore(path) as store:
+        ctx = store.get("s")
+        assert ctx is not None and ctx.metadata["plan"] == "pro"
+        assert ctx.history[-1].content == "again"

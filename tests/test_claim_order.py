@@ -8,6 +8,7 @@ their tickets in call order, and each turn waits for the earlier claims.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,3 +74,38 @@ def test_sync_claims_from_many_threads_each_store_once(store: Any) -> None:
     for thread in started:
         thread.join()
     assert sorted(m.content for m in store.get("s").history) == ids  # all stored once
+
+
+def test_a_claim_cancelled_on_a_loop_that_stopped_holds_no_other_stores_claims(
+    tmp_path: Path,
+) -> None:
+    """The call order is per store: a claim given up on store A never holds store B's."""
+    import threading
+
+    with (
+        SQLiteSessionStore(tmp_path / "a.db") as store_a,
+        SQLiteSessionStore(tmp_path / "b.db") as store_b,
+    ):
+        loop = asyncio.new_event_loop()
+
+        async def enter_and_give_up() -> None:
+            task = asyncio.ensure_future(store_a.claim("m1", session_id="+5511").__aenter__())
+            await asyncio.sleep(0)  # the claim took its place
+            task.cancel()  # as asyncio.wait_for's timeout would
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        loop.run_until_complete(enter_and_give_up())  # the loop stops with work pending
+        done = threading.Event()
+
+        def on_the_other_database() -> None:
+            with store_b.claim("m1", session_id="+5511") as claim:
+                assert claim.acquired
+            done.set()
+
+        worker = threading.Thread(target=on_the_other_database, daemon=True)
+        worker.start()
+        worker.join(60)  # a bound on a hang, not on speed
+        loop.run_until_complete(asyncio.sleep(0.2))
+        loop.close()
+        assert done.is_set(), "a claim on store B waited for store A's claim"
