@@ -402,9 +402,8 @@ def _discover() -> Iterator[MigrationChain]:
 
 def _validate(chains: Iterable[MigrationChain]) -> None:
     """Reject plugin chains that would touch what the core or another plugin owns."""
-    core = core_chain()
-    owners: dict[str, str] = {table: "a chatflow-sqlalchemy core table" for table in
-                              core.target_metadata.tables}
+    core_tables = core_chain().target_metadata.tables
+    owners = {table: "a chatflow-sqlalchemy core table" for table in core_tables}
     owners[VERSION_TABLE] = "chatflow-sqlalchemy's version table"
     owners["alembic_version"] = "Alembic's default version table (your application's)"
     for chain in chains:
@@ -419,8 +418,7 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
                 f"{chain.label} uses its own table {chain.version_table!r} as its version "
                 "table; give the chain a version table of its own. Nothing was migrated"
             )
-        claimed = [*chain.target_metadata.tables, chain.version_table]
-        for table in claimed:
+        for table in [*chain.target_metadata.tables, chain.version_table]:
             owner = owners.get(table)
             if owner is not None:
                 kind = "version table" if table == chain.version_table else "table"
@@ -429,7 +427,6 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
                     "may only create tables of its own (rename it, e.g. with the plugin's name "
                     "as prefix). Nothing was migrated; uninstall or fix the plugin"
                 )
-        for table in claimed:
             owners[table] = f"a table of {chain.label}"
         directory = Path(chain.directory())
         if not (directory / "versions").is_dir():
@@ -674,12 +671,13 @@ def ensure_schema(
     with alembic_chatter_at_debug():
         statuses = _chain_status_beside_migrators(engine, support)
         behind = [status for status in statuses if not status.at_head]
+        if not behind:
+            return
         for status in behind:
             check_not_ahead(status.current, status.chain)
-        if behind and not allowed:
+        if not allowed:
             _refuse(engine, behind[0])
-        if behind:
-            _run(engine, [(status.chain, "upgrade", "head") for status in behind], support)
+        _run(engine, [(status.chain, "upgrade", "head") for status in behind], support)
 
 
 def _chain_status_beside_migrators(engine: Engine, support: DialectSupport) -> list[ChainStatus]:
