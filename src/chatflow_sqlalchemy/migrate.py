@@ -150,10 +150,6 @@ UPSTREAM_TABLES = "chatflow-agent 0.3.4 tables (unversioned)"
 EMPTY_DATABASE = "empty database"
 """How a database without chatflow tables is described."""
 
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-
 def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
     """Whether a store may create or upgrade the schema when it opens.
 
@@ -173,9 +169,9 @@ def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
         return auto_migrate
     raw = os.environ.get(AUTO_MIGRATE_ENV, "")
     word = raw.strip().lower()
-    if word == "" or word in _TRUE_WORDS:
+    if word in ("", "1", "true", "yes", "on"):
         return True
-    if word in _FALSE_WORDS:
+    if word in ("0", "false", "no", "off"):
         return False
     raise ValueError(
         f"{AUTO_MIGRATE_ENV}={raw!r} is not understood; set it to 0, false, no or off to "
@@ -246,8 +242,15 @@ class MigrationChain:
         return self.dialects is None or dialect_name in self.dialects
 
     def directory(self) -> str:
-        """The resolved folder of the chain's scripts."""
-        return _resolve_location(self.script_location)
+        """The chain's folder: ``package:folder`` through importlib.resources, else a path."""
+        location = self.script_location
+        is_drive = location[1:2] == ":" and location[0].isalpha()  # C:/... on Windows
+        if ":" in location and not Path(location).is_absolute() and not is_drive:
+            package, _, folder = location.partition(":")
+            base = resources.files(package)
+            parts = [part for part in folder.split("/") if part]
+            return str(base.joinpath(*parts) if folder else base)
+        return str(Path(location))
 
 
 @dataclass(frozen=True)
@@ -270,17 +273,6 @@ def script_location() -> str:
         return str(resources.files("chatflow_sqlalchemy._migrations"))
     except ModuleNotFoundError:
         return str(Path(__file__).resolve().parents[2] / "migrations")
-
-
-def _resolve_location(location: str) -> str:
-    """``package:folder`` (or ``package``) through importlib.resources, else a path."""
-    is_drive = location[1:2] == ":" and location[0].isalpha()  # C:/... on Windows
-    if ":" in location and not Path(location).is_absolute() and not is_drive:
-        package, _, folder = location.partition(":")
-        base = resources.files(package)
-        target = base.joinpath(*[part for part in folder.split("/") if part]) if folder else base
-        return str(target)
-    return str(Path(location))
 
 
 def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, Any], bool]:
@@ -587,10 +579,7 @@ def current_revision(conn: Connection, chain: MigrationChain | None = None) -> s
 def chain_status(
     engine: Engine, chains: Iterable[MigrationChain] | None = None
 ) -> list[ChainStatus]:
-    """Where the database stands on ``chains``.
-
-    By default the core chain and every plugin chain that applies.
-    """
+    """Where the database stands on ``chains`` (default: core, then each plugin that applies)."""
     chains = list(chains) if chains is not None else chains_for(engine.dialect.name)
     with engine.connect() as conn:  # closing it rolls back what reading began
         found = [current_revision(conn, chain) for chain in chains]
@@ -812,7 +801,7 @@ def _move(
 def _chain_named(engine: Engine, chain: str | MigrationChain | None) -> MigrationChain:
     if isinstance(chain, MigrationChain):
         return chain
-    return find_chain(chain or CORE_CHAIN, engine.dialect.name)
+    return find_chain(CORE_CHAIN if chain is None else chain, engine.dialect.name)
 
 
 def stamp(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
