@@ -75,8 +75,8 @@ def alembic_chatter_at_debug() -> Iterator[None]:
     A filter on Alembic's loggers, not a change of the user's logging
     configuration: an application's own Alembic runs log as they always did.
     """
-    names = [name for name in list(logging.Logger.manager.loggerDict) if name == "alembic"
-             or name.startswith("alembic.")]
+    names = [name for name in list(logging.Logger.manager.loggerDict)
+             if name.partition(".")[0] == "alembic"]
     for name in {*names, *_KNOWN_ALEMBIC_LOGGERS}:
         alembic_logger = logging.getLogger(name)
         if _ALEMBIC_FILTER not in alembic_logger.filters:
