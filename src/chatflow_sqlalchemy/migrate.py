@@ -1,42 +1,20 @@
 """Alembic, driven from code: the schema is created, upgraded and checked here.
 
-The scripts live in the repository's top-level ``migrations/`` folder, which
-the wheel ships as the package ``chatflow_sqlalchemy._migrations``; the
-Alembic ``Config`` is built in code from it, so an installed user needs no
-``alembic.ini`` and no particular working directory.
+The scripts live in the top-level ``migrations/`` folder, shipped in the wheel
+as ``chatflow_sqlalchemy._migrations``; the Alembic ``Config`` is built in
+code, so an installed user needs no ``alembic.ini``. The version table is
+``chatflow_alembic_version``, so the chain can live beside an application's
+own Alembic history.
 
-The version table is ``chatflow_alembic_version`` (not ``alembic_version``)
-so the chain can live beside an application's own Alembic history.
+Migrations run on one connection, in one transaction that first takes a
+cross-process lock (the backend's ``lock_migrations``), so concurrent starts
+migrate once and a failure leaves nothing half-done (where DDL is
+transactional). ``CHATFLOW_AUTO_MIGRATE=0`` or ``auto_migrate=False`` makes
+stores refuse an old or missing schema instead of migrating it on open.
 
-Migrations run on one connection inside one transaction that first takes a
-cross-process lock (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
-PostgreSQL, the backend's own elsewhere), so concurrent starts migrate once
-and a failure leaves nothing half-done (where the database has transactional
-DDL). Set ``CHATFLOW_AUTO_MIGRATE=0`` (or ``false``/``no``/``off``), or open
-the store with ``auto_migrate=False``, to make stores refuse an old or
-missing schema instead of creating or upgrading it on open.
-
-Logging: each migration is logged at INFO on the ``chatflow_sqlalchemy``
-logger (which database, password hidden; from and to which revision; how
-long). Alembic's own INFO lines during our runs are passed on at DEBUG.
-
-Plugin chains
--------------
-
-A plugin package may add tables of its own with an Alembic chain of its own,
-declared in the entry-point group ``chatflow_sqlalchemy.migrations`` (the
-pattern of Airflow's DB managers)::
-
-    [project.entry-points."chatflow_sqlalchemy.migrations"]
-    mariadb = "chatflow_sqlalchemy_mariadb.schema:MIGRATIONS"
-
-The target is a :class:`MigrationChain` (or a callable returning one): where
-its scripts are, its own version table, its ``MetaData`` and the dialects it
-applies to. Opening a store and ``chatflow-sqlalchemy db upgrade`` run the
-core chain first, then every installed plugin chain that applies to the
-database, under the same lock. A plugin whose tables or version table
-collide with the core's (or another plugin's) is rejected with
-:class:`MigrationPluginError` before anything runs.
+Plugin packages may add chains of their own (a :class:`MigrationChain` in
+the entry-point group ``chatflow_sqlalchemy.migrations``, see
+docs/plugin-authors.md); they run after the core chain, under the same lock.
 """
 
 from __future__ import annotations
@@ -45,13 +23,12 @@ import functools
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -78,13 +55,7 @@ _ALEMBIC_QUIET: ContextVar[bool] = ContextVar("chatflow_alembic_quiet", default=
 
 
 class _AlembicInfoToDebug(logging.Filter):
-    """While chatflow-sqlalchemy runs Alembic, its INFO records become DEBUG records.
-
-    Installed on Alembic's loggers; only records made in a context inside
-    :func:`alembic_chatter_at_debug` are touched, so an application's own
-    Alembic runs log as they always did. A demoted record is dropped unless
-    its logger is enabled for DEBUG.
-    """
+    """Inside :func:`alembic_chatter_at_debug` only, Alembic's INFO records become DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not _ALEMBIC_QUIET.get() or record.levelno != logging.INFO:
@@ -101,14 +72,11 @@ _KNOWN_ALEMBIC_LOGGERS = ("alembic.runtime.migration", "alembic.runtime.plugins"
 def alembic_chatter_at_debug() -> Iterator[None]:
     """Run the block with Alembic's INFO logging demoted to DEBUG (this context only).
 
-    The user's logging configuration is left as it is: a filter on Alembic's
-    own loggers rewrites the level of records made inside the block.
+    A filter on Alembic's loggers, not a change of the user's logging
+    configuration: an application's own Alembic runs log as they always did.
     """
-    names = [
-        name
-        for name in list(logging.Logger.manager.loggerDict)
-        if name == "alembic" or name.startswith("alembic.")
-    ]
+    names = [name for name in list(logging.Logger.manager.loggerDict)
+             if name.partition(".")[0] == "alembic"]
     for name in {*names, *_KNOWN_ALEMBIC_LOGGERS}:
         alembic_logger = logging.getLogger(name)
         if _ALEMBIC_FILTER not in alembic_logger.filters:
@@ -134,7 +102,6 @@ __all__ = [
     "CORE_CHAIN",
     "EMPTY_DATABASE",
     "MIGRATIONS_ENTRY_POINT_GROUP",
-    "RESERVED_VERSION_TABLES",
     "UPSTREAM_TABLES",
     "VERSION_TABLE",
     "ChainStatus",
@@ -157,8 +124,6 @@ __all__ = [
     "head_revision",
     "history",
     "include_name_for",
-    "include_object_for",
-    "make_config",
     "open_engine",
     "plugin_chains",
     "require_existing_database",
@@ -176,9 +141,6 @@ CORE_CHAIN = "core"
 
 MIGRATIONS_ENTRY_POINT_GROUP = "chatflow_sqlalchemy.migrations"
 
-RESERVED_VERSION_TABLES = frozenset({VERSION_TABLE, "alembic_version"})
-"""Version tables no plugin may use: the core's, and Alembic's default (the application's)."""
-
 AUTO_MIGRATE_ENV = "CHATFLOW_AUTO_MIGRATE"
 """Environment variable: may stores create and upgrade the schema on open? (default yes)"""
 
@@ -187,10 +149,6 @@ UPSTREAM_TABLES = "chatflow-agent 0.3.4 tables (unversioned)"
 
 EMPTY_DATABASE = "empty database"
 """How a database without chatflow tables is described."""
-
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
 
 def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
     """Whether a store may create or upgrade the schema when it opens.
@@ -211,9 +169,9 @@ def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
         return auto_migrate
     raw = os.environ.get(AUTO_MIGRATE_ENV, "")
     word = raw.strip().lower()
-    if word == "" or word in _TRUE_WORDS:
+    if word in ("", "1", "true", "yes", "on"):
         return True
-    if word in _FALSE_WORDS:
+    if word in ("0", "false", "no", "off"):
         return False
     raise ValueError(
         f"{AUTO_MIGRATE_ENV}={raw!r} is not understood; set it to 0, false, no or off to "
@@ -284,8 +242,15 @@ class MigrationChain:
         return self.dialects is None or dialect_name in self.dialects
 
     def directory(self) -> str:
-        """The resolved folder of the chain's scripts."""
-        return _resolve_location(self.script_location)
+        """The chain's folder: ``package:folder`` through importlib.resources, else a path."""
+        location = self.script_location
+        is_drive = location[1:2] == ":" and location[0].isalpha()  # C:/... on Windows
+        if ":" in location and not Path(location).is_absolute() and not is_drive:
+            package, _, folder = location.partition(":")
+            base = resources.files(package)
+            parts = [part for part in folder.split("/") if part]
+            return str(base.joinpath(*parts) if folder else base)
+        return str(Path(location))
 
 
 @dataclass(frozen=True)
@@ -310,35 +275,11 @@ def script_location() -> str:
         return str(Path(__file__).resolve().parents[2] / "migrations")
 
 
-def _resolve_location(location: str) -> str:
-    """``package:folder`` (or ``package``) through importlib.resources, else a path."""
-    if ":" in location and not Path(location).is_absolute() and not _is_drive(location):
-        package, _, folder = location.partition(":")
-        base = resources.files(package)
-        target = base.joinpath(*[part for part in folder.split("/") if part]) if folder else base
-        return str(target)
-    return str(Path(location))
-
-
-def _is_drive(location: str) -> bool:
-    return len(location) > 1 and location[1] == ":" and location[0].isalpha()
-
-
-def make_config(connection: Connection | None = None) -> Config:
-    """An Alembic Config built in code; ``connection`` is used instead of a URL."""
-    config = Config()
-    config.set_main_option("script_location", script_location().replace("%", "%%"))
-    if connection is not None:
-        config.attributes["connection"] = connection
-    return config
-
-
 def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, Any], bool]:
     """An Alembic ``include_name`` hook that sees only ``target_metadata``'s tables.
 
-    The chatflow tables may share a database with an application's own tables
-    (and its own ``alembic_version``); autogenerate and :func:`drift` must
-    neither report them as drift nor ever propose dropping them.
+    An application's own tables (and its ``alembic_version``) may share the
+    database: autogenerate and :func:`drift` must never report or drop them.
     """
 
     def include_name(name: str | None, type_: str, _parent_names: Any) -> bool:
@@ -347,21 +288,26 @@ def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, An
     return include_name
 
 
-def include_object_for(dialect_name: str) -> Callable[[Any, str | None, str, bool, Any], bool]:
-    """An Alembic ``include_object`` hook that skips the columns a backend shapes itself.
-
-    A model column whose ``info[BACKEND_SHAPED]`` names ``dialect_name`` is
-    created differently there by its migration (PostgreSQL's partition key),
-    so autogenerate and :func:`drift` leave it alone on that dialect.
-    """
+def _context_options(
+    dialect_name: str, target_metadata: MetaData, version_table: str
+) -> dict[str, Any]:
+    """Alembic context options for running or comparing a chain on ``dialect_name``."""
 
     def include_object(
         obj: Any, _name: str | None, type_: str, _reflected: bool, _compare_to: Any
     ) -> bool:
+        # A column a backend's migration creates its own way (PostgreSQL's partition key).
         shaped = getattr(obj, "info", {}).get(BACKEND_SHAPED, ()) if type_ == "column" else ()
         return dialect_name not in shaped
 
-    return include_object
+    return {
+        "target_metadata": target_metadata,
+        "version_table": version_table,
+        "render_as_batch": dialect_name == "sqlite",
+        "compare_type": True,
+        "include_name": include_name_for(target_metadata),
+        "include_object": include_object,
+    }
 
 
 def configure_context(
@@ -373,12 +319,7 @@ def configure_context(
     """Configure an Alembic environment context the way every run of a chain needs."""
     context.configure(
         connection=connection,
-        target_metadata=target_metadata,
-        version_table=version_table,
-        render_as_batch=connection.dialect.name == "sqlite",
-        compare_type=True,
-        include_name=include_name_for(target_metadata),
-        include_object=include_object_for(connection.dialect.name),
+        **_context_options(connection.dialect.name, target_metadata, version_table),
     )
 
 
@@ -406,10 +347,6 @@ def core_chain() -> MigrationChain:
     )
 
 
-_plugin_cache: dict[tuple[str, ...], tuple[MigrationChain, ...]] = {}
-_plugin_cache_lock = threading.Lock()
-
-
 def plugin_chains(dialect_name: str | None = None) -> list[MigrationChain]:
     """Every installed plugin chain (that applies to ``dialect_name``), validated.
 
@@ -421,16 +358,15 @@ def plugin_chains(dialect_name: str | None = None) -> list[MigrationChain]:
             core or another plugin (its name, distribution and table named).
 
     """
-    key = tuple(sys.path)
-    with _plugin_cache_lock:
-        chains = _plugin_cache.get(key)
-    if chains is None:
-        chains = tuple(_discover())
-        _validate(chains)
-        with _plugin_cache_lock:
-            _plugin_cache.clear()
-            _plugin_cache[key] = chains
+    chains = _installed_chains(tuple(sys.path))
     return [c for c in chains if dialect_name is None or c.applies_to(dialect_name)]
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_chains(_sys_path: tuple[str, ...]) -> tuple[MigrationChain, ...]:
+    chains = tuple(_discover())
+    _validate(chains)
+    return chains
 
 
 def _discover() -> Iterator[MigrationChain]:
@@ -458,9 +394,8 @@ def _discover() -> Iterator[MigrationChain]:
 
 def _validate(chains: Iterable[MigrationChain]) -> None:
     """Reject plugin chains that would touch what the core or another plugin owns."""
-    core = core_chain()
-    owners: dict[str, str] = {table: "a chatflow-sqlalchemy core table" for table in
-                              core.target_metadata.tables}
+    core_tables = core_chain().target_metadata.tables
+    owners = {table: "a chatflow-sqlalchemy core table" for table in core_tables}
     owners[VERSION_TABLE] = "chatflow-sqlalchemy's version table"
     owners["alembic_version"] = "Alembic's default version table (your application's)"
     for chain in chains:
@@ -475,8 +410,7 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
                 f"{chain.label} uses its own table {chain.version_table!r} as its version "
                 "table; give the chain a version table of its own. Nothing was migrated"
             )
-        claimed = [*chain.target_metadata.tables, chain.version_table]
-        for table in claimed:
+        for table in [*chain.target_metadata.tables, chain.version_table]:
             owner = owners.get(table)
             if owner is not None:
                 kind = "version table" if table == chain.version_table else "table"
@@ -485,7 +419,6 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
                     "may only create tables of its own (rename it, e.g. with the plugin's name "
                     "as prefix). Nothing was migrated; uninstall or fix the plugin"
                 )
-        for table in claimed:
             owners[table] = f"a table of {chain.label}"
         directory = Path(chain.directory())
         if not (directory / "versions").is_dir():
@@ -523,15 +456,11 @@ def find_chain(name: str, dialect_name: str | None = None) -> MigrationChain:
     raise MigrationPluginError(f"no migration chain named {name!r} (installed: {names})")
 
 
-@functools.lru_cache(maxsize=64)
-def _script_at(directory: str) -> ScriptDirectory:
-    config = Config()
-    config.set_main_option("script_location", directory.replace("%", "%%"))
-    return ScriptDirectory.from_config(config)
+_scripts_at = functools.lru_cache(maxsize=64)(ScriptDirectory)
 
 
 def _script(chain: MigrationChain | None = None) -> ScriptDirectory:
-    return _script_at((chain or core_chain()).directory())
+    return _scripts_at((chain or core_chain()).directory())
 
 
 # --------------------------------------------------------------------------- running
@@ -605,23 +534,24 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
         engine.dispose()
 
 
-_COMMANDS: dict[str, Callable[[Config, str], None]] = {
-    "upgrade": command.upgrade,
-    "downgrade": command.downgrade,
-    "stamp": command.stamp,
+_COMMANDS: dict[str, tuple[Callable[[Config, str], None], str]] = {
+    "upgrade": (command.upgrade, "upgraded"),
+    "downgrade": (command.downgrade, "downgraded"),
+    "stamp": (command.stamp, "stamped"),
 }
 
 
 def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
     """An Alembic Config that runs ``chain`` on ``connection`` through Alembic's commands.
 
-    Every chain runs through chatflow-sqlalchemy's ``env.py`` (it reads the
-    chain from ``config.attributes["chatflow_chain"]``); a plugin chain's
+    Every chain runs through chatflow-sqlalchemy's ``env.py``, which reads the
+    connection and the chain from ``config.attributes``; a plugin chain's
     ``versions/`` folder is its only version location, so a plugin ships
     revision files and nothing else.
     """
-    config = make_config(connection)
-    config.attributes["chatflow_chain"] = chain
+    config = Config()
+    config.set_main_option("script_location", script_location().replace("%", "%%"))
+    config.attributes.update(connection=connection, chatflow_chain=chain)
     if not chain.is_core:
         versions = str(Path(chain.directory()) / "versions")
         # One location; a newline never occurs in a path, ":" (os.pathsep) may.
@@ -629,11 +559,6 @@ def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
         config.set_main_option("version_path_separator", "newline")  # older releases
         config.set_main_option("version_locations", versions.replace("%", "%%"))
     return config
-
-
-def _apply(conn: Connection, chain: MigrationChain, action: str, revision: str) -> None:
-    """Run ``action`` (upgrade, downgrade, stamp) of ``chain`` to ``revision`` on ``conn``."""
-    _COMMANDS[action](_chain_config(conn, chain), revision)
 
 
 def head_revision(chain: MigrationChain | None = None) -> str:
@@ -651,22 +576,13 @@ def current_revision(conn: Connection, chain: MigrationChain | None = None) -> s
         return context.get_current_revision()
 
 
-def _read_current(engine: Engine, chain: MigrationChain | None = None) -> str | None:
-    with engine.connect() as conn:
-        try:
-            return current_revision(conn, chain)
-        finally:
-            conn.rollback()
-
-
-def chain_status(engine: Engine) -> list[ChainStatus]:
-    """Where the database stands on the core chain and every plugin chain that applies."""
-    chains = chains_for(engine.dialect.name)
-    with engine.connect() as conn:
-        try:
-            found = [current_revision(conn, chain) for chain in chains]
-        finally:
-            conn.rollback()
+def chain_status(
+    engine: Engine, chains: Iterable[MigrationChain] | None = None
+) -> list[ChainStatus]:
+    """Where the database stands on ``chains`` (default: core, then each plugin that applies)."""
+    chains = list(chains) if chains is not None else chains_for(engine.dialect.name)
+    with engine.connect() as conn:  # closing it rolls back what reading began
+        found = [current_revision(conn, chain) for chain in chains]
     return [
         ChainStatus(chain, current, head_revision(chain))
         for chain, current in zip(chains, found, strict=True)
@@ -742,8 +658,8 @@ def ensure_schema(
     if not allowed:
         require_existing_database(engine)
     with alembic_chatter_at_debug():
-        behind = [status for status in _chain_status_beside_migrators(engine, support)
-                  if not status.at_head]
+        statuses = _chain_status_beside_migrators(engine, support)
+        behind = [status for status in statuses if not status.at_head]
         if not behind:
             return
         for status in behind:
@@ -756,11 +672,9 @@ def ensure_schema(
 def _chain_status_beside_migrators(engine: Engine, support: DialectSupport) -> list[ChainStatus]:
     """:func:`chain_status`, read again under the migration lock if the quick read fails.
 
-    Reading the catalog while another process runs migration DDL can fail on
-    databases whose DDL is not transactional (MariaDB: error 1684, "skipped
-    since its definition is being modified by concurrent DDL statement").
-    That process holds the migration lock while it migrates, so the status is
-    read again once this one holds the lock.
+    Reading the catalog beside another process's migration DDL can fail where
+    DDL is not transactional (MariaDB error 1684); that process holds the
+    migration lock while it migrates, so read again once this one holds it.
     """
     try:
         return chain_status(engine)
@@ -778,10 +692,7 @@ def _database(engine: Engine) -> str:
 
 def _refuse(engine: Engine, status: ChainStatus) -> None:
     with engine.connect() as conn:
-        try:
-            found = describe_revision(conn, status.current, status.chain)
-        finally:
-            conn.rollback()
+        found = describe_revision(conn, status.current, status.chain)
     what = "the schema" if status.chain.is_core else f"the schema of {status.chain.label}"
     if status.current is not None:
         found = f"revision {found}"
@@ -820,9 +731,6 @@ def require_existing_database(engine: Engine) -> None:
         )
 
 
-_VERBS = {"upgrade": "upgraded", "downgrade": "downgraded", "stamp": "stamped"}
-
-
 def _run(
     engine: Engine,
     steps: list[tuple[MigrationChain, str, str]],
@@ -835,7 +743,7 @@ def _run(
         for chain, action, revision in steps:
             started = time.perf_counter()
             before = describe_revision(conn, current_revision(conn, chain), chain)
-            _apply(conn, chain, action, revision)
+            _COMMANDS[action][0](_chain_config(conn, chain), revision)
             after = describe_revision(conn, current_revision(conn, chain), chain)
             if after != before:
                 moved.append((chain, action, before, after, time.perf_counter() - started))
@@ -844,14 +752,8 @@ def _run(
         head = " (head)" if after == head_revision(chain) else ""
         logger.info(
             "%s %s%s from %s to %s%s in %.2f s",
-            _VERBS[action], _database(engine), where, before, after, head, seconds,
+            _COMMANDS[action][1], _database(engine), where, before, after, head, seconds,
         )
-
-
-def _chain_named(engine: Engine, chain: str | MigrationChain | None) -> MigrationChain | None:
-    if chain is None or isinstance(chain, MigrationChain):
-        return chain
-    return find_chain(chain, engine.dialect.name)
 
 
 def upgrade(
@@ -863,12 +765,7 @@ def upgrade(
     chain that applies; another revision upgrades the core chain only. With
     ``chain`` (``"core"`` or a plugin's name) only that chain moves.
     """
-    target = _chain_named(engine, chain)
-    if target is None and revision == "head":
-        chains = chains_for(engine.dialect.name)
-    else:
-        chains = [target or core_chain()]
-    _move(engine, chains, "upgrade", revision)
+    _move(engine, "upgrade", revision, chain, every_chain=revision == "head")
 
 
 def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
@@ -878,25 +775,38 @@ def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None 
     the core chain (dropping all tables); another revision moves the core
     chain only. With ``chain`` only that chain moves.
     """
-    target = _chain_named(engine, chain)
-    if target is None and revision == "base":
-        chains = [*reversed(plugin_chains(engine.dialect.name)), core_chain()]
-    else:
-        chains = [target or core_chain()]
-    _move(engine, chains, "downgrade", revision)
+    _move(engine, "downgrade", revision, chain, every_chain=revision == "base")
 
 
-def _move(engine: Engine, chains: list[MigrationChain], direction: str, revision: str) -> None:
+def _move(
+    engine: Engine,
+    action: str,
+    revision: str,
+    chain: str | MigrationChain | None,
+    *,
+    every_chain: bool,
+) -> None:
     """Refuse if any chain's database is ahead of the code, then move them all in one run."""
-    for item in chains:
-        check_not_ahead(_read_current(engine, item), item)
-    _run(engine, [(item, direction, revision) for item in chains])
+    if chain is None and every_chain:
+        chains = chains_for(engine.dialect.name)
+        if action == "downgrade":
+            chains.reverse()  # plugin chains first: their tables may refer to the core's
+    else:
+        chains = [_chain_named(engine, chain)]
+    for status in chain_status(engine, chains):
+        check_not_ahead(status.current, status.chain)
+    _run(engine, [(item, action, revision) for item in chains])
+
+
+def _chain_named(engine: Engine, chain: str | MigrationChain | None) -> MigrationChain:
+    if isinstance(chain, MigrationChain):
+        return chain
+    return find_chain(CORE_CHAIN if chain is None else chain, engine.dialect.name)
 
 
 def stamp(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
     """Record ``revision`` of the core chain (or ``chain``) as current without migrating."""
-    target = _chain_named(engine, chain) or core_chain()
-    _run(engine, [(target, "stamp", revision)])
+    _run(engine, [(_chain_named(engine, chain), "stamp", revision)])
 
 
 @dataclass(frozen=True)
@@ -907,14 +817,12 @@ class Revision:
     down_revision: str | None
     doc: str
     is_head: bool
-    chain: str = field(default=CORE_CHAIN)
+    chain: str = CORE_CHAIN
 
 
 def history(chain: MigrationChain | None = None) -> list[Revision]:
     """A migration chain (the core's by default), oldest first."""
     target = chain or core_chain()
-    revisions = list(_script(target).walk_revisions())
-    revisions.reverse()
     return [
         Revision(
             revision=rev.revision,
@@ -923,7 +831,7 @@ def history(chain: MigrationChain | None = None) -> list[Revision]:
             is_head=rev.is_head,
             chain=target.name,
         )
-        for rev in revisions
+        for rev in reversed(list(_script(target).walk_revisions()))
     ]
 
 
@@ -936,24 +844,14 @@ def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
     chains = [chain] if chain is not None else chains_for(engine.dialect.name)
     found: list[str] = []
     with alembic_chatter_at_debug(), engine.connect() as conn:
-        try:
-            for item in chains:
-                context = MigrationContext.configure(
-                    conn,
-                    opts={
-                        "version_table": item.version_table,
-                        "compare_type": True,
-                        "include_name": include_name_for(item.target_metadata),
-                        "include_object": include_object_for(conn.dialect.name),
-                    },
-                )
-                prefix = "" if item.is_core or chain is not None else f"plugin {item.name}: "
-                found += [
-                    prefix + _describe_diff(diff)
-                    for diff in compare_metadata(context, item.target_metadata)
-                ]
-        finally:
-            conn.rollback()
+        for item in chains:
+            options = _context_options(conn.dialect.name, item.target_metadata, item.version_table)
+            context = MigrationContext.configure(conn, opts=options)
+            prefix = "" if item.is_core or chain is not None else f"plugin {item.name}: "
+            found += [
+                prefix + _describe_diff(diff)
+                for diff in compare_metadata(context, item.target_metadata)
+            ]
     return found
 
 
