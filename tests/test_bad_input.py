@@ -79,9 +79,11 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[
             def open_one() -> Any:
                 return stack.enter_context(pg_util.schema_store(url, schema))
         else:
-            from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
-
+            plugin = pytest.importorskip(
+                "chatflow_sqlalchemy_mariadb", reason="the MariaDB plugin is not installed"
+            )
             database = _mariadb_database(stack)
+            MariaDBSessionStore = plugin.MariaDBSessionStore
 
             def open_one() -> Any:
                 return stack.enter_context(MariaDBSessionStore(database))
