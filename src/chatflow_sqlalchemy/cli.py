@@ -103,13 +103,10 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 def clean(text: object, *, newlines: bool = False) -> str:
-    r"""``text`` safe for a terminal: control characters shown as escapes.
+    r"""``text`` safe for a terminal: C0/C1 controls, DEL and bidi overrides as ``\x1b``-style text.
 
-    ESC (and so every CSI/OSC sequence), the other C0 and C1 controls, CR,
-    DEL and Unicode bidi overrides become ``\x1b``-style text, so stored
-    chat content can neither drive the terminal nor spoof a line. With
-    ``newlines=True`` a newline stays a newline (for message bodies printed
-    on their own lines).
+    Stored chat content can then neither drive the terminal nor spoof a line. With
+    ``newlines=True`` a newline stays a newline (message bodies printed on their own lines).
     """
     pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
     return pattern.sub(_escape_char, str(text))
@@ -126,11 +123,7 @@ _RST_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
 
 
 def plain_rst(text: str) -> str:
-    """``text`` written in reStructuredText, as plain text for a terminal.
-
-    Roles (``:func:`x```) and literals (double or single backquotes) keep
-    only their text, so migration notes read as sentences.
-    """
+    """``text`` written in reStructuredText, as plain text: roles and literals keep their text."""
     text = _RST_ROLE.sub(lambda m: m.group(1), text)
     return _RST_LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
@@ -178,11 +171,7 @@ _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "
 
 
 def _resolve_url(given: str | None) -> URL:
-    """The URL to use: ``--url`` (after the command, else before it), env, default file.
-
-    Read by :func:`~chatflow_sqlalchemy.urls.parse_database_url`, so the CLI refuses
-    exactly the URLs the stores refuse, with the same fix.
-    """
+    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
     from chatflow_sqlalchemy.exceptions import DatabaseURLError
     from chatflow_sqlalchemy.urls import parse_database_url
 
@@ -526,13 +515,8 @@ def _read_revision(engine: Engine, chain: migrate_module.MigrationChain) -> str 
 
 
 def _move(
-    url_option: str | None,
-    revision: str,
-    chain_name: str | None,
-    *,
-    down: bool,
-    yes: bool = False,
-    as_json: bool = False,
+    url_option: str | None, revision: str, chain_name: str | None, *,
+    down: bool, yes: bool = False, as_json: bool = False,
 ) -> None:
     """Upgrade or downgrade, then report how each chain moved (plugins first going down)."""
     from chatflow_sqlalchemy import migrate
@@ -615,21 +599,12 @@ def db_downgrade(
 
 
 def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstream: bool) -> Any:
-    return {
-        "database": _safe_url(url),
-        "chains": [
-            {
-                "chain": s.chain.name,
-                "distribution": s.chain.distribution or None,
-                "current": s.current,
-                "head": s.head,
-                "at_head": s.at_head,
-                "description": _label(s.current, s.chain, upstream=upstream),
-            }
-            for s in statuses
-        ],
-        "at_head": all(s.at_head for s in statuses),
-    }
+    return {"database": _safe_url(url), "chains": [
+        {"chain": s.chain.name, "distribution": s.chain.distribution or None,
+         "current": s.current, "head": s.head, "at_head": s.at_head,
+         "description": _label(s.current, s.chain, upstream=upstream)}
+        for s in statuses
+    ], "at_head": all(s.at_head for s in statuses)}
 
 
 def _db_status(
@@ -796,8 +771,7 @@ class _MessageRow:
 class _SessionRecord:
     """One session as stored: its row, its metadata (or why it is unreadable), its messages.
 
-    ``rows``: the window (or, for ``show --all``, the transcript, archived
-    rows included); ``archived``: the archive, read for ``export`` only.
+    ``rows``: the window (for ``show --all``, the transcript); ``archived``: for ``export``.
     """
 
     session_id: str
@@ -856,21 +830,16 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
 
 
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
-    from sqlalchemy import Table, Text, cast, select
+    from sqlalchemy import Text, cast, select
 
     from chatflow_sqlalchemy.models import ChatflowSession
 
-    table: Table = ChatflowSession.__table__  # type: ignore[assignment]
+    c = ChatflowSession.__table__.c
     query = select(
-        table.c.session_id,
-        table.c.active_agent_name,
-        table.c.created_at,
-        table.c.updated_at,
-        cast(table.c.metadata_json, Text).label("metadata_text"),
-    ).order_by(table.c.updated_at.desc(), table.c.session_id)
-    if session_ids is not None:
-        query = query.where(table.c.session_id.in_(session_ids))
-    return query
+        c.session_id, c.active_agent_name, c.created_at, c.updated_at,
+        cast(c.metadata_json, Text).label("metadata_text"),
+    ).order_by(c.updated_at.desc(), c.session_id)
+    return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 
 def _messages(conn: Connection, session_id: str, archive: bool = False) -> list[Any]:
@@ -893,7 +862,6 @@ def _record(
 
     ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
     ``archived``: the archive is also read into ``archived`` (for export).
-    Every corrupt row, archived ones included, is in ``problems()``.
     """
     from chatflow_agent import Message
 
@@ -1234,18 +1202,14 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
     problems = record.problems()
     if as_json:
         corrupt = {"reason": record.metadata_error, "raw": record.metadata_raw}
+        key = record.metadata_locked_by
         _emit(True, {
-            "session_id": record.session_id,
-            "active_agent_name": record.agent,
-            "created_at": _iso(record.created_at),
-            "updated_at": _iso(record.updated_at),
+            "session_id": record.session_id, "active_agent_name": record.agent,
+            "created_at": _iso(record.created_at), "updated_at": _iso(record.updated_at),
             "metadata": record.metadata,
             "metadata_corrupt": None if record.metadata_error is None else corrupt,
-            "metadata_locked": None
-            if record.metadata_locked_by is None
-            else {"key_id": record.metadata_locked_by},
-            "turns": turns,
-            "messages": [_message_json(row) for row in record.rows],
+            "metadata_locked": None if key is None else {"key_id": key},
+            "turns": turns, "messages": [_message_json(row) for row in record.rows],
         })
     else:
         groups = _group_turns(record.rows)
@@ -1261,22 +1225,17 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
             "or delete the session"
         )
     locked = record.locked()
-    if locked:
-        failures.append(_locked_failure(locked))
+    if locked:  # what to do about parts encrypted with keys not in $CHATFLOW_KEYS
+        keys = sorted({key for key, _ in locked})
+        named = ", ".join(clean(repr(key)) for key in keys)
+        failures.append(
+            f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
+            f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key "
+            f"to CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
+        )
     if failures:
         raise CliError("; ".join(failures), EXIT_FAILED)
     return EXIT_OK
-
-
-def _locked_failure(locked: Sequence[tuple[str, str]]) -> str:
-    """What to do about parts encrypted with keys not in ``$CHATFLOW_KEYS``."""
-    keys = sorted({key for key, _ in locked})
-    named = ", ".join(clean(repr(key)) for key in keys)
-    return (
-        f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
-        f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key to "
-        f"CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
-    )
 
 
 # --------------------------------------------------------------------------- delete / export
@@ -1349,11 +1308,7 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
 
 
 def _check_output(target: Path) -> None:
-    """Refuse an ``--output`` that exists and is not a regular file (never following a link).
-
-    Replacing a symlink, a FIFO, a device or a folder would not write where
-    the user meant: they are refused before anything is read or written.
-    """
+    """Refuse an ``--output`` that exists and is not a regular file (never following a link)."""
     import stat
 
     try:
@@ -1375,11 +1330,9 @@ def _check_output(target: Path) -> None:
 
 
 def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
-    """Run ``write`` on a private file beside ``target``, then rename it over ``target``.
+    """Run ``write`` on a private (0600) file beside ``target``, then rename it over ``target``.
 
-    The new file is mode 0600 whatever the umask (mkstemp's guarantee);
-    ``target`` is replaced atomically only if ``write`` succeeds, and only
-    while it is absent or a regular file (:func:`_check_output`).
+    ``target`` is replaced only if ``write`` succeeds and it is still absent or a regular file.
     """
     import tempfile
 
@@ -1722,10 +1675,8 @@ def users_export(user_id: str, output: str | None, as_json: bool, url: str | Non
 def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]:
     """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
 
-    For the read commands: returns ``(value, None)``, or ``(stored, why)``
-    when a sealed value does not open -- a ``MissingKeyError`` when its key
-    is not in ``$CHATFLOW_KEYS`` (locked, not corrupt), else the
-    ``CorruptRowError`` saying what is wrong with it.
+    Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
+    ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
     """
     from chatflow_sqlalchemy.crypto import is_encrypted
     from chatflow_sqlalchemy.exceptions import CorruptRowError
@@ -1915,11 +1866,9 @@ def _password_of(raw: str) -> str | None:
 
 
 def _redact(message: str, urls: Sequence[str | None]) -> str:
-    """Remove the URLs' passwords from ``message``, whatever produced it.
+    """Remove the URLs' passwords from ``message`` (in case a driver quotes the URL).
 
-    Messages built here never contain one; this guards against a driver or
-    library quoting the URL. Short passwords are only masked where they
-    appear as ``:password@`` so ordinary words are not mangled.
+    Short passwords are only masked as ``:password@``, so ordinary words are not mangled.
     """
     from urllib.parse import quote, quote_plus
 
@@ -1939,32 +1888,22 @@ def _fail(message: str, code: int, urls: Sequence[str]) -> int:
     return code
 
 
-def _usage_error(exc: click.UsageError) -> int:
-    """A Click usage error as one line, with where to find help."""
-    ctx = exc.ctx
-    where = ctx.command_path if ctx is not None else PROG
-    click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
-    return EXIT_USAGE
-
-
-def _known_error(exc: Exception, urls: Sequence[str]) -> int | None:
-    """Exit code for an expected error (reported as one line); None for a bug."""
+def _known_error(exc: Exception) -> str | None:
+    """The one-line message of an expected error (exit 2); None for a bug."""
     from alembic.util.exc import CommandError
     from sqlalchemy import exc as sa_exc
 
     from chatflow_sqlalchemy.exceptions import ChatflowStoreError
 
     if isinstance(exc, sa_exc.ArgumentError):
-        return _fail(f"invalid database URL: {exc}", EXIT_USAGE, urls)
+        return f"invalid database URL: {exc}"
     if isinstance(exc, (ChatflowStoreError, CommandError)):
-        return _fail(str(exc), EXIT_USAGE, urls)
+        return str(exc)
     if isinstance(exc, sa_exc.SQLAlchemyError):
-        return _fail(f"database error: {_db_error_reason(exc)}", EXIT_USAGE, urls)
+        return f"database error: {_db_error_reason(exc)}"
     if isinstance(exc, ImportError):
-        return _fail(f"{exc}; install the database driver for this URL", EXIT_USAGE, urls)
-    if isinstance(exc, OSError):
-        return _fail(str(exc), EXIT_USAGE, urls)
-    return None
+        return f"{exc}; install the database driver for this URL"
+    return str(exc) if isinstance(exc, OSError) else None
 
 
 def _quiet_broken_pipe() -> int:
@@ -1978,7 +1917,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code (see the module docstring).
+    """Run the command line; return the exit code (docs/cli.md lists them).
 
     Args:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
@@ -1997,9 +1936,11 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare group: its help, not an error
         click.echo(exc.ctx.get_help() if exc.ctx is not None else "")
         return EXIT_OK
-    except click.UsageError as exc:
-        return _usage_error(exc)
-    except click.Abort:
+    except click.UsageError as exc:  # one line, with where to find help
+        where = exc.ctx.command_path if exc.ctx is not None else PROG
+        click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
+        return EXIT_USAGE
+    except (click.Abort, KeyboardInterrupt):
         return _fail("interrupted", EXIT_INTERRUPTED, urls)
     except click.ClickException as exc:
         return _fail(exc.format_message(), exc.exit_code, urls)
@@ -2007,13 +1948,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), exc.code, urls)
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED, urls)
     except Exception as exc:
-        code = _known_error(exc, urls)
-        if code is None:
+        message = _known_error(exc)
+        if message is None:
             raise
-        return code
+        return _fail(message, EXIT_USAGE, urls)
     return result if isinstance(result, int) else EXIT_OK
 
 
