@@ -1,39 +1,15 @@
-r"""The ``chatflow-sqlalchemy`` command line (Click, with Rich output on a terminal).
+"""The ``chatflow-sqlalchemy`` command line (Click, with Rich output on a terminal).
 
-Commands: ``db upgrade|downgrade|current|check|history|stamp``,
-``sessions list|show|delete|export|sweep``, ``dedup list|count|purge|release``,
-``users export|erase``, ``keys rotate``, ``backends``, ``demo``; ``--version``.
-docs/cli.md is the reference: every option, the JSON documents, the exit codes.
-
-The URL comes from ``--url`` (accepted before or after the command), else
-``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
-
-Read commands never create, migrate or write anything: a missing SQLite file
-is an error naming the path, and a schema behind head is an error naming
-``chatflow-sqlalchemy db upgrade``. SQLite files are opened read-only for
-them. Only ``db upgrade|downgrade|stamp`` change the schema.
-
-Destructive commands ask first; with ``--yes`` they do not ask, and without a
-terminal on stdin they refuse unless ``--yes`` is given. ``--json`` on every
-command prints one JSON document (times are ISO 8601 with offset).
-
-Exit codes: 0 success (or help printed for a missing command); 1 the command
-ran and failed (``db check`` behind or drifted, no such session, corrupt or
-locked rows, a question answered no); 2 usage error or bad input; 130
-interrupted.
-
-Expected errors print one ``error: ...`` line on stderr, never a traceback,
-and never the URL's password. All output is cleaned of terminal control
-characters (escape sequences, C0/C1 controls, bidi overrides), which are
-shown as ``\x1b``-style escapes; Rich markup in stored text prints literally.
-Piped output is plain text.
-
-Importing this module loads neither SQLAlchemy, Alembic, chatflow-agent nor
-Rich, so ``--help`` answers at once; each command imports what it needs.
+docs/cli.md is the reference: every command and option, the JSON documents, the exit
+codes. Read commands never create, migrate or write anything; expected errors are one
+``error:`` line without the URL's password; output is cleaned of terminal controls.
+Importing this module loads neither SQLAlchemy, Alembic, chatflow-agent nor Rich, so
+``--help`` answers at once: each command imports what it needs.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,9 +17,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -54,7 +30,9 @@ if TYPE_CHECKING:
 
     from chatflow_sqlalchemy import migrate as migrate_module
     from chatflow_sqlalchemy.dialect import DialectSupport
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.lifecycle import ListFilters
+    from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
     "EXIT_FAILED",
@@ -125,24 +103,17 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 def clean(text: object, *, newlines: bool = False) -> str:
-    r"""``text`` safe for a terminal: control characters shown as escapes.
+    r"""``text`` safe for a terminal: C0/C1 controls, DEL and bidi overrides as ``\x1b``-style text.
 
-    ESC (and so every CSI/OSC sequence), the other C0 and C1 controls, CR,
-    DEL and Unicode bidi overrides become ``\x1b``-style text, so stored
-    chat content can neither drive the terminal nor spoof a line. With
-    ``newlines=True`` a newline stays a newline (for message bodies printed
-    on their own lines).
+    Stored chat content can then neither drive the terminal nor spoof a line. With
+    ``newlines=True`` a newline stays a newline (message bodies printed on their own lines).
     """
     pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
     return pattern.sub(_escape_char, str(text))
 
 
 def _json_text(value: Any, **kwargs: Any) -> str:
-    r"""JSON for output: readable non-ASCII text, but no raw C1 or bidi characters.
-
-    ``json.dumps`` escapes C0 controls itself; the rest are replaced by their
-    ``\uXXXX`` escape, which decodes to the same string.
-    """
+    """JSON for output: readable non-ASCII text, C1 and bidi characters escaped (as C0)."""
     text = json.dumps(value, ensure_ascii=False, default=str, **kwargs)
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
@@ -152,17 +123,15 @@ _RST_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
 
 
 def plain_rst(text: str) -> str:
-    """``text`` written in reStructuredText, as plain text for a terminal.
-
-    Roles (``:func:`x```) and literals (double or single backquotes) keep
-    only their text, so migration notes read as sentences.
-    """
+    """``text`` written in reStructuredText, as plain text: roles and literals keep their text."""
     text = _RST_ROLE.sub(lambda m: m.group(1), text)
     return _RST_LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
 
-def _emit_json(value: Any) -> None:
-    click.echo(_json_text(value, indent=2, sort_keys=False))
+def _emit(as_json: bool, document: Any, *lines: str) -> None:
+    """A command's result: ``document`` as JSON with ``--json``, else ``lines`` of text."""
+    for line in [_json_text(document, indent=2)] if as_json else lines:
+        click.echo(line)
 
 
 def _rich_console() -> Console | None:
@@ -175,23 +144,19 @@ def _rich_console() -> Console | None:
     return Console(file=sys.stdout, highlight=False, force_terminal=True if forced else None)
 
 
-def _plain_table(rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-        click.echo("  ".join(cells).rstrip())
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> None:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """Print rows (already cleaned) as a Rich table on a terminal, aligned text otherwise."""
     console = _rich_console()
     if console is None:
-        _plain_table([list(header), *rows])
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+            click.echo("  ".join(cells).rstrip())
         return
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, header_style="bold", show_lines=False)
+    table = Table(header_style="bold", show_lines=False)
     for name in header:
         table.add_column(name, overflow="fold")
     for row in rows:
@@ -206,11 +171,7 @@ _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "
 
 
 def _resolve_url(given: str | None) -> URL:
-    """The URL to use: ``--url`` (after the command, else before it), env, default file.
-
-    Read by :func:`~chatflow_sqlalchemy.urls.parse_database_url`, so the CLI refuses
-    exactly the URLs the stores refuse, with the same fix.
-    """
+    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
     from chatflow_sqlalchemy.exceptions import DatabaseURLError
     from chatflow_sqlalchemy.urls import parse_database_url
 
@@ -252,19 +213,11 @@ def _db_error_reason(exc: BaseException) -> str:
 
 
 def _dialect_support(url: URL) -> DialectSupport:
-    """The backend's dialect hooks for ``url`` (the generic ones when it has none)."""
+    """The backend's dialect hooks; loading it first reports a missing driver's pip extra."""
     from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.registry import backend_name_for_url, load_backend
 
-    support = load_backend(backend_name_for_url(url)).dialect_support
-    return support if support is not None else DialectSupport()
-
-
-def _load_backend(url: URL) -> None:
-    """Import the URL's backend first: a missing driver is reported with its pip extra."""
-    from chatflow_sqlalchemy.registry import backend_name_for_url, load_backend
-
-    load_backend(backend_name_for_url(url))
+    return load_backend(backend_name_for_url(url)).dialect_support or DialectSupport()
 
 
 @contextmanager
@@ -299,24 +252,11 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
-def _require_file(url: URL) -> Path | None:
-    """Refuse a SQLite URL whose file does not exist (SQLite would create it on connect)."""
-    path = _sqlite_file(url)
-    if path is not None and not path.is_file():
-        raise CliError(
-            f"no SQLite database at {clean(str(path))!r} (nothing was created); "
-            f"check the URL, or create it with: {PROG} db upgrade"
-        )
-    return path
-
-
 def _read_only_sqlite(url: URL, path: Path) -> Engine:
     """An engine whose connections open an existing ``path`` query-only.
 
-    ``mode=rw`` never creates the file (a race with a deletion fails instead
-    of creating an empty database) and, unlike ``mode=ro``, lets the last
-    connection remove the ``-wal``/``-shm`` files it needed, so a read leaves
-    the folder as it found it. ``PRAGMA query_only`` refuses any write.
+    ``mode=rw`` never creates the file and, unlike ``mode=ro``, lets the last
+    connection remove the ``-wal``/``-shm`` files, so a read leaves the folder as it was.
     """
     import sqlite3
     from urllib.parse import quote
@@ -338,16 +278,17 @@ def _read_only_sqlite(url: URL, path: Path) -> Engine:
 
 
 @contextmanager
-def _engine(url: URL, *, read_only: bool, must_exist: bool = True) -> Iterator[Engine]:
-    """An engine that looks at the database as it is (never migrates), disposed after.
-
-    Read-only engines open SQLite files query-only, never creating them; every engine
-    connects once up front so an unreachable database is reported as such.
-    """
+def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
+    """An engine on the database as it is (never migrated; connected once up front)."""
     from chatflow_sqlalchemy import migrate
 
-    _load_backend(url)
-    path = _require_file(url) if must_exist else None
+    _dialect_support(url)
+    path = _sqlite_file(url)
+    if path is not None and not path.is_file():  # SQLite would create it on connect
+        raise CliError(
+            f"no SQLite database at {clean(str(path))!r} (nothing was created); "
+            f"check the URL, or create it with: {PROG} db upgrade"
+        )
     engine = _read_only_sqlite(url, path) if read_only and path else migrate.open_engine(url)
     try:
         with _database_errors(url, "cannot reach"), engine.connect():
@@ -380,14 +321,19 @@ def _label(
     return UPSTREAM_LABEL if upstream else "none (empty database)"
 
 
-def _require_head(engine: Engine, url: URL) -> None:
-    """Refuse (exit 2) unless every chain is at head: read commands never migrate."""
+def _statuses(engine: Engine) -> list[migrate_module.ChainStatus]:
+    """Every chain's status, refusing a database ahead of this package."""
     from chatflow_sqlalchemy import migrate
 
     statuses = migrate.chain_status(engine)
     for status in statuses:
         migrate.check_not_ahead(status.current, status.chain)
-    behind = [status for status in statuses if not status.at_head]
+    return list(statuses)
+
+
+def _require_head(engine: Engine, url: URL) -> None:
+    """Refuse (exit 2) unless every chain is at head: read commands never migrate."""
+    behind = [status for status in _statuses(engine) if not status.at_head]
     if not behind:
         return
     first = behind[0]
@@ -400,10 +346,10 @@ def _require_head(engine: Engine, url: URL) -> None:
 
 
 @contextmanager
-def _reading(url_option: str | None) -> Iterator[tuple[URL, Engine]]:
-    """A read-only engine on a database whose schema is at head."""
+def _database(url_option: str | None, *, write: bool = False) -> Iterator[tuple[URL, Engine]]:
+    """An engine on an existing database whose schema is at head (read-only unless ``write``)."""
     url = _resolve_url(url_option)
-    with _engine(url, read_only=True) as engine:
+    with _engine(url, read_only=not write) as engine:
         _require_head(engine, url)
         yield url, engine
 
@@ -431,12 +377,6 @@ def _confirm(question: str, yes: bool) -> None:
         raise CliError("not confirmed; nothing was changed", EXIT_FAILED)
 
 
-def _yes_option(func: Callable[..., _T]) -> Callable[..., _T]:
-    return click.option(
-        "--yes", "-y", is_flag=True, help="do not ask for confirmation (needed without a terminal)"
-    )(func)
-
-
 # --------------------------------------------------------------------------- formatting
 
 
@@ -456,19 +396,33 @@ def _format_content(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
 
 
-def _url_option(func: Callable[..., _T]) -> Callable[..., _T]:
-    return click.option(
-        "--url",
-        metavar="URL",
-        default=None,
-        help="database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)",
-    )(func)
+_SHARED_OPTIONS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "yes": (["--yes", "-y"], {"help": "do not ask for confirmation (needed without a terminal)"}),
+    "json": (["--json", "as_json"], {"help": "print one JSON document (for scripts)"}),
+    "url": (["--url"], {
+        "metavar": "URL", "is_flag": False, "default": None,
+        "help": "database URL (default: $CHATFLOW_DATABASE_URL, else sqlite:///chatflow.db)",
+    }),
+}
 
 
-def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
-    return click.option(
-        "--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"
-    )(func)
+def _shared_option(name: str) -> click.Option:
+    decls, attrs = _SHARED_OPTIONS[name]
+    return click.Option(decls, **{"is_flag": True, **attrs})
+
+
+def _command(
+    group: click.Group, name: str, *, yes: bool = False, url: bool = True
+) -> Callable[[Callable[..., Any]], click.Command]:
+    """``group.command(name)`` with the shared options after its own: --yes, --json, --url."""
+    shared = [key for key, wanted in (("yes", yes), ("json", True), ("url", url)) if wanted]
+
+    def decorate(func: Callable[..., Any]) -> click.Command:
+        command = group.command(name)(func)
+        command.params.extend(_shared_option(key) for key in shared)
+        return command
+
+    return decorate
 
 
 # --------------------------------------------------------------------------- the groups
@@ -483,12 +437,14 @@ def _json_option(func: Callable[..., _T]) -> Callable[..., _T]:
 @click.version_option(
     package_name="chatflow-sqlalchemy", prog_name=PROG, message="%(prog)s %(version)s"
 )
-@_url_option
 @click.pass_context
 def cli(ctx: click.Context, url: str | None) -> None:
     """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids."""
     if ctx.invoked_subcommand is None:  # only options (--url X): the help, not an error
         click.echo(ctx.get_help())
+
+
+cli.params.append(_shared_option("url"))
 
 
 @cli.group(no_args_is_help=True)
@@ -548,9 +504,7 @@ def _check_revision(revision: str, chains: Sequence[migrate_module.MigrationChai
 
 
 def _prefix(url: URL, chain: migrate_module.MigrationChain) -> str:
-    if chain.is_core:
-        return f"{_safe_url(url)}:"
-    return f"{_safe_url(url)}: plugin {chain.name}:"
+    return f"{_safe_url(url)}:" + ("" if chain.is_core else f" plugin {chain.name}:")
 
 
 def _read_revision(engine: Engine, chain: migrate_module.MigrationChain) -> str | None:
@@ -561,13 +515,8 @@ def _read_revision(engine: Engine, chain: migrate_module.MigrationChain) -> str 
 
 
 def _move(
-    url_option: str | None,
-    revision: str,
-    chain_name: str | None,
-    *,
-    down: bool,
-    yes: bool = False,
-    as_json: bool = False,
+    url_option: str | None, revision: str, chain_name: str | None, *,
+    down: bool, yes: bool = False, as_json: bool = False,
 ) -> None:
     """Upgrade or downgrade, then report how each chain moved (plugins first going down)."""
     from chatflow_sqlalchemy import migrate
@@ -591,21 +540,16 @@ def _move(
             migrate.upgrade(engine, revision, chain_name)
         after = [_read_revision(engine, chain) for chain in chains]
     if as_json:
-        _emit_json(
-            {
-                "database": _safe_url(url),
-                "chains": [
-                    {"chain": chain.name, "from": old, "to": new,
-                     "at_head": new == migrate.head_revision(chain)}
-                    for chain, old, new in zip(chains, before, after, strict=True)
-                ],
-            }
-        )
+        _emit(True, {"database": _safe_url(url), "chains": [
+            {"chain": chain.name, "from": old, "to": new,
+             "at_head": new == migrate.head_revision(chain)}
+            for chain, old, new in zip(chains, before, after, strict=True)
+        ]})
         return
     verb = "downgraded" if down else "upgraded"
     for chain, old, new in zip(chains, before, after, strict=True):
         suffix = " (head)" if not down and new == migrate.head_revision(chain) else ""
-        shown_old = _label(old, chain, upstream=upstream and chain.is_core)
+        shown_old = _label(old, chain, upstream=upstream)
         if old == new:
             moved = f"already at revision {shown_old}{suffix}"
         else:
@@ -627,11 +571,9 @@ def _prepare_new_sqlite_file(url: URL, *, create: bool) -> None:
         raise CliError(f"cannot create {clean(str(path))!r}: {exc.strerror}") from None
 
 
-@db.command("upgrade")
+@_command(db, "upgrade")
 @click.argument("revision", default="head")
 @click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
-@_json_option
-@_url_option
 def db_upgrade(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
     """Upgrade the schema (default: every chain to head).
 
@@ -641,12 +583,9 @@ def db_upgrade(revision: str, chain_name: str | None, as_json: bool, url: str | 
     _move(url, revision, chain_name, down=False, as_json=as_json)
 
 
-@db.command("downgrade")
+@_command(db, "downgrade", yes=True)
 @click.argument("revision")
 @click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
-@_yes_option
-@_json_option
-@_url_option
 def db_downgrade(
     revision: str, chain_name: str | None, yes: bool, as_json: bool, url: str | None
 ) -> None:
@@ -660,46 +599,40 @@ def db_downgrade(
 
 
 def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstream: bool) -> Any:
-    return {
-        "database": _safe_url(url),
-        "chains": [
-            {
-                "chain": s.chain.name,
-                "distribution": s.chain.distribution or None,
-                "current": s.current,
-                "head": s.head,
-                "at_head": s.at_head,
-                "description": _label(s.current, s.chain, upstream=upstream and s.chain.is_core),
-            }
-            for s in statuses
-        ],
-        "at_head": all(s.at_head for s in statuses),
-    }
+    return {"database": _safe_url(url), "chains": [
+        {"chain": s.chain.name, "distribution": s.chain.distribution or None,
+         "current": s.current, "head": s.head, "at_head": s.at_head,
+         "description": _label(s.current, s.chain, upstream=upstream)}
+        for s in statuses
+    ], "at_head": all(s.at_head for s in statuses)}
 
 
-@db.command("current")
-@_json_option
-@_url_option
-def db_current(as_json: bool, url: str | None) -> None:
-    """Show the database's revision of every chain."""
+def _db_status(
+    url_option: str | None, *, drift: bool = False
+) -> tuple[URL, list[migrate_module.ChainStatus], bool, list[str]]:
+    """(URL, chain statuses, upstream tables?, drift from the models when at head), read-only."""
     from chatflow_sqlalchemy import migrate
 
-    parsed = _resolve_url(url)
-    with _engine(parsed, read_only=True) as engine:
-        statuses = migrate.chain_status(engine)
-        for status in statuses:
-            migrate.check_not_ahead(status.current, status.chain)
+    url = _resolve_url(url_option)
+    with _engine(url, read_only=True) as engine:
+        statuses = _statuses(engine)
         upstream = statuses[0].current is None and _has_upstream_tables(engine)
+        at_head = all(s.at_head for s in statuses)
+        return url, statuses, upstream, migrate.drift(engine) if drift and at_head else []
+
+
+@_command(db, "current")
+def db_current(as_json: bool, url: str | None) -> None:
+    """Show the database's revision of every chain."""
+    parsed, statuses, upstream, _ = _db_status(url)
     if as_json:
-        _emit_json(_status_json(parsed, statuses, upstream))
+        _emit(True, _status_json(parsed, statuses, upstream))
         return
     click.echo(f"database: {_safe_url(parsed)}")
     for status in statuses:
-        if status.chain.is_core:
-            name = "revision"
-        else:
-            name = f"plugin {status.chain.name} ({status.chain.distribution})"
-        shown = _label(status.current, status.chain, upstream=upstream and status.chain.is_core)
+        chain = status.chain
+        name = "revision" if chain.is_core else f"plugin {chain.name} ({chain.distribution})"
+        shown = _label(status.current, status.chain, upstream=upstream)
         if status.at_head:
             click.echo(f"{name}: {status.current} (head)")
         else:
@@ -708,39 +641,9 @@ def db_current(as_json: bool, url: str | None) -> None:
         click.echo(UPGRADE_HINT)
 
 
-def _history_json(chain: migrate_module.MigrationChain) -> Any:
-    from chatflow_sqlalchemy import migrate
-
-    return {
-        "chain": chain.name,
-        "distribution": chain.distribution or None,
-        "version_table": chain.version_table,
-        "revisions": [
-            {
-                "revision": rev.revision,
-                "down_revision": rev.down_revision,
-                "is_head": rev.is_head,
-                "doc": plain_rst(rev.doc),
-            }
-            for rev in reversed(migrate.history(chain))
-        ],
-    }
-
-
-def _print_history(chain: migrate_module.MigrationChain) -> None:
-    from chatflow_sqlalchemy import migrate
-
-    for rev in reversed(migrate.history(chain)):
-        marker = " (head)" if rev.is_head else ""
-        doc = clean(plain_rst(rev.doc))
-        click.echo(f"{rev.down_revision or '<base>'} -> {rev.revision}{marker}: {doc}")
-
-
-@db.command("history")
+@_command(db, "history")
 @click.option("--chain", "chain_name", metavar="NAME", help="this chain instead of the core's")
 @click.option("--all", "show_all", is_flag=True, help="also every installed plugin's chain")
-@_json_option
-@_url_option
 def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str | None) -> None:
     """List the migration chain, newest first.
 
@@ -754,7 +657,16 @@ def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str |
         else [migrate.core_chain(), *(migrate.plugin_chains() if show_all else [])]
     )
     if as_json:
-        _emit_json({"chains": [_history_json(chain) for chain in chains]})
+        _emit(True, {"chains": [{
+            "chain": chain.name,
+            "distribution": chain.distribution or None,
+            "version_table": chain.version_table,
+            "revisions": [
+                {"revision": rev.revision, "down_revision": rev.down_revision,
+                 "is_head": rev.is_head, "doc": plain_rst(rev.doc)}
+                for rev in reversed(migrate.history(chain))
+            ],
+        } for chain in chains]})
         return
     for index, chain in enumerate(chains):
         if index:
@@ -764,35 +676,28 @@ def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str |
                 f"plugin {chain.name} ({chain.distribution}; version table "
                 f"{chain.version_table}; {dialects}):"
             )
-        _print_history(chain)
+        for rev in reversed(migrate.history(chain)):
+            marker = " (head)" if rev.is_head else ""
+            doc = clean(plain_rst(rev.doc))
+            click.echo(f"{rev.down_revision or '<base>'} -> {rev.revision}{marker}: {doc}")
 
 
-@db.command("check")
-@_json_option
-@_url_option
+@_command(db, "check")
 def db_check(as_json: bool, url: str | None) -> int:
     """Check the schema is at head and matches the models.
 
     Exit 0 if it is, else 1 (read-only).
     """
-    from chatflow_sqlalchemy import migrate
-
-    parsed = _resolve_url(url)
-    with _engine(parsed, read_only=True) as engine:
-        statuses = migrate.chain_status(engine)
-        for status in statuses:
-            migrate.check_not_ahead(status.current, status.chain)
-        upstream = statuses[0].current is None and _has_upstream_tables(engine)
-        behind = [status for status in statuses if not status.at_head]
-        diffs = [] if behind else migrate.drift(engine)
+    parsed, statuses, upstream, diffs = _db_status(url, drift=True)
+    behind = [status for status in statuses if not status.at_head]
     if as_json:
         report = _status_json(parsed, statuses, upstream)
         report.update(ok=not behind and not diffs, drift=diffs)
-        _emit_json(report)
+        _emit(True, report)
         return EXIT_FAILED if behind or diffs else EXIT_OK
     for status in behind:
         what = _safe_url(parsed) + ("" if status.chain.is_core else f" plugin {status.chain.name}")
-        shown = _label(status.current, status.chain, upstream=upstream and status.chain.is_core)
+        shown = _label(status.current, status.chain, upstream=upstream)
         if status.current is not None:
             shown = f"revision {shown}"
         click.echo(
@@ -818,13 +723,11 @@ def db_check(as_json: bool, url: str | None) -> int:
     return EXIT_OK
 
 
-@db.command("stamp")
+@_command(db, "stamp")
 @click.argument("revision")
 @click.option(
     "--chain", "chain_name", metavar="NAME", help="the chain: 'core' (default) or a plugin"
 )
-@_json_option
-@_url_option
 def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
     """Record REVISION without running any migration."""
     from chatflow_sqlalchemy import migrate
@@ -838,14 +741,11 @@ def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | No
         upstream = before is None and chain.is_core and _has_upstream_tables(engine)
         migrate.stamp(engine, revision, chain)
         after = _read_revision(engine, chain)
-    if as_json:
-        _emit_json(
-            {"database": _safe_url(parsed), "chain": chain.name, "from": before, "to": after}
-        )
-        return
-    click.echo(
+    _emit(
+        as_json,
+        {"database": _safe_url(parsed), "chain": chain.name, "from": before, "to": after},
         f"{_prefix(parsed, chain)} stamped revision {_label(after, chain)} "
-        f"(was {_label(before, chain, upstream=upstream)}); no migration was run"
+        f"(was {_label(before, chain, upstream=upstream)}); no migration was run",
     )
 
 
@@ -871,8 +771,7 @@ class _MessageRow:
 class _SessionRecord:
     """One session as stored: its row, its metadata (or why it is unreadable), its messages.
 
-    ``rows``: the window (or, for ``show --all``, the transcript, archived
-    rows included); ``archived``: the archive, read for ``export`` only.
+    ``rows``: the window (for ``show --all``, the transcript); ``archived``: for ``export``.
     """
 
     session_id: str
@@ -889,13 +788,12 @@ class _SessionRecord:
     def locked(self) -> list[tuple[str, str]]:
         """(key id, what) per part encrypted with a key not in ``$CHATFLOW_KEYS``."""
         sid = clean(repr(self.session_id))
-        found = []
-        if self.metadata_locked_by is not None:
-            found.append((self.metadata_locked_by, f"session {sid}: metadata_json"))
-        for row in [*self.rows, *self.archived]:
-            if row.locked_by is not None:
-                found.append((row.locked_by, f"session {sid}: {row.table} row id {row.row_id}"))
-        return found
+        found = [(self.metadata_locked_by, f"session {sid}: metadata_json")]
+        found += [
+            (row.locked_by, f"session {sid}: {row.table} row id {row.row_id}")
+            for row in [*self.rows, *self.archived]
+        ]
+        return [(key, what) for key, what in found if key is not None]
 
     def unreadable(self) -> list[str]:
         """One line per part that cannot be read: corrupt, or locked by a missing key."""
@@ -904,19 +802,12 @@ class _SessionRecord:
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
         sid = clean(repr(self.session_id))
-        found = []
-        if self.metadata_error is not None:
-            found.append(
-                f"session {sid}: metadata_json in chatflow_sessions is corrupt "
-                f"({clean(self.metadata_error)})"
-            )
-        for row in [*self.rows, *self.archived]:
-            if row.error is not None:
-                found.append(
-                    f"session {sid}: {row.table} row id {row.row_id} is corrupt "
-                    f"({clean(row.error)})"
-                )
-        return found
+        found = [(f"session {sid}: metadata_json in chatflow_sessions", self.metadata_error)]
+        found += [
+            (f"session {sid}: {row.table} row id {row.row_id}", row.error)
+            for row in [*self.rows, *self.archived]
+        ]
+        return [f"{what} is corrupt ({clean(error)})" for what, error in found if error is not None]
 
 
 def _locked(key_id: str) -> str:
@@ -938,50 +829,30 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
     return value, text, None
 
 
-def _decode_message(
-    row_id: int, role: str, created: datetime | None, raw: Any, table: str
-) -> _MessageRow:
-    from chatflow_agent import Message
-
-    text = raw if isinstance(raw, str) else str(raw)
-    row = _MessageRow(row_id=row_id, role=str(role), created_at=created, raw=text, table=table)
-    try:
-        row.message = Message.model_validate_json(text)
-    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-        row.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return row
-
-
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
-    from sqlalchemy import Table, Text, cast, select
+    from sqlalchemy import Text, cast, select
 
     from chatflow_sqlalchemy.models import ChatflowSession
 
-    table: Table = ChatflowSession.__table__  # type: ignore[assignment]
+    c = ChatflowSession.__table__.c
     query = select(
-        table.c.session_id,
-        table.c.active_agent_name,
-        table.c.created_at,
-        table.c.updated_at,
-        cast(table.c.metadata_json, Text).label("metadata_text"),
-    ).order_by(table.c.updated_at.desc(), table.c.session_id)
-    if session_ids is not None:
-        query = query.where(table.c.session_id.in_(session_ids))
-    return query
+        c.session_id, c.active_agent_name, c.created_at, c.updated_at,
+        cast(c.metadata_json, Text).label("metadata_text"),
+    ).order_by(c.updated_at.desc(), c.session_id)
+    return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 
-def _messages_query(session_id: str) -> Any:
+def _messages(conn: Connection, session_id: str, archive: bool = False) -> list[Any]:
+    """A session's message rows: the window (SYSTEM first, then by seq) or the archive."""
     from chatflow_agent import Role
-    from sqlalchemy import Table, case, select
+    from sqlalchemy import case, select
 
-    from chatflow_sqlalchemy.models import ChatflowMessage
+    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
 
-    table: Table = ChatflowMessage.__table__  # type: ignore[assignment]
-    return (
-        select(table.c.id, table.c.role, table.c.created_at, table.c.message_json)
-        .where(table.c.session_id == session_id)
-        .order_by(case((table.c.role == Role.SYSTEM.value, 0), else_=1), table.c.seq)
-    )
+    c = (ChatflowMessageArchive if archive else ChatflowMessage).__table__.c
+    order = (c.seq, c.id) if archive else (case((c.role == Role.SYSTEM.value, 0), else_=1), c.seq)
+    query = select(c.id, c.seq, c.role, c.created_at, c.message_json)
+    return list(conn.execute(query.where(c.session_id == session_id).order_by(*order)))
 
 
 def _record(
@@ -991,9 +862,9 @@ def _record(
 
     ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
     ``archived``: the archive is also read into ``archived`` (for export).
-    Every corrupt row, archived ones included, is in ``problems()``.
     """
-    from chatflow_sqlalchemy.cli_lifecycle import open_row
+    from chatflow_agent import Message
+
     from chatflow_sqlalchemy.crypto import MissingKeyError
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
 
@@ -1010,83 +881,49 @@ def _record(
         elif failure is not None:
             metadata, error = None, failure.reason
     record = _SessionRecord(
-        session_id=sid,
-        agent=row.active_agent_name,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        metadata=metadata,
-        metadata_raw=raw,
-        metadata_error=error,
-        metadata_locked_by=locked_by,
+        sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by
     )
 
     def decode(msg: Any, table: str) -> _MessageRow:
         text, failure = open_row(sid, msg.message_json)
+        decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table)
         if isinstance(failure, MissingKeyError):
-            return _MessageRow(
-                msg.id, str(msg.role), msg.created_at, text, table=table, locked_by=failure.key_id
-            )
-        decoded = _decode_message(msg.id, msg.role, msg.created_at, text, table)
-        if failure is not None:
-            decoded.message, decoded.error = None, failure.reason
+            decoded.locked_by = failure.key_id
+        elif failure is not None:
+            decoded.error = failure.reason
+        else:
+            try:
+                decoded.message = Message.model_validate_json(decoded.raw)
+            except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+                decoded.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return decoded
 
     if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
         by_seq = {
             msg.seq: (msg, table)
-            for table, query in (
-                (archive_table, _archive_query(sid)), (window_table, _window_by_seq(sid))
-            )
-            for msg in conn.execute(query)
+            for table, archive in ((archive_table, True), (window_table, False))
+            for msg in _messages(conn, sid, archive)
         }
         record.rows.extend(decode(*by_seq[seq]) for seq in sorted(by_seq))
         return record
-    record.rows.extend(decode(msg, window_table) for msg in conn.execute(_messages_query(sid)))
+    record.rows.extend(decode(msg, window_table) for msg in _messages(conn, sid))
     if archived:
-        record.archived.extend(
-            decode(msg, archive_table) for msg in conn.execute(_archive_query(sid))
-        )
+        record.archived.extend(decode(msg, archive_table) for msg in _messages(conn, sid, True))
     return record
 
 
-def _archive_query(session_id: str) -> Any:
-    from sqlalchemy import Table, select
-
-    from chatflow_sqlalchemy.models import ChatflowMessageArchive
-
-    table: Table = ChatflowMessageArchive.__table__  # type: ignore[assignment]
-    return (
-        select(table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json)
-        .where(table.c.session_id == session_id)
-        .order_by(table.c.seq, table.c.id)
-    )
-
-
-def _window_by_seq(session_id: str) -> Any:
-    from sqlalchemy import Table, select
-
-    from chatflow_sqlalchemy.models import ChatflowMessage
-
-    table: Table = ChatflowMessage.__table__  # type: ignore[assignment]
-    return select(
-        table.c.id, table.c.seq, table.c.role, table.c.created_at, table.c.message_json
-    ).where(table.c.session_id == session_id)
-
-
-def _read_session(
-    conn: Connection, session_id: str, *, whole: bool = False
-) -> _SessionRecord | None:
-    row = conn.execute(_session_query([session_id])).first()
-    return None if row is None else _record(conn, row, whole=whole)
+def _checked(check: Callable[[str], Any], value: str) -> None:
+    """Run a validator of the stores on ``value``: its ValueError is a usage error."""
+    try:
+        check(value)
+    except ValueError as exc:
+        raise CliError(clean(str(exc))) from None
 
 
 def _validate_session_id(session_id: str) -> None:
     from chatflow_sqlalchemy.context import validate_session_id
 
-    try:
-        validate_session_id(session_id)
-    except ValueError as exc:
-        raise CliError(clean(str(exc))) from None
+    _checked(validate_session_id, session_id)
 
 
 def _no_session(session_id: str, url: URL) -> CliError:
@@ -1097,27 +934,18 @@ def _no_session(session_id: str, url: URL) -> CliError:
 
 
 def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[Any]:
-    from sqlalchemy import Table, func, select
+    from sqlalchemy import func, select
 
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
 
-    sessions_t: Table = ChatflowSession.__table__  # type: ignore[assignment]
-    messages_t: Table = ChatflowMessage.__table__  # type: ignore[assignment]
-    # Counted per listed session (an index range each): a page must not count the
-    # messages of every session in the database.
-    count = (
-        select(func.count())
-        .where(messages_t.c.session_id == sessions_t.c.session_id)
-        .correlate(sessions_t)
-        .scalar_subquery()
-    )
+    sessions_t: Any = ChatflowSession.__table__
+    s, m = sessions_t.c, ChatflowMessage.__table__.c
+    # Counted per listed session (an index range each), not over the whole table.
+    count = select(func.count()).where(m.session_id == s.session_id).correlate(sessions_t)
     query = select(
-        sessions_t.c.session_id,
-        sessions_t.c.active_agent_name,
-        count.label("messages"),
-        sessions_t.c.created_at,
-        sessions_t.c.updated_at,
-    ).order_by(sessions_t.c.updated_at.desc(), sessions_t.c.session_id)
+        s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
+        s.created_at, s.updated_at,
+    ).order_by(s.updated_at.desc(), s.session_id)
     with _read_conn(engine) as conn:
         if filters is None:
             return list(conn.execute(query))
@@ -1127,7 +955,7 @@ def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[An
         rows = {
             row.session_id: row
             for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500))
-            for row in conn.execute(query.where(sessions_t.c.session_id.in_(chunk)))
+            for row in conn.execute(query.where(s.session_id.in_(chunk)))
         }
         return [rows[sid] for sid in ids if sid in rows]
 
@@ -1169,7 +997,7 @@ def _list_filters(
         raise CliError(clean(str(exc))) from None
 
 
-@sessions.command("list")
+@_command(sessions, "list")
 @click.option("--user", metavar="ID", help="only the sessions of this user_id")
 @click.option(
     "--meta", metavar="KEY=VALUE", multiple=True,
@@ -1182,8 +1010,6 @@ def _list_filters(
 )
 @click.option("--limit", type=click.IntRange(min=1), help="at most this many (a page)")
 @click.option("--after", metavar="ID", help="the page after this session id (the last shown)")
-@_json_option
-@_url_option
 def sessions_list(
     user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
     after: str | None, as_json: bool, url: str | None,
@@ -1195,44 +1021,31 @@ def sessions_list(
     written: pass the last id shown as --after for the next page.
     """
     filters = _list_filters(user, meta, updated_after, limit, after)
-    with _reading(url) as (_parsed, engine):
+    with _database(url) as (_parsed, engine):
         rows = _session_rows(engine, filters)
     full_page = limit is not None and len(rows) == limit
     next_after = rows[-1].session_id if full_page else None
     if as_json:
-        document: dict[str, Any] = {
-            "sessions": [
-                {
-                    "session_id": row.session_id,
-                    "active_agent_name": row.active_agent_name,
-                    "messages": int(row.messages),
-                    "created_at": _iso(row.created_at),
-                    "updated_at": _iso(row.updated_at),
-                }
-                for row in rows
-            ]
-        }
+        document: dict[str, Any] = {"sessions": [
+            {"session_id": row.session_id, "active_agent_name": row.active_agent_name,
+             "messages": int(row.messages), "created_at": _iso(row.created_at),
+             "updated_at": _iso(row.updated_at)}
+            for row in rows
+        ]}
         if limit is not None:  # paging: where the next page starts (None: this was the last)
             document["next_after"] = next_after
-        _emit_json(document)
+        _emit(True, document)
         return
     if not rows:
         click.echo("no sessions")
         return
     if next_after is not None:
         click.echo(f"next page: --after {clean(repr(next_after))}", err=True)
-    _table(
-        ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"),
-        [
-            (
-                clean(r.session_id),
-                clean(r.active_agent_name),
-                str(r.messages),
-                _format_time(r.updated_at),
-            )
-            for r in rows
-        ],
-    )
+    _table(("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"), [
+        (clean(r.session_id), clean(r.active_agent_name), str(r.messages),
+         _format_time(r.updated_at))
+        for r in rows
+    ])
 
 
 # --------------------------------------------------------------------------- sessions show
@@ -1256,16 +1069,8 @@ def _message_parts(message: Message) -> list[_Line]:
         args = json.dumps(call.args, ensure_ascii=False, sort_keys=True, default=str)
         parts.append(_Line(role, clean(f"tool call {call.name} {args} (id {call.id})")))
     for result in message.tool_results or []:
-        parts.append(
-            _Line(
-                role,
-                clean(
-                    f"tool result {result.name} is_error={result.is_error}: "
-                    f"{_format_content(result.content)}",
-                    newlines=True,
-                ),
-            )
-        )
+        text = f"tool result {result.name} is_error={result.is_error}: "
+        parts.append(_Line(role, clean(text + _format_content(result.content), newlines=True)))
     return parts or [_Line(role, "(empty)")]
 
 
@@ -1274,14 +1079,9 @@ def _row_parts(row: _MessageRow) -> list[_Line]:
         return _message_parts(row.message)
     if row.locked_by is not None:
         text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
-        return [_Line(row.role, clean(text), corrupt=True)]
-    return [
-        _Line(
-            row.role,
-            clean(f"CORRUPT ROW id {row.row_id} in {row.table} ({row.error}): {row.raw!r}"),
-            corrupt=True,
-        )
-    ]
+    else:
+        text = f"CORRUPT ROW id {row.row_id} in {row.table} ({row.error}): {row.raw!r}"
+    return [_Line(row.role, clean(text), corrupt=True)]
 
 
 _Group = tuple[str, list[tuple[_MessageRow, list[_Line]]]]
@@ -1298,35 +1098,35 @@ def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
         entry = (row, _row_parts(row))
         if row.role == "user":
             turn += 1
-            groups.append((f"Turn {turn}", [entry]))
-        elif turn == 0:
-            if not groups or groups[-1][0] != "Before the first turn":
-                groups.append(("Before the first turn", []))
-            groups[-1][1].append(entry)
-        else:
-            groups[-1][1].append(entry)
+            groups.append((f"Turn {turn}", []))
+        elif turn == 0 and (not groups or groups[-1][0] != "Before the first turn"):
+            groups.append(("Before the first turn", []))
+        groups[-1][1].append(entry)
     return groups
 
 
-def _metadata_text(record: _SessionRecord) -> str | None:
+def _header(record: _SessionRecord, turns: int) -> list[tuple[str, str, str]]:
+    """The lines above the conversation: (name, cleaned value, Rich style)."""
     if record.metadata_locked_by is not None:
-        return f"({_locked(record.metadata_locked_by)})"
-    if record.metadata_error is not None:
-        return clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
-    if record.metadata:
-        return clean(_format_content(record.metadata))
-    return None
+        metadata: str | None = f"({_locked(record.metadata_locked_by)})"
+    elif record.metadata_error is not None:
+        metadata = clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
+    else:
+        metadata = clean(_format_content(record.metadata)) if record.metadata else None
+    bad = "bold red" if record.metadata_error or record.metadata_locked_by else ""
+    return [
+        ("session", clean(record.session_id), ""),
+        ("active agent", clean(record.agent), "bold"),
+        ("created", _format_time(record.created_at), ""),
+        ("updated", _format_time(record.updated_at), ""),
+        *([] if metadata is None else [("metadata", metadata, bad)]),
+        ("messages", f"{len(record.rows)} in {turns} turn(s)", ""),
+    ]
 
 
 def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
-    click.echo(f"session: {clean(record.session_id)}")
-    click.echo(f"active agent: {clean(record.agent)}")
-    click.echo(f"created: {_format_time(record.created_at)}")
-    click.echo(f"updated: {_format_time(record.updated_at)}")
-    metadata = _metadata_text(record)
-    if metadata is not None:
-        click.echo(f"metadata: {metadata}")
-    click.echo(f"messages: {len(record.rows)} in {turns} turn(s)")
+    for name, value, _style in _header(record, turns):
+        click.echo(f"{name}: {value}")
     for title, entries in groups:
         click.echo("")
         click.echo(title)
@@ -1348,15 +1148,8 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("session", Text(clean(record.session_id)))
-    head.add_row("active agent", Text(clean(record.agent), style="bold"))
-    head.add_row("created", Text(_format_time(record.created_at)))
-    head.add_row("updated", Text(_format_time(record.updated_at)))
-    metadata = _metadata_text(record)
-    if metadata is not None:
-        style = "bold red" if record.metadata_error or record.metadata_locked_by else ""
-        head.add_row("metadata", Text(metadata, style=style))
-    head.add_row("messages", Text(f"{len(record.rows)} in {turns} turn(s)"))
+    for name, value, style in _header(record, turns):
+        head.add_row(name, Text(value, style=style))
     console.print(head)
     for title, entries in groups:
         console.print(Rule(Text(title, style="bold")))
@@ -1385,14 +1178,12 @@ def _message_json(row: _MessageRow) -> Any:
     }
 
 
-@sessions.command("show")
+@_command(sessions, "show")
 @click.argument("session_id")
 @click.option(
     "--all", "whole", is_flag=True,
     help="the whole transcript: archived (pruned) messages too, in order",
 )
-@_json_option
-@_url_option
 def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) -> int:
     """Print a conversation turn by turn (read-only).
 
@@ -1402,30 +1193,24 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
     metadata) are shown raw and named, with exit code 1.
     """
     _validate_session_id(session_id)
-    with _reading(url) as (parsed, engine), _read_conn(engine) as conn:
-        record = _read_session(conn, session_id, whole=whole)
-    if record is None:
-        raise _no_session(session_id, parsed)
+    with _database(url) as (parsed, engine), _read_conn(engine) as conn:
+        row = conn.execute(_session_query([session_id])).first()
+        if row is None:
+            raise _no_session(session_id, parsed)
+        record = _record(conn, row, whole=whole)
     turns = sum(1 for row in record.rows if row.role == "user")
     problems = record.problems()
     if as_json:
-        _emit_json(
-            {
-                "session_id": record.session_id,
-                "active_agent_name": record.agent,
-                "created_at": _iso(record.created_at),
-                "updated_at": _iso(record.updated_at),
-                "metadata": record.metadata,
-                "metadata_corrupt": None
-                if record.metadata_error is None
-                else {"reason": record.metadata_error, "raw": record.metadata_raw},
-                "metadata_locked": None
-                if record.metadata_locked_by is None
-                else {"key_id": record.metadata_locked_by},
-                "turns": turns,
-                "messages": [_message_json(row) for row in record.rows],
-            }
-        )
+        corrupt = {"reason": record.metadata_error, "raw": record.metadata_raw}
+        key = record.metadata_locked_by
+        _emit(True, {
+            "session_id": record.session_id, "active_agent_name": record.agent,
+            "created_at": _iso(record.created_at), "updated_at": _iso(record.updated_at),
+            "metadata": record.metadata,
+            "metadata_corrupt": None if record.metadata_error is None else corrupt,
+            "metadata_locked": None if key is None else {"key_id": key},
+            "turns": turns, "messages": [_message_json(row) for row in record.rows],
+        })
     else:
         groups = _group_turns(record.rows)
         console = _rich_console()
@@ -1440,84 +1225,58 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
             "or delete the session"
         )
     locked = record.locked()
-    if locked:
-        failures.append(_locked_failure(locked))
+    if locked:  # what to do about parts encrypted with keys not in $CHATFLOW_KEYS
+        keys = sorted({key for key, _ in locked})
+        named = ", ".join(clean(repr(key)) for key in keys)
+        failures.append(
+            f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
+            f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key "
+            f"to CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
+        )
     if failures:
         raise CliError("; ".join(failures), EXIT_FAILED)
     return EXIT_OK
 
 
-def _locked_failure(locked: Sequence[tuple[str, str]]) -> str:
-    """What to do about parts encrypted with keys not in ``$CHATFLOW_KEYS``."""
-    keys = sorted({key for key, _ in locked})
-    named = ", ".join(clean(repr(key)) for key in keys)
-    return (
-        f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
-        f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key to "
-        f"CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
-    )
-
-
 # --------------------------------------------------------------------------- delete / export
 
 
-def _writing(url: URL) -> Any:
-    """A read-write engine on an existing database whose schema is at head."""
-    return _engine(url, read_only=False)
-
-
-@sessions.command("delete")
+@_command(sessions, "delete", yes=True)
 @click.argument("session_id")
-@_yes_option
-@_json_option
-@_url_option
 def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) -> None:
     """Delete a session and its history (asks first).
 
     Asks for confirmation unless --yes.
     """
-    from sqlalchemy import Table, delete, select
+    from sqlalchemy import delete, select
 
     from chatflow_sqlalchemy.models import ChatflowSession
 
     _validate_session_id(session_id)
-    table: Table = ChatflowSession.__table__  # type: ignore[assignment]
-    parsed = _resolve_url(url)
-    with _writing(parsed) as engine:
-        _require_head(engine, parsed)
+    table: Any = ChatflowSession.__table__
+    where = table.c.session_id == session_id
+    with _database(url, write=True) as (parsed, engine):
         with _read_conn(engine) as conn:
-            row = conn.execute(
-                select(table.c.session_id).where(table.c.session_id == session_id)
-            ).first()
-        if row is None:
+            found = conn.execute(select(table.c.session_id).where(where)).first()
+        if found is None:
             raise _no_session(session_id, parsed)
         _confirm(f"Delete session {clean(repr(session_id))} and its history?", yes)
         with engine.begin() as conn:
-            gone = conn.execute(delete(table).where(table.c.session_id == session_id)).rowcount
+            gone = conn.execute(delete(table).where(where)).rowcount
     if not gone:
         raise _no_session(session_id, parsed)
-    if as_json:
-        _emit_json({"session_id": session_id, "deleted": True})
-        return
-    click.echo(f"deleted session {clean(repr(session_id))}")
+    shown = clean(repr(session_id))
+    _emit(as_json, {"session_id": session_id, "deleted": True}, f"deleted session {shown}")
 
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
-    assert record.metadata is not None
-    exported: dict[str, Any] = {
-        "session_id": record.session_id,
-        "active_agent_name": record.agent,
-        "metadata": record.metadata,
-        "messages": [
-            row.message.model_dump(mode="json") for row in record.rows if row.message is not None
-        ],
-    }
+    def dump(rows: list[_MessageRow]) -> list[Any]:
+        return [row.message.model_dump(mode="json") for row in rows if row.message is not None]
+
+    exported = {"session_id": record.session_id, "active_agent_name": record.agent,
+                "metadata": record.metadata, "messages": dump(record.rows)}
     if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
-        exported["archived_messages"] = [
-            row.message.model_dump(mode="json")
-            for row in record.archived
-            if row.message is not None
-        ]
+        exported["archived_messages"] = dump(record.archived)
     return exported
 
 
@@ -1549,11 +1308,7 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
 
 
 def _check_output(target: Path) -> None:
-    """Refuse an ``--output`` that exists and is not a regular file (never following a link).
-
-    Replacing a symlink, a FIFO, a device or a folder would not write where
-    the user meant: they are refused before anything is read or written.
-    """
+    """Refuse an ``--output`` that exists and is not a regular file (never following a link)."""
     import stat
 
     try:
@@ -1575,11 +1330,9 @@ def _check_output(target: Path) -> None:
 
 
 def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
-    """Run ``write`` on a private file beside ``target``, then rename it over ``target``.
+    """Run ``write`` on a private (0600) file beside ``target``, then rename it over ``target``.
 
-    The new file is mode 0600 whatever the umask (mkstemp's guarantee);
-    ``target`` is replaced atomically only if ``write`` succeeds, and only
-    while it is absent or a regular file (:func:`_check_output`).
+    ``target`` is replaced only if ``write`` succeeds and it is still absent or a regular file.
     """
     import tempfile
 
@@ -1597,7 +1350,7 @@ def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
     return result
 
 
-@sessions.command("export")
+@_command(sessions, "export")
 @click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
 @click.option(
     "--skip-corrupt",
@@ -1605,8 +1358,6 @@ def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
     help="export the readable sessions; report the others on stderr (corrupt, or encrypted "
     "with a key not in CHATFLOW_KEYS)",
 )
-@_json_option
-@_url_option
 def sessions_export(
     output: str | None, skip_corrupt: bool, as_json: bool, url: str | None
 ) -> None:
@@ -1619,25 +1370,18 @@ def sessions_export(
     table, row id) on stderr and exports the other sessions. With --json,
     the summary after writing FILE is a JSON document.
     """
-    with _reading(url) as (_parsed, engine):
-        if output in (None, "-"):
+    target = None if output in (None, "-") else Path(output)
+    with _database(url) as (_parsed, engine):
+        if target is None:
             _, skipped = _export(engine, sys.stdout, skip_corrupt)
-            _report_skipped(skipped)
-            return
-        target = Path(output)
-        _check_output(target)
-        count, skipped = _write_output(target, lambda sink: _export(engine, sink, skip_corrupt))
-    _report_skipped(skipped)
-    if as_json:
-        _emit_json({"exported": count, "output": str(target), "skipped": skipped})
-    else:
-        extra = f"; skipped {len(skipped)} corrupt part(s), see above" if skipped else ""
-        click.echo(f"exported {count} session(s) to {clean(str(target))}{extra}")
-
-
-def _report_skipped(skipped: Sequence[str]) -> None:
+        else:
+            count, skipped = _write_output(target, lambda f: _export(engine, f, skip_corrupt))
     for problem in skipped:
         click.echo(f"skipped: {problem}", err=True)
+    if target is not None:
+        extra = f"; skipped {len(skipped)} corrupt part(s), see above" if skipped else ""
+        _emit(as_json, {"exported": count, "output": str(target), "skipped": skipped},
+              f"exported {count} session(s) to {clean(str(target))}{extra}")
 
 
 # --------------------------------------------------------------------------- dedup
@@ -1654,13 +1398,10 @@ def _ttl(hours: float | None) -> float:
     return hours
 
 
-def _ttl_option(func: Callable[..., _T]) -> Callable[..., _T]:
-    return click.option(
-        "--ttl-hours",
-        type=float,
-        metavar="HOURS",
-        help="dedup window in hours (default: the stores' default, 192 = 8 days)",
-    )(func)
+_ttl_option = click.option(
+    "--ttl-hours", type=float, metavar="HOURS",
+    help="dedup window in hours (default: the stores' default, 192 = 8 days)",
+)
 
 
 def _processed_table() -> Any:
@@ -1670,8 +1411,6 @@ def _processed_table() -> Any:
 
 
 def _cutoff(ttl_hours: float) -> datetime:
-    from datetime import timedelta
-
     from chatflow_sqlalchemy.models import utcnow
 
     return utcnow() - timedelta(hours=ttl_hours)
@@ -1689,11 +1428,9 @@ def _dedup_counts(conn: Connection, ttl_hours: float) -> tuple[int, int]:
     return int(total), int(expired)
 
 
-@dedup.command("list")
+@_command(dedup, "list")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
 @_ttl_option
-@_json_option
-@_url_option
 def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | None) -> None:
     """List processed ids and their claim state, newest first.
 
@@ -1701,66 +1438,44 @@ def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | No
     stopped renewing: the next delivery takes it over), done, released (the
     next delivery acquires it).
     """
-    from datetime import timedelta
-
     from chatflow_sqlalchemy.sql_claims import read_claims
 
     ttl = _ttl(ttl_hours)
-    with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
+    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
         claims = read_claims(conn, limit=limit)
         total, _ = _dedup_counts(conn, ttl)
     cutoff = _cutoff(ttl)
     window = timedelta(hours=ttl)
     if as_json:
-        items = [
-            {
-                "message_id": claim.message_id,
-                "state": claim.state,
-                "session_id": claim.session_id,
-                "lease_age": claim.lease_age,
-                "lease_left": claim.lease_left,
-                "has_response": claim.has_response,
-                "processed_at": _iso(claim.updated_at),
-                "expires_at": _iso(claim.updated_at + window),
-                "expired": claim.updated_at < cutoff,
-            }
+        _emit(True, {"ttl_hours": ttl, "total": total, "ids": [
+            {"message_id": claim.message_id, "state": claim.state,
+             "session_id": claim.session_id, "lease_age": claim.lease_age,
+             "lease_left": claim.lease_left, "has_response": claim.has_response,
+             "processed_at": _iso(claim.updated_at),
+             "expires_at": _iso(claim.updated_at + window), "expired": claim.updated_at < cutoff}
             for claim in claims
-        ]
-        _emit_json({"ttl_hours": ttl, "total": total, "ids": items})
+        ]})
         return
     if not claims:
         click.echo("no processed ids")
         return
-    _table(
-        ("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"),
-        [
-            (
-                clean(claim.message_id),
-                _claim_state(claim.state, claim.lease_age),
-                clean(claim.session_id or "-"),
-                _format_time(claim.updated_at),
-                _format_time(claim.updated_at + window),
-                "yes" if claim.updated_at < cutoff else "no",
-            )
-            for claim in claims
-        ],
-    )
+    _table(("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
+        (clean(claim.message_id), _claim_state(claim.state, claim.lease_age),
+         clean(claim.session_id or "-"), _format_time(claim.updated_at),
+         _format_time(claim.updated_at + window), "yes" if claim.updated_at < cutoff else "no")
+        for claim in claims
+    ])
     if total > len(claims):
         click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
 
 
 def _claim_state(state: str, lease_age: float | None) -> str:
     """``in_flight`` with how long ago its lease was last renewed, else the state."""
-    if lease_age is None:
-        return state
-    return f"{state} (lease renewed {lease_age:.0f} s ago)"
+    return state if lease_age is None else f"{state} (lease renewed {lease_age:.0f} s ago)"
 
 
-@dedup.command("release")
+@_command(dedup, "release", yes=True)
 @click.argument("message_id")
-@_yes_option
-@_json_option
-@_url_option
 def dedup_release(message_id: str, yes: bool, as_json: bool, url: str | None) -> None:
     """Free a webhook id held by a stuck or dead worker.
 
@@ -1770,55 +1485,39 @@ def dedup_release(message_id: str, yes: bool, as_json: bool, url: str | None) ->
     """
     from chatflow_sqlalchemy.sql_claims import free_claim
 
-    parsed = _resolve_url(url)
-    with _writing(parsed) as engine:
-        _require_head(engine, parsed)
-        _confirm(
-            f"Release the claim on {clean(message_id)!s}? The next delivery of it runs its turn.",
-            yes,
-        )
+    shown = clean(message_id)
+    with _database(url, write=True) as (_parsed, engine):
+        _confirm(f"Release the claim on {shown}? The next delivery of it runs its turn.", yes)
         with engine.begin() as conn:
             freed = free_claim(conn, message_id)
     if not freed:
         raise CliError(
-            f"{clean(message_id)} is not held by any worker (unknown, done or released)",
-            code=EXIT_FAILED,
+            f"{shown} is not held by any worker (unknown, done or released)", EXIT_FAILED
         )
-    if as_json:
-        _emit_json({"message_id": message_id, "released": True})
-        return
-    click.echo(f"released {clean(message_id)}: the next delivery acquires it")
+    _emit(as_json, {"message_id": message_id, "released": True},
+          f"released {shown}: the next delivery acquires it")
 
 
-@dedup.command("count")
+@_command(dedup, "count")
 @_ttl_option
-@_json_option
-@_url_option
 def dedup_count(ttl_hours: float | None, as_json: bool, url: str | None) -> None:
     """Count processed ids, live and expired (read-only)."""
     ttl = _ttl(ttl_hours)
-    with _reading(url) as (_parsed, engine), _read_conn(engine) as conn:
+    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
         total, expired = _dedup_counts(conn, ttl)
-    if as_json:
-        _emit_json({"ttl_hours": ttl, "total": total, "expired": expired, "live": total - expired})
-        return
     live = total - expired
-    click.echo(f"{total} processed id(s): {live} live, {expired} expired (TTL {ttl:g} h)")
+    _emit(as_json, {"ttl_hours": ttl, "total": total, "expired": expired, "live": live},
+          f"{total} processed id(s): {live} live, {expired} expired (TTL {ttl:g} h)")
 
 
-@dedup.command("purge")
+@_command(dedup, "purge", yes=True)
 @_ttl_option
-@_yes_option
-@_json_option
-@_url_option
 def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | None) -> None:
     """Delete processed ids older than the TTL.
 
     A --ttl-hours shorter than the default window removes ids a webhook
     retry may still need: that asks for confirmation unless --yes.
     """
-    from datetime import timedelta
-
     from sqlalchemy import delete
 
     from chatflow_sqlalchemy.models import utcnow
@@ -1826,9 +1525,7 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
     ttl = _ttl(ttl_hours)
     default_ttl = _ttl(None)
     table = _processed_table()
-    parsed = _resolve_url(url)
-    with _writing(parsed) as engine:
-        _require_head(engine, parsed)
+    with _database(url, write=True) as (parsed, engine):
         if ttl < default_ttl:
             with _read_conn(engine) as conn:
                 unexpired = _dedup_counts(conn, ttl)[1] - _dedup_counts(conn, default_ttl)[1]
@@ -1844,46 +1541,37 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
             removed = _dialect_support(parsed).drop_expired_processed(conn, cutoff, now)
         with engine.begin() as conn:
             removed += conn.execute(delete(table).where(table.c.processed_at < cutoff)).rowcount
-    if as_json:
-        _emit_json({"ttl_hours": ttl, "removed": removed})
-        return
-    click.echo(f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
+    _emit(as_json, {"ttl_hours": ttl, "removed": removed},
+          f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
 
 
 # --------------------------------------------------------------------------- misc
 
 
-@cli.command("backends")
-@_json_option
+@_command(cli, "backends", url=False)
 def backends(as_json: bool) -> None:
     """List installed backends and where they come from."""
     from chatflow_sqlalchemy.registry import available_backends, backend_sources
 
-    found = available_backends()
     sources = backend_sources()
     rows: list[tuple[str, str, str]] = []
-    for name, backend in sorted(found.items()):
+    for name, backend in sorted(available_backends().items()):
         if isinstance(backend, Exception):
             detail = f"unavailable: {_one_line(str(backend))}"
         else:
             detail = f"{backend.__module__}.{backend.__qualname__}"
         source = sources.get(name)
         origin = "-"
-        if source is not None:
+        if source is not None and source.origin == "built-in":
+            origin = "built-in"
+        elif source is not None:
             origin = " + ".join(source.distributions) if source.distributions else source.origin
-            if source.origin == "built-in":
-                origin = "built-in"
         rows.append((clean(name), clean(origin), clean(detail)))
     if as_json:
-        _emit_json(
-            {
-                "backends": [
-                    {"name": n, "from": o, "available": not d.startswith("unavailable: "),
-                     "detail": d}
-                    for n, o, d in rows
-                ]
-            }
-        )
+        _emit(True, {"backends": [
+            {"name": n, "from": o, "available": not d.startswith("unavailable: "), "detail": d}
+            for n, o, d in rows
+        ]})
         return
     if not rows:
         click.echo("no backends installed")
@@ -1891,9 +1579,8 @@ def backends(as_json: bool) -> None:
     _table(("BACKEND", "FROM", "STORE CLASS OR ERROR"), rows)
 
 
-@cli.command("demo")
+@_command(cli, "demo", url=False)
 @click.option("--db", "db_path", metavar="PATH", help="new SQLite file (default: a temp folder)")
-@_json_option
 def demo(db_path: str | None, as_json: bool) -> None:
     """Run the offline demo on a new SQLite file.
 
@@ -1903,10 +1590,8 @@ def demo(db_path: str | None, as_json: bool) -> None:
 
     from chatflow_sqlalchemy.demo import DemoError, run_demo
 
-    if db_path is None:
-        path = Path(tempfile.mkdtemp(prefix="chatflow-demo-")) / "demo.db"
-    else:
-        path = Path(db_path)
+    default = None if db_path is not None else tempfile.mkdtemp(prefix="chatflow-demo-")
+    path = Path(db_path) if db_path is not None else Path(f"{default}/demo.db")
     lines: list[str] = []
     out = lines.append if as_json else (lambda line: click.echo(clean(line)))
     try:
@@ -1914,7 +1599,246 @@ def demo(db_path: str | None, as_json: bool) -> None:
     except DemoError as exc:
         raise CliError(str(exc), EXIT_FAILED) from exc
     if as_json:
-        _emit_json({"database": str(path), "output": lines})
+        _emit(True, {"database": str(path), "output": lines})
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@cli.group(no_args_is_help=True)
+def users() -> None:
+    """Export or erase everything held about a user_id.
+
+    For GDPR / LGPD requests.
+    """
+
+
+def _validated(user_id: str) -> None:
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
+
+    _checked(validate_user_id, user_id)
+
+
+@_command(users, "erase", yes=True)
+@click.argument("user_id")
+def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+    """Erase every session of USER_ID (asks first).
+
+    Its sessions go with their messages and claims, in one transaction.
+    Asks first unless --yes. Workers with a live context of an erased
+    session get SessionDeletedError on their next read or write.
+    """
+    from chatflow_sqlalchemy.sql_lifecycle import erase_user_rows, user_session_ids
+
+    _validated(user_id)
+    shown = clean(repr(user_id))
+    with _database(url, write=True) as (_parsed, engine):
+        with _read_conn(engine) as conn:
+            found = len(user_session_ids(conn, user_id))
+        if found:
+            _confirm(f"Erase {found} session(s) of user {shown} and everything stored with them?",
+                     yes)
+            with engine.begin() as conn:
+                found = erase_user_rows(conn, user_id)
+    _emit(as_json, {"user_id": user_id, "erased": found},
+          f"erased {found} session(s) of user {shown}")
+
+
+@_command(users, "export")
+@click.argument("user_id")
+@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+def users_export(user_id: str, output: str | None, as_json: bool, url: str | None) -> None:
+    """Export everything held about USER_ID as JSON (read-only).
+
+    {"format", "user_id", "exported_at", "sessions": [{"session_id",
+    "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
+    "messages", "archived_messages", "webhook_claims"}]} -- what
+    store.export_user returns. Encrypted rows are opened with the keys of
+    $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
+    The document is JSON already; with --output and --json the summary is
+    {"user_id", "exported", "output"}.
+    """
+    target = None if output in (None, "-") else Path(output)
+    if target is not None:
+        _check_output(target)  # before reading anything
+    document = _user_document(user_id, url)
+    text = _json_text(document, indent=2) + "\n"
+    if target is None:
+        sys.stdout.write(text)
+        return
+    _write_output(target, lambda sink: sink.write(text))
+    count = len(document["sessions"])
+    _emit(as_json, {"user_id": user_id, "exported": count, "output": str(target)},
+          f"exported {count} session(s) of user {clean(repr(user_id))} to {clean(str(target))}")
+
+
+def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]:
+    """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
+
+    Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
+    ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
+    """
+    from chatflow_sqlalchemy.crypto import is_encrypted
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
+    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
+        return stored, None
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
+    try:
+        if sealed_dict:
+            return sealer.open_metadata(session_id, stored), None
+        return sealer.open_text(session_id, None, stored, "chatflow_messages"), None
+    except CorruptRowError as exc:
+        return stored, exc
+
+
+@functools.lru_cache(maxsize=4)
+def _sealer_from_env(keys: str) -> Sealer:
+    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (value ``keys``); none when unset."""
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.sealing import Sealer
+
+    if not keys:
+        return Sealer(None, False)
+    try:
+        return Sealer(AESGCMCipher.from_env(keys), False)
+    except (ValueError, ImportError) as exc:
+        raise CliError(clean(str(exc))) from None
+
+
+def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
+    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.rows import parse_message
+    from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
+
+    _validated(user_id)
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
+    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
+        try:
+            sessions = export_sessions(
+                conn, user_session_ids(conn, user_id), sealer.parser(parse_message),
+                sealer.open_metadata,
+            )
+        except CorruptRowError as exc:
+            raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
+    exported_at = utcnow().isoformat()
+    return {"format": EXPORT_FORMAT, "user_id": user_id, "exported_at": exported_at,
+            "sessions": sessions}
+
+
+@_command(sessions, "sweep", yes=True)
+@click.option(
+    "--ttl-hours", type=float, required=True, envvar="CHATFLOW_SESSION_TTL_HOURS",
+    show_envvar=True,
+    help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
+@click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
+def sessions_sweep(
+    ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
+    url: str | None,
+) -> None:
+    """Remove expired sessions (asks first).
+
+    Expired sessions go with their messages and claims; asks for
+    confirmation unless --yes. Sessions whose turn is in progress or that a
+    live webhook claim holds are kept (a later sweep takes them). Safe while
+    workers run and while other sweepers run.
+    """
+    from chatflow_sqlalchemy.lifecycle import validate_session_ttl
+    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.registry import open_store
+    from chatflow_sqlalchemy.sql_lifecycle import count_expired
+
+    try:
+        hours = validate_session_ttl(ttl_hours)
+    except ValueError as exc:
+        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    assert hours is not None
+    with _database(url) as (parsed, engine), _read_conn(engine) as conn:
+        now = utcnow()
+        expired, oldest = count_expired(conn, now - timedelta(hours=hours), now)
+    expired = expired if limit is None else min(expired, limit)
+    if dry_run:
+        _emit(as_json, {"dry_run": True, "expired": expired, "oldest": oldest},
+              f"{expired} expired session(s) would be removed",
+              *(f"  {clean(session_id)}" for session_id in oldest[:expired]))
+        return
+    removed = 0
+    if expired:
+        _confirm(f"Remove {expired} expired session(s) and their history?", yes)
+        with open_store(parsed, session_ttl_hours=hours, auto_migrate=False) as store:
+            removed = int(store.sweep(limit))
+    _emit(as_json, {"dry_run": False, "removed": removed}, f"removed {removed} expired session(s)")
+
+
+@cli.group(no_args_is_help=True)
+def keys() -> None:
+    """Encryption keys: re-encrypt rows with a new key.
+
+    The keys come from $CHATFLOW_KEYS; the first is the primary.
+    """
+
+
+@_command(keys, "rotate", yes=True)
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=200, show_default=True,
+    help="rows per table re-encrypted in one short transaction",
+)
+def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
+    """Re-encrypt every row with the primary key, online.
+
+    Rows not sealed with the primary key are rewritten in batches.
+
+    Keys come from $CHATFLOW_KEYS ("k2:<base64>,k1:<base64>": the first is
+    the primary, the others still decrypt). Plaintext rows are encrypted
+    too: on a database holding any, it asks first unless --yes (without a
+    terminal it refuses unless --yes), since from then on only these keys
+    read them. Workers keep running turns meanwhile; give them the same keys
+    first, then rotate, then drop the old key. Exit 0 when done.
+    """
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.registry import open_store
+
+    try:
+        cipher = AESGCMCipher.from_env()
+    except (ValueError, ImportError) as exc:
+        raise CliError(clean(str(exc))) from None
+    with _database(url, write=True) as (parsed, engine):
+        if _holds_plaintext(engine):
+            _confirm(
+                f"{_safe_url(parsed)} holds plaintext rows: encrypt them with key "
+                f"{clean(repr(cipher.primary))} (only $CHATFLOW_KEYS reads them after)?",
+                yes,
+            )
+    with open_store(parsed, cipher=cipher, auto_migrate=False) as store:
+        count = int(store.rotate_keys(batch))
+    _emit(as_json, {"primary": cipher.primary, "rewritten": count},
+          f"re-encrypted {count} row(s) with key {clean(repr(cipher.primary))}")
+
+
+def _holds_plaintext(engine: Any) -> bool:
+    """True if a message, archived message or session metadata is stored unencrypted."""
+    from sqlalchemy import Text, cast, not_, select
+
+    from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
+    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive, ChatflowSession
+
+    s = ChatflowSession.__table__.c
+    queries = [
+        select(table.c.id).where(
+            not_(table.c.message_json.startswith(TOKEN_PREFIX, autoescape=True))
+        )
+        for table in (ChatflowMessage.__table__, ChatflowMessageArchive.__table__)
+    ]
+    queries.append(select(s.session_id).where(
+        not_(cast(s.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))
+    ))
+    with _read_conn(engine) as conn:
+        return any(conn.execute(query.limit(1)).first() is not None for query in queries)
 
 
 # --------------------------------------------------------------------------- main
@@ -1942,11 +1866,9 @@ def _password_of(raw: str) -> str | None:
 
 
 def _redact(message: str, urls: Sequence[str | None]) -> str:
-    """Remove the URLs' passwords from ``message``, whatever produced it.
+    """Remove the URLs' passwords from ``message`` (in case a driver quotes the URL).
 
-    Messages built here never contain one; this guards against a driver or
-    library quoting the URL. Short passwords are only masked where they
-    appear as ``:password@`` so ordinary words are not mangled.
+    Short passwords are only masked as ``:password@``, so ordinary words are not mangled.
     """
     from urllib.parse import quote, quote_plus
 
@@ -1966,32 +1888,22 @@ def _fail(message: str, code: int, urls: Sequence[str]) -> int:
     return code
 
 
-def _usage_error(exc: click.UsageError) -> int:
-    """A Click usage error as one line, with where to find help."""
-    ctx = exc.ctx
-    where = ctx.command_path if ctx is not None else PROG
-    click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
-    return EXIT_USAGE
-
-
-def _known_error(exc: Exception, urls: Sequence[str]) -> int | None:
-    """Exit code for an expected error (reported as one line); None for a bug."""
+def _known_error(exc: Exception) -> str | None:
+    """The one-line message of an expected error (exit 2); None for a bug."""
     from alembic.util.exc import CommandError
     from sqlalchemy import exc as sa_exc
 
     from chatflow_sqlalchemy.exceptions import ChatflowStoreError
 
     if isinstance(exc, sa_exc.ArgumentError):
-        return _fail(f"invalid database URL: {exc}", EXIT_USAGE, urls)
+        return f"invalid database URL: {exc}"
     if isinstance(exc, (ChatflowStoreError, CommandError)):
-        return _fail(str(exc), EXIT_USAGE, urls)
+        return str(exc)
     if isinstance(exc, sa_exc.SQLAlchemyError):
-        return _fail(f"database error: {_db_error_reason(exc)}", EXIT_USAGE, urls)
+        return f"database error: {_db_error_reason(exc)}"
     if isinstance(exc, ImportError):
-        return _fail(f"{exc}; install the database driver for this URL", EXIT_USAGE, urls)
-    if isinstance(exc, OSError):
-        return _fail(str(exc), EXIT_USAGE, urls)
-    return None
+        return f"{exc}; install the database driver for this URL"
+    return str(exc) if isinstance(exc, OSError) else None
 
 
 def _quiet_broken_pipe() -> int:
@@ -2005,7 +1917,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code (see the module docstring).
+    """Run the command line; return the exit code (docs/cli.md lists them).
 
     Args:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
@@ -2024,9 +1936,11 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare group: its help, not an error
         click.echo(exc.ctx.get_help() if exc.ctx is not None else "")
         return EXIT_OK
-    except click.UsageError as exc:
-        return _usage_error(exc)
-    except click.Abort:
+    except click.UsageError as exc:  # one line, with where to find help
+        where = exc.ctx.command_path if exc.ctx is not None else PROG
+        click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
+        return EXIT_USAGE
+    except (click.Abort, KeyboardInterrupt):
         return _fail("interrupted", EXIT_INTERRUPTED, urls)
     except click.ClickException as exc:
         return _fail(exc.format_message(), exc.exit_code, urls)
@@ -2034,25 +1948,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), exc.code, urls)
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED, urls)
     except Exception as exc:
-        code = _known_error(exc, urls)
-        if code is None:
+        message = _known_error(exc)
+        if message is None:
             raise
-        return code
+        return _fail(message, EXIT_USAGE, urls)
     return result if isinstance(result, int) else EXIT_OK
 
 
-# The lifecycle commands (users erase|export, sessions sweep) live in their own module.
-from chatflow_sqlalchemy.cli_lifecycle import register as _register_lifecycle  # noqa: E402
-
-_register_lifecycle(sys.modules[__name__])
-
-
-def _exit() -> NoReturn:
-    raise SystemExit(main())
-
-
 if __name__ == "__main__":
-    _exit()
+    raise SystemExit(main())
