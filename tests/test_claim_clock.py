@@ -18,8 +18,9 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects import mssql
 
 from chatflow_sqlalchemy import SQLiteSessionStore
+from chatflow_sqlalchemy.clock import CLAIM_LEASE, CLAIM_NOW
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage as Row
-from chatflow_sqlalchemy.sql_claims import _RENEW, CLAIM_LEASE, CLAIM_NOW
+from chatflow_sqlalchemy.sql_claims import _RENEW
 
 from . import pg_util
 

@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
+    from chatflow_sqlalchemy.clock import (
+        CLAIM_CUTOFF,
+        CLAIM_HORIZON,
+        CLAIM_LEASE,
+        CLAIM_NOW,
+        DatabaseNow,
+    )
     from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.dialect import (
         RECLAIMED_AS_DONE,
@@ -28,13 +35,6 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.iopool import IOPool
     from chatflow_sqlalchemy.migrate import MigrationChain
     from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
-    from chatflow_sqlalchemy.sql_claims import (
-        CLAIM_CUTOFF,
-        CLAIM_HORIZON,
-        CLAIM_LEASE,
-        CLAIM_NOW,
-        DatabaseNow,
-    )
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
 _SOURCES: dict[str, str] = {
@@ -51,11 +51,11 @@ _SOURCES: dict[str, str] = {
     "CLAIM_TICKETS": "chatflow_sqlalchemy.models",
     "NAMING_CONVENTION": "chatflow_sqlalchemy.models",
     "UTCDateTime": "chatflow_sqlalchemy.models",
-    "CLAIM_CUTOFF": "chatflow_sqlalchemy.sql_claims",
-    "CLAIM_HORIZON": "chatflow_sqlalchemy.sql_claims",
-    "CLAIM_LEASE": "chatflow_sqlalchemy.sql_claims",
-    "CLAIM_NOW": "chatflow_sqlalchemy.sql_claims",
-    "DatabaseNow": "chatflow_sqlalchemy.sql_claims",
+    "CLAIM_CUTOFF": "chatflow_sqlalchemy.clock",
+    "CLAIM_HORIZON": "chatflow_sqlalchemy.clock",
+    "CLAIM_LEASE": "chatflow_sqlalchemy.clock",
+    "CLAIM_NOW": "chatflow_sqlalchemy.clock",
+    "DatabaseNow": "chatflow_sqlalchemy.clock",
     "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
 }
 

@@ -20,7 +20,7 @@ How it holds (one row of ``chatflow_processed_messages`` per id):
   while the token still holds. A worker that dies stops renewing, and the
   next delivery after the lease takes the id over with a new token. Lease
   times are the database's clock on the SQL stores, never a worker's
-  (:class:`~chatflow_sqlalchemy.sql_claims.DatabaseNow`).
+  (:class:`~chatflow_sqlalchemy.clock.DatabaseNow`).
 * **Fencing**: a turn run inside the block on ``session_id`` (the Runner's
   ``session.lock``) marks the claim done in the same transaction as its
   messages, with ``WHERE token = :ours``; if the token is gone the

@@ -298,7 +298,7 @@ class DialectSupport:
         ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry),
         ``session_id`` and ``horizon`` (see :class:`AcquiredClaim`): the
         worker's clock values; ``lease_seconds`` and ``ttl_seconds`` for the
-        database's clock (``sql_claims.CLAIM_NOW``, ``CLAIM_LEASE``,
+        database's clock (``clock.CLAIM_NOW``, ``CLAIM_LEASE``,
         ``CLAIM_CUTOFF``, ``CLAIM_HORIZON``), which its leases and takeover test use.
         :meth:`read_claim` reads the result. Backends with
         ``ON CONFLICT ... WHERE ... RETURNING`` build it with
@@ -428,7 +428,7 @@ def on_conflict_acquire(
     A ``partition_day`` expression (a table partitioned by day) is inserted
     with the row and joins ``message_id`` as the conflict target.
     """
-    from chatflow_sqlalchemy.sql_claims import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
+    from chatflow_sqlalchemy.clock import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
 
     c = table.c
     now, cutoff = CLAIM_NOW, CLAIM_CUTOFF  # the database's clock (see sql_claims)

@@ -7,11 +7,11 @@ is portable Core.
 
 **One clock for leases: the database's.** Every lease a claim stores, and
 every comparison that decides whether a lease still holds (takeover, order,
-renewal), reads :class:`DatabaseNow` inside the statement, never a worker's
-clock: a worker whose clock runs ahead can no longer take over a live claim,
-and one whose clock runs behind no longer stores a lease that has already
-lapsed. The workers' clock values are still sent, for databases that have no
-compilation of :class:`DatabaseNow` (see there).
+renewal), reads the database's clock inside the statement
+(:mod:`chatflow_sqlalchemy.clock`), never a worker's: a worker whose clock
+runs ahead can no longer take over a live claim, and one whose clock runs
+behind no longer stores a lease that has already lapsed. The workers' clock
+values are still sent, for databases the clock module does not compile for.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
-    Float,
     Table,
     Text,
     bindparam,
@@ -31,12 +30,10 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.functions import FunctionElement
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
+from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
 
@@ -44,13 +41,8 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
 __all__ = [
-    "CLAIM_CUTOFF",
-    "CLAIM_HORIZON",
     "CLAIM_IS_MINE",
-    "CLAIM_LEASE",
-    "CLAIM_NOW",
     "FENCE_CLAIM",
-    "DatabaseNow",
     "SQLClaims",
     "free_claim",
     "read_claims",
@@ -58,82 +50,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-
-class DatabaseNow(FunctionElement[datetime]):
-    """The database's clock, optionally moved by some seconds: the time claim leases use.
-
-    Arguments: the bind parameter of the worker's clock value (rendered only
-    on a database this module does not compile for), then optionally a SQL
-    expression of seconds to add. Per dialect:
-
-    * PostgreSQL: ``statement_timestamp()``, the start of the statement: one
-      value throughout the statement, fresh for every statement even inside
-      a long transaction (``now()`` would be the transaction's start).
-    * SQLite: the machine's clock, ``strftime('%Y-%m-%d %H:%M:%f', 'now')``,
-      padded to the six-digit text :class:`UTCDateTime` stores, so text
-      comparisons with stored values hold.
-    * MySQL / MariaDB: ``UTC_TIMESTAMP(6)``, UTC whatever the session's time
-      zone, as the ``DATETIME(6)`` columns hold naive UTC.
-
-    Another database renders the worker's clock value, as before; its backend
-    gets the database's clock by compiling this element for its dialect
-    (``sqlalchemy.ext.compiler.compiles``).
-    """
-
-    type = UTCDateTime()
-    inherit_cache = True
-
-
-def _seconds(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str | None:
-    """The seconds argument compiled (None if none); the worker's value is left out."""
-    args = list(element.clauses)
-    return compiler.process(args[1], **kw) if len(args) > 1 else None
-
-
-@compiles(DatabaseNow)
-def _worker_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    return str(compiler.process(next(iter(element.clauses)), **kw))
-
-
-@compiles(DatabaseNow, "postgresql")
-def _postgresql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _seconds(element, compiler, **kw)
-    if seconds is None:
-        return "statement_timestamp()"
-    return f"(statement_timestamp() + make_interval(secs => {seconds}))"
-
-
-@compiles(DatabaseNow, "sqlite")
-def _sqlite_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _seconds(element, compiler, **kw)
-    shift = "" if seconds is None else f", printf('%.6f seconds', {seconds})"
-    return f"(strftime('%Y-%m-%d %H:%M:%f', 'now'{shift}) || '000')"
-
-
-@compiles(DatabaseNow, "mysql")
-@compiles(DatabaseNow, "mariadb")
-def _mysql_clock(element: DatabaseNow, compiler: SQLCompiler, **kw: Any) -> str:
-    seconds = _seconds(element, compiler, **kw)
-    if seconds is None:
-        return "UTC_TIMESTAMP(6)"
-    return f"TIMESTAMPADD(MICROSECOND, ROUND(({seconds}) * 1000000), UTC_TIMESTAMP(6))"
-
-
-def _worker_time(name: str) -> Any:
-    return bindparam(name, type_=UTCDateTime())
-
-
-_LEASE_SECONDS = bindparam("lease_seconds", type_=Float())
-CLAIM_NOW = DatabaseNow(_worker_time("now"))
-"""Now (worker's value: bind parameter ``now``)."""
-CLAIM_LEASE = DatabaseNow(_worker_time("lease"), _LEASE_SECONDS)
-"""The end of a lease taken or renewed now (``lease``; seconds: ``lease_seconds``)."""
-CLAIM_HORIZON = DatabaseNow(_worker_time("horizon"), -_LEASE_SECONDS)
-"""One lease ago (``horizon``): see :meth:`WebhookClaim.order_horizon`."""
-CLAIM_CUTOFF = DatabaseNow(
-    _worker_time("cutoff"), -bindparam("ttl_seconds", type_=Float())
-)
-"""One dedup TTL ago (``cutoff``; seconds: ``ttl_seconds``): older ids are taken over."""
 
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
 _c = _processed.c

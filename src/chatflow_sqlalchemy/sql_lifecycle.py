@@ -56,6 +56,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
+from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
@@ -69,7 +70,6 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     UTCDateTime,
 )
-from chatflow_sqlalchemy.sql_claims import DatabaseNow
 
 if TYPE_CHECKING:
     from chatflow_agent import Message

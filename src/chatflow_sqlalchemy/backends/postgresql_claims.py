@@ -62,7 +62,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from chatflow_sqlalchemy import rows
-from chatflow_sqlalchemy.sql_claims import CLAIM_HORIZON
+from chatflow_sqlalchemy.clock import CLAIM_HORIZON
 
 __all__ = [
     "CLAIM_LOCK_CLASS",
@@ -138,7 +138,7 @@ def claim_day(now: Any) -> Any:
     """The ``partition_day`` of an inserted id: its row's day, else the UTC day of ``now``.
 
     ``now`` is the statement's timestamp: a bind parameter, or the database's
-    clock for a claim (``sql_claims.CLAIM_NOW``).
+    clock for a claim (``clock.CLAIM_NOW``).
     """
     return func.coalesce(
         func.chatflow_claim_day(bindparam("message_id")),
