@@ -116,3 +116,44 @@ def test_a_sweeper_whose_clock_runs_ahead_keeps_a_session_under_a_live_claim(
             assert store.sweep() == 0
             assert "s1" in store.list_sessions()
         assert store.sweep() == 1  # the claim is done: the session is two hours stale
+
+
+def _skew_every_clock(monkeypatch: pytest.MonkeyPatch, shift: timedelta) -> None:
+    """Every wall-clock read of the package goes through ``values.utcnow``: skew them all."""
+    import sys
+
+    from chatflow_sqlalchemy import values
+
+    real = values.utcnow
+    for name, module in list(sys.modules.items()):
+        if name.startswith("chatflow_sqlalchemy") and getattr(module, "utcnow", None) is real:
+            monkeypatch.setattr(module, "utcnow", lambda: real() + shift)
+
+
+def test_a_claim_done_by_its_turn_is_stamped_by_the_databases_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dedup TTL of a finished id runs from the database's time, like its lease did."""
+    import asyncio
+
+    from chatflow_agent import Agent, Message, Role
+
+    from chatflow_sqlalchemy.values import utcnow
+
+    with SQLiteSessionStore(tmp_path / "done.db") as store:
+        _skew_every_clock(monkeypatch, timedelta(hours=2))
+
+        async def claimed_turn() -> None:
+            async with store.claim("m1", session_id="s") as claim:
+                ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+                async with ctx.lock:
+                    ctx.add_message(Message(role=Role.USER, content="hi"))
+                    ctx.add_message(Message(role=Role.MODEL, content="hello"))
+                claim.response = "hello"
+
+        asyncio.run(claimed_turn())
+        monkeypatch.undo()
+        with store.engine.connect() as conn:
+            query = select(Row.processed_at).where(Row.message_id == "m1")
+            stamped = conn.execute(query).scalar_one()
+    assert abs(stamped - utcnow()) < timedelta(minutes=30), stamped

@@ -33,7 +33,7 @@ from sqlalchemy import (
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
-from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW
+from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
 
@@ -62,7 +62,7 @@ FENCE_CLAIM = (
     .values(
         # Constants inline, not as anonymous binds: one cached statement.
         state=literal_column(f"'{CLAIM_DONE}'"),
-        processed_at=bindparam("claim_now", type_=UTCDateTime()),
+        processed_at=DatabaseNow(bindparam("claim_now", type_=UTCDateTime())),
         lease_expires_at=null(),
         response=bindparam("claim_reply", type_=Text()),
     )
