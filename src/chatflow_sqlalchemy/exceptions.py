@@ -20,6 +20,7 @@ __all__ = [
     "DatabaseURLError",
     "DatabaseUnavailableError",
     "DuplicateBackendError",
+    "LeaseLostError",
     "SchemaAheadError",
     "SchemaError",
     "SessionDeletedError",
@@ -124,7 +125,26 @@ class DatabaseUnavailableError(ChatflowStoreError):
     """
 
 
-class ClaimLostError(ChatflowStoreError):
+class LeaseLostError(ChatflowStoreError):
+    """A turn's lease on its session was lost before the turn was written.
+
+    The holder was paused past the lease's expiry, or another worker took the
+    session over after it expired. Nothing of the turn was written; the
+    context shows what the database holds. Run the turn again if it is still
+    wanted (a webhook delivery: let the platform's retry do it).
+    """
+
+    session_id: str | None
+
+    def __init__(self, session_id: str, reason: str = "it expired or was taken over") -> None:
+        super().__init__(
+            f"the turn's lease on session {session_id!r} was lost ({reason}); nothing of the "
+            "turn was written: run it again, or raise turn_lease_seconds if turns outlive it"
+        )
+        self.session_id = session_id
+
+
+class ClaimLostError(LeaseLostError):
     """A webhook claim's lease was lost (taken over, or freed) before its work committed.
 
     Raised at ``session.lock`` exit by a turn run inside ``store.claim(...)``
@@ -133,8 +153,10 @@ class ClaimLostError(ChatflowStoreError):
     """
 
     def __init__(self, message_id: str, reason: str = "its lease was taken over") -> None:
-        super().__init__(
+        ChatflowStoreError.__init__(
+            self,
             f"webhook claim {message_id!r} is no longer held ({reason}); the turn was not "
             "written: another delivery of this id now processes it, so do not reply"
         )
         self.message_id = message_id
+        self.session_id = None

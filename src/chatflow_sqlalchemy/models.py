@@ -45,6 +45,7 @@ __all__ = [
     "CLAIM_DONE",
     "CLAIM_RELEASED",
     "CLAIM_TICKETS",
+    "LEASE_OWNER_MAX_LENGTH",
     "NAMING_CONVENTION",
     "SESSION_ID_MAX_LENGTH",
     "Base",
@@ -56,6 +57,9 @@ __all__ = [
     "metadata",
     "utcnow",
 ]
+
+LEASE_OWNER_MAX_LENGTH = 64
+"""Room for a lease holder's token (a random hex string)."""
 
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -151,6 +155,12 @@ class ChatflowSession(Base):
 
     ``user_id`` (revision 0004) records whose session it is, for
     ``list_sessions(user_id=...)``, ``erase_user`` and ``export_user``.
+
+    ``lease_*`` (revision 0008) are the turn's lease (see
+    :mod:`chatflow_sqlalchemy.lease`): who holds the session for a turn
+    (``lease_owner``, None when free), until when by the database's clock
+    (``lease_expires_at``), and a counter bumped by every take
+    (``lease_fence``), so a holder that lost the lease cannot write.
     """
 
     __tablename__ = "chatflow_sessions"
@@ -162,6 +172,9 @@ class ChatflowSession(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     user_id: Mapped[str | None] = mapped_column(String(SESSION_ID_MAX_LENGTH), nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(LEASE_OWNER_MAX_LENGTH), nullable=True)
+    lease_fence: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (Index(None, "updated_at"), Index(None, "user_id"))
 
