@@ -27,23 +27,21 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.dialect import (
         RECLAIMED_AS_DONE,
-        ConnectArguments,
         DialectSupport,
-        TurnLocks,
     )
     from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
     from chatflow_sqlalchemy.iopool import IOPool
     from chatflow_sqlalchemy.migrate import MigrationChain
     from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+    from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
     "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
+    "DEFAULT_TURN_LEASE_SECONDS": "chatflow_sqlalchemy.values",
     "AESGCMCipher": "chatflow_sqlalchemy.crypto",
     "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",
-    "ConnectArguments": "chatflow_sqlalchemy.dialect",
     "DialectSupport": "chatflow_sqlalchemy.dialect",
-    "TurnLocks": "chatflow_sqlalchemy.dialect",
     "BackendImportError": "chatflow_sqlalchemy.exceptions",
     "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
     "IOPool": "chatflow_sqlalchemy.iopool",
@@ -66,18 +64,17 @@ __all__ = [
     "CLAIM_NOW",
     "CLAIM_TICKETS",
     "DEFAULT_DEDUP_TTL_HOURS",
+    "DEFAULT_TURN_LEASE_SECONDS",
     "NAMING_CONVENTION",
     "RECLAIMED_AS_DONE",
     "AESGCMCipher",
     "BackendImportError",
-    "ConnectArguments",
     "DatabaseNow",
     "DatabaseUnavailableError",
     "DialectSupport",
     "IOPool",
     "MigrationChain",
     "SQLAlchemySessionStore",
-    "TurnLocks",
     "UTCDateTime",
 ]
 

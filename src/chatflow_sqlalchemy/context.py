@@ -492,8 +492,6 @@ class SessionContext(_UpstreamSessionContext):
         # must not install over them (a native-async refresh re-enters the mutex).
         self._writing = 0
         self._stale = False
-        self._verified_at = float("-inf")
-        self._touched_at = float("-inf")  # this process last moved updated_at (write, turn)
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
         self._async_writer = _AnyLoopLock()

@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import date, datetime
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 from sqlalchemy import (
     URL,
@@ -42,10 +41,8 @@ __all__ = [
     "IDLE_PING_SECONDS",
     "RECLAIMED_AS_DONE",
     "AcquiredClaim",
-    "ConnectArguments",
     "DialectSupport",
     "SessionWrite",
-    "TurnLocks",
     "first_time_on",
     "on_conflict_acquire",
     "ping_when_idle",
@@ -111,6 +108,9 @@ class SessionWrite:
         fence: Parameters of the turn's claim fence (``claim_id``,
             ``claim_token``, ``claim_now``, ``claim_reply``: the reply stored
             with the claim), None for a turn without a claim.
+        lease: Parameters of the turn's lease check and release
+            (:func:`chatflow_sqlalchemy.lease.lease_params`: ``holder_token``,
+            ``holder_fence``, ``lease_now``), None for a write outside a turn.
 
     """
 
@@ -118,79 +118,7 @@ class SessionWrite:
     gone: Sequence[int]
     rows: Sequence[Mapping[str, Any]]
     fence: Mapping[str, Any] | None
-
-
-@runtime_checkable
-class TurnLocks(Protocol):
-    """Cross-process locks held for a whole turn (what :meth:`DialectSupport.turn_locks` makes).
-
-    A store calls them from its event loops: :meth:`try_acquire` before a
-    turn, :meth:`release` after it (written or discarded). Implementations
-    raise :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`
-    when the server cannot be reached, and must never block the calling loop.
-    They send their statements through SQLAlchemy engines of their own
-    (:attr:`engines`), so engine events, ``echo`` and instrumentation see
-    them; the store lists those engines in its own ``engines``.
-    """
-
-    @property
-    def engines(self) -> tuple[Engine, ...]:
-        """The engines the locks' statements run on (sync facades of async ones)."""
-        ...
-
-    async def try_acquire(self, session_id: str) -> tuple[bool, bool, int | None]:
-        """Try to take the session's lock; never waits for another holder.
-
-        Returns:
-            ``(taken, version_known, version)``: whether the lock was taken and,
-            if the implementation read it with the lock held, the session's
-            stored version (None: the session row does not exist). With
-            ``version_known`` False the store checks the version itself.
-
-        """
-        ...
-
-    async def release(self, session_id: str) -> None:
-        """Release what :meth:`try_acquire` took (a lost connection already released it)."""
-        ...
-
-    def distrust(self) -> None:
-        """The network looks frozen: release held locks without waiting on the server."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release every lock and close every lock connection (from an event loop)."""
-        ...
-
-    def close(self) -> None:
-        """Release every lock and close every lock connection (from sync code)."""
-        ...
-
-
-class ConnectArguments:
-    """The arguments an engine opens its DBAPI connections with, for side connections.
-
-    Backends whose turn locks live on connections of their own (outside the
-    pool) open them like the engine does: the ``do_connect`` event reports
-    the arguments of every connection the engine opens (``connect_args`` and
-    what other listeners changed included). Until the engine has opened one,
-    the dialect's :meth:`~sqlalchemy.engine.Dialect.create_connect_args` for
-    its URL stand in, updated with ``fallback``.
-
-    Args:
-        engine: The store's engine.
-        fallback: Keyword arguments added to the URL's until a connection was seen.
-
-    """
-
-    def __init__(self, engine: Engine, fallback: dict[str, Any] | None = None) -> None:
-        args, params = engine.dialect.create_connect_args(engine.url)
-        self.args: list[Any] = list(args)
-        self.params: dict[str, Any] = {**params, **(fallback or {})}
-        event.listen(engine, "do_connect", self._seen)
-
-    def _seen(self, _dialect: Any, _record: Any, cargs: Any, cparams: Any) -> None:
-        self.args, self.params = list(cargs), dict(cparams)
+    lease: Mapping[str, Any] | None = None
 
 
 class DialectSupport:
@@ -198,10 +126,6 @@ class DialectSupport:
 
     Attributes:
         name: The SQLAlchemy dialect name this support handles.
-        cross_process_turn_lock: True when :meth:`turn_locks` returns locks,
-            i.e. ``session.lock`` also excludes other processes for the whole
-            turn (not only the final write). Informative: the store asks
-            :meth:`turn_locks`.
         expires_processed_whole: True when :meth:`drop_expired_processed`
             removes expired dedup rows in bulk (PostgreSQL's day partitions):
             the store's own periodic purge then leaves every row to it, and
@@ -215,25 +139,11 @@ class DialectSupport:
     """What to install when the dialect's driver is missing; a store that creates its
     engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
     (empty: the driver's ``ImportError`` propagates as it is)."""
-    cross_process_turn_lock: bool = False
     expires_processed_whole: bool = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
         return {"pool_pre_ping": True}
-
-    def turn_locks(self, engine: Engine) -> TurnLocks | None:
-        """The cross-process turn locks of a store opened on ``engine``, or None.
-
-        Called once per store, after :meth:`prepare_engine` and before the
-        store connects, whatever the store's class (the generic
-        ``SQLAlchemySessionStore(url | engine=...)`` or a backend's own), so
-        every store on this dialect serialises turns across processes the
-        same way. The store closes them with itself. Default: None (turns
-        are serialised within the process; the write is still a
-        compare-and-swap against other processes).
-        """
-        return None
 
     def autocommit_options(self) -> dict[str, Any]:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
@@ -246,8 +156,10 @@ class DialectSupport:
 
         The store calls it outside a transaction (autocommit), for a write
         that only appends and prunes. The statement must change nothing
-        unless the compare-and-swap matched and the claim, if any, is still
-        the writer's. Returns ``(swapped, fenced)`` (``fenced`` is True
+        unless the compare-and-swap matched, the turn's lease (if any) is
+        still the writer's and unexpired, and so is the claim (if any); it
+        gives the lease back (``lease_owner`` and ``lease_expires_at`` set
+        to NULL). Returns ``(swapped, fenced)`` (``fenced`` is True
         without a claim). The default returns None: the store then runs its
         statements one by one in a write transaction, as it does after a
         missed swap.
@@ -384,27 +296,6 @@ class DialectSupport:
         SQLite ignores row locks.
         """
         return select.with_for_update(skip_locked=True)
-
-    def hold_turns(
-        self,
-        connection: Connection,
-        session_ids: Sequence[str],
-        turn_locks: TurnLocks | None,
-    ) -> AbstractContextManager[set[str]]:
-        """Keep turns off sessions a sweep is about to remove.
-
-        Entered inside the sweep's write transaction and left after it
-        committed. Yields the sessions whose turn is in progress in any
-        process (the sweep keeps them); no turn can start on the others
-        until the context is left. ``turn_locks`` are the sweeping store's
-        own (what :meth:`turn_locks` made for it), for backends whose locks
-        live on connections of their own. Default, for dialects without
-        :meth:`turn_locks`: none is known to be busy here (the store adds
-        its own running turns; other processes' turns are detected by the
-        session's ``updated_at``, which a turn moves when it starts on an
-        idle session, see :data:`~chatflow_sqlalchemy.lifecycle.TURN_TOUCH_SECONDS`).
-        """
-        return nullcontext(set())
 
     def begin_migration(self, connection: Connection) -> None:
         """Prepare a connection before the migration transaction begins."""

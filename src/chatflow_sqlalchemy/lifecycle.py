@@ -22,12 +22,10 @@ __all__ = [
     "EXPORT_FORMAT",
     "MAX_SESSION_TTL_HOURS",
     "SWEEP_BATCH",
-    "TURN_TOUCH_SECONDS",
     "ListFilters",
     "json_equal",
     "matches_metadata",
     "pruned_seqs",
-    "touch_interval",
     "validate_archive_pruned",
     "validate_session_ttl",
     "validate_sweep_limit",
@@ -175,22 +173,6 @@ def validate_sweep_limit(limit: object) -> int | None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None (no limit), got {limit!r}")
     return limit
-
-
-TURN_TOUCH_SECONDS = 3600.0
-"""On dialects without cross-process turn locks, a turn starting on a session this
-process has not written for this long (or for a quarter of the store's
-``session_ttl_hours``, if shorter) first moves the session's ``updated_at`` to now,
-so that no sweep in another process takes a session while its turn runs. An hour:
-the touch is an extra commit, and most chat turns come minutes after the last one,
-while expiry is a matter of hours or days."""
-
-
-def touch_interval(session_ttl_hours: float | None) -> float:
-    """Seconds after which a turn start moves ``updated_at`` again (:data:`TURN_TOUCH_SECONDS`)."""
-    if session_ttl_hours is None:
-        return TURN_TOUCH_SECONDS
-    return min(TURN_TOUCH_SECONDS, session_ttl_hours * 3600 / 4)
 
 
 # ---------------------------------------------------------------- transcript archive

@@ -51,7 +51,12 @@ from chatflow_sqlalchemy.lifecycle import (
     validate_sweep_limit,
     validate_user_id,
 )
-from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, utcnow
+from chatflow_sqlalchemy.values import (
+    CLAIM_ACQUIRED,
+    DEFAULT_TURN_LEASE_SECONDS,
+    utcnow,
+    validate_turn_lease_seconds,
+)
 
 __all__ = ["SessionStore"]
 
@@ -75,6 +80,9 @@ class SessionStore(AsyncStoreAPI):
             and removed by ``sweep()``; None (the default) keeps sessions forever.
         archive_pruned: Keep the messages pruning drops from the window for
             ``transcript()`` instead of forgetting them.
+        turn_lease_seconds: Accepted as every store accepts it; turns of one
+            in-memory store exclude each other within the process, where a
+            turn cannot outlive its holder.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -92,7 +100,9 @@ class SessionStore(AsyncStoreAPI):
         *,
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
+        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
     ) -> None:
+        self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self.archive_pruned = validate_archive_pruned(archive_pruned)

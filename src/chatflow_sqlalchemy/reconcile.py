@@ -9,12 +9,9 @@ must carry over when another writer moved the session.
 
 from __future__ import annotations
 
-import time
-
 from chatflow_agent import Agent, Message, Role
 
 from chatflow_sqlalchemy.context import DurableState, SessionContext, dump_metadata
-from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.rows import StoredSession
 
 __all__ = [
@@ -45,9 +42,6 @@ def install(
         hidden=frozenset(hidden),
     )
     ctx._load(window, seqs, agent, stored.metadata, durable)
-    if stored.updated_at is not None:
-        age = max((utcnow() - stored.updated_at).total_seconds(), 0.0)
-        ctx._touched_at = max(ctx._touched_at, time.monotonic() - age)
 
 
 def repair_window(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from chatflow_agent import Role
@@ -49,10 +49,10 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     tuple_,
     type_coerce,
-    update,
 )
 from sqlalchemy.dialects import postgresql
 
@@ -86,7 +86,6 @@ __all__ = [
     "parser_for",
     "session_page",
     "sweep_candidates",
-    "touch_session",
     "transcript_sources",
     "user_session_ids",
 ]
@@ -212,22 +211,6 @@ def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ())
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
 
-def touch_session(conn: Connection, session_id: str, now: datetime, interval: float) -> bool:
-    """Move the session's ``updated_at`` to ``now`` unless it is already that recent.
-
-    Returns False when no row was moved: the session is gone, was touched
-    within ``interval`` elsewhere, or has no ``updated_at``.
-    """
-    return bool(conn.execute(
-        update(_sessions)
-        .where(
-            _sessions.c.session_id == session_id,
-            _sessions.c.updated_at < now - timedelta(seconds=interval),
-        )
-        .values(updated_at=now)
-    ).rowcount)
-
-
 def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
     """No live acquired webhook claim names the session (its turn may be running).
 
@@ -247,11 +230,19 @@ def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
     return ~live
 
 
+def _not_leased_now(now: datetime) -> ColumnElement[bool]:
+    """No turn holds the session's lease (by the database's clock): none is running on it."""
+    database_now = DatabaseNow(bindparam(None, now, type_=UTCDateTime()))
+    return or_(
+        _sessions.c.lease_owner.is_(None), _sessions.c.lease_expires_at <= database_now
+    )
+
+
 def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
-    """Sessions last written before ``cutoff`` and not held by a live claim, oldest first."""
+    """Sessions last written before ``cutoff``, under no live lease or claim, oldest first."""
     return (
         select(_sessions.c.session_id, _sessions.c.updated_at)
-        .where(_sessions.c.updated_at < cutoff, _not_claimed_now(now))
+        .where(_sessions.c.updated_at < cutoff, _not_leased_now(now), _not_claimed_now(now))
         .order_by(_sessions.c.updated_at, _sessions.c.session_id)
     )
 

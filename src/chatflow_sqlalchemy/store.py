@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
@@ -56,11 +56,17 @@ from chatflow_sqlalchemy.context import (
 )
 from chatflow_sqlalchemy.contexts import AgentResolver, ContextCache
 from chatflow_sqlalchemy.crypto import AESGCMCipher
-from chatflow_sqlalchemy.dialect import DialectSupport, TurnLocks
+from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import (
     ChatflowStoreError,
-    ClaimLostError,
+    LeaseLostError,
     SessionDeletedError,
+)
+from chatflow_sqlalchemy.lease import (
+    DEFAULT_TURN_LEASE_SECONDS,
+    Lease,
+    SessionLeases,
+    validate_turn_lease_seconds,
 )
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
@@ -154,6 +160,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
             content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
         require_encryption: Refuse plaintext rows with ``CorruptRowError``.
+        turn_lease_seconds: How long a turn's lease on its session lasts
+            without renewal (it is renewed while the turn runs): a worker
+            that dies mid-turn frees its session after this long.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -197,9 +206,11 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
+        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
+        self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
         self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
@@ -248,8 +259,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             engine, self.support, self.url, owns_engine=owns_engine, engine_options=options,
             io_workers=self._blocking_io_workers,
         )
-        locks = self.support.turn_locks(engine)
-        self.turns = Turns(self, self.runtime, locks, self.session_ttl_hours)
+        self.turns = Turns(
+            self, self.runtime, SessionLeases(self.runtime, self.turn_lease_seconds)
+        )
         self._writer = SessionWriter(
             self.runtime, self._sealer, self._agents, archive_pruned=self.archive_pruned
         )
@@ -258,12 +270,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         self._claim = self.support.claim_processed(_processed)
         self._mark = self.support.upsert_processed(_processed)
         self._purge = self.support.purge_processed(_processed, _PURGE_BATCH)
-        try:
-            self._open_schema()
-        except BaseException:
-            if locks is not None:
-                locks.close()
-            raise
+        self._open_schema()
 
     @classmethod
     def _support_for(cls, dialect_name: str) -> DialectSupport:
@@ -297,19 +304,11 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         ``store.engine``; on a native-async store (PostgreSQL,
         ``sqlite+aiosqlite``) the sync facade of its ``AsyncEngine``, where
-        the async API's statements run; and the engines of its turn locks
-        (``turn_locks.engines``: PostgreSQL's and MariaDB's take their locks
-        on connections of their own). ``event.listen(engine, ...)`` on each
+        the async API's statements run. ``event.listen(engine, ...)`` on each
         of them, or ``SQLAlchemyInstrumentor().instrument(engines=store.engines)``,
         sees every statement the store sends.
         """
-        locks = self.turns.locks
-        return self.runtime.engines + (tuple(getattr(locks, "engines", ())) if locks else ())
-
-    @property
-    def turn_locks(self) -> TurnLocks | None:
-        """The cross-process turn locks of this store (from its dialect support), or None."""
-        return self.turns.locks
+        return self.runtime.engines
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking database work off the event loop (see :class:`StoreRuntime`)."""
@@ -349,7 +348,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             return False
         durable = ctx._durable
         if durable is not None and durable.version == version and not ctx._stale:
-            ctx._verified_at = time.monotonic()
             return True
         stored = self._load(ctx.session_id)
         if stored is None or other_incarnation(ctx, stored):
@@ -363,7 +361,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             install(ctx, stored, agent, set(ctx._seqs))
             if carried is not None:
                 ctx._append(carried)  # unsaved again: written with its result
-            ctx._verified_at = time.monotonic()
         return True
 
     def _read_version(self, session_id: str) -> int | None:
@@ -479,12 +476,12 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def _claimed_version(self, session_id: str) -> tuple[bool, int | None]:
         """The version this store's active claim read for ``session_id``, taken once.
 
-        Only on a store whose turn lock reads the version again before the
-        turn (it catches up with a session written elsewhere since, and finds
-        one deleted since): there the claim block's ``get_or_create`` needs no
-        round trip of its own. ``(False, None)`` otherwise.
+        The turn's lease reads the version again before the turn (it catches
+        up with a session written elsewhere since, and finds one deleted
+        since), so the claim block's ``get_or_create`` needs no round trip of
+        its own. ``(False, None)`` without a claim.
         """
-        if self.turns.locks is None or self._claims_backend is None:
+        if self._claims_backend is None:
             return False, None
         return claimed_session_version(session_id, self._claims_backend)
 
@@ -597,18 +594,12 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         for attempt in range(_SWEEP_DEADLOCK_RETRIES):
             cursor.updated_at, cursor.session_id = start  # a rolled-back batch is redone whole
             try:
-                # Left in reverse order: turn locks held until the transaction committed.
-                with ExitStack() as held, self.runtime.transaction(write=True) as conn:
+                with self.runtime.transaction(write=True) as conn:
                     found = sweep_candidates(
                         conn, cutoff, utcnow(), want, cursor, self.support.lock_batch
                     )
                     ours = self._contexts.in_turn(found)
-                    others = held.enter_context(
-                        self.support.hold_turns(
-                            conn, [s for s in found if s not in ours], self.turns.locks
-                        )
-                    )
-                    removed = [sid for sid in found if sid not in ours | others]
+                    removed = [sid for sid in found if sid not in ours]
                     erase_sessions(conn, removed)
                 return found, removed
             except sa_exc.OperationalError as exc:
@@ -803,12 +794,17 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     # ------------------------------------------------------------ writes and turns
 
-    def _flush_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None:
+    def _flush_context(
+        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+    ) -> None:
         """Write what ``ctx`` changed since the database last saw it, in one transaction.
 
         ``fence``: the webhook claim of the turn being written; it is marked
         done in the same transaction, or nothing is written and
         :class:`ClaimLostError` is raised (the context is reloaded).
+        ``lease``: the turn's lease, given back by the same transaction, or
+        nothing is written and :class:`LeaseLostError` is raised. A turn
+        that changed nothing leaves its lease to the caller.
         """
         self._claimed_version(ctx.session_id)  # stale once written: no later call may use it
         with ctx._mutex:
@@ -819,13 +815,12 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             ctx._writing += 1
             try:
                 with telemetry.operation("turn.commit", self.runtime.system):
-                    deleted = self._writer.write(ctx, fence)
+                    deleted = self._writer.write(ctx, fence, lease)
                 telemetry.count("chatflow.messages.pruned", deleted, self.runtime.system)
-                ctx._verified_at = ctx._touched_at = time.monotonic()
             except SessionDeletedError:
                 self._forget(ctx.session_id)
                 raise
-            except ClaimLostError:
+            except LeaseLostError:
                 ctx._stale = True  # memory must not keep what the database refused
                 with suppress(Exception):
                     self._refresh(ctx)
@@ -850,8 +845,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """Release the turn locks, the thread pool and (if the store created it) the engine."""
         if self.runtime.closed:
             return
-        if self.turns.locks is not None:
-            self.turns.locks.close()
         self.runtime.close()
 
     def __enter__(self) -> SQLAlchemySessionStore:
@@ -878,8 +871,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     async def aclose(self) -> None:
         """Async :meth:`close` (waits for in-flight work off the loop)."""
-        if self.turns.locks is not None and not self.runtime.closed:
-            await self.turns.locks.aclose()
         await self.runtime.adispose_async_engine()
         if self.runtime.ephemeral:
             self.close()

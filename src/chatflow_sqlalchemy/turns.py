@@ -1,44 +1,37 @@
 """The start and end of a turn (``async with session.lock``) on a SQL store.
 
-Before a turn: take the cross-process turn lock where the dialect has one,
-then catch the context up with the database, so the turn runs on the newest
-history. After it: write the turn in one transaction (with its webhook claim's
-fence), then let other processes in. A turn ended by an exception writes
-nothing. Without turn locks (SQLite), a turn on a session idle for a while
-first moves its ``updated_at``, so no other process's sweep takes it mid-turn.
+Before a turn: take the session's lease (:mod:`chatflow_sqlalchemy.lease`),
+polling with a bounded backoff while another turn holds it, and catch the
+context up if the session moved since it last saw it. While the turn runs:
+renew the lease in the background, holding nothing between renewals. After
+it: write the turn in one transaction that checks the lease and gives it
+back (with its webhook claim's fence). A turn ended by an exception writes
+nothing and gives the lease back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, active_fence
 from chatflow_sqlalchemy.context import SessionContext
-from chatflow_sqlalchemy.dialect import TurnLocks
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.lifecycle import touch_interval
-from chatflow_sqlalchemy.models import utcnow
+from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.runtime import StoreRuntime
-from chatflow_sqlalchemy.sql_lifecycle import touch_session
 
-__all__ = ["RECENTLY_VERIFIED", "Turns"]
+__all__ = ["Turns"]
+
+logger = logging.getLogger("chatflow_sqlalchemy")
 
 _T = TypeVar("_T")
 
-RECENTLY_VERIFIED = 0.05
-"""Seconds during which a context checked against the database counts as current.
-
-Only backends without a cross-process turn lock use it (to skip a second
-version check right after ``get_or_create``); their writes still compare and
-swap the version, so a stale context is rebased, never merged blindly.
-"""
-
-_FIRST_POLL, _LAST_POLL = 0.002, 0.005
-"""Backoff of a contended turn lock: a freed lock is noticed within the last."""
+_FIRST_POLL, _LAST_POLL = 0.002, 0.025
+"""Backoff while another turn holds the lease: a freed lease is noticed within the last."""
 
 
 class _Store(Protocol):
@@ -46,11 +39,24 @@ class _Store(Protocol):
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
 
-    def _refresh(self, ctx: SessionContext) -> bool: ...
+    def _refresh(self, ctx: SessionContext, claimed: tuple[bool, int | None] = ...) -> bool: ...
 
-    def _flush_context(self, ctx: SessionContext, fence: ClaimFence | None = None) -> None: ...
+    def _flush_context(
+        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+    ) -> None: ...
 
-    def _forget(self, session_id: str) -> None: ...
+
+class _Held:
+    """A lease held by a running turn, and the task that renews it."""
+
+    def __init__(self, lease: Lease, renewal: asyncio.Task[None]) -> None:
+        self.lease = lease
+        self.renewal = renewal
+
+    async def stop_renewing(self) -> None:
+        self.renewal.cancel()
+        with suppress(asyncio.CancelledError):
+            await self.renewal
 
 
 class Turns:
@@ -59,116 +65,91 @@ class Turns:
     Args:
         store: The store whose contexts these are.
         runtime: Where the store's statements run.
-        locks: The dialect's cross-process turn locks, or None.
-        session_ttl_hours: The store's session TTL (how often an idle session is touched).
+        leases: The store's session leases.
 
     """
 
-    def __init__(
-        self,
-        store: _Store,
-        runtime: StoreRuntime,
-        locks: TurnLocks | None,
-        session_ttl_hours: float | None,
-    ) -> None:
+    def __init__(self, store: _Store, runtime: StoreRuntime, leases: SessionLeases) -> None:
         self._store = store
         self._runtime = runtime
-        self.locks = locks
-        self._touch_interval = touch_interval(session_ttl_hours)
+        self.leases = leases
+        self._held: dict[str, _Held] = {}
 
     async def begin(self, ctx: SessionContext) -> None:
-        """Take the turn lock, then catch up with the database.
-
-        The lock is polled with a short backoff rather than waited for, so a
-        contended session never pins one of the I/O threads.
+        """Take the session's lease, then catch up with the database.
 
         Raises:
-            SessionDeletedError: The session is gone (the lock is not kept).
+            SessionDeletedError: The session is gone (no lease is kept).
 
         """
-        locks = self.locks
-        if locks is None:
-            await self._touch_if_idle(ctx)
-            recent = time.monotonic() - ctx._verified_at < RECENTLY_VERIFIED
-            if recent and not ctx._stale:
-                return  # the Runner's get_or_create checked the version a moment ago
-            if not await self._store._run_blocking(self._store._refresh, ctx):
-                raise SessionDeletedError(ctx.session_id)
-            return
-        known, version = await self._await_lock(locks, ctx.session_id)
+        lease = await self._take(ctx.session_id)
         try:
-            if self._locked_version_matches(ctx, known, version):
-                return
-            if not await self._store._run_blocking(self._store._refresh, ctx):
+            if not await self._store._run_blocking(
+                self._store._refresh, ctx, (True, lease.version)
+            ):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
-            await locks.release(ctx.session_id)
+            await self._give_back(lease)
             raise
+        renewal = asyncio.get_running_loop().create_task(self._renew(lease))
+        self._held[ctx.session_id] = _Held(lease, renewal)
 
     async def end(self, ctx: SessionContext) -> None:
-        """Write the turn in one transaction, then let other processes in.
+        """Write the turn in one transaction that also gives the lease back.
 
         A turn inside a webhook claim block for this session commits the claim
         with it (the claim is found here, in the caller's context).
         """
+        held = self._held.pop(ctx.session_id)
+        await held.stop_renewing()
         fence = active_fence(ctx.session_id)
         try:
-            await self._store._run_blocking(self._store._flush_context, ctx, fence)
+            await self._store._run_blocking(self._store._flush_context, ctx, fence, held.lease)
         finally:
-            if self.locks is not None:
-                await self.locks.release(ctx.session_id)
+            if not held.lease.released:
+                await self._give_back(held.lease)
 
     async def discard(self, ctx: SessionContext) -> None:
-        """After a turn ended by an exception: write nothing, let other processes in."""
-        if self.locks is not None:
-            await self.locks.release(ctx.session_id)
+        """After a turn ended by an exception: write nothing, give the lease back."""
+        held = self._held.pop(ctx.session_id, None)
+        if held is not None:
+            await held.stop_renewing()
+            await self._give_back(held.lease)
 
-    async def _await_lock(self, locks: TurnLocks, session_id: str) -> tuple[bool, int | None]:
-        """Poll the turn lock until taken; return (version known, version) read with it."""
+    async def _take(self, session_id: str) -> Lease:
+        """Poll the lease until taken (bounded backoff; turns of this process queue first)."""
         delay = _FIRST_POLL
-        with telemetry.operation("turn.lock", self._runtime.system) as op:
+        with telemetry.operation("turn.lease", self._runtime.system) as op:
             attempts = 0
             while True:
                 attempts += 1
-                with self._runtime.guard:
-                    acquired, known, version = await locks.try_acquire(session_id)
-                if acquired:
-                    op.set("chatflow.lock.attempts", attempts)
-                    return known, version
+                lease = await self._store._run_blocking(self.leases.take, session_id)
+                if lease is not None:
+                    op.set("chatflow.lease.attempts", attempts)
+                    return lease
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _LAST_POLL)
 
-    def _locked_version_matches(
-        self, ctx: SessionContext, known: bool, version: int | None
-    ) -> bool:
-        """True if the version read with the turn lock held equals the one ``ctx`` knows."""
-        if not known:
-            return False
-        if version is None:
-            self._store._forget(ctx.session_id)
-            raise SessionDeletedError(ctx.session_id)
-        durable = ctx._durable
-        if durable is None or durable.version != version or ctx._stale:
-            return False
-        ctx._verified_at = time.monotonic()
-        return True
+    async def _renew(self, lease: Lease) -> None:
+        """Renew ``lease`` every third of its length until cancelled or lost."""
+        interval = self.leases.lease_seconds / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                held = await self._store._run_blocking(self.leases.renew, lease)
+            except Exception as exc:  # the next renewal or the write will tell
+                logger.warning("could not renew the lease of session %r: %s",
+                               lease.session_id, exc)
+                continue
+            if not held:
+                logger.warning("lost the lease of session %r: its turn will not be written",
+                               lease.session_id)
+                return
 
-    async def _touch_if_idle(self, ctx: SessionContext) -> None:
-        """Without turn locks: mark the session as in use, so no sweep takes it mid-turn.
-
-        Another process's sweep cannot see this turn; it keeps sessions
-        updated within its TTL, so a turn on a session idle for a while
-        moves ``updated_at`` first (one statement; see ``touch_interval``).
-        """
-        if time.monotonic() - ctx._touched_at < self._touch_interval:
-            return
-        if not await self._store._run_blocking(self.touch, ctx.session_id):
-            # Gone (swept or deleted elsewhere since it was last checked), or touched
-            # elsewhere: check the version instead of trusting a recent check.
-            ctx._verified_at = float("-inf")
-        ctx._touched_at = time.monotonic()
-
-    def touch(self, session_id: str) -> bool:
-        """Move the session's ``updated_at`` to now if older than the touch interval."""
-        with self._runtime.transaction(single=True) as conn:
-            return touch_session(conn, session_id, utcnow(), self._touch_interval)
+    async def _give_back(self, lease: Lease) -> None:
+        """Release ``lease``; a failure only delays the next turn until it expires."""
+        try:
+            await self._store._run_blocking(self.leases.release, lease)
+        except Exception as exc:
+            logger.warning("could not give back the lease of session %r (it expires on its "
+                           "own): %s", lease.session_id, exc)

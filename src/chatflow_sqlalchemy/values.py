@@ -14,11 +14,13 @@ __all__ = [
     "CLAIM_ACQUIRED",
     "CLAIM_DONE",
     "CLAIM_RELEASED",
+    "DEFAULT_TURN_LEASE_SECONDS",
     "MAX_PAGE_LIMIT",
     "SESSION_ID_MAX_LENGTH",
     "check_storable_text",
     "utcnow",
     "validate_page_limit",
+    "validate_turn_lease_seconds",
 ]
 
 SESSION_ID_MAX_LENGTH = 255
@@ -76,3 +78,16 @@ def validate_page_limit(limit: object, name: str = "limit") -> int | None:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"{name} must be a positive int or None (no limit), got {limit!r}")
     return min(limit, MAX_PAGE_LIMIT)
+
+
+DEFAULT_TURN_LEASE_SECONDS = 30.0
+"""How long a turn's lease on its session lasts without renewal (store option)."""
+
+
+def validate_turn_lease_seconds(value: object) -> float:
+    """``turn_lease_seconds`` must be a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(
+            f"turn_lease_seconds must be a positive number of seconds, got {value!r}"
+        )
+    return float(value)

@@ -33,7 +33,8 @@ from chatflow_sqlalchemy.context import (
 )
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
-from chatflow_sqlalchemy.exceptions import ClaimLostError, SessionDeletedError
+from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
+from chatflow_sqlalchemy.lease import RELEASE_HELD, Lease, lease_params
 from chatflow_sqlalchemy.lifecycle import pruned_seqs
 from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import install, orphaned_tool_call, other_incarnation
@@ -82,25 +83,33 @@ class SessionWriter:
             type(self._support).write_at_once is not DialectSupport.write_at_once
         )
 
-    def write(self, ctx: SessionContext, fence: ClaimFence | None = None) -> int:
+    def write(
+        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+    ) -> int:
         """Write ``ctx``'s changes; return how many message rows it deleted (pruned or cleared).
 
-        Call it under ``ctx._mutex``, with changes to write.
+        Call it under ``ctx._mutex``, with changes to write. ``lease``: the
+        turn's lease, checked and given back by the same transaction.
 
         Raises:
             SessionDeletedError: The session is gone (or is another one now).
+            LeaseLostError: ``lease`` is no longer held; nothing was written.
             ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
 
         """
         reply = None if fence is None else self._reply(ctx)
         deleted = None
         if self._writes_at_once and ctx._seqs and not self._archives_now(ctx):
-            deleted = self._write_at_once(ctx, fence, reply)
+            deleted = self._write_at_once(ctx, fence, reply, lease)
         if deleted is None:
             with self._runtime.transaction(write=True) as conn:
+                if lease is not None:
+                    give_back(conn, lease)
                 deleted = self._write_changes(conn, ctx, fence, reply)
         if fence is not None:
             fence.reply = reply
+        if lease is not None:
+            lease.released = True
         return deleted
 
     def _reply(self, ctx: SessionContext) -> str | None:
@@ -118,13 +127,17 @@ class SessionWriter:
         return None if self._sealer.active else reply
 
     def _write_at_once(
-        self, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
+        self,
+        ctx: SessionContext,
+        fence: ClaimFence | None,
+        reply: str | None,
+        lease: Lease | None,
     ) -> int | None:
         """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
 
         Nothing is written when the swap missed: the session moved or is
-        gone, or the claim was lost, which the step-by-step write then tells
-        apart (it raises what applies, or rebases).
+        gone, or the lease or the claim was lost, which the step-by-step
+        write then tells apart (it raises what applies, or rebases).
         """
         now = utcnow()
         gone, new_rows = self._message_diff(ctx, now)
@@ -136,6 +149,7 @@ class SessionWriter:
             gone=sorted(gone),
             rows=new_rows,
             fence=None if fence is None else fence.params(now, reply),
+            lease=None if lease is None else lease_params(lease),
         )
         with self._runtime.transaction(single=True) as conn:
             outcome = self._support.write_at_once(conn, write)
@@ -270,6 +284,25 @@ class SessionWriter:
             ctx.session_id,
             len(pending),
         )
+
+
+def give_back(conn: Connection, lease: Lease) -> None:
+    """First statement of a turn's write transaction: check the lease and give it back.
+
+    It also takes the session row's write lock, as the compare-and-swap
+    after it would. The transaction rolls back whole if a later statement
+    fails, the lease included.
+
+    Raises:
+        SessionDeletedError: The session is gone.
+        LeaseLostError: The lease expired or was taken over.
+
+    """
+    if conn.execute(RELEASE_HELD, lease_params(lease)).rowcount == 1:
+        return
+    if conn.execute(SELECT_VERSION, {"session_id": lease.session_id}).first() is None:
+        raise SessionDeletedError(lease.session_id)
+    raise LeaseLostError(lease.session_id)
 
 
 def _mark_written(

@@ -14,10 +14,9 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL, Connection, CursorResult, Engine, Select, bindparam, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -26,20 +25,12 @@ from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.backends import postgresql_write
-from chatflow_sqlalchemy.backends.postgresql_locks import (
-    LOCK_RELEASE_TIMEOUT_SECONDS,
-    TURN_LOCK_LEASE_SECONDS,
-    AdvisoryTurnLocks,
-    lock_engine,
-    session_lock_key,
-)
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     AcquiredClaim,
     DialectSupport,
     SessionWrite,
-    TurnLocks,
     on_conflict_acquire,
     ping_when_idle,
 )
@@ -48,6 +39,7 @@ from chatflow_sqlalchemy.exceptions import (
     DatabaseUnavailableError,
     DatabaseURLError,
 )
+from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
@@ -64,19 +56,15 @@ else:
 __all__ = [
     "CONNECT_TIMEOUT_SECONDS",
     "INSTALL_HINT",
-    "LOCK_RELEASE_TIMEOUT_SECONDS",
     "MIGRATION_LOCK_KEY",
     "OPERATION_TIMEOUT_SECONDS",
     "PREPARE_THRESHOLD",
     "TCP_OPTIONS",
-    "TURN_LOCK_LEASE_SECONDS",
-    "AdvisoryTurnLocks",
     "PostgresDialectSupport",
     "PostgresSessionStore",
     "default_connect_args",
     "jsonb_dumps",
     "psycopg_url",
-    "session_lock_key",
 ]
 
 INSTALL_HINT = "PostgreSQL needs psycopg 3: pip install 'chatflow-sqlalchemy[postgres]'"
@@ -230,11 +218,10 @@ def _processed_row() -> dict[str, Any]:
 
 
 class PostgresDialectSupport(DialectSupport):
-    """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, advisory locks."""
+    """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, a one-statement write."""
 
     name = "postgresql"
     install_hint = INSTALL_HINT
-    cross_process_turn_lock = True
     expires_processed_whole = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
@@ -259,20 +246,6 @@ class PostgresDialectSupport(DialectSupport):
         statement group, several per turn. See :func:`ping_when_idle`.
         """
         ping_when_idle(engine)
-
-    def turn_locks(self, engine: Engine) -> TurnLocks | None:
-        """:class:`AdvisoryTurnLocks` on an AsyncEngine of their own (:func:`lock_engine`).
-
-        Raises:
-            BackendImportError: psycopg is not installed.
-
-        """
-        if psycopg is None:
-            raise BackendImportError(INSTALL_HINT)
-        engine_of_locks = lock_engine(engine, default_connect_args(engine.url))
-        return AdvisoryTurnLocks(
-            engine_of_locks, call_timeout=OPERATION_TIMEOUT_SECONDS, url=engine.url
-        )
 
     def async_url(self, url: URL) -> URL | None:
         """Async work runs natively on psycopg 3's async driver (no thread hop)."""
@@ -353,28 +326,6 @@ class PostgresDialectSupport(DialectSupport):
         """The swap, the message diff and the fence as one statement (``WITH`` clauses)."""
         return postgresql_write.write_at_once(connection, write)
 
-    @contextmanager
-    def hold_turns(
-        self, connection: Connection, session_ids: Sequence[str], turn_locks: TurnLocks | None
-    ) -> Iterator[set[str]]:
-        """Try each session's turn lock in the sweep's transaction; a held one is busy.
-
-        ``pg_try_advisory_xact_lock`` on the key :class:`AdvisoryTurnLocks`
-        takes for a turn: a lock taken here is held until the sweep commits,
-        so no turn starts on a session while it is being removed.
-        """
-        keys = {session_lock_key(sid): sid for sid in session_ids}
-        if not keys:
-            yield set()
-            return
-        taken = connection.execute(
-            text("SELECT k FROM unnest(CAST(:keys AS bigint[])) AS k "
-                 "WHERE pg_try_advisory_xact_lock(k)"),
-            {"keys": list(keys)},
-        ).scalars()
-        free = {keys[int(key)] for key in taken}
-        yield set(keys.values()) - free
-
     def lock_migrations(self, connection: Connection) -> None:
         """Wait for the advisory lock; it is released when the transaction ends."""
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
@@ -407,18 +358,20 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
         engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
             echo, ...), also as keyword arguments of their own.
+        turn_lease_seconds: How long a turn's lease lasts without renewal
+            (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`).
             ``connect_args`` are added to the backend's defaults (a connect
             timeout and TCP keepalives, see :func:`default_connect_args`).
 
     Hangs are bounded: opening a connection by libpq's ``connect_timeout``
     (:data:`CONNECT_TIMEOUT_SECONDS` unless the URL or ``connect_args`` say
-    otherwise); each async operation (``aget_or_create``, the turn's catch-up
-    and write, the turn-lock calls) by :attr:`operation_timeout`; a lost
-    connection under a real network partition by TCP keepalives and
+    otherwise); each async operation (``aget_or_create``, the turn's lease,
+    catch-up and write) by :attr:`operation_timeout`; a lost connection
+    under a real network partition by TCP keepalives and
     ``tcp_user_timeout`` (:data:`TCP_OPTIONS`). A bound that runs out is a
-    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`. A turn
-    lock whose holder went silent is released within
-    :attr:`turn_lock_lease_seconds` (see :class:`AdvisoryTurnLocks`).
+    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`. A
+    turn holds no connection while it runs, only its lease: a worker gone
+    silent frees its session after ``turn_lease_seconds``.
 
     """
 
@@ -430,9 +383,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
     A stuck query is then cancelled by psycopg (which itself waits up to
     about 10 s more for the server before closing the connection).
     """
-
-    turn_lock_lease_seconds: float = TURN_LOCK_LEASE_SECONDS
-    """Seconds after which the server frees the turn lock of a worker gone silent."""
 
     def __init__(
         self,
@@ -446,6 +396,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
+        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
         **more_engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -464,10 +415,8 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             archive_pruned=archive_pruned,
             cipher=cipher,
             require_encryption=require_encryption,
+            turn_lease_seconds=turn_lease_seconds,
         )
-        locks = cast(AdvisoryTurnLocks, self.turn_locks)
-        locks.lease_seconds = self.turn_lock_lease_seconds
-        locks.call_timeout = self.operation_timeout
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:
         """Run database work as the generic store does, bounded by :attr:`operation_timeout`.
@@ -481,8 +430,6 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         try:
             return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
         except asyncio.TimeoutError as exc:
-            if self.turn_locks is not None:
-                self.turn_locks.distrust()
             raise DatabaseUnavailableError(
                 f"no answer from {describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"

@@ -1,8 +1,9 @@
 """PostgreSQL: a session write as one statement, sent in autocommit (one round trip, one commit).
 
-The store's write is a compare-and-swap of the session row, then the message
-diff, then (for a claimed turn) the claim's fence (``FENCE_CLAIM``, the same
-statement the step-by-step write sends). PostgreSQL runs
+The store's write is a compare-and-swap of the session row (checking the
+turn's lease and giving it back), then the message diff, then (for a
+claimed turn) the claim's fence (``FENCE_CLAIM``, the same statement the
+step-by-step write sends). PostgreSQL runs
 data-modifying ``WITH`` clauses as one atomic statement, so all of it goes
 in one: every part after the swap reads the swap's ``RETURNING``, and the
 swap itself needs the fence's row lock, so a missed swap or a lost claim
@@ -39,6 +40,7 @@ from sqlalchemy import (
     exists,
     func,
     insert,
+    null,
     select,
     true,
     update,
@@ -48,6 +50,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSON
 
 from chatflow_sqlalchemy.backends.postgresql_claims import utc_day
 from chatflow_sqlalchemy.dialect import SessionWrite
+from chatflow_sqlalchemy.lease import LEASE_HELD
 from chatflow_sqlalchemy.models import (
     ChatflowMessage,
     ChatflowProcessedMessage,
@@ -72,15 +75,20 @@ _CLAIM_DAYS = _processed.c.partition_day.between(
 
 
 @cache
-def _statement(*, metadata: bool, fence: bool, by_day: bool = False) -> Select[Any]:
+def _statement(
+    *, metadata: bool, fence: bool, by_day: bool = False, lease: bool = False
+) -> Select[Any]:
     """The write's statement; it returns one row: ``(swapped, fenced)`` as counts.
 
     ``by_day``: the claim's row is looked for in its day partitions only.
+    ``lease``: the swap also checks the turn's lease and gives it back.
     """
     swap_where = [
         _sessions.c.session_id == bindparam("sid"),
         _sessions.c.version == bindparam("expected"),
     ]
+    if lease:
+        swap_where.append(LEASE_HELD)
     fenced = None
     if fence:
         locked = (
@@ -104,6 +112,8 @@ def _statement(*, metadata: bool, fence: bool, by_day: bool = False) -> Select[A
     }
     if metadata:
         values["metadata_json"] = bindparam("metadata")
+    if lease:
+        values.update(lease_owner=null(), lease_expires_at=null())
     swapped = (
         update(_sessions)
         .where(*swap_where)
@@ -163,8 +173,11 @@ def write_at_once(connection: Connection, write: SessionWrite) -> tuple[bool, bo
             # Rows only move to a later day: the purge moves the live rows of a
             # dropped day to its own today (a day of slack for its clock).
             params["claim_day_until"] = utc_day(fence["claim_now"]) + timedelta(days=1)
+    if write.lease is not None:
+        params.update(write.lease)
     statement = _statement(
-        metadata="metadata" in write.swap, fence=fence is not None, by_day=by_day
+        metadata="metadata" in write.swap, fence=fence is not None, by_day=by_day,
+        lease=write.lease is not None,
     )
     row = connection.execute(statement, params).one()
     return row[0] == 1, fence is None or row[1] == 1

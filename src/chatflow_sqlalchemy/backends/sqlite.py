@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.dialect import (
     on_conflict_acquire,
 )
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
+from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
 
@@ -86,7 +87,6 @@ class SQLiteDialectSupport(DialectSupport):
     """SQLite specifics: pragmas, ``BEGIN IMMEDIATE`` writes, ``ON CONFLICT`` upserts."""
 
     name = "sqlite"
-    cross_process_turn_lock = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A shared single connection in memory; a small pool of connections on disk."""
@@ -307,6 +307,9 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         auto_migrate: False refuses a missing or old schema instead of creating
             or upgrading it, and then creates no file or directory; None (the
             default) reads ``CHATFLOW_AUTO_MIGRATE``.
+        turn_lease_seconds: How long a turn's lease lasts without renewal
+            (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`):
+            turns of one session exclude each other across processes too.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
@@ -332,6 +335,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         archive_pruned: bool = False,
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
+        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
     ) -> None:
         from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 
@@ -351,6 +355,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             archive_pruned=archive_pruned,
             cipher=cipher,
             require_encryption=require_encryption,
+            turn_lease_seconds=turn_lease_seconds,
         )
 
     @classmethod

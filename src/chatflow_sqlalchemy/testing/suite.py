@@ -54,6 +54,7 @@ from chatflow_sqlalchemy import (
     DEFAULT_DEDUP_TTL_HOURS,
     ChatflowStoreError,
     ClaimLostError,
+    LeaseLostError,
     SessionContext,
     SessionDeletedError,
 )
@@ -1732,51 +1733,99 @@ class TestCrossProcess(StoreTestBase):
         assert per_label == {label: list(range(n_turns)) for label in labels}
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
-    def test_a_turn_lock_given_back_is_taken_again_at_once(self, store: Any) -> None:
-        """A lock given back is free for the same session's next ``try_acquire``, every time."""
-        locks = store.turn_locks
-        if locks is None:
-            pytest.skip("this backend has no cross-process turn locks")
-        session_id = new_id()
+    def test_a_lease_given_back_is_taken_again_at_once(self, harness: StoreHarness) -> None:
+        """Turns of two stores on one session alternate; each sees the other's last turn."""
+        sid = new_id()
+        stores = [harness.open(), harness.open()]
 
-        async def take_and_give_back() -> list[bool]:
-            taken = []
-            for _ in range(5):
-                taken.append(bool((await locks.try_acquire(session_id))[0]))
-                await locks.release(session_id)
-            return taken
+        async def alternate() -> None:
+            for k in range(6):
+                ctx = stores[k % 2].get_or_create(sid, make_agents()[0])
+                async with ctx.lock:
+                    assert len(ctx.history) == 2 * k, "a turn did not see the one before it"
+                    ctx.add_message(user(f"u{k}"))
+                    ctx.add_message(model(f"m{k}"))
 
-        assert run(take_and_give_back()) == [True] * 5
+        run(asyncio.wait_for(alternate(), 60))
+        assert len(reload(harness, sid).history) == 12
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
-    def test_turn_lock_statements_are_seen_on_the_stores_engines(self, store: Any) -> None:
-        """The turn lock's statements run on ``turn_locks.engines``, all in ``store.engines``.
+    def test_a_turn_waits_for_another_stores_lease_and_sees_its_messages(
+        self, harness: StoreHarness
+    ) -> None:
+        """While one store's turn holds the session, another store's turn does not start."""
+        sid = new_id()
+        first, second = harness.open(), harness.open()
+        first.get_or_create(sid, make_agents()[0])
+        events: list[str] = []
 
-        A listener on those engines sees statements while a Runner turn takes
-        and gives back its lock: tracing and ``echo`` miss none of them.
+        async def holder(entered: asyncio.Event, go_on: asyncio.Event) -> None:
+            ctx = first.get_or_create(sid, make_agents()[0])
+            async with ctx.lock:
+                ctx.add_message(user("first"))
+                entered.set()
+                await go_on.wait()
+                events.append("first ends")
+
+        async def waiter(entered: asyncio.Event) -> list[str | None]:
+            await entered.wait()
+            ctx = second.get_or_create(sid, make_agents()[0])
+            async with ctx.lock:
+                events.append("second enters")
+                return contents(ctx.history)
+
+        async def both() -> list[str | None]:
+            entered, go_on = asyncio.Event(), asyncio.Event()
+            held = asyncio.ensure_future(holder(entered, go_on))
+            waiting = asyncio.ensure_future(waiter(entered))
+            await asyncio.sleep(0.5)
+            assert not waiting.done(), "a second turn ran while another store held the lease"
+            go_on.set()
+            await held
+            return await waiting
+
+        seen = run(asyncio.wait_for(both(), 60))
+        assert events == ["first ends", "second enters"]
+        assert seen == ["first"], "the second turn did not see the first one's message"
+
+    @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
+    def test_a_holder_paused_past_its_lease_writes_nothing(self, harness: StoreHarness) -> None:
+        """A turn stalled past ``turn_lease_seconds`` is taken over; its own exit raises.
+
+        The stall blocks the holder's event loop (as a paused process would),
+        so its lease is not renewed; another store's turn, on a thread of its
+        own, takes the expired lease and commits. The stalled turn then gets
+        ``LeaseLostError`` and the database holds only the other turn.
         """
-        from sqlalchemy import event
+        sid = new_id()
+        lease = 1.0
+        paused: Any = harness.open(turn_lease_seconds=lease)
+        other: Any = harness.open(turn_lease_seconds=lease)
+        paused.get_or_create(sid, make_agents()[0])
+        took_over = threading.Event()
 
-        locks = store.turn_locks
-        if locks is None:
-            pytest.skip("this backend has no cross-process turn locks")
-        assert locks.engines, "turn locks name the engines their statements run on"
-        assert set(locks.engines) <= set(store.engines)
-        seen: list[str] = []
+        def other_turn() -> None:
+            async def turn() -> None:
+                ctx = other.get_or_create(sid, make_agents()[0])
+                async with ctx.lock:
+                    ctx.add_message(user("other"))
+                    ctx.add_message(model("answer"))
+                took_over.set()
 
-        def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            seen.append(statement)
+            asyncio.run(asyncio.wait_for(turn(), 60))
 
-        for engine in locks.engines:
-            event.listen(engine, "before_cursor_execute", on_execute)
-        try:
-            runner = Runner(starting_agent=make_agents()[0], session_store=store,
-                            engine=ScriptedEngine())
-            run(runner.run_async(new_id(), "hello"))
-        finally:
-            for engine in locks.engines:
-                event.remove(engine, "before_cursor_execute", on_execute)
-        assert len(seen) >= 2, f"the lock was taken and given back unseen: {seen}"
+        async def stalled_turn() -> None:
+            ctx = paused.get_or_create(sid, make_agents()[0])
+            async with ctx.lock:
+                ctx.add_message(user("stalled"))
+                thread.start()
+                assert took_over.wait(60), "the expired lease was not taken over"
+
+        thread = threading.Thread(target=other_turn)
+        with pytest.raises(LeaseLostError):
+            run(stalled_turn())
+        thread.join(60)
+        assert contents(reload(harness, sid).history) == ["other", "answer"]
 
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
     def test_process_killed_mid_turn_leaves_well_formed_history(

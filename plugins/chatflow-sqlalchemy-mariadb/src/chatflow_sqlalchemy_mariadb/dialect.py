@@ -20,8 +20,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 from chatflow_sqlalchemy.backend import (
@@ -30,10 +28,7 @@ from chatflow_sqlalchemy.backend import (
     CLAIM_NOW,
     CLAIM_TICKETS,
     RECLAIMED_AS_DONE,
-    BackendImportError,
-    ConnectArguments,
     DialectSupport,
-    TurnLocks,
     UTCDateTime,
 )
 from sqlalchemy import (
@@ -46,7 +41,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    create_engine,
     delete,
     event,
     func,
@@ -55,7 +49,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.pool import NullPool
 from sqlalchemy.sql.dml import Delete, Insert
 
 __all__ = [
@@ -102,28 +95,6 @@ def lock_name(kind: str, database: str | None, key: str = "") -> str:
     return f"chatflow:{kind}:{digest}"
 
 
-_LOCKS_PER_STATEMENT = 100
-"""Named locks tried by one ``SELECT GET_LOCK(...), ...`` of ``hold_turns``."""
-
-
-def _chunked(items: list[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
-def _calls(call: str, chunk: list[str]) -> str:
-    return "SELECT " + ", ".join([call] * len(chunk))
-
-
-def _release(side: Connection, names: list[str]) -> None:
-    """Release named locks by name (``RELEASE_ALL_LOCKS`` needs MariaDB 10.5.2)."""
-    try:
-        for chunk in _chunked(names, _LOCKS_PER_STATEMENT):
-            side.exec_driver_sql(_calls("RELEASE_LOCK(%s)", chunk), tuple(chunk)).all()
-    except Exception:  # a lost connection has released its locks already
-        side.invalidate()
-
-
 def skips_locked_rows(dialect: Dialect) -> bool:
     """True if the connected server understands ``FOR UPDATE SKIP LOCKED``.
 
@@ -143,7 +114,6 @@ class MariaDBDialectSupport(DialectSupport):
 
     name = "mysql"
     install_hint = INSTALL_HINT
-    cross_process_turn_lock = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pre-pinged, recycled pool on READ COMMITTED, UTC, utf8mb4 connections."""
@@ -159,32 +129,6 @@ class MariaDBDialectSupport(DialectSupport):
     def sync_url(self, url: URL) -> URL:
         """Name the PyMySQL driver when the URL names none."""
         return with_driver(url)
-
-    def turn_locks(self, engine: Engine) -> TurnLocks | None:
-        """Named locks (``GET_LOCK``) on a connection of their own, opened like ``engine``'s.
-
-        Their engine echoes like ``engine`` (``echo``), since the lock
-        statements are the store's too.
-
-        Raises:
-            BackendImportError: The driver is not installed.
-
-        """
-        from chatflow_sqlalchemy_mariadb.store import NamedTurnLocks
-
-        arguments = ConnectArguments(engine)
-        try:
-            lock_engine = create_engine(engine.url, poolclass=NullPool, echo=engine.echo)
-        except ImportError as exc:
-            raise BackendImportError(f"{INSTALL_HINT} ({exc})") from exc
-
-        @event.listens_for(lock_engine, "do_connect")
-        def _like_the_store(_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> None:
-            cargs[:] = arguments.args
-            cparams.clear()
-            cparams.update(arguments.params)
-
-        return NamedTurnLocks(lock_engine)
 
     def prepare_engine(self, engine: Engine) -> None:
         """Turn ``CLIENT_FOUND_ROWS`` off: affected-row counts decide dedup claims."""
@@ -304,42 +248,6 @@ class MariaDBDialectSupport(DialectSupport):
         instead of taking disjoint batches.
         """
         return select.with_for_update(skip_locked=skips_locked_rows(connection.dialect))
-
-    @contextmanager
-    def hold_turns(
-        self, connection: Connection, session_ids: Sequence[str], turn_locks: TurnLocks | None
-    ) -> Iterator[set[str]]:
-        """Take each session's turn lock (``GET_LOCK(name, 0)``) until the sweep committed.
-
-        A lock another connection holds means a turn is in progress: that
-        session is busy. Named locks belong to a connection, not to a
-        transaction, so they are taken on a connection of their own, opened
-        by the store's :class:`~chatflow_sqlalchemy_mariadb.store.NamedTurnLocks`
-        outside the pool (a one-connection pool still sweeps), and released
-        by name once the sweep's transaction ended.
-        """
-        from chatflow_sqlalchemy_mariadb.store import NamedTurnLocks
-
-        if not session_ids:
-            yield set()
-            return
-        names = {
-            lock_name("turn", connection.engine.url.database, sid): sid for sid in session_ids
-        }
-        side = (
-            turn_locks.side_connection()
-            if isinstance(turn_locks, NamedTurnLocks)
-            else connection.engine.connect()
-        )
-        with side:
-            taken: list[str] = []
-            try:
-                for chunk in _chunked(list(names), _LOCKS_PER_STATEMENT):
-                    row = side.exec_driver_sql(_calls("GET_LOCK(%s, 0)", chunk), tuple(chunk)).one()
-                    taken += [name for name, got in zip(chunk, row, strict=True) if got == 1]
-                yield {sid for name, sid in names.items() if name not in taken}
-            finally:
-                _release(side, taken)
 
     def lock_migrations(self, connection: Connection) -> None:
         """Wait (up to :data:`MIGRATION_LOCK_TIMEOUT`) for the migration lock of this database."""

@@ -1,0 +1,169 @@
+"""The turn's lease on its session row: what a turn holds while the model runs.
+
+A turn takes the session's lease with one statement (an ``UPDATE`` of the
+session row that succeeds only if the lease is free or expired), which also
+reads the session's version, so the context knows whether it must catch up.
+The lease is an owner token, an expiry and a fencing counter bumped by every
+take, kept in the session row; expiry is judged by the database's clock
+(:class:`~chatflow_sqlalchemy.clock.DatabaseNow`). Nothing else is held: no
+connection, no transaction, no advisory lock. The turn's write checks that
+the lease is still this holder's and releases it in the same statement
+(:mod:`chatflow_sqlalchemy.writer`); a turn that writes nothing releases it
+with :data:`RELEASE`.
+
+The statements are portable SQL: every backend, SQLite included, gets the
+same cross-process exclusion. A backend without ``UPDATE ... RETURNING``
+reads the version back in the same transaction.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
+
+from sqlalchemy import Float, Table, bindparam, null, or_, select, update
+
+from chatflow_sqlalchemy.clock import DatabaseNow
+from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.models import ChatflowSession, UTCDateTime, utcnow
+from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
+
+__all__ = [
+    "DEFAULT_TURN_LEASE_SECONDS",
+    "LEASE_HELD",
+    "RELEASE",
+    "RELEASE_HELD",
+    "Lease",
+    "SessionLeases",
+    "lease_params",
+    "validate_turn_lease_seconds",
+]
+
+_s = cast(Table, ChatflowSession.__table__)
+_SECONDS = bindparam("lease_seconds", type_=Float())
+_NOW = DatabaseNow(bindparam("lease_now", type_=UTCDateTime()))
+_UNTIL = DatabaseNow(bindparam("lease_until", type_=UTCDateTime()), _SECONDS)
+_SESSION = _s.c.session_id == bindparam("sid")
+_MINE = (
+    _SESSION
+    & (_s.c.lease_owner == bindparam("holder_token"))
+    & (_s.c.lease_fence == bindparam("holder_fence"))
+)
+
+LEASE_HELD = _MINE & (_s.c.lease_expires_at > _NOW)
+"""The session row while this holder's lease is unexpired (parameters: :func:`lease_params`)."""
+
+_FREE = or_(_s.c.lease_owner.is_(None), _s.c.lease_expires_at <= _NOW)
+_TAKE = (
+    update(_s)
+    .where(_SESSION, _FREE)
+    .values(lease_owner=bindparam("holder_token"), lease_fence=_s.c.lease_fence + 1,
+            lease_expires_at=_UNTIL)
+)
+_TAKEN = select(_s.c.version, _s.c.lease_fence).where(
+    _SESSION, _s.c.lease_owner == bindparam("holder_token")
+)
+_EXISTS = select(_s.c.session_id).where(_SESSION)
+_RENEW = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
+RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
+"""Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
+RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
+"""Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
+
+
+@dataclass
+class Lease:
+    """A turn's hold on its session, as the take statement returned it.
+
+    Attributes:
+        session_id: The session.
+        owner: This take's random token (the row's ``lease_owner``).
+        fence: The session's fencing counter after this take.
+        version: The session's version when the lease was taken.
+        released: The turn's write gave the lease back.
+
+    """
+
+    session_id: str
+    owner: str
+    fence: int
+    version: int
+    released: bool = False
+
+
+def lease_params(lease: Lease) -> dict[str, Any]:
+    """Bind parameters of :data:`LEASE_HELD`, :data:`RELEASE` and :data:`RELEASE_HELD`."""
+    return {
+        "sid": lease.session_id,
+        "holder_token": lease.owner,
+        "holder_fence": lease.fence,
+        "lease_now": utcnow(),
+    }
+
+
+class SessionLeases:
+    """Takes, renews and gives back the turn leases of one store's sessions.
+
+    Each call is one short transaction on the store's runtime; the caller
+    (the store's turns) decides when to poll and when to renew.
+
+    Args:
+        runtime: Where the statements run.
+        lease_seconds: How long a lease lasts without renewal.
+
+    """
+
+    def __init__(self, runtime: StoreRuntime, lease_seconds: float) -> None:
+        self._runtime = runtime
+        self.lease_seconds = lease_seconds
+        self._returning = runtime.engine.dialect.update_returning
+
+    def take(self, session_id: str) -> Lease | None:
+        """Take the session's lease if it is free or expired; None while another holds it.
+
+        Raises:
+            SessionDeletedError: The session does not exist.
+
+        """
+        params = self._params(session_id, secrets.token_hex(16))
+        if self._returning:
+            with self._runtime.transaction(single=True) as conn:
+                row = conn.execute(
+                    _TAKE.returning(_s.c.version, _s.c.lease_fence), params
+                ).first()
+        else:
+            with self._runtime.transaction(write=True) as conn:
+                taken = conn.execute(_TAKE, params).rowcount == 1
+                row = conn.execute(_TAKEN, params).first() if taken else None
+        if row is not None:
+            return Lease(session_id, params["holder_token"], int(row[1]), int(row[0]))
+        if not self._exists(session_id):
+            raise SessionDeletedError(session_id)
+        return None
+
+    def renew(self, lease: Lease) -> bool:
+        """Move the lease's expiry on; False if it expired or was taken over."""
+        params = {**lease_params(lease), **self._until()}
+        with self._runtime.transaction(single=True) as conn:
+            return conn.execute(_RENEW, params).rowcount == 1
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease back (a turn that wrote nothing, or whose write failed)."""
+        with self._runtime.transaction(single=True) as conn:
+            conn.execute(RELEASE, lease_params(lease))
+        lease.released = True
+
+    def _exists(self, session_id: str) -> bool:
+        with self._runtime.transaction(single=True) as conn:
+            return conn.execute(_EXISTS, {"sid": session_id}).first() is not None
+
+    def _params(self, session_id: str, owner: str) -> dict[str, Any]:
+        return {"sid": session_id, "holder_token": owner, "lease_now": utcnow(), **self._until()}
+
+    def _until(self) -> dict[str, Any]:
+        """The expiry's parameters (the worker's value only where no database clock renders)."""
+        until = utcnow() + timedelta(seconds=self.lease_seconds)
+        return {"lease_until": until, "lease_seconds": self.lease_seconds}
