@@ -11,7 +11,11 @@ What is proven here (DESIGN.md "Behaviour" 8 and 9, "Tooling"):
   foreign same-named table gets a clear error and is left exactly as it was;
 * a migration that fails, or whose process is killed, half-way changes nothing;
 * eight processes starting at once migrate exactly once;
-* ``alembic`` from the repo root and the built wheel both carry the chain.
+* ``alembic`` from the repo root and the built wheel both carry the chain;
+* the turn lease (0008) keeps every session of a 0007 database, free (fence 0,
+  no owner, no expiry), and round-trips through 0007 on SQLite, PostgreSQL and
+  MariaDB; on PostgreSQL it drops 0007's ``chatflow_turn_lock`` and the
+  downgrade gives it back.
 
 PostgreSQL tests run in a fresh schema each (see ``pg_util``).
 """
@@ -25,9 +29,11 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import uuid
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,7 @@ from chatflow_agent import Agent, Message, Role, Runner
 from chatflow_sqlalchemy import SchemaAheadError, SchemaError, migrate
 from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
-from chatflow_sqlalchemy.models import metadata
+from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession, metadata
 from chatflow_sqlalchemy.testing import StoreSpec
 from chatflow_sqlalchemy.testing.harness import run_process, run_workers
 from tests import _workers
@@ -827,3 +833,215 @@ def test_process_killed_mid_migration_leaves_postgres_as_before(pg: PG) -> None:
     crash_upgrade(pg.url, "create_unique_constraint", pg.schema)
     assert pg_state(engine) == before
     assert snapshot(pg.store()) == expected
+
+
+# ======================================================================= 11. the turn lease (0008)
+
+BEFORE_LEASE = "0007"
+LEASE_COLUMNS = ("lease_owner", "lease_fence", "lease_expires_at")
+FREE_LEASE = (None, 0, None)
+SESSION_FIELDS = (
+    ChatflowSession.session_id,
+    ChatflowSession.active_agent_name,
+    ChatflowSession.metadata_json,
+    ChatflowSession.version,
+    ChatflowSession.created_at,
+    ChatflowSession.updated_at,
+    ChatflowSession.user_id,
+)
+LEASE_FIELDS = (
+    ChatflowSession.lease_owner,
+    ChatflowSession.lease_fence,
+    ChatflowSession.lease_expires_at,
+)
+
+
+@pytest.fixture
+def mariadb_engine() -> Iterator[sa.Engine]:
+    """A new, empty MariaDB database (dropped afterwards), opened as the store opens it."""
+    pytest.importorskip("chatflow_sqlalchemy_mariadb", reason="the MariaDB plugin is not installed")
+    raw = os.environ.get("CHATFLOW_TEST_MARIADB_URL")
+    if not raw:
+        pytest.skip("set CHATFLOW_TEST_MARIADB_URL=mysql+pymysql://user@host:3306/db to run it")
+    server = sa.make_url(raw)
+    name = f"t_{uuid.uuid4().hex}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+        engine = migrate.open_engine(server.set(database=name))
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+            with admin.connect() as conn:
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgresql", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ]
+)
+def lease_engine(request: pytest.FixtureRequest, tmp_path: Path, engines: Any) -> sa.Engine:
+    """An empty database of each dialect the core chain runs on."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg").engine()
+    if request.param == "mariadb":
+        return request.getfixturevalue("mariadb_engine")
+    return engines(migrate.open_engine(sqlite_uri(tmp_path / "lease.db")))
+
+
+def seed_sessions(engine: sa.Engine) -> None:
+    """Sessions and messages as a store left them before the lease, by plain inserts."""
+    at = datetime(2026, 12, 1, 9, 30, 15, 123456, tzinfo=timezone.utc)
+    sessions = [
+        {
+            "session_id": session_id,
+            "active_agent_name": "triage",
+            "metadata_json": {"n": n, "greeting": "olá 👋"},
+            "version": 7 * n,
+            "created_at": at,
+            "updated_at": at + timedelta(minutes=n),
+            "user_id": f"user-{n % 2}" if n else None,
+        }
+        for n, session_id in enumerate(SESSIONS)
+    ]
+    messages = [
+        {
+            "session_id": session["session_id"],
+            "seq": seq,
+            "role": "user",
+            "content": f"hello {seq}",
+            "message_json": json.dumps({"role": "user", "content": f"hello {seq}"}),
+            "created_at": at,
+        }
+        for session in sessions[:-1]
+        for seq in (1, 2)
+    ]
+    with engine.begin() as conn:
+        # Only the columns named here are inserted: 0007 has no lease columns yet.
+        conn.execute(sa.insert(ChatflowSession), sessions)
+        conn.execute(sa.insert(ChatflowMessage), messages)
+
+
+def session_rows(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        query = sa.select(*SESSION_FIELDS).order_by(ChatflowSession.session_id)
+        return [tuple(row) for row in conn.execute(query)]
+
+
+def message_rows(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        query = sa.select(
+            ChatflowMessage.session_id, ChatflowMessage.seq, ChatflowMessage.message_json
+        ).order_by(ChatflowMessage.session_id, ChatflowMessage.seq)
+        return [tuple(row) for row in conn.execute(query)]
+
+
+def leases(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(ChatflowSession.session_id, *LEASE_FIELDS))
+        return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def session_columns(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return {c["name"] for c in sa.inspect(conn).get_columns("chatflow_sessions")}
+
+
+def assert_lease_columns_as_the_model_renders(engine: sa.Engine) -> None:
+    """The lease columns are typed as the model's columns of the same types already are.
+
+    ``drift`` does not see every difference (a MariaDB ``DATETIME`` without
+    microseconds passes it), so each column is compared, as the database
+    reports it, with a column the earlier revisions made from the same type.
+    """
+    with engine.connect() as conn:
+        columns = {
+            c["name"]: (c["type"].compile(dialect=conn.dialect), c["nullable"], c["default"])
+            for c in sa.inspect(conn).get_columns("chatflow_sessions")
+        }
+        owner = ChatflowSession.__table__.c.lease_owner.type.compile(dialect=conn.dialect)
+    assert columns["lease_owner"] == (owner, True, None)
+    assert columns["lease_fence"] == columns["version"], "BIGINT NOT NULL DEFAULT 0"
+    timestamp, _, _ = columns["updated_at"]
+    assert columns["lease_expires_at"] == (timestamp, True, None)
+
+
+def has_turn_lock_function(engine: sa.Engine) -> bool:
+    """Whether revision 0007's function exists in the schema (PostgreSQL only)."""
+    with engine.connect() as conn:
+        count = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_proc WHERE proname = 'chatflow_turn_lock' "
+            "AND pronamespace = current_schema()::regnamespace"
+        ).scalar()
+    return bool(count)
+
+
+def test_lease_upgrade_from_0007_keeps_every_session(lease_engine: sa.Engine) -> None:
+    engine = lease_engine
+    migrate.upgrade(engine, BEFORE_LEASE)
+    postgres = engine.dialect.name == "postgresql"
+    if postgres:
+        assert has_turn_lock_function(engine), "0007 created it"
+    seed_sessions(engine)
+    sessions, messages = session_rows(engine), message_rows(engine)
+    assert [row[0] for row in sessions] == sorted(SESSIONS) and len(messages) == 6
+
+    migrate.upgrade(engine)
+    assert version_rows(engine) == [HEAD]
+    assert migrate.drift(engine) == []
+    assert_lease_columns_as_the_model_renders(engine)
+    assert session_rows(engine) == sessions, "every session kept, value for value"
+    assert message_rows(engine) == messages
+    assert leases(engine) == dict.fromkeys(SESSIONS, FREE_LEASE), "every session is free"
+    assert not (postgres and has_turn_lock_function(engine)), "0008 drops the function"
+
+    # The fence's server default serves the sessions created after the upgrade too.
+    new = {"session_id": "web:new", "active_agent_name": "triage", "metadata_json": {}}
+    stamp = {"created_at": datetime.now(timezone.utc), "updated_at": datetime.now(timezone.utc)}
+    with engine.begin() as conn:
+        conn.execute(sa.insert(ChatflowSession).values(**new, **stamp))
+    assert leases(engine)["web:new"] == FREE_LEASE
+
+
+def test_lease_downgrade_to_0007_and_upgrade_again(lease_engine: sa.Engine) -> None:
+    engine = lease_engine
+    postgres = engine.dialect.name == "postgresql"
+    migrate.upgrade(engine)
+    seed_sessions(engine)
+    held_until = datetime.now(timezone.utc) + timedelta(seconds=30)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(ChatflowSession)
+            .where(ChatflowSession.session_id == HANDOFF)
+            .values(lease_owner="f" * 64, lease_fence=3, lease_expires_at=held_until)
+        )
+    sessions, messages = session_rows(engine), message_rows(engine)
+
+    migrate.downgrade(engine, BEFORE_LEASE)
+    assert version_rows(engine) == [BEFORE_LEASE]
+    assert session_columns(engine).isdisjoint(LEASE_COLUMNS)
+    assert message_rows(engine) == messages
+    if postgres:
+        assert has_turn_lock_function(engine), "the downgrade gives 0007's function back"
+        with engine.begin() as conn:
+            taken, version = conn.exec_driver_sql(
+                "SELECT lock_taken, session_version FROM chatflow_turn_lock(42, %(sid)s, '5000')",
+                {"sid": TOOL_ERROR},
+            ).one()
+        assert (taken, version) == (True, 7), "and it works as 0007's did"
+
+    migrate.upgrade(engine)
+    assert version_rows(engine) == [HEAD]
+    assert migrate.drift(engine) == []
+    assert_lease_columns_as_the_model_renders(engine)
+    assert session_rows(engine) == sessions
+    assert message_rows(engine) == messages
+    assert leases(engine) == dict.fromkeys(SESSIONS, FREE_LEASE), "a downgrade forgets leases"
+    assert not (postgres and has_turn_lock_function(engine))
