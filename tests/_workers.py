@@ -259,3 +259,60 @@ def failover_worker(url: str, worker: str, count: int, ack_path: str, events: An
     asyncio.run(main())
     store.close()
     events.put(("done", os.getpid(), {"errors": errors}))
+
+
+def lease_holder(spec: StoreSpec, session_id: str, label: str, release_path: str,
+                 store_options: dict[str, Any], events: Any) -> None:
+    """Hold a turn on ``session_id`` until ``release_path`` exists, then write it.
+
+    Inside ``session.lock``: a USER message ``label``, ``("ready", pid)``, then
+    the "model call" (waiting for the file) and a MODEL message ``label +
+    " answer"``. The tests kill it or stop it while it waits. Its result: None
+    once the turn is written, ``"lease lost"`` if its turn raised
+    ``LeaseLostError`` (any other error is a crash).
+    """
+    from chatflow_sqlalchemy import LeaseLostError
+
+    store: Any = spec.open(**store_options)
+    session = store.get_or_create(session_id, Agent(name="Bot", instructions=""))
+
+    async def turn() -> str | None:
+        try:
+            async with session.lock:
+                await session.aadd_message(Message(role=Role.USER, content=label))
+                events.put(("ready", os.getpid()))
+                while not os.path.exists(release_path):
+                    await asyncio.sleep(0.02)
+                await session.aadd_message(Message(role=Role.MODEL, content=f"{label} answer"))
+        except LeaseLostError:
+            return "lease lost"
+        return None
+
+    outcome = asyncio.run(turn())
+    store.close()
+    events.put(("done", os.getpid(), outcome))
+
+
+def lease_taker(spec: StoreSpec, session_id: str, label: str, store_options: dict[str, Any],
+                events: Any) -> None:
+    """Take a turn on ``session_id`` (USER ``label``, MODEL ``label + " answer"``).
+
+    Reports ``("waiting", pid)`` just before ``session.lock``, ``("entered",
+    pid, contents)`` with the history it sees once inside; its result is that
+    same list.
+    """
+    store: Any = spec.open(**store_options)
+    session = store.get_or_create(session_id, Agent(name="Bot", instructions=""))
+
+    async def turn() -> list[str | None]:
+        events.put(("waiting", os.getpid()))
+        async with session.lock:
+            seen = [m.content for m in session.history]
+            events.put(("entered", os.getpid(), seen))
+            await session.aadd_message(Message(role=Role.USER, content=label))
+            await session.aadd_message(Message(role=Role.MODEL, content=f"{label} answer"))
+        return seen
+
+    seen = asyncio.run(turn())
+    store.close()
+    events.put(("done", os.getpid(), seen))

@@ -276,6 +276,17 @@ def pgbouncer_databases(
     pool.close()
 
 
+@pytest.fixture
+def bounced_database(pgbouncer: Any, postgres_admin: Engine) -> Iterator[str]:
+    """A fresh database, as a URL through PgBouncer; dropped after the test."""
+    name = f"t_{uuid.uuid4().hex}"
+    with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield pgbouncer.url(name).render_as_string(hide_password=False)
+    with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 def _pgbouncer_harness(bouncer: Any, pool: Any, async_mode: Capability) -> StoreHarness:
     """A database of its own per test (reused, emptied, after it), reached through PgBouncer."""
     database = pool.take()

@@ -11,9 +11,7 @@ from one transaction to the next, whose server connection may be another).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
@@ -29,17 +27,6 @@ from .test_migrations import HEAD, version_rows
 from .test_processes import check_fleet_histories, run_fleet
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-@pytest.fixture
-def bounced_database(pgbouncer: Any, postgres_admin: Engine) -> Iterator[str]:
-    """A fresh database, as a URL through PgBouncer; dropped after the test."""
-    name = f"t_{uuid.uuid4().hex}"
-    with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield pgbouncer.url(name).render_as_string(hide_password=False)
-    with postgres_admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def _spec(url: str) -> StoreSpec:
