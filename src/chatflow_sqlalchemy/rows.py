@@ -31,6 +31,7 @@ __all__ = [
     "DELETE_SOME_MESSAGES",
     "INSERT_MESSAGES",
     "IS_PROCESSED",
+    "SELECT_CREATED",
     "SELECT_VERSION",
     "StoredSession",
     "content_column",
@@ -52,6 +53,9 @@ messages = cast(Table, ChatflowMessage.__table__)
 processed = cast(Table, ChatflowProcessedMessage.__table__)
 
 SELECT_VERSION = select(sessions.c.version).where(sessions.c.session_id == bindparam("session_id"))
+SELECT_CREATED = select(sessions.c.created_at).where(
+    sessions.c.session_id == bindparam("session_id")
+)
 _SELECT_SESSION = select(
     sessions.c.version,
     sessions.c.active_agent_name,

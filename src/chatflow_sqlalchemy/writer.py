@@ -44,6 +44,7 @@ from chatflow_sqlalchemy.rows import (
     DELETE_ALL_MESSAGES,
     DELETE_SOME_MESSAGES,
     INSERT_MESSAGES,
+    SELECT_CREATED,
     SELECT_VERSION,
     message_row,
     read_session,
@@ -104,7 +105,7 @@ class SessionWriter:
         if deleted is None:
             with self._runtime.transaction(write=True) as conn:
                 if lease is not None:
-                    give_back(conn, lease)
+                    give_back(conn, lease, ctx._durable.incarnation if ctx._durable else None)
                 deleted = self._write_changes(conn, ctx, fence, reply)
         if fence is not None:
             fence.reply = reply
@@ -286,21 +287,23 @@ class SessionWriter:
         )
 
 
-def give_back(conn: Connection, lease: Lease) -> None:
+def give_back(conn: Connection, lease: Lease, incarnation: object) -> None:
     """First statement of a turn's write transaction: check the lease and give it back.
 
     It also takes the session row's write lock, as the compare-and-swap
     after it would. The transaction rolls back whole if a later statement
-    fails, the lease included.
+    fails, the lease included. ``incarnation``: the ``created_at`` of the
+    session the turn began on.
 
     Raises:
-        SessionDeletedError: The session is gone.
+        SessionDeletedError: The session is gone (or is another one now).
         LeaseLostError: The lease expired or was taken over.
 
     """
     if conn.execute(RELEASE_HELD, lease_params(lease)).rowcount == 1:
         return
-    if conn.execute(SELECT_VERSION, {"session_id": lease.session_id}).first() is None:
+    created = conn.execute(SELECT_CREATED, {"session_id": lease.session_id}).first()
+    if created is None or (incarnation is not None and created[0] != incarnation):
         raise SessionDeletedError(lease.session_id)
     raise LeaseLostError(lease.session_id)
 
