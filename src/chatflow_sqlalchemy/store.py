@@ -135,6 +135,15 @@ _PURGE_INTERVAL = timedelta(minutes=5)
 _SWEEP_DEADLOCK_RETRIES = 5
 
 
+def _on_event_loop() -> bool:
+    """True when called from a running event loop's thread (sync code inside a coroutine)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
     """The database rolled the transaction back as a deadlock victim (SQLSTATE 40001/40P01)."""
     orig = exc.orig
@@ -434,6 +443,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         metadata = dict(metadata or {})
         if metadata:
             check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
+        if (ctx := self._contexts.get(session_id)) is not None and _on_event_loop():
+            return ctx  # no I/O on the loop: the turn's lease catches it up (see Turns.begin)
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx
