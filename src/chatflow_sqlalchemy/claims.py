@@ -312,9 +312,9 @@ def claimed_session_version(session_id: str, backend: ClaimBackend) -> tuple[boo
 
     Returns ``(True, version or None if no such session)`` the first time it
     is asked inside a claim block of ``backend`` for the claimed session, on
-    backends whose acquire reads it; ``(False, None)`` otherwise. A store
-    whose turn lock reads the version again (it then catches up or finds the
-    session gone) lets the block's first ``get_or_create`` use it instead of
+    backends whose acquire reads it; ``(False, None)`` otherwise. The turn's
+    lease reads the version again (the turn then catches up or finds the
+    session gone), so the block's first ``get_or_create`` uses it instead of
     a round trip of its own.
     """
     claim = _ACTIVE.get()

@@ -75,9 +75,9 @@ class AcquiredClaim:
             in a snapshot that sees every claim with a smaller ticket); None:
             the store looks with a statement of its own.
         session_checked: The statement also read the claimed session's
-            version (``session_version``, None: no such session). Only a
-            backend with cross-process turn locks that read the version again
-            may say so: the claim block's first ``get_or_create`` uses it.
+            version (``session_version``, None: no such session): the claim
+            block's first ``get_or_create`` uses it (the turn's lease reads
+            the version again before the turn).
         session_version: See ``session_checked``.
         partition_day: The day partition the claim's row is in, for a backend
             whose claims table is partitioned by day (None elsewhere): the

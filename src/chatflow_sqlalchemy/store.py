@@ -10,7 +10,7 @@ is assembled from rooms with one job each:
 * :mod:`~chatflow_sqlalchemy.contexts`: one live context per session, agents by name;
 * :mod:`~chatflow_sqlalchemy.reconcile`: what a context shows of the stored rows;
 * :mod:`~chatflow_sqlalchemy.writer`: the one write algorithm (compare-and-swap, rebase);
-* :mod:`~chatflow_sqlalchemy.turns`: the start and end of a turn (turn locks);
+* :mod:`~chatflow_sqlalchemy.turns`: the start and end of a turn (the session's lease);
 * :mod:`~chatflow_sqlalchemy.sql_claims` and :mod:`~chatflow_sqlalchemy.sql_lifecycle`:
   webhook claims and data governance.
 
@@ -567,9 +567,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         A session is expired when not updated for ``session_ttl_hours``. Each
         batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
-        removed: a session whose turn is in progress (its turn lock is held,
-        on backends with one, or a turn of this store is running) or that a
-        live webhook claim holds. Many processes may sweep at once: each
+        removed: a session whose turn is in progress (under a live lease, by
+        the database's clock) or that a live webhook claim holds. Many processes may sweep at once: each
         session is removed by exactly one of them.
 
         Raises:
@@ -853,7 +852,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Release the turn locks, the thread pool and (if the store created it) the engine."""
+        """Release the thread pool and (if the store created it) the engine."""
         if self.runtime.closed:
             return
         self.runtime.close()

@@ -13,8 +13,8 @@ Spans (tracer ``chatflow_sqlalchemy``), each with ``db.system.name``:
   is ``acquired``, ``done`` or ``in_flight``.
 - ``chatflow.load``: reading a session's row and messages;
   ``chatflow.messages`` is how many were read.
-- ``chatflow.turn.lock``: waiting for the cross-process turn lock (stores
-  with turn locks); ``chatflow.lock.attempts`` counts the tries.
+- ``chatflow.turn.lease``: taking the session's lease for a turn (SQL
+  stores); ``chatflow.lease.attempts`` counts the tries.
 - ``chatflow.turn.commit``: writing a turn in one transaction.
 
 Metrics (meter ``chatflow_sqlalchemy``): ``chatflow.operation.duration``
@@ -98,7 +98,7 @@ class _Instruments:
         self.duration = meter.create_histogram(
             "chatflow.operation.duration",
             unit="s",
-            description="How long a store operation took (claim, load, turn lock, turn commit)",
+            description="How long a store operation took (claim, load, turn lease, turn commit)",
         )
         self.counters = {
             "chatflow.version_conflicts": meter.create_counter(
@@ -158,7 +158,7 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
     """Run the block as the store operation ``name``: a span and a duration sample.
 
     Args:
-        name: ``claim``, ``load``, ``turn.lock`` or ``turn.commit`` (the span is
+        name: ``claim``, ``load``, ``turn.lease`` or ``turn.commit`` (the span is
             ``chatflow.<name>``).
         system: The database (``db.system.name``): ``sqlite``, ``postgresql``...
         **attributes: More span attributes, keyed ``chatflow.<key>``.

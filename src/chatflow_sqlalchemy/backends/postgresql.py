@@ -2,9 +2,8 @@
 
 What differs from the generic store: ``postgresql://`` URLs are mapped to the
 psycopg 3 driver, dedup claims and session creation use ``ON CONFLICT``,
-session rows are locked with ``SELECT ... FOR UPDATE`` during a write, and
-migrations are serialised across processes with a transaction-scoped
-advisory lock.
+a turn's write is one statement, and migrations are serialised across
+processes with a transaction-scoped advisory lock.
 """
 
 from __future__ import annotations

@@ -1978,7 +1978,7 @@ class TestTurnFaults(StoreTestBase):
         async def next_turn_from_another_store() -> None:
             other: Any = harness.open() if harness.has(Capability.PERSISTENT) else store
             again = other.get(ctx.session_id)
-            async with again.lock:  # the cross-process turn lock was released too
+            async with again.lock:  # the session's lease was given back too
                 again.add_message(user("q2"))
                 again.add_message(model("a2"))
 
