@@ -568,8 +568,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         A session is expired when not updated for ``session_ttl_hours``. Each
         batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
         removed: a session whose turn is in progress (under a live lease, by
-        the database's clock) or that a live webhook claim holds. Many processes may sweep at once: each
-        session is removed by exactly one of them.
+        the database's clock) or that a live webhook claim holds. Many
+        processes may sweep at once: each session is removed by exactly one
+        of them.
 
         Raises:
             ValueError: The store has no ``session_ttl_hours``, or ``limit`` is invalid.
