@@ -74,6 +74,7 @@ class Turns:
         self._runtime = runtime
         self.leases = leases
         self._held: dict[str, _Held] = {}
+        self._orphans: set[asyncio.Task[Any]] = set()
 
     async def begin(self, ctx: SessionContext) -> None:
         """Take the session's lease, then catch up with the database.
@@ -123,12 +124,35 @@ class Turns:
             attempts = 0
             while True:
                 attempts += 1
-                lease = await self._store._run_blocking(self.leases.take, session_id)
+                lease = await self._take_once(session_id)
                 if lease is not None:
                     op.set("chatflow.lease.attempts", attempts)
                     return lease
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _LAST_POLL)
+
+    async def _take_once(self, session_id: str) -> Lease | None:
+        """One try; a lease taken as the caller was cancelled is given back, not dropped.
+
+        The take commits on the server whether or not its caller still waits,
+        so it runs as a task of its own that a cancellation does not stop.
+        """
+        take = asyncio.ensure_future(self._store._run_blocking(self.leases.take, session_id))
+        try:
+            return await asyncio.shield(take)
+        except asyncio.CancelledError:
+            take.add_done_callback(self._give_back_orphan)
+            raise
+
+    def _give_back_orphan(self, take: asyncio.Future[Lease | None]) -> None:
+        """A take whose caller was cancelled finished: give back what it took."""
+        if take.cancelled() or take.exception() is not None or take.result() is None:
+            return
+        lease = take.result()
+        assert lease is not None
+        orphan = asyncio.ensure_future(self._give_back(lease))
+        self._orphans.add(orphan)
+        orphan.add_done_callback(self._orphans.discard)
 
     async def _renew(self, lease: Lease) -> None:
         """Renew ``lease`` every third of its length until cancelled or lost."""
