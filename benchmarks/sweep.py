@@ -82,9 +82,9 @@ def _load(url: str, schema: str, n: int, live: int) -> dict[str, list[str]]:
             lease = now + timedelta(minutes=10)
             cur.executemany(
                 "INSERT INTO chatflow_processed_messages (message_id, processed_at, state, token,"
-                " session_id, ticket, lease_expires_at, claimed_at)"
-                " VALUES (%s, %s, 'acquired', 'bench', %s, 1, %s, %s)",
-                [(f"m-{sid}", now, sid, lease, now) for sid in groups["claimed"]],
+                " session_id, ticket, lease_expires_at, claimed_at, partition_day)"
+                " VALUES (%s, %s, 'acquired', 'bench', %s, 1, %s, %s, %s)",
+                [(f"m-{sid}", now, sid, lease, now, now.date()) for sid in groups["claimed"]],
             )
             cur.execute(  # the running turns: a lease taken, unexpired by the server's clock
                 "UPDATE chatflow_sessions SET lease_owner = 'bench', lease_fence = 1,"
