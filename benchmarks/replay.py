@@ -10,16 +10,16 @@ prepared by the store itself (same migrations, same partitions):
 
 1. **store**: ``ours-sqlite`` / ``ours-pg``, untouched, timed.
 2. **capture**: the same store with listeners on every engine it has
-   (``store.engines``: the store's, its AsyncEngine's, the turn locks'). They
+   (``store.engines``: the store's and its AsyncEngine's). They
    record every statement the driver is given, with its parameters, in order,
    and the commits and rollbacks; and they time each execution twice: the
    driver's part (``before/after_cursor_execute``) and SQLAlchemy Core's whole
    ``execute`` (``before/after_execute``).
 3. **replay**: the captured trace sent again, in the same order, on plain
    driver connections (``sqlite3``; psycopg, one connection per engine of the
-   store, autocommit, the turn locks' with a client-side cursor as the store
-   uses), with no SQLAlchemy, no thread hop and no store code: the cost of the
-   SQL itself, the floor of any layer that sends these statements.
+   store, autocommit), with no SQLAlchemy, no thread hop and no store code:
+   the cost of the SQL itself, the floor of any layer that sends these
+   statements.
 
 ``store - replay`` per turn is what the layer costs: SQLAlchemy's execution,
 the store's Python (contexts, diffs, telemetry), the thread hop (SQLite) or
@@ -49,7 +49,7 @@ from sqlalchemy import Engine, event
 
 from benchmarks.workload import TurnRef
 
-__all__ = ["Trace", "capture", "lock_engine_index", "main", "replay_postgres", "replay_sqlite"]
+__all__ = ["Trace", "capture", "main", "replay_postgres", "replay_sqlite"]
 
 SESSIONS = 50
 
@@ -178,12 +178,11 @@ def replay_sqlite(path: str, trace: Trace) -> float:
     return elapsed
 
 
-def replay_postgres(url: str, schema: str, trace: Trace, lock_index: int | None) -> float:
+def replay_postgres(url: str, schema: str, trace: Trace) -> float:
     """Send ``trace`` on plain psycopg connections, one per engine; seconds.
 
-    Autocommit, as the store's statements run (single statements in
-    autocommit, the turn lock's transaction opened and ended by its own
-    SQL); the lock engine's with psycopg's client-side cursor, as the store's.
+    Autocommit, as the store's single statements run (the turn's lease and
+    its write are one statement each).
     """
     import psycopg
 
@@ -195,10 +194,8 @@ def replay_postgres(url: str, schema: str, trace: Trace, lock_index: int | None)
 
     def connection(index: int) -> Any:
         if index not in connections:
-            factory = psycopg.ClientCursor if index == lock_index else psycopg.Cursor
             connections[index] = psycopg.connect(
-                conninfo, autocommit=True, prepare_threshold=None, cursor_factory=factory,
-                **options,
+                conninfo, autocommit=True, prepare_threshold=None, **options
             )
         return connections[index]
 
@@ -265,18 +262,18 @@ def _postgres_round(url: str, turns: int, label: str, delayed: str | None,
         refs = _refs(turns, label)
         store_s = asyncio.run(
             _drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, _nothing))
-        traces: list[tuple[Trace, int | None]] = []
+        traces: list[Trace] = []
 
         @contextmanager
         def traced(adapter: Any) -> Iterator[None]:
             with capture(adapter.store.engines) as trace:
-                traces.append((trace, lock_engine_index(adapter.store)))
+                traces.append(trace)
                 yield None
 
         capture_s = asyncio.run(
             _drive(cls(Target(pg_url=run_url, schema=schemas["capture"])), refs, traced))
-        trace, lock_index = traces[0]
-        replay_s = replay_postgres(run_url, schemas["replay"], trace, lock_index)
+        trace = traces[0]
+        replay_s = replay_postgres(run_url, schemas["replay"], trace)
         figures = _figures(turns, store_s, capture_s, replay_s, trace)
         floor = adapter_class("raw-pg")
         floor_target = Target(pg_url=run_url, schema=schemas["floor"])
@@ -287,14 +284,6 @@ def _postgres_round(url: str, turns: int, label: str, delayed: str | None,
     finally:
         for schema in schemas.values():
             drop_schema(url, schema)
-
-
-def lock_engine_index(store: Any) -> int | None:
-    """Where the turn locks' engine is among ``store.engines`` as :func:`capture` numbers them."""
-    locks = store.turns.locks
-    lock_engines = () if locks is None else locks.engines
-    return next((index for index, engine in enumerate(_unique(store.engines))
-                 if any(engine is lock for lock in lock_engines)), None)
 
 
 def _unique(engines: tuple[Engine, ...]) -> list[Engine]:

@@ -5,8 +5,8 @@ Run: ``python -m benchmarks.sweep [--sessions 100000] [--sweepers 4] [--url URL]
 In a fresh schema it loads, with ``COPY``, ``--sessions`` sessions last
 updated two days ago (one USER message each) plus live ones that must
 survive: ``--live`` fresh sessions, ``--live`` expired sessions held by a
-live webhook claim, and ``--live`` expired sessions whose turn lock is held
-(a connection keeps their advisory locks, as a running turn does). Then
+live webhook claim, and ``--live`` expired sessions under a live turn lease
+(their rows hold an unexpired lease, as while a turn runs). Then
 ``--sweepers`` processes open a store with ``session_ttl_hours=24`` and call
 ``sweep()`` together. Reported: wall time of the sweep, each sweeper's
 count, and the checks: counts add up to the expired sessions (nothing swept
@@ -59,7 +59,7 @@ def _load(url: str, schema: str, n: int, live: int) -> dict[str, list[str]]:
         "expired": [f"x{i:07d}" for i in range(n)],
         "fresh": [f"f{i:05d}" for i in range(live)],
         "claimed": [f"c{i:05d}" for i in range(live)],
-        "locked": [f"l{i:05d}" for i in range(live)],
+        "leased": [f"l{i:05d}" for i in range(live)],
     }
     with psycopg.connect(libpq_url(url), options=f"-csearch_path={schema}") as conn:
         with conn.cursor() as cur:
@@ -82,9 +82,15 @@ def _load(url: str, schema: str, n: int, live: int) -> dict[str, list[str]]:
             lease = now + timedelta(minutes=10)
             cur.executemany(
                 "INSERT INTO chatflow_processed_messages (message_id, processed_at, state, token,"
-                " session_id, ticket, lease_expires_at, claimed_at)"
-                " VALUES (%s, %s, 'acquired', 'bench', %s, 1, %s, %s)",
-                [(f"m-{sid}", now, sid, lease, now) for sid in groups["claimed"]],
+                " session_id, ticket, lease_expires_at, claimed_at, partition_day)"
+                " VALUES (%s, %s, 'acquired', 'bench', %s, 1, %s, %s, %s)",
+                [(f"m-{sid}", now, sid, lease, now, now.date()) for sid in groups["claimed"]],
+            )
+            cur.execute(  # the running turns: a lease taken, unexpired by the server's clock
+                "UPDATE chatflow_sessions SET lease_owner = 'bench', lease_fence = 1,"
+                " lease_expires_at = now() + interval '10 minutes'"
+                " WHERE session_id = ANY(%s)",
+                (groups["leased"],),
             )
         conn.commit()
     return groups
@@ -94,7 +100,7 @@ def run_sweep(url: str, n: int, sweepers: int, live: int) -> dict[str, Any]:
     """Load, sweep with ``sweepers`` processes, check; return the figures."""
     import psycopg
 
-    from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore, session_lock_key
+    from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
 
     schema = create_schema(url, "sweep")
     try:
@@ -106,25 +112,20 @@ def run_sweep(url: str, n: int, sweepers: int, live: int) -> dict[str, Any]:
         ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=_sweeper, args=(url, schema, ready, go, results))
                  for _ in range(sweepers)]
-        with psycopg.connect(libpq_url(url), autocommit=True) as turns:
-            turns.execute("BEGIN")  # the "running turns": their advisory locks are held
-            for sid in groups["locked"]:
-                turns.execute("SELECT pg_advisory_xact_lock(%s)", (session_lock_key(sid),))
-            for proc in procs:
-                proc.start()
-            for _ in procs:  # every sweeper has imported, connected and is waiting
-                ready.get(timeout=600)
-            started = time.perf_counter()
-            go.set()
-            counts = [results.get(timeout=1800) for _ in procs]
-            wall = time.perf_counter() - started
-            for proc in procs:
-                proc.join(60)
-            turns.execute("ROLLBACK")
+        for proc in procs:
+            proc.start()
+        for _ in procs:  # every sweeper has imported, connected and is waiting
+            ready.get(timeout=600)
+        started = time.perf_counter()
+        go.set()
+        counts = [results.get(timeout=1800) for _ in procs]
+        wall = time.perf_counter() - started
+        for proc in procs:
+            proc.join(60)
         with psycopg.connect(libpq_url(url), options=f"-csearch_path={schema}") as conn:
             left = {row[0] for row in conn.execute("SELECT session_id FROM chatflow_sessions")}
             messages = conn.execute("SELECT count(*) FROM chatflow_messages").fetchone()
-        live_ids = set(groups["fresh"]) | set(groups["claimed"]) | set(groups["locked"])
+        live_ids = set(groups["fresh"]) | set(groups["claimed"]) | set(groups["leased"])
         removed = [c for c, _ in counts]
         return {
             "expired": n,

@@ -223,9 +223,10 @@ def failover_worker(url: str, worker: str, count: int, ack_path: str, events: An
 
     class Store(PostgresSessionStore):
         operation_timeout = 5.0
-        turn_lock_lease_seconds = 3.0
 
-    store = Store(url, default_max_turns=10_000)  # nothing pruned: every turn is counted
+    # Nothing pruned: every turn is counted. Leases the crash kept from being given back
+    # (replicated to the promoted server) expire soon.
+    store = Store(url, default_max_turns=10_000, turn_lease_seconds=3.0)
     runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
                     engine=ScriptedEngine(delay=0.01))
     errors = 0

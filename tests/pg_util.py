@@ -10,10 +10,8 @@ connection with ``options=-csearch_path=<schema>``, dropped with CASCADE after.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +20,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from chatflow_sqlalchemy.backends.postgresql_locks import LOCK_RELEASE_TIMEOUT_SECONDS
 from chatflow_sqlalchemy.testing import database_problem
 
 ENV_VAR = "CHATFLOW_TEST_POSTGRES_URL"
@@ -155,17 +152,3 @@ def schema_store(url: str, schema: str, **options: Any) -> Any:
     connect_args = {**schema_connect_args(schema), "application_name": schema}
     return PostgresSessionStore(url, connect_args=connect_args, **options)
 
-
-async def take_once_given_back(store: Any, session_id: str) -> tuple[bool, bool, int | None]:
-    """Another process's try of a lock whose connection was just cut (a store closed).
-
-    The server frees the lock once it notices the closed socket, so another
-    process may find it held for that moment: repeated as the store's turns
-    do, until taken; the bound is a hang guard, not a timing.
-    """
-    deadline = time.monotonic() + LOCK_RELEASE_TIMEOUT_SECONDS
-    while True:
-        taken, known, version = await store.turn_locks.try_acquire(session_id)
-        if taken or time.monotonic() > deadline:
-            return taken, known, version
-        await asyncio.sleep(0.005)

@@ -413,13 +413,16 @@ def test_the_stores_engines_are_where_its_statements_run(store_opener: Opener) -
             event.remove(engine, "before_cursor_execute", record)
     inserts = [index for index, sql in seen if "INSERT INTO chatflow_messages" in sql]
     assert len(inserts) == 2, seen
-    lock_engines = store.turn_locks.engines if store.turn_locks is not None else ()
-    assert len(store.engines) == (2 if store.runtime.native_async else 1) + len(lock_engines)
+    assert len(store.engines) == (2 if store.runtime.native_async else 1)
     assert inserts == ([0, 1] if store.runtime.native_async else [0, 0])
-    if lock_engines:  # the turn lock's own statements: taken, then released
-        on_locks = [sql for index, sql in seen if store.engines[index] in lock_engines]
-        assert any("chatflow_turn_lock" in sql for sql in on_locks), seen
-        assert on_locks[-1] == "ROLLBACK", on_locks
+    # The turn's lease: taken on the engine of the async API, given back by its write.
+    leased = [index for index, sql in seen if "lease_owner" in sql]
+    assert leased and set(leased) == {inserts[1]}, seen
+    if store.runtime.native_async:  # the version check, the lease, the write (with the release)
+        async_api = [sql for index, sql in seen if index == 1]
+        assert len(async_api) == 3, async_api
+        assert async_api[1].startswith("UPDATE chatflow_sessions SET lease_owner="), async_api
+        assert "lease_owner=NULL" in async_api[2], async_api
 
 
 def test_a_file_that_is_not_a_database_is_not_an_unreachable_database(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The generic ``SQLAlchemySessionStore`` on a server backend: the store class does not matter.
 
-Turn locks come from the dialect support (``DialectSupport.turn_locks``), so a
-store opened as ``SQLAlchemySessionStore(engine=...)`` runs Runner turns and
+A turn's lease is a row of the session, taken by portable SQL, so a store
+opened as ``SQLAlchemySessionStore(engine=...)`` runs Runner turns and
 excludes other processes from a session's turn exactly like the backend's own
 class. (The URL form runs the whole conformance suite: ``postgresql-generic``
 in ``conftest.py``.)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.postgres
 BOT = Agent(name="Bot", instructions="")
 
 
-def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_process_lock() -> None:
+def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_process_lease() -> None:
     url = postgres_url()
     with fresh_schema(url) as schema:
         engine = create_engine(url, connect_args=schema_connect_args(schema))
@@ -34,7 +34,6 @@ def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_proc
             with SQLAlchemySessionStore(engine=engine) as store, SQLAlchemySessionStore(
                 engine=other_engine
             ) as other:
-                assert store.turn_locks is not None, "PostgreSQL's support brings turn locks"
                 runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
 
                 async def scenario() -> None:
@@ -43,12 +42,11 @@ def test_generic_store_on_a_postgres_engine_runs_runner_turns_under_a_cross_proc
                         assert reply.content == f"Bot re: hello {turn}"
                     ctx = await store.aget_or_create("s1", BOT)
                     async with ctx.lock:
-                        assert other.turn_locks is not None
-                        taken, _, _ = await other.turn_locks.try_acquire("s1")
-                        assert taken is False, "another store (process) is kept out of the turn"
-                    taken, known, version = await other.turn_locks.try_acquire("s1")
-                    assert taken and known and version is not None
-                    await other.turn_locks.release("s1")
+                        held = other.turns.leases.take("s1")
+                        assert held is None, "another store (process) is kept out of the turn"
+                    lease = other.turns.leases.take("s1")
+                    assert lease is not None, "the turn gave its lease back"
+                    other.turns.leases.release(lease)
 
                 asyncio.run(scenario())
                 reloaded = other.get("s1")

@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
 
-from benchmarks.replay import capture, lock_engine_index, replay_postgres, replay_sqlite
+from benchmarks.replay import capture, replay_postgres, replay_sqlite
 from chatflow_sqlalchemy import PostgresSessionStore, SQLAlchemySessionStore, SQLiteSessionStore
 
 from . import pg_util
@@ -71,6 +71,13 @@ def _contents(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
+def _takes_a_lease(statement: str | None) -> bool:
+    """Whether ``statement`` is a turn's take of its session's lease."""
+    return " ".join((statement or "").split()).startswith(
+        "UPDATE chatflow_sessions SET lease_owner="
+    ) and "RETURNING" in (statement or "")
+
+
 def _traced(store: SQLAlchemySessionStore) -> Any:
     with capture(store.engines) as trace:
         _turns(store)
@@ -83,6 +90,7 @@ def test_sqlite_replayed_trace_is_the_database(tmp_path: Path) -> None:
     shutil.copyfile(tmp_path / "empty.db", tmp_path / "replayed.db")
     trace = _traced(SQLiteSessionStore(tmp_path / "empty.db"))
     assert any(step[2] == "BEGIN IMMEDIATE" for step in trace.steps)
+    assert any(_takes_a_lease(step[2]) for step in trace.steps)
     assert any(step[1] == "many" for step in trace.steps)  # the messages' executemany
 
     replay_sqlite(str(tmp_path / "replayed.db"), trace)
@@ -99,12 +107,10 @@ def test_postgres_replayed_trace_is_the_database() -> None:
     with pg_util.fresh_schema(url) as original, pg_util.fresh_schema(url) as replayed:
         PostgresSessionStore(url, connect_args=pg_util.schema_connect_args(replayed)).close()
         store = PostgresSessionStore(url, connect_args=pg_util.schema_connect_args(original))
-        lock_index = lock_engine_index(store)
-        assert lock_index is not None
         trace = _traced(store)
-        assert any("chatflow_turn_lock" in (step[2] or "") for step in trace.steps)
+        assert any(_takes_a_lease(step[2]) for step in trace.steps)
 
-        replay_postgres(url, replayed, trace, lock_index)
+        replay_postgres(url, replayed, trace)
         engines = [sa.create_engine(url, connect_args=pg_util.schema_connect_args(schema))
                    for schema in (original, replayed)]
         try:

@@ -175,8 +175,7 @@ def _uninstrument(instrumentor: SQLAlchemyInstrumentor) -> None:
 
 
 def _phone() -> str:
-    """A session id as WhatsApp bots use them (a phone number), unique to the test: PostgreSQL
-    advisory locks are per database, so equal ids in other workers' schemas would meet."""
+    """A session id as WhatsApp bots use them (a phone number), unique to the test."""
     return f"whatsapp:+1555{uuid.uuid4().int % 10**7:07d}"
 
 
@@ -232,21 +231,24 @@ def test_a_runner_turn_leaves_the_stores_spans_in_the_requests_trace(
     loads = recorded.named("chatflow.load")
     commits = recorded.named("chatflow.turn.commit")
     assert loads and len(commits) == 1
-    if store.turn_locks is not None:
-        (lock,) = recorded.named("chatflow.turn.lock")
-        assert lock.attributes["chatflow.lock.attempts"] == 1
-    for span in [claim, *loads, *commits]:
+    (lease,) = recorded.named("chatflow.turn.lease")
+    assert lease.attributes["chatflow.lease.attempts"] == 1
+    assert lease.attributes["db.system.name"] == store.engine.dialect.name
+    for span in [claim, *loads, lease, *commits]:
         assert span.context.trace_id == trace_id, f"{span.name} is not in the request's trace"
         assert "POST /webhook" in _parent_chain(span, by_id)
 
-    # SQLAlchemy's spans: the claim's and the load's statements nest under them.
+    # SQLAlchemy's spans: the claim's, the load's and the lease's statements nest under them.
     sql = [span for span in spans if span.instrumentation_scope.name.startswith(
         "opentelemetry.instrumentation.sqlalchemy")]
     under_claim = [s for s in sql if "chatflow.claim" in _parent_chain(s, by_id)]
     under_load = [s for s in sql if "chatflow.load" in _parent_chain(s, by_id)]
+    under_lease = [s for s in sql if "chatflow.turn.lease" in _parent_chain(s, by_id)]
     assert under_claim, "no statement of the claim was traced under chatflow.claim"
     assert under_load, "no statement of the load was traced under chatflow.load"
-    assert all(s.context.trace_id == trace_id for s in sql if s in under_claim + under_load)
+    assert under_lease, "no statement of the lease was traced under chatflow.turn.lease"
+    assert all(s.context.trace_id == trace_id for s in sql
+               if s in under_claim + under_load + under_lease)
     _no_session_id_in(recorded.spans(), phone)
 
 
@@ -324,19 +326,14 @@ def test_a_broken_exporter_never_breaks_a_turn(
     open_store: Callable[..., Any], recorded: Recorded, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Telemetry is best effort: a span processor that raises on every span end is logged;
-    the webhook is answered, the turn stored and its lock given back."""
+    the webhook is answered, the turn stored and its lease given back."""
     store, phone = open_store(), _phone()
     recorded.gate.broken = True
     _webhook(store, "m-broken", "hello", phone)
     recorded.gate.broken = False
     assert store.get(phone).history[0].content == "hello"
     assert "OpenTelemetry failed" in caplog.text or telemetry._warned
-    other = open_store()
-    if other.turn_locks is not None:  # the lock was given back: another store takes it
-        async def take() -> bool:
-            taken = (await other.turn_locks.try_acquire(phone))[0]
-            if taken:
-                await other.turn_locks.release(phone)
-            return bool(taken)
-
-        assert asyncio.run(take())
+    other = open_store()  # the lease was given back: another store takes it at once
+    lease = other.turns.leases.take(phone)
+    assert lease is not None, "the turn left its lease held"
+    other.turns.leases.release(lease)
