@@ -116,12 +116,6 @@ def _lease_held(admin: psycopg.Connection[Any], schema: str, session_id: str) ->
     return bool(row and row[0] is not None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: a cancellation that lands while the lease's UPDATE is in flight "
-    "(Turns._take awaiting SessionLeases.take) drops the Lease the server already "
-    "committed; nobody gives it back, so the session stays leased until it expires",
-)
 def test_a_turn_cancelled_while_taking_its_lease_never_leaves_it_held(
     pg_url: str, pg_schema: str
 ) -> None:
