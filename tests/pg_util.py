@@ -152,3 +152,11 @@ def schema_store(url: str, schema: str, **options: Any) -> Any:
     connect_args = {**schema_connect_args(schema), "application_name": schema}
     return PostgresSessionStore(url, connect_args=connect_args, **options)
 
+
+
+def writes_session(sql: str) -> bool:
+    """True for a statement that writes a turn (swaps the session's version).
+
+    Not the turn's lease statements, which update the session row too.
+    """
+    return "UPDATE chatflow_sessions SET" in sql and "version=" in sql

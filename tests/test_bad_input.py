@@ -299,3 +299,16 @@ def test_metadata_stored_deeper_than_the_limit_by_an_earlier_release_stays_writa
         ctx = store.get("s")
         assert ctx is not None and ctx.metadata["plan"] == "pro"
         assert ctx.history[-1].content == "again"
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.1, float("inf"), float("nan"), 1e12, "30", True])
+def test_turn_lease_seconds_outside_its_bounds_is_refused_before_anything_opens(
+    tmp_path: Path, value: object
+) -> None:
+    """An infinite lease would overflow at the first turn; a tiny one would be all renewals."""
+
+    with pytest.raises(ValueError, match="turn_lease_seconds"):
+        SQLiteSessionStore(tmp_path / "x.db", turn_lease_seconds=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="turn_lease_seconds"):
+        SessionStore(turn_lease_seconds=value)  # type: ignore[arg-type]
+    assert not (tmp_path / "x.db").exists()

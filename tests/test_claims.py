@@ -19,6 +19,7 @@ from chatflow_sqlalchemy.claims import _SYNC_RENEWALS, list_claims, release_clai
 from chatflow_sqlalchemy.sql_claims import free_claim, read_claims
 
 from .fakes import Recording
+from .pg_util import writes_session as _writes_session
 
 
 def _engine_at(url: str, revision: str) -> Any:
@@ -106,12 +107,12 @@ def test_postgres_fence_rides_in_the_turns_one_statement(pg_url: str, pg_schema:
             taken = asyncio.run(_claimed_turn_taken_over(store))
         finally:
             event.remove(Engine, "before_cursor_execute", record)
-    writes = [sql for sql in first if "UPDATE chatflow_sessions" in sql]
+    writes = [sql for sql in first if _writes_session(sql)]
     assert len(writes) == 1, first
     assert "UPDATE chatflow_processed_messages" in writes[0]
     assert "INSERT INTO chatflow_messages" in writes[0]
     # Taken over: the one statement changes nothing; the step-by-step write says why.
-    writes = [sql for sql in statements if "UPDATE chatflow_sessions" in sql]
+    writes = [sql for sql in statements if _writes_session(sql)]
     assert "UPDATE chatflow_processed_messages" in writes[0], statements
     assert taken == ["first"]
 

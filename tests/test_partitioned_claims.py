@@ -23,6 +23,7 @@ from chatflow_sqlalchemy.rows import processed
 from chatflow_sqlalchemy.values import utcnow
 
 from . import pg_util
+from .pg_util import writes_session as _writes_session
 
 pytestmark = pytest.mark.postgres
 
@@ -163,7 +164,7 @@ def test_a_claims_row_moved_to_today_by_the_purge_mid_turn_still_fences_the_turn
     for seen in store.engines:
         sa.event.listen(
             seen, "before_cursor_execute",
-            lambda *a: session_updates.append(a[2]) if "UPDATE chatflow_sessions" in a[2] else None,
+            lambda *a: session_updates.append(a[2]) if _writes_session(a[2]) else None,
         )
     old_day = _today() - timedelta(20)
     _put(engine, "moved", old_day, datetime.now(timezone.utc) - timedelta(hours=2), "released")

@@ -685,8 +685,18 @@ class SessionContext(_UpstreamSessionContext):
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
+            with self._mutex:
+                self._check_alive()
             async with self._async_writer:
                 await self._owner._abegin_turn(self)
+        try:
+            self._open_turn()
+        except BaseException:
+            if self._owner is not None:  # what the store took for the turn goes back
+                await self._owner._adiscard_turn(self)
+            raise
+
+    def _open_turn(self) -> None:
         with self._mutex:
             self._check_alive()
             self._ensure_indexed()

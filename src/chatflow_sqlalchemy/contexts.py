@@ -62,10 +62,18 @@ class ContextCache:
                 self._recent.popitem(last=False)
             return ctx
 
-    def forget(self, session_id: str) -> None:
-        """Drop ``session_id``'s context and mark it deleted."""
+    def forget(self, session_id: str, only: SessionContext | None = None) -> None:
+        """Drop ``session_id``'s context and mark it deleted.
+
+        ``only``: drop it only if it is that context (a stale one found its
+        session gone; a newer context of the session stays).
+        """
         with self._lock:
-            ctx = self._live.pop(session_id, None)
+            ctx = self._live.get(session_id)
+            if only is not None and ctx is not only:
+                only._deleted = True
+                return
+            self._live.pop(session_id, None)
             self._recent.pop(session_id, None)
         if ctx is not None:
             ctx._deleted = True

@@ -135,15 +135,6 @@ _PURGE_INTERVAL = timedelta(minutes=5)
 _SWEEP_DEADLOCK_RETRIES = 5
 
 
-def _on_event_loop() -> bool:
-    """True when called from a running event loop's thread (sync code inside a coroutine)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
     """The database rolled the transaction back as a deadlock victim (SQLSTATE 40001/40P01)."""
     orig = exc.orig
@@ -329,8 +320,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """Register how stored agent names map back to Agent objects (the Runner does)."""
         self._agents.resolver = resolver
 
-    def _forget(self, session_id: str) -> None:
-        self._contexts.forget(session_id)
+    def _forget(self, session_id: str, ctx: SessionContext | None = None) -> None:
+        """Drop the session's context (only ``ctx``, if given: a newer one stays)."""
+        self._contexts.forget(session_id, ctx)
 
     def _build_context(
         self, stored: StoredSession, session_id: str, default_agent: Agent | None
@@ -353,14 +345,14 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if not read:
             version = self._read_version(ctx.session_id)
         if version is None:
-            self._forget(ctx.session_id)
+            self._forget(ctx.session_id, ctx)
             return False
         durable = ctx._durable
         if durable is not None and durable.version == version and not ctx._stale:
             return True
         stored = self._load(ctx.session_id)
         if stored is None or other_incarnation(ctx, stored):
-            self._forget(ctx.session_id)
+            self._forget(ctx.session_id, ctx)
             return False
         with ctx._mutex:
             if holds_newer_than(ctx, stored):
@@ -443,8 +435,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         metadata = dict(metadata or {})
         if metadata:
             check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
-        if (ctx := self._contexts.get(session_id)) is not None and _on_event_loop():
-            return ctx  # no I/O on the loop: the turn's lease catches it up (see Turns.begin)
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx
@@ -829,7 +819,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                     deleted = self._writer.write(ctx, fence, lease)
                 telemetry.count("chatflow.messages.pruned", deleted, self.runtime.system)
             except SessionDeletedError:
-                self._forget(ctx.session_id)
+                self._forget(ctx.session_id, ctx)
                 raise
             except LeaseLostError:
                 ctx._stale = True  # memory must not keep what the database refused

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from contextlib import suppress
 from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
@@ -54,9 +53,9 @@ class _Held:
         self.renewal = renewal
 
     async def stop_renewing(self) -> None:
+        """Cancel the renewal and wait for it; a cancellation of the caller still raises."""
         self.renewal.cancel()
-        with suppress(asyncio.CancelledError):
-            await self.renewal
+        await asyncio.wait([self.renewal])
 
 
 class Turns:
@@ -84,16 +83,16 @@ class Turns:
 
         """
         lease = await self._take(ctx.session_id)
+        held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
+        self._held[ctx.session_id] = held
         try:
             if not await self._store._run_blocking(
                 self._store._refresh, ctx, (True, lease.version)
             ):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
-            await self._give_back(lease)
+            await self.discard(ctx)
             raise
-        renewal = asyncio.get_running_loop().create_task(self._renew(lease))
-        self._held[ctx.session_id] = _Held(lease, renewal)
 
     async def end(self, ctx: SessionContext) -> None:
         """Write the turn in one transaction that also gives the lease back.
@@ -102,9 +101,9 @@ class Turns:
         with it (the claim is found here, in the caller's context).
         """
         held = self._held.pop(ctx.session_id)
-        await held.stop_renewing()
-        fence = active_fence(ctx.session_id)
         try:
+            await held.stop_renewing()
+            fence = active_fence(ctx.session_id)
             await self._store._run_blocking(self._store._flush_context, ctx, fence, held.lease)
         finally:
             if not held.lease.released:
@@ -114,8 +113,10 @@ class Turns:
         """After a turn ended by an exception: write nothing, give the lease back."""
         held = self._held.pop(ctx.session_id, None)
         if held is not None:
-            await held.stop_renewing()
-            await self._give_back(held.lease)
+            try:
+                await held.stop_renewing()
+            finally:
+                await self._give_back(held.lease)
 
     async def _take(self, session_id: str) -> Lease:
         """Poll the lease until taken (bounded backoff; turns of this process queue first)."""
@@ -150,7 +151,7 @@ class Turns:
             return
         lease = take.result()
         assert lease is not None
-        orphan = asyncio.ensure_future(self._give_back(lease))
+        orphan = asyncio.ensure_future(self._release(lease))
         self._orphans.add(orphan)
         orphan.add_done_callback(self._orphans.discard)
 
@@ -171,7 +172,18 @@ class Turns:
                 return
 
     async def _give_back(self, lease: Lease) -> None:
-        """Release ``lease``; a failure only delays the next turn until it expires."""
+        """Release ``lease``, even if the caller is cancelled meanwhile.
+
+        The release runs as a task of its own, so a cancellation (a second
+        one, at shutdown) does not stop it. A failure only delays the next
+        turn until the lease expires.
+        """
+        release = asyncio.ensure_future(self._release(lease))
+        self._orphans.add(release)
+        release.add_done_callback(self._orphans.discard)
+        await asyncio.shield(release)
+
+    async def _release(self, lease: Lease) -> None:
         try:
             await self._store._run_blocking(self.leases.release, lease)
         except Exception as exc:

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_TURN_LEASE_SECONDS",
     "MAX_PAGE_LIMIT",
     "SESSION_ID_MAX_LENGTH",
+    "TURN_LEASE_BOUNDS",
     "check_storable_text",
     "utcnow",
     "validate_page_limit",
@@ -84,10 +85,18 @@ DEFAULT_TURN_LEASE_SECONDS = 30.0
 """How long a turn's lease on its session lasts without renewal (store option)."""
 
 
+TURN_LEASE_BOUNDS = (0.5, 86400.0)
+"""Shortest and longest accepted ``turn_lease_seconds``: renewed every third of it, a
+shorter lease would be mostly renewals; a longer one blocks a dead worker's session
+for more than a day."""
+
+
 def validate_turn_lease_seconds(value: object) -> float:
-    """``turn_lease_seconds`` must be a positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    """``turn_lease_seconds`` must be a number of seconds within :data:`TURN_LEASE_BOUNDS`."""
+    low, high = TURN_LEASE_BOUNDS
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ValueError(
-            f"turn_lease_seconds must be a positive number of seconds, got {value!r}"
+            f"turn_lease_seconds must be a number of seconds from {low:g} to {high:g} "
+            f"(how long a dead worker's session stays blocked), got {value!r}"
         )
     return float(value)

@@ -298,11 +298,6 @@ def test_a_turn_holds_its_sessions_lease_for_the_whole_turn(mariadb_database: UR
         probe.dispose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: the lease's take, run on an I/O thread, finishes after its awaiter "
-    "was cancelled; the Lease it returns is dropped and never given back",
-)
 def test_a_turn_cancelled_while_taking_its_lease_never_leaves_it_held(
     mariadb_database: URL,
 ) -> None:
@@ -341,12 +336,6 @@ def test_a_turn_cancelled_while_taking_its_lease_never_leaves_it_held(
         probe.dispose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: a lease release queued on the store's I/O threads when its turn is "
-    "cancelled never runs (Turns._give_back lets CancelledError through), so the lease "
-    "stays held until it expires",
-)
 def test_turns_cancelled_while_giving_their_leases_back_still_give_them_back(
     mariadb_database: URL,
 ) -> None:

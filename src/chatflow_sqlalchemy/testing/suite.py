@@ -1788,6 +1788,48 @@ class TestCrossProcess(StoreTestBase):
         assert events == ["first ends", "second enters"]
         assert seen == ["first"], "the second turn did not see the first one's message"
 
+    @requires(Capability.PERSISTENT)
+    def test_a_runner_turn_after_another_store_deleted_the_session_starts_anew(
+        self, harness: StoreHarness
+    ) -> None:
+        """As a returning user whose session another worker's sweep removed."""
+        sid = new_id()
+        store, other = harness.open(), harness.open()
+        runner = Runner(starting_agent=make_agents()[0], session_store=store,
+                        engine=ScriptedEngine())
+        run(runner.run_async(sid, "first"))
+        assert other.delete(sid) is True
+        run(runner.run_async(sid, "again"))
+        assert contents(reload(harness, sid).history)[0] == "again"
+
+    @requires(Capability.PERSISTENT)
+    def test_an_old_context_of_a_recreated_session_leaves_the_new_one_working(
+        self, store: Any
+    ) -> None:
+        """A turn on a stale context fails alone; the new context's turns run.
+
+        Each gives its lease back: the next turn is not kept waiting.
+        """
+        sid = new_id()
+        old = store.get_or_create(sid, make_agents()[0])
+        old.add_message(user("before"))
+        store.delete(sid)
+        new = store.get_or_create(sid, make_agents()[0])
+        with pytest.raises(SessionDeletedError):
+            old.add_message(user("stale write"))
+
+        async def turns() -> None:
+            with pytest.raises(SessionDeletedError):
+                async with old.lock:
+                    pass
+            async with new.lock:
+                new.add_message(user("after"))
+            async with store.get_or_create(sid, make_agents()[0]).lock:
+                pass
+
+        run(asyncio.wait_for(turns(), 30))
+        assert contents(store.get_or_create(sid, make_agents()[0]).history) == ["after"]
+
     @requires(Capability.CROSS_PROCESS, Capability.PERSISTENT)
     def test_a_holder_paused_past_its_lease_writes_nothing(self, harness: StoreHarness) -> None:
         """A turn stalled past ``turn_lease_seconds`` is taken over; its own exit raises.
