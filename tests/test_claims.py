@@ -336,7 +336,7 @@ def test_a_claimed_runner_turns_reply_rides_in_its_write(store_opener: Any) -> N
     with _Statements() as seen:
         assert asyncio.run(_webhook(store, runner, "m1", "again")) == "Bot re: again"
     claim_rows = seen.touching("chatflow_processed_messages")
-    assert claim_rows[0].startswith("INSERT INTO chatflow_processed_messages"), seen.sql
+    assert "INSERT INTO chatflow_processed_messages" in claim_rows[0].split(")")[0], seen.sql
     fence = [n for n, sql in enumerate(seen.sql) if "UPDATE chatflow_processed_messages" in sql]
     assert len(fence) == 1, seen.sql  # the fence in the turn's write, no UPDATE at the exit
     assert "chatflow_processed_messages" not in " ".join(seen.sql[fence[0] + 1:]), seen.sql
@@ -449,3 +449,113 @@ def test_a_claim_that_waited_for_an_earlier_one_catches_up_with_its_turn(
 
     asyncio.run(both())
     assert recording.seen[-1][-3:] == ["first", "Bot re: first", "second"]
+
+
+def _lease_owner(store: Any, session_id: str) -> Any:
+    with store.engine.connect() as conn:
+        return conn.execute(
+            text("SELECT lease_owner FROM chatflow_sessions WHERE session_id = :s"),
+            {"s": session_id},
+        ).scalar()
+
+
+@pytest.mark.postgres
+def test_a_claimed_turn_takes_its_lease_with_the_claim_on_postgres(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Claim, lease and catch-up are one statement; the write gives the lease back."""
+    from . import pg_util
+
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        runner = _echo_runner(store)
+        asyncio.run(_webhook(store, runner, "warm-up", "hello"))
+        with _Statements() as seen:
+            assert asyncio.run(_webhook(store, runner, "m1", "again")) == "Bot re: again"
+        takes = [sql for sql in seen.sql if "lease_fence=(chatflow_sessions.lease_fence" in sql]
+        assert len(takes) == 1 and takes[0].startswith("WITH acquired AS"), seen.sql
+        assert _lease_owner(store, "s") is None
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_claim_block_without_a_turn_leaves_the_session_free(
+    store_opener: Any, fails: bool
+) -> None:
+    """The lease a claim took for its session goes back with the claim, turn or not."""
+    store, other = store_opener(), store_opener()
+    store.get_or_create("s", Agent(name="Bot", instructions=""))
+
+    async def block() -> None:
+        async with store.claim("m-free", session_id="s") as claim:
+            assert claim.acquired
+            if fails:
+                raise RuntimeError("the handler failed before its turn")
+
+    if fails:
+        with pytest.raises(RuntimeError):
+            asyncio.run(block())
+    else:
+        asyncio.run(block())
+    assert _lease_owner(store, "s") is None
+
+    async def other_turn() -> None:
+        async with other.get_or_create("s", Agent(name="Bot", instructions="")).lock:
+            pass
+
+    asyncio.run(asyncio.wait_for(other_turn(), 10))
+
+
+def test_a_claimed_turn_waits_for_another_stores_turn_and_sees_it(store_opener: Any) -> None:
+    """The claim cannot take a held lease: its turn takes it after the other turn ends."""
+    holder, store = store_opener(), store_opener()
+    bot = Agent(name="Bot", instructions="")
+    holder.get_or_create("s", bot)
+
+    async def both() -> list[str | None]:
+        entered, seen = asyncio.Event(), []
+
+        async def hold() -> None:
+            async with (ctx := holder.get_or_create("s", bot)).lock:
+                ctx.add_message(Message(role=Role.USER, content="first"))
+                entered.set()
+                await asyncio.sleep(0.5)
+
+        async def claimed() -> None:
+            await entered.wait()
+            async with store.claim("m-wait", session_id="s") as claim:
+                assert claim.acquired
+                async with (ctx := store.get_or_create("s", bot)).lock:
+                    seen.extend(m.content for m in ctx.history)
+                    ctx.add_message(Message(role=Role.USER, content="second"))
+
+        await asyncio.gather(hold(), claimed())
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(both(), 30)) == ["first"]
+    assert [m.content for m in store_opener().get("s").history] == ["first", "second"]
+    assert _lease_owner(store, "s") is None
+
+
+@pytest.mark.postgres
+def test_a_claims_lease_gone_stale_before_its_turn_is_taken_anew(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A block that runs a third of a lease before its turn: the turn takes a fresh lease."""
+    from . import pg_util
+
+    store = pg_util.schema_store(pg_url, pg_schema, turn_lease_seconds=0.6)
+    bot = Agent(name="Bot", instructions="")
+    store.get_or_create("s", bot)
+
+    async def block() -> None:
+        async with store.claim("m-stale", session_id="s"):
+            await asyncio.sleep(0.4)
+            async with (ctx := store.get_or_create("s", bot)).lock:
+                ctx.add_message(Message(role=Role.USER, content="late"))
+
+    with _Statements() as seen:
+        asyncio.run(block())
+    takes = [sql for sql in seen.sql if "lease_fence=(chatflow_sessions.lease_fence" in sql]
+    assert len(takes) == 2, seen.sql  # with the claim, then anew by the turn
+    assert [m.content for m in store.get("s").history] == ["late"]
+    assert _lease_owner(store, "s") is None
+    store.close()

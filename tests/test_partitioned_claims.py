@@ -208,6 +208,8 @@ def test_racing_first_claims_on_either_side_of_midnight_make_one_row(store: Any)
             "token": uuid.uuid4().hex, "lease": now + timedelta(seconds=30), "session_id": None,
             "horizon": now - timedelta(seconds=30), "lease_seconds": 30.0,
             "ttl_seconds": 8 * 86400.0,  # leases and TTL use the database's clock
+            "holder_token": uuid.uuid4().hex, "lease_now": now, "lease_until": now,
+            "turn_lease_seconds": 30.0,  # the session's lease (none here: no session)
         }
 
     engine = pg_util.schema_engine(pg_util.postgres_url(), _schema_of(store))

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Connection,
     CursorResult,
     Engine,
+    Executable,
     Select,
     Table,
     and_,
@@ -83,6 +84,10 @@ class AcquiredClaim:
             whose claims table is partitioned by day (None elsewhere): the
             turn's write names it, so the database looks in that partition
             alone rather than planning for every one.
+        lease_fence: The statement also took the claimed session's turn lease
+            (free, and no earlier claim of the session in flight), as
+            :mod:`chatflow_sqlalchemy.lease` takes it: its fence. The
+            block's turn then uses that lease; None: the turn takes its own.
 
     """
 
@@ -92,6 +97,7 @@ class AcquiredClaim:
     session_checked: bool = False
     session_version: int | None = None
     partition_day: date | None = None
+    lease_fence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,7 @@ class DialectSupport:
         """Interpret the result of :meth:`claim_processed`."""
         return result.first() is not None
 
-    def acquire_claim(self, table: Table) -> Insert:
+    def acquire_claim(self, table: Table) -> Executable:
         """The one atomic statement that acquires a webhook claim (``store.claim``).
 
         Insert the id as ``acquired``, or take the row over when it is
@@ -214,7 +220,11 @@ class DialectSupport:
         ``CLAIM_CUTOFF``, ``CLAIM_HORIZON``), which its leases and takeover test use.
         :meth:`read_claim` reads the result. Backends with
         ``ON CONFLICT ... WHERE ... RETURNING`` build it with
-        :func:`on_conflict_acquire`.
+        :func:`on_conflict_acquire`. The parameters of the session's lease
+        (``holder_token``, ``lease_now``, ``lease_until``,
+        ``lease_seconds``: :mod:`chatflow_sqlalchemy.lease`) are passed too,
+        for a backend that takes it in the same statement
+        (:attr:`AcquiredClaim.lease_fence`).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement acquire_claim()")
 

@@ -33,9 +33,11 @@ from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn
 
 __all__ = [
     "DEFAULT_TURN_LEASE_SECONDS",
+    "LEASE_FREE",
     "LEASE_HELD",
     "RELEASE",
     "RELEASE_HELD",
+    "TAKE_VALUES",
     "Lease",
     "SessionLeases",
     "lease_params",
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 _s = cast(Table, ChatflowSession.__table__)
-_SECONDS = bindparam("lease_seconds", type_=Float())
+_SECONDS = bindparam("turn_lease_seconds", type_=Float())
 _NOW = DatabaseNow(bindparam("lease_now", type_=UTCDateTime()))
 _UNTIL = DatabaseNow(bindparam("lease_until", type_=UTCDateTime()), _SECONDS)
 _SESSION = _s.c.session_id == bindparam("sid")
@@ -57,12 +59,15 @@ LEASE_HELD = _MINE & (_s.c.lease_expires_at > _NOW)
 """The session row while this holder's lease is unexpired (parameters: :func:`lease_params`)."""
 
 _FREE = or_(_s.c.lease_owner.is_(None), _s.c.lease_expires_at <= _NOW)
-_TAKE = (
-    update(_s)
-    .where(_SESSION, _FREE)
-    .values(lease_owner=bindparam("holder_token"), lease_fence=_s.c.lease_fence + 1,
-            lease_expires_at=_UNTIL)
-)
+TAKE_VALUES: dict[str, Any] = {
+    "lease_owner": bindparam("holder_token"),
+    "lease_fence": _s.c.lease_fence + 1,
+    "lease_expires_at": _UNTIL,
+}
+"""What taking the lease sets (``holder_token``, ``lease_until``, ``turn_lease_seconds``)."""
+LEASE_FREE = _FREE
+"""The session row's lease is free or expired (parameter ``lease_now``)."""
+_TAKE = update(_s).where(_SESSION, _FREE).values(TAKE_VALUES)
 _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
     _SESSION, _s.c.lease_owner == bindparam("holder_token")
 )
@@ -128,7 +133,7 @@ class SessionLeases:
             SessionDeletedError: The session does not exist.
 
         """
-        params = self._params(session_id, secrets.token_hex(16))
+        params = {"sid": session_id, **self.take_params()}
         if self._returning:
             with self._runtime.transaction(single=True) as conn:
                 row = conn.execute(
@@ -160,10 +165,11 @@ class SessionLeases:
         with self._runtime.transaction(single=True) as conn:
             return conn.execute(_EXISTS, {"sid": session_id}).first() is not None
 
-    def _params(self, session_id: str, owner: str) -> dict[str, Any]:
-        return {"sid": session_id, "holder_token": owner, "lease_now": utcnow(), **self._until()}
+    def take_params(self) -> dict[str, Any]:
+        """Parameters of a take by a new holder (a fresh token), but the session's."""
+        return {"holder_token": secrets.token_hex(16), "lease_now": utcnow(), **self._until()}
 
     def _until(self) -> dict[str, Any]:
         """The expiry's parameters (the worker's value only where no database clock renders)."""
         until = utcnow() + timedelta(seconds=self.lease_seconds)
-        return {"lease_until": until, "lease_seconds": self.lease_seconds}
+        return {"lease_until": until, "turn_lease_seconds": self.lease_seconds}

@@ -34,6 +34,7 @@ from sqlalchemy import (
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
+from chatflow_sqlalchemy.lease import Lease
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
 
@@ -151,6 +152,8 @@ class SQLClaims:
             "lease_seconds": claim.lease_seconds,
             "ttl_seconds": self._store._dedup_ttl.total_seconds(),
         }
+        # The session's turn lease, for a backend that takes it with the claim.
+        params.update(self._store.turns.leases.take_params())
         with telemetry.operation("claim", self._store.runtime.system) as op:
             self._acquire_in_one_call(claim, params, now)
             op.set("chatflow.claim.status", claim.status)
@@ -178,6 +181,12 @@ class SQLClaims:
             claim._set_acquired(ticket, got.partition_day)
             claim._version_read = got.session_checked and claim.session_id is not None
             claim._session_version = got.session_version
+            if got.lease_fence is not None and claim.session_id is not None:
+                assert got.session_version is not None
+                claim._hold_session_lease(Lease(
+                    claim.session_id, params["holder_token"], got.lease_fence,
+                    got.session_version,
+                ))
         else:
             claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
 
@@ -188,6 +197,7 @@ class SQLClaims:
         with the claim (the turn's last model message, the usual
         ``claim.response``).
         """
+        self._give_back_session_lease(claim)
         fence = claim._fence
         if fence is not None and fence.committed and fence.reply == claim.response:
             return True
@@ -211,8 +221,15 @@ class SQLClaims:
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""
+        self._give_back_session_lease(claim)
         params = {"claim_id": claim.message_id, "claim_token": claim.token, "now": utcnow()}
         self._execute(_RELEASE, params)
+
+    def _give_back_session_lease(self, claim: WebhookClaim) -> None:
+        """A block that ran no turn on its session gives back the lease its acquire took."""
+        lease, _ = claim._hand_over_session_lease(0.0)
+        if lease is not None:
+            self._store.turns.leases.release(lease)
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""

@@ -44,6 +44,8 @@ class _Store(Protocol):
         self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
     ) -> None: ...
 
+    def _claimed_lease(self, session_id: str, fresh_for: float) -> tuple[Lease | None, bool]: ...
+
 
 class _Held:
     """A lease held by a running turn, and the task that renews it."""
@@ -82,7 +84,7 @@ class Turns:
             SessionDeletedError: The session is gone (no lease is kept).
 
         """
-        lease = await self._take(ctx.session_id)
+        lease = await self._lease_of_claim(ctx.session_id) or await self._take(ctx.session_id)
         held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
         self._held[ctx.session_id] = held
         try:
@@ -117,6 +119,19 @@ class Turns:
                 await held.stop_renewing()
             finally:
                 await self._give_back(held.lease)
+
+    async def _lease_of_claim(self, session_id: str) -> Lease | None:
+        """The lease this turn's webhook claim took with its acquire, if still fresh.
+
+        A stale one (the block ran for a third of a lease before its turn)
+        is given back: the turn takes the lease anew rather than write on
+        one that may have lapsed.
+        """
+        lease, fresh = self._store._claimed_lease(session_id, self.leases.lease_seconds / 3)
+        if lease is not None and not fresh:
+            await self._give_back(lease)
+            return None
+        return lease
 
     async def _take(self, session_id: str) -> Lease:
         """Poll the lease until taken (bounded backoff; turns of this process queue first)."""

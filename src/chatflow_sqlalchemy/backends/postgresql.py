@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import URL, Connection, CursorResult, Engine, Select, bindparam, text
+from sqlalchemy import URL, Connection, CursorResult, Engine, Executable, Select, bindparam, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
@@ -30,7 +30,6 @@ from chatflow_sqlalchemy.dialect import (
     AcquiredClaim,
     DialectSupport,
     SessionWrite,
-    on_conflict_acquire,
     ping_when_idle,
 )
 from chatflow_sqlalchemy.exceptions import (
@@ -267,18 +266,17 @@ class PostgresDialectSupport(DialectSupport):
             where=table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()),
         ).returning(table.c.message_id)
 
-    def acquire_claim(self, table: Table) -> Insert:
-        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` in autocommit.
+    def acquire_claim(self, table: Table) -> Executable:
+        """``ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` and the session's lease, at once.
 
         The ticket is drawn under the session's lock; ``RETURNING`` gives it,
         whether a claim with a smaller one is in flight, the session's
-        version (:mod:`.postgresql_claims`) and the row's day partition.
+        version (:mod:`.postgresql_claims`) and the row's day partition. A
+        ``WITH`` clause then takes the session's turn lease when the claim
+        was acquired with no earlier claim of its session in flight, so the
+        block's turn needs no statement of its own before the model runs.
         """
-        day = pg_claims.claim_day(bindparam("now", type_=UTCDateTime()))
-        acquire = on_conflict_acquire(pg_insert, table, self.claim_ticket(table), day)
-        return acquire.returning(
-            pg_claims.claim_waits(table), pg_claims.session_version(table), table.c.partition_day
-        )
+        return pg_claims.acquire_with_lease(table, self.claim_ticket(table))
 
     def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
         """The ticket, the look for earlier claims, the session's version and the day, off one row.
@@ -290,8 +288,8 @@ class PostgresDialectSupport(DialectSupport):
         row = result.first()
         if row is None:
             return AcquiredClaim(False)
-        ticket, earlier, version, day = tuple(row)
-        return AcquiredClaim(True, ticket, bool(earlier), True, version, day)
+        ticket, earlier, version, day, fence = tuple(row)
+        return AcquiredClaim(True, ticket, bool(earlier), True, version, day, fence)
 
     def claim_ticket(self, table: Table) -> Any:
         """``chatflow_claim_ticket(session_id)``: ``nextval`` under the session's lock."""

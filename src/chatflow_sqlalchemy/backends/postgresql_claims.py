@@ -52,17 +52,25 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Date,
+    Select,
     Table,
     bindparam,
     cast,
+    exists,
     func,
     literal_column,
+    select,
     text,
+    update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from chatflow_sqlalchemy import rows
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON
+from chatflow_sqlalchemy.dialect import on_conflict_acquire
+from chatflow_sqlalchemy.lease import LEASE_FREE, TAKE_VALUES
+from chatflow_sqlalchemy.models import UTCDateTime
 
 __all__ = [
     "CLAIM_LOCK_CLASS",
@@ -73,6 +81,7 @@ __all__ = [
     "PARENT",
     "PURGE_LOCK_CLASS",
     "PURGE_LOCK_KEYS",
+    "acquire_with_lease",
     "claim_day",
     "claim_ticket",
     "claim_waits",
@@ -169,6 +178,48 @@ def session_version(table: Table) -> Any:
         f"WHERE {sessions}.session_id = {table.name}.session_id)"
     )
     return literal_column(version, BigInteger()).label("session_version")
+
+
+def acquire_with_lease(table: Table, ticket: Any) -> Select[Any]:
+    """The claim's acquire, then the session's turn lease in the same statement.
+
+    Returns one row when the claim was acquired: ``(ticket, earlier,
+    session_version, partition_day, lease_fence)``. The lease is taken (as
+    :mod:`chatflow_sqlalchemy.lease` takes it) only when no earlier claim of
+    the session is in flight and the lease is free or expired; otherwise
+    ``lease_fence`` is NULL. The version is the one the lease's ``UPDATE``
+    saw (the newest committed, after any writer it waited for).
+    """
+    day = claim_day(bindparam("now", type_=UTCDateTime()))
+    acquired = (
+        on_conflict_acquire(pg_insert, table, ticket, day)
+        .returning(claim_waits(table), session_version(table), table.c.partition_day)
+        .cte("acquired")
+    )
+    sessions = rows.sessions
+    leased = (
+        update(sessions)
+        .where(
+            sessions.c.session_id == bindparam("session_id"),
+            LEASE_FREE,
+            exists(select(acquired.c.ticket).where(~acquired.c.earlier)),
+        )
+        # session_id set to itself: else SQLAlchemy would SET it from the
+        # statement's "session_id" parameter (a DML in a WITH takes its SET
+        # columns from the execution's parameter names too).
+        .values({**TAKE_VALUES, "session_id": sessions.c.session_id})
+        .returning(sessions.c.version, sessions.c.lease_fence)
+        .cte("leased")
+    )
+    return select(
+        acquired.c.ticket,
+        acquired.c.earlier,
+        func.coalesce(
+            select(leased.c.version).scalar_subquery(), acquired.c.session_version
+        ),
+        acquired.c.partition_day,
+        select(leased.c.lease_fence).scalar_subquery(),
+    )
 
 
 def create_day_partitions(connection: Connection, first: date, last: date) -> list[str]:
