@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.stores import FLOORS, adapter_class
+from benchmarks.stores import adapter_class, floor_of
 from benchmarks.suites import Config, Row
 
 __all__ = ["Results", "render", "targets"]
@@ -31,7 +31,7 @@ def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
 
 
 def _floor_of(row: Row, rows: Sequence[Row]) -> Row | None:
-    floor = FLOORS.get(adapter_class(row.store).backend)
+    floor = floor_of(row.store)
     return next((r for r in rows if r.store == floor and r.mode == row.mode
                  and r.workers == row.workers and r.sessions == row.sessions
                  and r.turns == row.turns), None)
@@ -59,7 +59,8 @@ def _ratio_cell(row: Row, rows: Sequence[Row]) -> str:
     if adapter_class(row.store).floor:
         return "1.00 (floor)"
     value = ratio(row, rows)
-    return "-" if value is None else f"{value:.2f}x"
+    against = adapter_class(row.store).compared_with
+    return "-" if value is None else f"{value:.2f}x" + (f" (`{against}`)" if against else "")
 
 
 def _perf_cells(row: Row, rows: Sequence[Row]) -> list[str]:
@@ -180,6 +181,8 @@ def targets(res: Results, cfg: Config) -> list[tuple[str, str, str]]:
     out = [("ours-sqlite >= 0.6x raw SQLite floor, one process",
             *_floor_target(res, "ours-sqlite", 0.6)),
            ("ours-pg >= 0.6x raw psycopg floor, one process", *_floor_target(res, "ours-pg", 0.6)),
+           ("ours-pg-claim >= 0.5x raw-pg-claim (same guarantees), one process",
+            *_floor_target(res, "ours-pg-claim", 0.5)),
            ("ours-memory >= 3x upstream in-memory SessionStore", *_memory_target(res))]
     out += _multi_target(res, cfg)
     for store, short, long in growth_pairs(res.growth):

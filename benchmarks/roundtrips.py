@@ -21,12 +21,16 @@ Three handlers: ``bare`` (``runner.run_async``), ``record`` (the 0.3.4
 store.claim(...)``, the turn, ``claim.response = ...``: durable claim before
 the model call, the reply stored with the claim).
 
+The ``raw-pg-claim`` floor (a claimed turn's guarantees in two autocommit
+statements, ``benchmarks/stores/floors.py``) is counted the same way.
+
 **Latency.** The same cluster behind the proxy in delay mode (0.5 ms each way,
 so ~1 ms per round trip): the webhook-turn workload of ``python -m
 benchmarks`` (claim, 4 messages) on ``ours-pg`` (``record_processed_message``),
 ``ours-pg-claim`` (the same turn in ``async with store.claim(...)``, its reply
-stored), the ``raw-pg`` floor and openai-agents' ``oai-sqla-pg``, interleaved in
-one run; turns/s and ratios.
+stored), the ``raw-pg`` floor, the guarantee-equivalent ``raw-pg-claim`` floor
+and openai-agents' ``oai-sqla-pg``, interleaved in one run; turns/s, client
+CPU per turn (``time.process_time``) and ratios.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import asyncio
 import time
 from typing import Any
 
-__all__ = ["claiming_adapter", "count_turns", "latency_run", "main"]
+__all__ = ["LATENCY_STORES", "claiming_adapter", "count_floor", "count_turns", "latency_run",
+           "main"]
 
 DELAY_MS = 0.5
 
@@ -113,63 +118,100 @@ def count_turns(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, dict[
 
 def claiming_adapter() -> type[Any]:
     """``ours-pg`` with each turn in ``async with store.claim(...)``, its reply stored."""
-    from benchmarks.stores.chatflow import OursPostgres
+    from benchmarks.stores import adapter_class
 
-    class OursPostgresClaim(OursPostgres):
-        name = "ours-pg-claim"
-
-        async def turn(self, ref: Any, payload: list[Any]) -> bool:
-            store = self.store
-            async with store.claim(ref.webhook_id, session_id=ref.session_id) as claim:
-                if not claim.acquired:
-                    return False
-                session = store.get_or_create(session_id=ref.session_id, default_agent=self.agent)
-                async with session.lock:
-                    for message in payload:
-                        session.add_message(message)
-                claim.response = payload[-1].content
-            return True
-
-    return OursPostgresClaim
+    return adapter_class("ours-pg-claim")
 
 
-def latency_run(proxy: Any, direct_url: str, turns: int = 300, rounds: int = 3) -> dict[str, float]:
-    """Median turns/s of ours-pg, raw-pg and oai-sqla-pg behind a ~1 ms-RTT proxy."""
+def _refs(prefix: str, turns: int) -> list[Any]:
+    from benchmarks.workload import TurnRef
+
+    return [TurnRef(f"s{k % 10}", k // 10, f"{prefix}-{k}") for k in range(turns)]
+
+
+def count_floor(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, float]:
+    """Per-turn counts of the ``raw-pg-claim`` floor, as :func:`count_turns` counts."""
     from benchmarks.pg import create_schema
     from benchmarks.stores import Target, adapter_class
-    from benchmarks.workload import TurnRef
+
+    cls = adapter_class("raw-pg-claim")
+    target = Target(pg_url=proxy.url(direct_url), schema=create_schema(direct_url, "count"))
+    cls.prepare(target)
+    adapter = cls(target)
+    refs = _refs("count", turns + 20)
+
+    async def run_all() -> dict[str, int]:
+        await adapter.open()
+        try:
+            for ref in refs[:20]:  # warm-up: sessions created, statements prepared
+                await adapter.turn(ref, adapter.payload(ref))
+            before = _txid(direct_url)
+            proxy.reset_counts()
+            for ref in refs[20:]:
+                await adapter.turn(ref, adapter.payload(ref))
+            counts = proxy.reset_counts()
+            counts["xids"] = _txid(direct_url) - before - 1
+            return counts
+        finally:
+            await adapter.close()
+
+    counts = asyncio.run(run_all())
+    return {"round trips": counts["round_trips"] / turns, "syncs": counts["syncs"] / turns,
+            "commits": counts["xids"] / turns}
+
+
+LATENCY_STORES = ("raw-pg", "raw-pg-claim", "ours-pg", "ours-pg-claim", "oai-sqla-pg")
+
+
+async def _timed(adapter: Any, refs: list[Any], payloads: list[Any]) -> tuple[float, float]:
+    """(turns/s, client CPU ms per turn) of ``adapter`` over ``refs`` after one warm-up turn."""
+    await adapter.open()
+    try:
+        await adapter.turn(refs[0], payloads[0])
+        start, cpu = time.perf_counter(), time.process_time()
+        for ref, payload in zip(refs[1:], payloads[1:], strict=True):
+            await adapter.turn(ref, payload)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return (len(refs) - 1) / wall, cpu * 1000 / (len(refs) - 1)
+    finally:
+        await adapter.close()
+
+
+def latency_run(proxy: Any, direct_url: str, turns: int = 300,
+                rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """Median (turns/s, client CPU ms per turn) of each store behind a ~1 ms-RTT proxy."""
+    from benchmarks.pg import create_schema
+    from benchmarks.runner import median
+    from benchmarks.stores import Target, adapter_class
     from tests.faultproxy import Mode
 
     url = proxy.url(direct_url)
-    rates: dict[str, list[float]] = {}
+    rates: dict[str, list[tuple[float, float]]] = {}
     proxy.set_mode(Mode.DELAY, delay_ms=DELAY_MS)
     try:
         for round_ in range(rounds):
-            for name in ("raw-pg", "ours-pg", "ours-pg-claim", "oai-sqla-pg"):
-                cls = claiming_adapter() if name == "ours-pg-claim" else adapter_class(name)
+            for name in LATENCY_STORES:
+                cls = adapter_class(name)
                 target = Target(pg_url=url, schema=create_schema(direct_url, name))
                 cls.prepare(target)
                 adapter = cls(target)
-                refs = [TurnRef(f"s{k % 10}", k // 10, f"r{round_}-{name}-{k}")
-                        for k in range(turns)]
+                refs = _refs(f"r{round_}-{name}", turns)
                 payloads = [adapter.payload(ref) for ref in refs]
-
-                async def timed(adapter: Any = adapter, refs: list[TurnRef] = refs,
-                                payloads: list[Any] = payloads) -> float:
-                    await adapter.open()
-                    try:
-                        await adapter.turn(refs[0], payloads[0])  # warm-up
-                        start = time.perf_counter()
-                        for ref, payload in zip(refs[1:], payloads[1:], strict=True):
-                            await adapter.turn(ref, payload)
-                        return (len(refs) - 1) / (time.perf_counter() - start)
-                    finally:
-                        await adapter.close()
-
-                rates.setdefault(name, []).append(asyncio.run(timed()))
+                rates.setdefault(name, []).append(asyncio.run(_timed(adapter, refs, payloads)))
     finally:
         proxy.set_mode(Mode.PASS)
-    return {name: sorted(values)[len(values) // 2] for name, values in rates.items()}
+    return {name: (median([r for r, _ in values]), median([c for _, c in values]))
+            for name, values in rates.items()}
+
+
+def _print_latency(rates: dict[str, tuple[float, float]]) -> None:
+    columns = ("raw-pg", "raw-pg-claim", "oai-sqla-pg")
+    print(f"\n| store ({DELAY_MS} ms each way) | turns/s | client CPU ms/turn | "
+          + " | ".join(f"x {c}" for c in columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
+    for name, (rate, cpu) in rates.items():
+        ratios = " | ".join(f"{rate / rates[c][0]:.2f}" for c in columns)
+        print(f"| {name} | {rate:.0f} | {cpu:.2f} | {ratios} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,17 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             counted = count_turns(proxy, cluster.url, args.turns)
             print("| handler | round trips / turn | Sync+Query / turn | commits / turn |")
             print("|---|---|---|---|")
+            counted["raw-pg-claim floor"] = count_floor(proxy, cluster.url, args.turns)
             for kind, row in counted.items():
                 print(f"| {kind} | {row['round trips']:.2f} | {row['syncs']:.2f} "
                       f"| {row['commits']:.2f} |")
             if not args.no_latency:
-                rates = latency_run(proxy, cluster.url, args.latency_turns, args.rounds)
-                floor = rates["raw-pg"]
-                print(f"\n| store ({DELAY_MS} ms each way) | turns/s | x raw-pg | x oai-sqla-pg |")
-                print("|---|---|---|---|")
-                for name, rate in rates.items():
-                    print(f"| {name} | {rate:.0f} | {rate / floor:.2f} "
-                          f"| {rate / rates['oai-sqla-pg']:.2f} |")
+                _print_latency(latency_run(proxy, cluster.url, args.latency_turns, args.rounds))
     finally:
         cluster.destroy()
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.runner import CaseResult, Env, median, run_case, run_workers, scratch_target
-from benchmarks.stores import ADAPTERS, FLOORS, adapter_class
+from benchmarks.stores import ADAPTERS, adapter_class, floor_of
 
 __all__ = ["Config", "Row", "run_growth", "run_loop_lag", "run_multi", "run_rss", "run_single"]
 
@@ -85,9 +85,11 @@ def _wanted(cfg: Config, store: str) -> bool:
 
 
 def _with_floors(cfg: Config, stores: Sequence[str]) -> list[str]:
-    """``stores`` plus the floor of each one's backend, floors first within a backend."""
-    chosen = [s for s in ADAPTERS if s in stores or s in {FLOORS[adapter_class(x).backend]
-                                                           for x in stores}]
+    """``stores`` plus their floors (and the floors' own), floors first within a backend."""
+    wanted = set(stores)
+    while not {floor_of(s) for s in wanted} <= wanted:
+        wanted |= {floor_of(s) for s in wanted}
+    chosen = [s for s in ADAPTERS if s in wanted]
     return [s for s in chosen if cfg.postgres or adapter_class(s).backend != "postgres"]
 
 
@@ -110,7 +112,7 @@ def _single_jobs(cfg: Config) -> list[tuple[str, int]]:
     jobs: list[tuple[str, int]] = []
     for store in _with_floors(cfg, [s for s in cfg.stores if _wanted(cfg, s)]):
         size = cfg.slow_sessions.get(store, cfg.sessions)
-        for job in ((FLOORS[adapter_class(store).backend], size), (store, size)):
+        for job in ((floor_of(store), size), (store, size)):
             if job not in jobs:
                 jobs.append(job)
     return jobs

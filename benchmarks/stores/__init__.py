@@ -6,6 +6,7 @@ from benchmarks.stores.base import Adapter, Target
 from benchmarks.stores.chatflow import (
     OursMemory,
     OursPostgres,
+    OursPostgresClaim,
     OursSQLite,
     OursSQLiteMemory,
     UpstreamMemory,
@@ -14,6 +15,7 @@ from benchmarks.stores.chatflow import (
 from benchmarks.stores.floors import (
     RawMemory,
     RawPostgres,
+    RawPostgresClaim,
     RawSQLite,
     RawSQLiteHop,
     RawSQLiteMemory,
@@ -25,7 +27,7 @@ from benchmarks.stores.openai import (
     OpenAISQLite,
 )
 
-__all__ = ["ADAPTERS", "FLOORS", "Adapter", "Target", "adapter_class"]
+__all__ = ["ADAPTERS", "FLOORS", "Adapter", "Target", "adapter_class", "floor_of"]
 
 ADAPTERS: dict[str, type[Adapter]] = {
     cls.name: cls
@@ -43,7 +45,9 @@ ADAPTERS: dict[str, type[Adapter]] = {
         OursMemory,
         UpstreamMemory,
         RawPostgres,
+        RawPostgresClaim,
         OursPostgres,
+        OursPostgresClaim,
         OpenAISQLAlchemyPostgres,
     )
 }
@@ -59,3 +63,9 @@ def adapter_class(name: str) -> type[Adapter]:
         return ADAPTERS[name]
     except KeyError:
         raise ValueError(f"unknown store {name!r}; known: {', '.join(ADAPTERS)}") from None
+
+
+def floor_of(name: str) -> str:
+    """The floor a store's ratio is taken against: its own choice, else its backend's."""
+    cls = adapter_class(name)
+    return cls.compared_with or FLOORS[cls.backend]

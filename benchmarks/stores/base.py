@@ -36,6 +36,8 @@ class Adapter(abc.ABC):
     Subclasses set ``backend`` (which raw floor they are compared with),
     ``ephemeral`` (the data dies with the process: verified in the worker, not
     from a fresh instance) and ``multiprocess`` (can be shared by processes).
+    ``compared_with`` names another floor when the backend's does not give the
+    store's guarantees (a claimed turn against the guarantee-equivalent floor).
     """
 
     name: ClassVar[str]
@@ -43,6 +45,7 @@ class Adapter(abc.ABC):
     ephemeral: ClassVar[bool] = False
     multiprocess: ClassVar[bool] = False
     floor: ClassVar[bool] = False
+    compared_with: ClassVar[str] = ""
     note: ClassVar[str] = ""
 
     def __init__(self, target: Target) -> None:

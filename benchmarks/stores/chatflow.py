@@ -22,6 +22,7 @@ __all__ = [
     "ChatflowAdapter",
     "OursMemory",
     "OursPostgres",
+    "OursPostgresClaim",
     "OursSQLite",
     "OursSQLiteMemory",
     "UpstreamMemory",
@@ -128,7 +129,7 @@ class OursMemory(ChatflowAdapter):
 
 
 class OursPostgres(ChatflowAdapter):
-    """``chatflow_sqlalchemy.PostgresSessionStore`` (psycopg 3; advisory turn locks)."""
+    """``chatflow_sqlalchemy.PostgresSessionStore`` (psycopg 3)."""
 
     name = "ours-pg"
     backend = "postgres"
@@ -150,6 +151,29 @@ class OursPostgres(ChatflowAdapter):
 
     def make_store(self) -> Any:
         return self._open(self.target)
+
+
+class OursPostgresClaim(OursPostgres):
+    """``ours-pg`` with each turn in ``async with store.claim(...)``, its reply stored.
+
+    Measured against ``raw-pg-claim``, the raw floor that gives the same
+    guarantees (durable fenced claim, the session's lease, fenced write).
+    """
+
+    name = "ours-pg-claim"
+    compared_with = "raw-pg-claim"
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        store = self.store
+        async with store.claim(ref.webhook_id, session_id=ref.session_id) as claim:
+            if not claim.acquired:
+                return False
+            session = store.get_or_create(session_id=ref.session_id, default_agent=self.agent)
+            async with session.lock:
+                for message in payload:
+                    session.add_message(message)
+            claim.response = payload[-1].content
+        return True
 
 
 class UpstreamSQLite(ChatflowAdapter):

@@ -9,6 +9,12 @@ window the Runner reads is kept in memory, as a store's context would.
 
 ``raw-sqlite-hop`` is not a floor: the SQLite floor plus the one thread hop
 per turn that the 0.4.0rc1 contract imposes on on-disk stores.
+
+``raw-pg-claim`` is the guarantee-equivalent floor of a claimed turn: what
+``async with store.claim(...)`` promises (a durable claim with a lease and a
+fencing token, claims of a session in ticket order, the session's lease, a
+fenced compare-and-swap write that stores the reply), in two autocommit
+statements per turn.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from chatflow_agent import Message
+from chatflow_agent import Message, Role
 
 from benchmarks import MAX_TURNS
 from benchmarks.pg import libpq_url, schema_connect_args
@@ -32,6 +40,7 @@ from chatflow_sqlalchemy.iopool import IOPool
 __all__ = [
     "RawMemory",
     "RawPostgres",
+    "RawPostgresClaim",
     "RawSQLite",
     "RawSQLiteHop",
     "RawSQLiteMemory",
@@ -446,6 +455,261 @@ class RawPostgres(_TransactionPerTurn):
             windows[sid] = [message_tag(Message.model_validate_json(row[0])) for row in rows]
         self.conn.rollback()
         return windows
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+LEASE = timedelta(seconds=30)
+"""The claim's and the session's lease (the store's default ``turn_lease_seconds``)."""
+RETAKE_BACKOFF = (0.001, 0.05)
+"""First and longest pause between two tries of a waiting claim for the session's lease."""
+
+CLAIM_DDL = (
+    "CREATE SEQUENCE IF NOT EXISTS lease_tickets",
+    """CREATE TABLE IF NOT EXISTS lease_sessions (
+        session_id VARCHAR(255) PRIMARY KEY, active_agent_name VARCHAR(255) NOT NULL,
+        metadata_json JSONB NOT NULL DEFAULT '{}', version BIGINT NOT NULL DEFAULT 0,
+        lease_owner VARCHAR(64), lease_fence BIGINT NOT NULL DEFAULT 0,
+        lease_expires_at TIMESTAMPTZ, created_at TIMESTAMPTZ, updated_at TIMESTAMPTZ)""",
+    """CREATE TABLE IF NOT EXISTS lease_messages (
+        session_id VARCHAR(255) NOT NULL
+            REFERENCES lease_sessions(session_id) ON DELETE CASCADE,
+        seq BIGINT NOT NULL, role VARCHAR(16) NOT NULL, content TEXT,
+        message_json TEXT NOT NULL, created_at TIMESTAMPTZ, PRIMARY KEY (session_id, seq))""",
+    """CREATE TABLE IF NOT EXISTS lease_claims (
+        message_id VARCHAR(255) PRIMARY KEY, session_id VARCHAR(255) NOT NULL,
+        ticket BIGINT NOT NULL, state VARCHAR(16) NOT NULL, owner VARCHAR(64),
+        fence BIGINT NOT NULL, lease_expires_at TIMESTAMPTZ,
+        processed_at TIMESTAMPTZ NOT NULL, response TEXT)""",
+    "CREATE INDEX IF NOT EXISTS ix_lease_claims_in_flight "
+    "ON lease_claims (session_id, ticket) WHERE state = 'in_flight'",
+)
+
+_ACQUIRE_CLAIM = """
+    INSERT INTO lease_claims AS c (message_id, session_id, ticket, state, owner, fence,
+                                   lease_expires_at, processed_at)
+    VALUES (%(mid)s, %(sid)s, nextval('lease_tickets'), 'in_flight', %(owner)s, 1,
+            now() + %(lease)s, now())
+    ON CONFLICT (message_id) DO UPDATE SET
+        ticket = CASE WHEN c.state = 'in_flight' THEN c.ticket ELSE excluded.ticket END,
+        state = 'in_flight', owner = excluded.owner, fence = c.fence + 1,
+        lease_expires_at = excluded.lease_expires_at, processed_at = excluded.processed_at,
+        response = NULL
+    WHERE (c.state = 'in_flight' AND c.lease_expires_at < now())
+       OR c.processed_at < now() - %(ttl)s
+    RETURNING c.ticket, c.fence"""
+"""Take the claim: a fresh id, an expired in-flight claim (fence + 1), or an id past the TTL."""
+
+_RENEW_CLAIM = """
+    UPDATE lease_claims SET lease_expires_at = now() + %(lease)s
+    WHERE message_id = %(mid)s AND fence = %(fence)s AND state = 'in_flight'
+    RETURNING ticket, fence"""
+"""A waiting claim's next try: still ours (fence), its lease renewed."""
+
+_LEASE_AND_CATCH_UP = """
+), earlier AS (
+    SELECT EXISTS (
+        SELECT 1 FROM lease_claims e, claim a
+        WHERE e.session_id = %(sid)s AND e.state = 'in_flight' AND e.ticket < a.ticket
+          AND e.lease_expires_at >= now()) AS waits
+), leased AS (
+    INSERT INTO lease_sessions AS s (session_id, active_agent_name, lease_owner, lease_fence,
+                                     lease_expires_at, created_at, updated_at)
+    SELECT %(sid)s, %(agent)s, %(owner)s, 1, now() + %(lease)s, now(), now()
+    FROM claim WHERE NOT (SELECT waits FROM earlier)
+    ON CONFLICT (session_id) DO UPDATE SET
+        lease_owner = excluded.lease_owner, lease_fence = s.lease_fence + 1,
+        lease_expires_at = excluded.lease_expires_at
+    WHERE s.lease_owner IS NULL OR s.lease_expires_at < now()
+    RETURNING s.version, s.lease_fence
+), seen AS (
+    SELECT coalesce((SELECT version FROM lease_sessions WHERE session_id = %(sid)s), 0)
+        AS version
+)
+SELECT a.fence, l.lease_fence, l.version, (SELECT version FROM seen),
+       ARRAY(SELECT m.seq FROM lease_messages m WHERE m.session_id = %(sid)s
+             AND (SELECT version FROM seen) IS DISTINCT FROM %(known)s ORDER BY m.seq),
+       ARRAY(SELECT m.message_json FROM lease_messages m WHERE m.session_id = %(sid)s
+             AND (SELECT version FROM seen) IS DISTINCT FROM %(known)s ORDER BY m.seq)
+FROM claim a LEFT JOIN leased l ON true"""
+"""After the claim: wait for an earlier live claim of the session, else take the session's
+lease (creating the session), and read its history when the session moved since ``known``.
+
+The history is read in the statement's snapshot; the lease's version is the newest
+committed (the upsert waits for a writer): when they differ the caller reads again."""
+
+CLAIM_SQL = {
+    "acquire": f"WITH claim AS ({_ACQUIRE_CLAIM}{_LEASE_AND_CATCH_UP}",
+    "retake": f"WITH claim AS ({_RENEW_CLAIM}{_LEASE_AND_CATCH_UP}",
+    "history": "SELECT seq, message_json FROM lease_messages WHERE session_id = %(sid)s "
+               "ORDER BY seq",
+    "write": """
+WITH claim AS (
+    SELECT 1 FROM lease_claims
+    WHERE message_id = %(mid)s AND fence = %(fence)s AND state = 'in_flight' FOR UPDATE
+), written AS (
+    UPDATE lease_sessions SET version = version + 1, updated_at = now(),
+        lease_owner = NULL, lease_expires_at = NULL
+    WHERE session_id = %(sid)s AND version = %(version)s AND lease_fence = %(lease_fence)s
+      AND lease_owner = %(owner)s AND EXISTS (SELECT 1 FROM claim)
+    RETURNING version
+), done AS (
+    UPDATE lease_claims SET state = 'done', response = %(reply)s, processed_at = now(),
+        lease_expires_at = NULL
+    WHERE message_id = %(mid)s AND EXISTS (SELECT 1 FROM written)
+), pruned AS (
+    DELETE FROM lease_messages
+    WHERE session_id = %(sid)s AND seq < %(keep)s AND EXISTS (SELECT 1 FROM written)
+), appended AS (
+    INSERT INTO lease_messages (session_id, seq, role, content, message_json, created_at)
+    SELECT %(sid)s, t.seq, t.role, t.content, t.message_json, now()
+    FROM unnest(%(seqs)s::bigint[], %(roles)s::text[], %(contents)s::text[],
+                %(jsons)s::text[]) AS t(seq, role, content, message_json)
+    WHERE EXISTS (SELECT 1 FROM written)
+)
+SELECT version FROM written""",
+    "read": "SELECT message_json FROM lease_messages WHERE session_id = %s ORDER BY seq",
+}
+"""The floor's SQL: ``acquire`` and ``write`` per turn; ``retake`` only while a claim
+waits for the session, ``history`` only when a writer committed in between."""
+
+
+@dataclass
+class _Session:
+    """What the floor knows of one session: its version and window (first seq, messages)."""
+
+    version: int | None = None
+    next_seq: int = 1
+    turns: deque[tuple[int, list[Message]]] = field(
+        default_factory=lambda: deque(maxlen=MAX_TURNS)
+    )
+
+    def load(self, version: int, seqs: Sequence[int], jsons: Sequence[str]) -> None:
+        """Replace the window by the stored one (a turn starts at each user message)."""
+        self.version, self.turns = version, deque(maxlen=MAX_TURNS)
+        for seq, raw in zip(seqs, jsons, strict=True):
+            message = Message.model_validate_json(raw)
+            if message.role == Role.USER or not self.turns:
+                self.turns.append((seq, []))
+            self.turns[-1][1].append(message)
+        self.next_seq = seqs[-1] + 1 if seqs else self.next_seq
+
+
+class LeaseLostError(RuntimeError):
+    """The claim or the session's lease was taken over: the turn wrote nothing."""
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A turn's claim fence, session lease fence and the session version it expects."""
+
+    fence: int
+    lease_fence: int
+    version: int
+
+
+class RawPostgresClaim(Adapter):
+    """``psycopg`` 3 in autocommit: a claimed turn with the store's guarantees, 2 statements.
+
+    (1) ``acquire``: the claim with its lease and fencing token (taking over an
+    expired one), the check for an earlier live claim of the session by
+    ticket, the session's lease and the catch-up read of its history when it
+    moved; (2) ``write``: the claim's fence and the session's version checked,
+    the turn appended, the window pruned, the claim done with its reply and
+    the lease released. Lease times are the database's clock. A claim that
+    finds the session busy retries (``retake``) with backoff. No lease is
+    renewed during a turn: the workload's turns are far shorter than a lease.
+    """
+
+    name = "raw-pg-claim"
+    backend = "postgres"
+    multiprocess = True
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.conn: Any = None
+        self.owner = uuid.uuid4().hex
+        self.sessions: defaultdict[str, _Session] = defaultdict(_Session)
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    @staticmethod
+    def _connect(target: Target) -> Any:
+        import psycopg
+
+        return psycopg.connect(libpq_url(target.pg_url or ""), autocommit=True,
+                               **schema_connect_args(target.schema or "public"))
+
+    @classmethod
+    def prepare(cls, target: Target) -> None:
+        with cls._connect(target) as conn:
+            for statement in CLAIM_DDL:
+                conn.execute(statement)
+
+    async def open(self) -> None:
+        self.conn = self._connect(self.target)
+
+    def payload(self, ref: TurnRef) -> list[Message]:
+        return build_messages(ref.session_id, ref.turn)
+
+    async def turn(self, ref: TurnRef, payload: list[Message]) -> bool:
+        async with self.locks[ref.session_id]:
+            held = await self._acquire(ref)
+            if held is None:
+                return False
+            self._write(ref, payload, held)
+        return True
+
+    def _params(self, ref: TurnRef, **more: Any) -> dict[str, Any]:
+        return {"mid": ref.webhook_id, "sid": ref.session_id, "owner": self.owner,
+                "lease": LEASE, "agent": "Support",
+                "known": self.sessions[ref.session_id].version, **more}
+
+    async def _acquire(self, ref: TurnRef) -> _Held | None:
+        """Statement (1); while the session is busy, ``retake`` with backoff."""
+        row = self.conn.execute(CLAIM_SQL["acquire"], self._params(ref, ttl=TTL)).fetchone()
+        if row is None:
+            return None  # a duplicate: done, or live in flight elsewhere
+        pause = RETAKE_BACKOFF[0]
+        while row[1] is None:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETAKE_BACKOFF[1])
+            row = self.conn.execute(CLAIM_SQL["retake"],
+                                    self._params(ref, fence=row[0])).fetchone()
+            if row is None:
+                raise LeaseLostError(f"{ref.webhook_id}: claim taken over while waiting")
+        fence, lease_fence, version, seen, seqs, jsons = row
+        state = self.sessions[ref.session_id]
+        if version != seen:  # a writer committed after the statement's snapshot
+            stored = self.conn.execute(CLAIM_SQL["history"], {"sid": ref.session_id}).fetchall()
+            seqs, jsons = [r[0] for r in stored], [r[1] for r in stored]
+        if version != state.version:
+            state.load(version, seqs, jsons)
+        return _Held(fence, lease_fence, version)
+
+    def _write(self, ref: TurnRef, payload: list[Message], held: _Held) -> None:
+        """Statement (2): fenced compare-and-swap, append, prune, claim done, lease released."""
+        state = self.sessions[ref.session_id]
+        first = state.next_seq
+        seqs = list(range(first, first + len(payload)))
+        kept = [*state.turns, (first, payload)][-MAX_TURNS:]
+        row = self.conn.execute(CLAIM_SQL["write"], self._params(
+            ref, fence=held.fence, version=held.version, lease_fence=held.lease_fence,
+            reply=payload[-1].content, keep=kept[0][0], seqs=seqs,
+            roles=[m.role.value for m in payload], contents=[m.content for m in payload],
+            jsons=[m.model_dump_json() for m in payload],
+        )).fetchone()
+        if row is None:
+            state.version = None  # read the session again next time
+            raise LeaseLostError(f"{ref.webhook_id}: fence or version moved; nothing written")
+        state.version, state.next_seq = row[0], first + len(payload)
+        state.turns.append((first, payload))
+
+    async def read_windows(self, session_ids: Sequence[str]) -> dict[str, list[Tag]]:
+        return {sid: [message_tag(Message.model_validate_json(r[0]))
+                      for r in self.conn.execute(CLAIM_SQL["read"], (sid,))]
+                for sid in session_ids}
 
     async def close(self) -> None:
         if self.conn is not None:
