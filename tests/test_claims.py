@@ -536,10 +536,10 @@ def test_a_claimed_turn_waits_for_another_stores_turn_and_sees_it(store_opener: 
 
 
 @pytest.mark.postgres
-def test_a_claims_lease_gone_stale_before_its_turn_is_taken_anew(
+def test_a_claims_lease_gone_stale_before_its_turn_is_renewed_first(
     pg_url: str, pg_schema: str
 ) -> None:
-    """A block that runs a third of a lease before its turn: the turn takes a fresh lease."""
+    """A block that runs a third of a lease before its turn: the lease is renewed, kept."""
     from . import pg_util
 
     store = pg_util.schema_store(pg_url, pg_schema, turn_lease_seconds=0.6)
@@ -555,7 +555,100 @@ def test_a_claims_lease_gone_stale_before_its_turn_is_taken_anew(
     with _Statements() as seen:
         asyncio.run(block())
     takes = [sql for sql in seen.sql if "lease_fence=(chatflow_sessions.lease_fence" in sql]
-    assert len(takes) == 2, seen.sql  # with the claim, then anew by the turn
+    renewals = [
+        sql for sql in seen.sql if sql.startswith("UPDATE chatflow_sessions SET lease_expires_at")
+    ]
+    assert len(takes) == 1 and len(renewals) == 1, seen.sql  # taken with the claim, renewed
     assert [m.content for m in store.get("s").history] == ["late"]
     assert _lease_owner(store, "s") is None
     store.close()
+
+
+@pytest.mark.postgres
+def test_the_claims_statement_sets_only_the_leases_columns_of_the_session(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Execution parameters named like a session column must not join the lease's SET.
+
+    SQLAlchemy adds a DML's SET columns from the execution's parameter names,
+    also inside a ``WITH``: the acquire's ``session_id`` would rewrite the key.
+    """
+    import re
+
+    from . import pg_util
+
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        store.get_or_create("s", Agent(name="Bot", instructions=""))
+
+        async def block() -> None:
+            async with store.claim("m-set", session_id="s"):
+                pass
+
+        with _Statements() as seen:
+            asyncio.run(block())
+    (acquire,) = [sql for sql in seen.sql if sql.startswith("WITH acquired AS")]
+    update = acquire[acquire.index("UPDATE chatflow_sessions SET") :]
+    sets = re.findall(r"(\w+)=", update[: update.index(" WHERE ")])
+    assert sets == ["session_id", "lease_owner", "lease_fence", "lease_expires_at"], update
+
+
+def test_another_tasks_turn_uses_the_lease_a_claim_took(store_opener: Any) -> None:
+    """A claim holds its session's lease before its turn: another task's turn on the
+    session (or the claim's turn run where the claim is not in context) takes it over
+    rather than wait for it to expire."""
+    store = store_opener()
+    bot = Agent(name="Bot", instructions="")
+    store.get_or_create("s", bot)
+    store.turns.leases.lease_seconds = 600.0  # waiting it out would outlast the test
+
+    async def both() -> None:
+        claimed = asyncio.Event()
+
+        async def block() -> None:
+            async with store.claim("m-inv", session_id="s") as claim:
+                assert claim.acquired
+                claimed.set()
+                await asyncio.sleep(0.3)  # the handler fetches media first, say
+                async with (ctx := store.get_or_create("s", bot)).lock:
+                    ctx.add_message(Message(role=Role.USER, content="claimed"))
+
+        async def other() -> None:
+            await claimed.wait()
+            async with (ctx := store.get_or_create("s", bot)).lock:
+                ctx.add_message(Message(role=Role.USER, content="other"))
+
+        await asyncio.gather(block(), other())
+
+    asyncio.run(asyncio.wait_for(both(), 30))
+    assert sorted(m.content or "" for m in store_opener().get("s").history) == [
+        "claimed", "other",
+    ]
+    assert _lease_owner(store, "s") is None
+
+
+@pytest.mark.postgres
+def test_a_claim_never_waits_for_a_session_row_locked_elsewhere(
+    pg_url: str, pg_schema: str
+) -> None:
+    """``erase_user`` and ``sweep`` lock the session row before its claims; the claim's
+    acquire, which locks its claim row first, must not wait for the session's (a deadlock)."""
+    import threading
+
+    from . import pg_util
+
+    with pg_util.schema_store(pg_url, pg_schema) as store:
+        store.get_or_create("s", Agent(name="Bot", instructions=""))
+        outcome: list[Any] = []
+
+        def claim_it() -> None:
+            with store.claim("m-locked", session_id="s") as claim:
+                outcome.append(claim.acquired)
+
+        with store.engine.connect() as locker, locker.begin():
+            locker.execute(
+                text("SELECT 1 FROM chatflow_sessions WHERE session_id = 's' FOR UPDATE")
+            )
+            thread = threading.Thread(target=claim_it)
+            thread.start()
+            thread.join(20)
+            assert outcome == [True], "the acquire waited on the locked session row"

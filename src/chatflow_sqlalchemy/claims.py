@@ -81,8 +81,6 @@ from chatflow_sqlalchemy.values import (
 if TYPE_CHECKING:
     from chatflow_agent import Message
 
-    from chatflow_sqlalchemy.lease import Lease
-
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
     "DEFAULT_LEASE_SECONDS",
@@ -95,7 +93,6 @@ __all__ = [
     "WebhookClaim",
     "active_fence",
     "claim_info",
-    "claimed_session_lease",
     "claimed_session_version",
     "list_claims",
     "release_claim",
@@ -310,20 +307,6 @@ def active_fence(session_id: str) -> ClaimFence | None:
     return claim._fence
 
 
-def claimed_session_lease(
-    session_id: str, backend: ClaimBackend | None, fresh_for: float
-) -> tuple[Lease | None, bool]:
-    """The session lease the active claim of ``backend`` took for ``session_id``, handed over once.
-
-    ``(lease or None, still fresh)``: fresh if taken less than ``fresh_for``
-    seconds ago. Read it on the caller's side, as :func:`active_fence`.
-    """
-    claim = _ACTIVE.get()
-    if claim is None or claim._backend is not backend or claim.session_id != session_id:
-        return None, False
-    return claim._hand_over_session_lease(fresh_for)
-
-
 def claimed_session_version(session_id: str, backend: ClaimBackend) -> tuple[bool, int | None]:
     """The version of ``session_id`` read with the active claim's acquire, once.
 
@@ -436,8 +419,6 @@ class WebhookClaim:
         self._fence: ClaimFence | None = None
         self._version_read = False
         self._session_version: int | None = None
-        self._session_lease: Lease | None = None
-        self._session_lease_at = 0.0
         self._entered = False
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -484,18 +465,6 @@ class WebhookClaim:
         self.status = "acquired"
         self.ticket = ticket
         self._fence = ClaimFence(self.message_id, self.token, partition_day=partition_day)
-
-    def _hold_session_lease(self, lease: Lease) -> None:
-        """The acquire also took the session's turn lease: the block's turn uses it."""
-        self._session_lease, self._session_lease_at = lease, time.monotonic()
-
-    def _hand_over_session_lease(self, fresh_for: float) -> tuple[Lease | None, bool]:
-        """The session lease the acquire took, once: ``(lease, still fresh)``.
-
-        Fresh: taken less than ``fresh_for`` seconds ago (no renewal due yet).
-        """
-        lease, self._session_lease = self._session_lease, None
-        return lease, time.monotonic() - self._session_lease_at < fresh_for
 
     def _set_taken(self, done: bool, response: str | None) -> None:
         self.acquired = False

@@ -16,6 +16,8 @@ values are still sent, for databases the clock module does not compile for.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -37,6 +39,8 @@ from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, Dat
 from chatflow_sqlalchemy.lease import Lease
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
+
+logger = logging.getLogger("chatflow_sqlalchemy")
 
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
@@ -127,6 +131,10 @@ class SQLClaims:
     def __init__(self, store: SQLAlchemySessionStore) -> None:
         self._store = store
         self._acquire = store.support.acquire_claim(_processed)
+        # Session leases taken with a claim and not yet used by a turn, per claim.
+        self._offered: weakref.WeakKeyDictionary[WebhookClaim, Lease] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
@@ -183,10 +191,12 @@ class SQLClaims:
             claim._session_version = got.session_version
             if got.lease_fence is not None and claim.session_id is not None:
                 assert got.session_version is not None
-                claim._hold_session_lease(Lease(
+                lease = Lease(
                     claim.session_id, params["holder_token"], got.lease_fence,
                     got.session_version,
-                ))
+                )
+                self._offered[claim] = lease
+                self._store.turns.offer(lease)
         else:
             claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
 
@@ -197,17 +207,19 @@ class SQLClaims:
         with the claim (the turn's last model message, the usual
         ``claim.response``).
         """
-        self._give_back_session_lease(claim)
-        fence = claim._fence
-        if fence is not None and fence.committed and fence.reply == claim.response:
-            return True
-        params = {
-            "claim_id": claim.message_id,
-            "claim_token": claim.token,
-            "reply": claim.response,
-            "now": utcnow(),
-        }
-        return bool(self._execute(_FINISH, params).rowcount == 1)
+        try:
+            fence = claim._fence
+            if fence is not None and fence.committed and fence.reply == claim.response:
+                return True
+            params = {
+                "claim_id": claim.message_id,
+                "claim_token": claim.token,
+                "reply": claim.response,
+                "now": utcnow(),
+            }
+            return bool(self._execute(_FINISH, params).rowcount == 1)
+        finally:
+            self._withdraw_session_lease(claim)
 
     def renew(self, claim: WebhookClaim) -> bool:
         """Extend the lease while the token holds; False once it is gone."""
@@ -221,15 +233,21 @@ class SQLClaims:
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""
-        self._give_back_session_lease(claim)
         params = {"claim_id": claim.message_id, "claim_token": claim.token, "now": utcnow()}
-        self._execute(_RELEASE, params)
+        try:
+            self._execute(_RELEASE, params)
+        finally:
+            self._withdraw_session_lease(claim)
 
-    def _give_back_session_lease(self, claim: WebhookClaim) -> None:
-        """A block that ran no turn on its session gives back the lease its acquire took."""
-        lease, _ = claim._hand_over_session_lease(0.0)
-        if lease is not None:
-            self._store.turns.leases.release(lease)
+    def _withdraw_session_lease(self, claim: WebhookClaim) -> None:
+        """The lease the acquire took, if no turn used it, goes back (best effort)."""
+        lease = self._offered.pop(claim, None)
+        if lease is not None and self._store.turns.withdraw(lease):
+            try:
+                self._store.turns.leases.release(lease)
+            except Exception as exc:  # it expires on its own
+                logger.warning("could not give back the lease of session %r: %s",
+                               lease.session_id, exc)
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""

@@ -43,7 +43,6 @@ from chatflow_sqlalchemy.claims import (
     MAX_DEDUP_TTL_HOURS,
     ClaimFence,
     WebhookClaim,
-    claimed_session_lease,
     claimed_session_version,
     validate_dedup_ttl,
     validate_message_id,
@@ -486,10 +485,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if self._claims_backend is None:
             return False, None
         return claimed_session_version(session_id, self._claims_backend)
-
-    def _claimed_lease(self, session_id: str, fresh_for: float) -> tuple[Lease | None, bool]:
-        """The session lease this store's active claim took for ``session_id`` (see claims)."""
-        return claimed_session_lease(session_id, self._claims_backend, fresh_for)
 
     def _load(self, session_id: str) -> StoredSession | None:
         """The session's row and messages, read in one snapshot (None: no such session)."""

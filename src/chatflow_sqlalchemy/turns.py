@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -44,8 +46,6 @@ class _Store(Protocol):
         self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
     ) -> None: ...
 
-    def _claimed_lease(self, session_id: str, fresh_for: float) -> tuple[Lease | None, bool]: ...
-
 
 class _Held:
     """A lease held by a running turn, and the task that renews it."""
@@ -76,6 +76,31 @@ class Turns:
         self.leases = leases
         self._held: dict[str, _Held] = {}
         self._orphans: set[asyncio.Task[Any]] = set()
+        self._offered: dict[str, tuple[Lease, float]] = {}
+        self._offered_lock = threading.Lock()
+
+    def offer(self, lease: Lease) -> None:
+        """A lease taken for a coming turn (with a webhook claim): the next turn here uses it.
+
+        Any turn of this store on the session takes it, the claim's or
+        another task's (which would otherwise wait for it to expire).
+        """
+        with self._offered_lock:
+            self._offered[lease.session_id] = (lease, time.monotonic())
+
+    def withdraw(self, lease: Lease) -> bool:
+        """Take back an offered lease; False if a turn has used it (it is the turn's now)."""
+        with self._offered_lock:
+            offered = self._offered.get(lease.session_id)
+            if offered is None or offered[0] is not lease:
+                return False
+            del self._offered[lease.session_id]
+            return True
+
+    def _take_offered(self, session_id: str) -> tuple[Lease | None, float]:
+        with self._offered_lock:
+            lease, since = self._offered.pop(session_id, (None, 0.0))
+        return lease, time.monotonic() - since
 
     async def begin(self, ctx: SessionContext) -> None:
         """Take the session's lease, then catch up with the database.
@@ -84,7 +109,7 @@ class Turns:
             SessionDeletedError: The session is gone (no lease is kept).
 
         """
-        lease = await self._lease_of_claim(ctx.session_id) or await self._take(ctx.session_id)
+        lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
         held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
         self._held[ctx.session_id] = held
         try:
@@ -120,18 +145,18 @@ class Turns:
             finally:
                 await self._give_back(held.lease)
 
-    async def _lease_of_claim(self, session_id: str) -> Lease | None:
-        """The lease this turn's webhook claim took with its acquire, if still fresh.
+    async def _offered_lease(self, session_id: str) -> Lease | None:
+        """The lease a webhook claim took for this session, renewed first if one is due.
 
-        A stale one (the block ran for a third of a lease before its turn)
-        is given back: the turn takes the lease anew rather than write on
-        one that may have lapsed.
+        None if there is none, or if it could not be renewed (it lapsed):
+        the turn then takes the lease as usual.
         """
-        lease, fresh = self._store._claimed_lease(session_id, self.leases.lease_seconds / 3)
-        if lease is not None and not fresh:
-            await self._give_back(lease)
-            return None
-        return lease
+        lease, age = self._take_offered(session_id)
+        if lease is None or age < self.leases.lease_seconds / 3:
+            return lease
+        if await self._store._run_blocking(self.leases.renew, lease):
+            return lease
+        return None
 
     async def _take(self, session_id: str) -> Lease:
         """Poll the lease until taken (bounded backoff; turns of this process queue first)."""

@@ -187,8 +187,10 @@ def acquire_with_lease(table: Table, ticket: Any) -> Select[Any]:
     session_version, partition_day, lease_fence)``. The lease is taken (as
     :mod:`chatflow_sqlalchemy.lease` takes it) only when no earlier claim of
     the session is in flight and the lease is free or expired; otherwise
-    ``lease_fence`` is NULL. The version is the one the lease's ``UPDATE``
-    saw (the newest committed, after any writer it waited for).
+    ``lease_fence`` is NULL. The session row is locked ``SKIP LOCKED``:
+    the acquire never waits for it, so it cannot deadlock with a transaction
+    that locks the session before its claims (``erase_user``, ``sweep``); a
+    row locked elsewhere means no lease with the claim (the turn takes it).
     """
     day = claim_day(bindparam("now", type_=UTCDateTime()))
     acquired = (
@@ -197,11 +199,16 @@ def acquire_with_lease(table: Table, ticket: Any) -> Select[Any]:
         .cte("acquired")
     )
     sessions = rows.sessions
+    free_row = (
+        select(sessions.c.session_id)
+        .where(sessions.c.session_id == bindparam("session_id"), LEASE_FREE)
+        .with_for_update(key_share=True, skip_locked=True)
+        .scalar_subquery()
+    )
     leased = (
         update(sessions)
         .where(
-            sessions.c.session_id == bindparam("session_id"),
-            LEASE_FREE,
+            sessions.c.session_id == free_row,
             exists(select(acquired.c.ticket).where(~acquired.c.earlier)),
         )
         # session_id set to itself: else SQLAlchemy would SET it from the
