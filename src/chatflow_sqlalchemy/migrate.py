@@ -48,6 +48,7 @@ from sqlalchemy import exc as sa_exc
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
 from chatflow_sqlalchemy.models import BACKEND_SHAPED
+from chatflow_sqlalchemy.urls import psycopg_url
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -511,8 +512,6 @@ def open_engine(url: str | URL) -> Engine:
     """
     parsed = make_url(url)
     if parsed.get_backend_name() in ("postgresql", "postgres"):
-        from chatflow_sqlalchemy.backends.postgresql import psycopg_url
-
         parsed = psycopg_url(parsed)
     support = _support_for(parsed.get_backend_name())
     parsed = support.sync_url(parsed)
