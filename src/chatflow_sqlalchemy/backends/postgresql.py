@@ -193,6 +193,7 @@ class PostgresDialectSupport(DialectSupport):
     """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, a one-statement write."""
 
     name = "postgresql"
+    store_class = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
     install_hint = INSTALL_HINT
     expires_processed_whole = True
 
