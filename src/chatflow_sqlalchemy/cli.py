@@ -1549,7 +1549,12 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
 
 @_command(cli, "backends", url=False)
 def backends(as_json: bool) -> None:
-    """List installed backends, where they come from and the store class each opens."""
+    """List installed backends and the store class each opens.
+
+    A row per backend name: where it comes from (built-in, its distribution,
+    register()), the store class open_store opens for it, and its
+    DialectSupport class, or why it cannot be loaded.
+    """
     from chatflow_sqlalchemy.registry import available_backends, backend_sources
 
     sources = backend_sources()
