@@ -5,11 +5,14 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from chatflow_sqlalchemy import backend
+from chatflow_sqlalchemy.registry import load_backend, store_class_for
+from tests.fake_dists import write_dist
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins/chatflow-sqlalchemy-mariadb/src"
 
@@ -48,3 +51,21 @@ def test_importing_it_loads_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_plugins_entry_points_name_its_dialect_support(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As its pyproject declares them (a dist-info of its name shadows an older install)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PLUGIN.parent / "pyproject.toml").read_text())["project"]
+    write_dist(tmp_path, project["name"], project["entry-points"], version=project["version"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
+    from chatflow_sqlalchemy_mariadb.store import MariaDBSessionStore
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # no store class named any more
+        for name in ("mysql", "mariadb"):
+            assert load_backend(name) is MariaDBDialectSupport
+            assert store_class_for(name) is MariaDBSessionStore

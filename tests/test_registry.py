@@ -1,8 +1,10 @@
 """The backend registry with simulated installed plugins (``*.dist-info`` on ``sys.path``).
 
-Rules proven here (issue 6, part 2):
+Rules proven here (issue 6, part 2; issue 26: names map to DialectSupport classes):
 
-* an installed plugin's entry point serves its dialect through ``open_store``;
+* an installed plugin's entry point names its ``DialectSupport`` subclass, whose
+  ``store_class`` is what ``open_store`` opens (imported only then);
+* an entry point that still names a store class works, with a DeprecationWarning;
 * ``register()`` beats entry points, also when two plugins claim a name;
 * two distributions claiming one name is an error naming both, raised only
   for that name: every other backend still loads;
@@ -14,6 +16,7 @@ Rules proven here (issue 6, part 2):
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -26,30 +29,61 @@ from chatflow_sqlalchemy import (
     BackendImportError,
     BackendNotFoundError,
     DuplicateBackendError,
+    SQLAlchemySessionStore,
     available_backends,
     open_store,
     register,
 )
-from chatflow_sqlalchemy.backends.postgresql import PostgresSessionStore
-from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+from chatflow_sqlalchemy.backend import DialectSupport
+from chatflow_sqlalchemy.backends.postgresql import PostgresDialectSupport
+from chatflow_sqlalchemy.backends.sqlite import SQLiteDialectSupport, SQLiteSessionStore
 from chatflow_sqlalchemy.cli import main
 from chatflow_sqlalchemy.registry import (
     ENTRY_POINT_GROUP,
     backend_sources,
     load_backend,
+    store_class_for,
+    support_for,
     unregister,
 )
 from tests.fake_dists import unique_module, write_dist, write_module
 
-STORE_SOURCE = """
-class {cls}:
+BACKEND_SOURCE = """
+from chatflow_sqlalchemy.backend import DialectSupport
+
+
+class {cls}Store:
     opened = []
 
     @classmethod
     def from_url(cls, url, **kwargs):
         cls.opened.append((str(url), kwargs))
         return (cls.__name__, str(url), kwargs)
+
+
+class {cls}(DialectSupport):
+    store_class = __name__ + ":{cls}Store"
 """
+
+LEGACY_SOURCE = """
+from chatflow_sqlalchemy.backends.sqlite import SQLiteDialectSupport
+
+
+class OldStore:
+    dialect_support = SQLiteDialectSupport()
+
+    @classmethod
+    def from_url(cls, url, **kwargs):
+        return ("OldStore", str(url), kwargs)
+"""
+
+
+class Opens:
+    """A store class for ``register()`` tests: ``from_url`` answers its argument."""
+
+    @classmethod
+    def from_url(cls, url: Any, **kwargs: Any) -> str:
+        return f"opened {url}"
 
 
 class Plugins:
@@ -68,13 +102,14 @@ class Plugins:
         extras: str = "",
         version: str = "1.0",
     ) -> str:
-        """A distribution whose module defines a store class per backend name.
+        """A distribution whose module defines a backend per name.
 
-        ``names`` maps backend name -> class name. Returns the module name.
+        ``names`` maps backend name -> DialectSupport class name (its store
+        class is that name + ``Store``). Returns the module name.
         """
         module = unique_module(dist.replace("-", "_"))
         body = source if source is not None else "".join(
-            STORE_SOURCE.format(cls=cls) for cls in sorted(set(names.values()))
+            BACKEND_SOURCE.format(cls=cls) for cls in sorted(set(names.values()))
         )
         write_module(self.root, module, body)
         points = {name: f"{module}:{cls}{extras}" for name, cls in names.items()}
@@ -90,74 +125,92 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Plugins:
 @pytest.fixture(autouse=True)
 def _forget_registrations() -> Any:
     yield
-    for name in ("fakedb", "clash", "postgres", "sqlite"):
+    for name in ("fakedb", "clash", "postgres", "sqlite", "olddb"):
         unregister(name)
 
 
 def test_entry_point_serves_its_dialect(plugins: Plugins) -> None:
-    module = plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "FakeStore"})
+    module = plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "Fake"})
     cls = load_backend("fakedb")
-    assert cls.__module__ == module
+    assert cls.__module__ == module and cls.__name__ == "Fake"
+    assert issubclass(cls, DialectSupport)
     assert open_store("fakedb://host/chat", default_max_turns=3) == (
         "FakeStore",
         "fakedb://host/chat",
         {"default_max_turns": 3},
     )
+    assert store_class_for("fakedb").__name__ == "FakeStore"
     assert available_backends()["fakedb"] is cls
-    assert isinstance(available_backends()["sqlite"], type)
+    assert available_backends()["sqlite"] is SQLiteDialectSupport
+    support = support_for("fakedb")
+    assert type(support) is cls and support_for("fakedb") is support  # one shared instance
     source = backend_sources()["fakedb"]
     assert source.distributions == ("chatflow-sqlalchemy-fakedb 1.0",)
-    assert source.target == f"{module}:FakeStore"
+    assert source.target == f"{module}:Fake"
 
 
 def test_register_beats_entry_points(plugins: Plugins) -> None:
-    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "FakeStore"})
+    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "Fake"})
 
-    class Chosen:
-        @classmethod
-        def from_url(cls, url: Any, **kwargs: Any) -> str:
-            return "chosen"
+    class Chosen(DialectSupport):
+        store_class = Opens
 
-    register("fakedb", Chosen)  # type: ignore[arg-type]
+    register("fakedb", Chosen)
     assert load_backend("fakedb") is Chosen
-    assert open_store("fakedb://x") == "chosen"
+    assert open_store("fakedb://x") == "opened fakedb://x"
     assert backend_sources()["fakedb"].origin == "register()"
+    assert backend_sources()["fakedb"].target == f"{__name__}:{Chosen.__qualname__}"
     unregister("fakedb")
-    assert load_backend("fakedb").__name__ == "FakeStore"
+    assert load_backend("fakedb").__name__ == "Fake"
 
 
 def test_register_by_import_path_is_lazy(plugins: Plugins) -> None:
-    module = plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "FakeStore"})
-    register("clash", f"{module}:FakeStore")
-    assert load_backend("clash").__name__ == "FakeStore"
+    module = plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "Fake"})
+    register("clash", f"{module}:Fake")
+    assert load_backend("clash").__name__ == "Fake"
     register("clash", f"{module}:NoSuchClass")
     with pytest.raises(BackendImportError, match="NoSuchClass"):
         load_backend("clash")
 
 
+def test_the_store_class_is_imported_only_when_a_store_is_opened(plugins: Plugins) -> None:
+    source = (
+        "from chatflow_sqlalchemy.backend import DialectSupport\n\n"
+        "class Broken(DialectSupport):\n"
+        "    store_class = 'no_such_module_for_chatflow_tests:Store'\n"
+    )
+    plugins.backend("chatflow-sqlalchemy-broken", {"broken": "Broken"}, source=source)
+    assert available_backends()["broken"].__name__ == "Broken"  # type: ignore[union-attr]
+    with pytest.raises(BackendImportError) as info:
+        open_store("broken://db")
+    message = str(info.value)
+    assert "no_such_module_for_chatflow_tests" in message and "store_class of" in message
+
+
 def test_two_distributions_claiming_one_name(
     plugins: Plugins, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    first = plugins.backend("vendor-one", {"clash": "OneStore"})
-    second = plugins.backend("vendor-two", {"clash": "TwoStore"}, version="2.5")
-    plugins.backend("chatflow-sqlalchemy-fine", {"fakedb": "FineStore"})
+    first = plugins.backend("vendor-one", {"clash": "One"})
+    second = plugins.backend("vendor-two", {"clash": "Two"}, version="2.5")
+    plugins.backend("chatflow-sqlalchemy-fine", {"fakedb": "Fine"})
     with pytest.raises(DuplicateBackendError) as info:
         load_backend("clash")
     message = str(info.value)
     assert "vendor-one 1.0" in message and "vendor-two 2.5" in message
-    assert f"{first}:OneStore" in message and f"{second}:TwoStore" in message
+    assert f"{first}:One" in message and f"{second}:Two" in message
     assert "register(" in message
     with pytest.raises(DuplicateBackendError):
         open_store("clash://db")
     # only that name is broken: every other backend still loads
     backends = available_backends()
     assert isinstance(backends["clash"], DuplicateBackendError)
-    assert backends["fakedb"].__name__ == "FineStore"  # type: ignore[union-attr]
-    assert backends["sqlite"] is SQLiteSessionStore
+    assert backends["fakedb"].__name__ == "Fine"  # type: ignore[union-attr]
+    assert backends["sqlite"] is SQLiteDialectSupport
     assert backend_sources()["clash"].distributions == ("vendor-one 1.0", "vendor-two 2.5")
     # register() is how a user chooses between them
-    register("clash", f"{second}:TwoStore")
-    assert load_backend("clash").__name__ == "TwoStore"
+    register("clash", f"{second}:Two")
+    assert load_backend("clash").__name__ == "Two"
+    assert open_store("clash://db")[0] == "TwoStore"  # type: ignore[index]
     unregister("clash")
     # the CLI lists the conflict and keeps going
     assert main(["backends"]) == 0
@@ -166,7 +219,11 @@ def test_two_distributions_claiming_one_name(
     assert "unavailable" in clash_line and "vendor-one" in clash_line
     assert "vendor-one 1.0 + vendor-two 2.5" in clash_line
     lines = out.splitlines()
-    assert any(line.startswith("sqlite") and "SQLiteSessionStore" in line for line in lines)
+    sqlite_line = next(line for line in lines if line.startswith("sqlite"))
+    assert "SQLiteSessionStore" in sqlite_line and "SQLiteDialectSupport" in sqlite_line
+    fine_line = next(line for line in lines if line.startswith("fakedb"))
+    assert "chatflow-sqlalchemy-fine 1.0" in fine_line
+    assert "FineStore" in fine_line and ".Fine" in fine_line
 
 
 def test_plugin_that_fails_to_import_is_reported(
@@ -174,21 +231,21 @@ def test_plugin_that_fails_to_import_is_reported(
 ) -> None:
     plugins.backend(
         "chatflow-sqlalchemy-crashy",
-        {"crashy": "Store"},
+        {"crashy": "Support"},
         source="raise RuntimeError('boom at import')\n",
     )
     plugins.backend(
         "chatflow-sqlalchemy-nodriver",
-        {"nodriver": "Store"},
+        {"nodriver": "Support"},
         source="import no_such_driver_for_chatflow_tests\n",
     )
     plugins.backend(
         "chatflow-sqlalchemy-extra",
-        {"extradb": "Store"},
+        {"extradb": "Support"},
         source="import no_such_fast_driver\n",
         extras=" [fast]",
     )
-    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "FakeStore"})
+    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "Fake"})
     backends = available_backends()
     crashy, nodriver, extra = backends["crashy"], backends["nodriver"], backends["extradb"]
     assert isinstance(crashy, BackendImportError)
@@ -200,9 +257,9 @@ def test_plugin_that_fails_to_import_is_reported(
     assert isinstance(extra, BackendImportError)
     assert "pip install 'chatflow-sqlalchemy-extra[fast]'" in str(extra)
     # the others are untouched
-    assert backends["fakedb"].__name__ == "FakeStore"  # type: ignore[union-attr]
-    assert backends["sqlite"] is SQLiteSessionStore
-    assert backends["postgresql"] is PostgresSessionStore
+    assert backends["fakedb"].__name__ == "Fake"  # type: ignore[union-attr]
+    assert backends["sqlite"] is SQLiteDialectSupport
+    assert backends["postgresql"] is PostgresDialectSupport
     with pytest.raises(BackendImportError, match="boom at import") as info:
         open_store("crashy://db")
     assert isinstance(info.value, ImportError)
@@ -213,14 +270,45 @@ def test_plugin_that_fails_to_import_is_reported(
     assert "FakeStore" in out
 
 
-def test_entry_point_that_is_not_a_store_class(plugins: Plugins) -> None:
+def test_entry_point_that_is_not_a_backend(plugins: Plugins) -> None:
     plugins.backend("chatflow-sqlalchemy-odd", {"odd": "make"}, source="def make():\n    pass\n")
-    with pytest.raises(BackendImportError, match="not a session store class"):
+    with pytest.raises(BackendImportError, match="not a DialectSupport subclass"):
         load_backend("odd")
 
 
+def test_a_support_whose_store_class_is_not_a_store(plugins: Plugins) -> None:
+    class NoStore(DialectSupport):
+        store_class = int
+
+    register("clash", NoStore)
+    with pytest.raises(BackendImportError, match="not a session store class"):
+        open_store("clash://db")
+
+
+def test_entry_point_naming_a_store_class_is_deprecated_but_works(plugins: Plugins) -> None:
+    """Until the next release: the store class stands for its support, opening it."""
+    module = plugins.backend(
+        "chatflow-sqlalchemy-old", {"olddb": "OldStore"}, source=LEGACY_SOURCE
+    )
+    with pytest.warns(DeprecationWarning, match=r"olddb.*names a store class"):
+        backend = load_backend("olddb")
+    assert issubclass(backend, SQLiteDialectSupport)
+    assert backend.store_class.__name__ == "OldStore"  # type: ignore[union-attr]
+    with pytest.warns(DeprecationWarning):
+        assert open_store("olddb://db") == ("OldStore", "olddb://db", {})
+    with pytest.warns(DeprecationWarning):
+        assert load_backend("olddb") is backend  # the same class each time
+    assert backend_sources()["olddb"].target == f"{module}:OldStore"
+
+
+def test_register_with_a_store_class_is_deprecated_but_works() -> None:
+    register("clash", Opens)  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning, match="names a store class"):
+        assert open_store("clash://db") == "opened clash://db"
+
+
 def test_unknown_dialect_lists_installed_backends(plugins: Plugins) -> None:
-    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "FakeStore"})
+    plugins.backend("chatflow-sqlalchemy-fakedb", {"fakedb": "Fake"})
     with pytest.raises(BackendNotFoundError) as info:
         open_store("nosuchdb://host/db")
     message = str(info.value)
@@ -237,22 +325,49 @@ def test_builtin_name_claimed_by_a_plugin_is_ignored_with_a_warning(
 ) -> None:
     plugins.backend("sqlite-hijack", {"sqlite": "OtherSqlite"})
     caplog.set_level(logging.WARNING, logger="chatflow_sqlalchemy")
-    assert load_backend("sqlite") is SQLiteSessionStore
+    assert load_backend("sqlite") is SQLiteDialectSupport
     warning = "\n".join(r.getMessage() for r in caplog.records)
     assert "sqlite-hijack" in warning and "built into" in warning
     assert backend_sources()["sqlite"].origin == "built-in"
 
 
 def test_exact_name_first_then_alias() -> None:
-    assert load_backend("postgres") is PostgresSessionStore
+    assert load_backend("postgres") is PostgresDialectSupport
 
-    class Exact:
-        @classmethod
-        def from_url(cls, url: Any, **kwargs: Any) -> str:
-            return "exact"
+    class Exact(DialectSupport):
+        store_class = Opens
 
-    register("postgres", Exact)  # type: ignore[arg-type]
+    register("postgres", Exact)
     assert load_backend("postgres") is Exact
+    assert open_store("postgres://h/db") == "opened postgres://h/db"
+
+
+def test_builtins_open_their_own_store_classes(tmp_path: Path) -> None:
+    """Each built-in support names its store class; the generic store asks the registry."""
+    assert store_class_for("sqlite") is SQLiteSessionStore
+    assert store_class_for("postgresql").__name__ == "PostgresSessionStore"
+    assert store_class_for("postgres").__name__ == "PostgresSessionStore"
+    store = open_store(f"sqlite:///{tmp_path / 'chat.db'}")
+    try:
+        assert type(store) is SQLiteSessionStore
+    finally:
+        store.close()
+    generic = SQLAlchemySessionStore(f"sqlite:///{tmp_path / 'generic.db'}")
+    try:
+        assert generic.support is support_for("sqlite")
+        assert isinstance(generic.support, SQLiteDialectSupport)
+    finally:
+        generic.close()
+
+
+def test_cli_backends_json_names_the_store_class(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["backends"]}
+    assert rows["sqlite"]["store_class"] == (
+        "chatflow_sqlalchemy.backends.sqlite.SQLiteSessionStore"
+    )
+    assert rows["sqlite"]["detail"] == "chatflow_sqlalchemy.backends.sqlite.SQLiteDialectSupport"
+    assert rows["sqlite"]["from"] == "built-in" and rows["sqlite"]["available"] is True
 
 
 def test_missing_driver_names_the_extra() -> None:
@@ -263,7 +378,7 @@ def test_missing_driver_names_the_extra() -> None:
         "from chatflow_sqlalchemy import BackendImportError, available_backends, open_store\n"
         "error = available_backends()['postgresql']\n"
         "assert isinstance(error, BackendImportError), error\n"
-        "assert available_backends()['sqlite'].__name__ == 'SQLiteSessionStore'\n"
+        "assert available_backends()['sqlite'].__name__ == 'SQLiteDialectSupport'\n"
         "try:\n"
         "    open_store('postgresql://u@h/db')\n"
         "except BackendImportError as exc:\n"

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
         SessionDeletedError,
     )
     from chatflow_sqlalchemy.memory import SessionStore
-    from chatflow_sqlalchemy.registry import available_backends, open_store, register
+    from chatflow_sqlalchemy.opening import open_store
+    from chatflow_sqlalchemy.registry import available_backends, register
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
 __version__ = "0.1.0"
@@ -52,7 +53,7 @@ _LAZY: dict[str, str] = {
     "SessionContext": "chatflow_sqlalchemy.context",
     "WebhookClaim": "chatflow_sqlalchemy.claims",
     "available_backends": "chatflow_sqlalchemy.registry",
-    "open_store": "chatflow_sqlalchemy.registry",
+    "open_store": "chatflow_sqlalchemy.opening",
     "register": "chatflow_sqlalchemy.registry",
     "BackendImportError": _EXCEPTIONS,
     "BackendNotFoundError": _EXCEPTIONS,

@@ -1,8 +1,10 @@
 """What a backend plugin builds on: the one module plugin authors import from.
 
 A plugin (such as ``chatflow-sqlalchemy-mariadb``) subclasses
-:class:`DialectSupport` for its database and :class:`SQLAlchemySessionStore`
-for its store class, ships its own tables as a :class:`MigrationChain`, and
+:class:`DialectSupport` for its database (its entry points name that class;
+its ``store_class`` names the store ``open_store`` opens, by default the
+generic :class:`SQLAlchemySessionStore`, which a plugin may subclass), ships
+its own tables as a :class:`MigrationChain`, and
 writes claim statements with the database-clock times (:data:`CLAIM_NOW`,
 :data:`CLAIM_LEASE`, :data:`CLAIM_CUTOFF`, :data:`CLAIM_HORIZON`). Everything
 here is public and covered by the conformance kit (:mod:`chatflow_sqlalchemy.testing`);

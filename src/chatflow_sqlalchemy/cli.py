@@ -214,10 +214,9 @@ def _db_error_reason(exc: BaseException) -> str:
 
 def _dialect_support(url: URL) -> DialectSupport:
     """The backend's dialect hooks; loading it first reports a missing driver's pip extra."""
-    from chatflow_sqlalchemy.dialect import DialectSupport
-    from chatflow_sqlalchemy.registry import backend_name_for_url, load_backend
+    from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
 
-    return load_backend(backend_name_for_url(url)).dialect_support or DialectSupport()
+    return support_for(backend_name_for_url(url))
 
 
 @contextmanager
@@ -1550,33 +1549,51 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
 
 @_command(cli, "backends", url=False)
 def backends(as_json: bool) -> None:
-    """List installed backends and where they come from."""
+    """List installed backends and the store class each opens.
+
+    A row per backend name: where it comes from (built-in, its distribution,
+    register()), the store class open_store opens for it, and its
+    DialectSupport class, or why it cannot be loaded.
+    """
     from chatflow_sqlalchemy.registry import available_backends, backend_sources
 
     sources = backend_sources()
-    rows: list[tuple[str, str, str]] = []
-    for name, backend in sorted(available_backends().items()):
-        if isinstance(backend, Exception):
-            detail = f"unavailable: {_one_line(str(backend))}"
-        else:
-            detail = f"{backend.__module__}.{backend.__qualname__}"
-        source = sources.get(name)
-        origin = "-"
-        if source is not None and source.origin == "built-in":
-            origin = "built-in"
-        elif source is not None:
-            origin = " + ".join(source.distributions) if source.distributions else source.origin
-        rows.append((clean(name), clean(origin), clean(detail)))
+    rows = [
+        _backend_row(name, backend, sources.get(name))
+        for name, backend in sorted(available_backends().items())
+    ]
     if as_json:
         _emit(True, {"backends": [
-            {"name": n, "from": o, "available": not d.startswith("unavailable: "), "detail": d}
-            for n, o, d in rows
+            {"name": n, "from": o, "available": not d.startswith("unavailable: "),
+             "store_class": s if s != "-" else None, "detail": d}
+            for n, o, s, d in rows
         ]})
         return
     if not rows:
         click.echo("no backends installed")
         return
-    _table(("BACKEND", "FROM", "STORE CLASS OR ERROR"), rows)
+    _table(("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows)
+
+
+def _backend_row(name: str, backend: Any, source: Any) -> tuple[str, str, str, str]:
+    """One row of ``backends``: name, origin, store class, and the support class or error."""
+    if isinstance(backend, Exception):
+        store, detail = "-", f"unavailable: {_one_line(str(backend))}"
+    else:
+        store, detail = _dotted(backend.store_class), _dotted(backend)
+    origin = "-"
+    if source is not None and source.origin == "built-in":
+        origin = "built-in"
+    elif source is not None:
+        origin = " + ".join(source.distributions) if source.distributions else source.origin
+    return clean(name), clean(origin), clean(store), clean(detail)
+
+
+def _dotted(target: Any) -> str:
+    """A class, or its ``"module:Class"`` target, as ``module.Class``."""
+    if isinstance(target, str):
+        return target.replace(":", ".")
+    return f"{target.__module__}.{target.__qualname__}"
 
 
 @_command(cli, "demo", url=False)
@@ -1750,7 +1767,7 @@ def sessions_sweep(
     """
     from chatflow_sqlalchemy.lifecycle import validate_session_ttl
     from chatflow_sqlalchemy.models import utcnow
-    from chatflow_sqlalchemy.registry import open_store
+    from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.sql_lifecycle import count_expired
 
     try:
@@ -1801,7 +1818,7 @@ def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
     first, then rotate, then drop the old key. Exit 0 when done.
     """
     from chatflow_sqlalchemy.crypto import AESGCMCipher
-    from chatflow_sqlalchemy.registry import open_store
+    from chatflow_sqlalchemy.opening import open_store
 
     try:
         cipher = AESGCMCipher.from_env()

@@ -5,6 +5,13 @@ Core. A :class:`DialectSupport` subclass in ``backends/`` holds only what
 cannot be portable: engine options and per-connection setup, the atomic
 upsert forms, how a write transaction takes its locks, and how migrations
 are serialised across processes.
+
+A :class:`DialectSupport` subclass is also what a backend *is*: the registry
+(:mod:`chatflow_sqlalchemy.registry`) maps a backend name to it, and its
+:attr:`DialectSupport.store_class` names the store class ``open_store``
+opens. That class is named by a ``"module:Class"`` string, imported only
+when a store is opened, so neither this module nor the registry imports a
+store.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from sqlalchemy import (
     URL,
@@ -132,6 +139,13 @@ class DialectSupport:
 
     Attributes:
         name: The SQLAlchemy dialect name this support handles.
+        store_class: The store class ``open_store`` opens for this backend
+            (its ``from_url(url, **kwargs)``): ``"module:Class"``, imported
+            when a store is opened, or the class itself. Default: the
+            generic :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`,
+            which takes everything it needs of the database from this
+            support; a backend names its own class only for what that class
+            adds (a URL with its driver, extra methods).
         expires_processed_whole: True when :meth:`drop_expired_processed`
             removes expired dedup rows in bulk (PostgreSQL's day partitions):
             the store's own periodic purge then leaves every row to it, and
@@ -141,6 +155,7 @@ class DialectSupport:
     """
 
     name: str = "generic"
+    store_class: ClassVar[str | type[Any]] = "chatflow_sqlalchemy.store:SQLAlchemySessionStore"
     install_hint: str = ""
     """What to install when the dialect's driver is missing; a store that creates its
     engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it

@@ -48,6 +48,8 @@ from sqlalchemy import exc as sa_exc
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
 from chatflow_sqlalchemy.models import BACKEND_SHAPED
+from chatflow_sqlalchemy.registry import support_for
+from chatflow_sqlalchemy.urls import psycopg_url
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -323,13 +325,6 @@ def configure_context(
     )
 
 
-def _support_for(dialect_name: str) -> DialectSupport:
-    from chatflow_sqlalchemy.registry import load_backend
-
-    support = load_backend(dialect_name).dialect_support
-    return support if support is not None else DialectSupport()
-
-
 # --------------------------------------------------------------------------- chains
 
 
@@ -511,10 +506,8 @@ def open_engine(url: str | URL) -> Engine:
     """
     parsed = make_url(url)
     if parsed.get_backend_name() in ("postgresql", "postgres"):
-        from chatflow_sqlalchemy.backends.postgresql import psycopg_url
-
         parsed = psycopg_url(parsed)
-    support = _support_for(parsed.get_backend_name())
+    support = support_for(parsed.get_backend_name())
     parsed = support.sync_url(parsed)
     engine = create_engine(parsed, **support.engine_options(parsed))
     support.prepare_engine(engine)
@@ -526,7 +519,7 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
     if not url:
         raise SchemaError("no database URL: set CHATFLOW_DATABASE_URL", found=None, expected="")
     engine = open_engine(url)
-    support = _support_for(engine.dialect.name)
+    support = support_for(engine.dialect.name)
     try:
         with locked_connection(engine, support) as conn:
             fn(conn)
@@ -738,7 +731,7 @@ def _run(
 ) -> None:
     """Run ``steps`` in one locked transaction; log each chain that moved once committed."""
     moved: list[tuple[MigrationChain, str, str, str, float]] = []
-    support = support or _support_for(engine.dialect.name)
+    support = support or support_for(engine.dialect.name)
     with alembic_chatter_at_debug(), locked_connection(engine, support) as conn:
         for chain, action, revision in steps:
             started = time.perf_counter()

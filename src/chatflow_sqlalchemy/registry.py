@@ -1,12 +1,18 @@
-"""Backend registry: which store class serves which database dialect.
+"""Backend registry: which :class:`DialectSupport` serves which database dialect.
+
+A backend is a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
+subclass: what differs in its database, and (its ``store_class``) the store
+class :func:`~chatflow_sqlalchemy.open_store` opens for it. The registry
+maps names to those classes and imports no store: a store looks its dialect
+up here, never the other way round.
 
 Lookup order, as in SQLAlchemy's dialect registry: names registered at run
 time with :func:`register`, then the built-in backends, then the entry-point
 group ``chatflow_sqlalchemy.backends`` that third-party packages declare::
 
     [project.entry-points."chatflow_sqlalchemy.backends"]
-    mysql = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
-    mariadb = "chatflow_sqlalchemy_mariadb:MariaDBSessionStore"
+    mysql = "chatflow_sqlalchemy_mariadb.dialect:MariaDBDialectSupport"
+    mariadb = "chatflow_sqlalchemy_mariadb.dialect:MariaDBDialectSupport"
 
 Rules:
 
@@ -22,6 +28,9 @@ Rules:
   never breaks the others.
 * The exact dialect name is looked up first, then its alias
   (``mariadb`` → ``mysql``, ``postgres`` → ``postgresql``).
+* A target that is still a store class (what entry points named before 0.3)
+  keeps working for one release, with a :class:`DeprecationWarning`: it
+  stands for its ``dialect_support``'s class with that ``store_class``.
 """
 
 from __future__ import annotations
@@ -31,22 +40,21 @@ import importlib.util
 import logging
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from sqlalchemy import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import (
     BackendImportError,
     BackendNotFoundError,
     DuplicateBackendError,
 )
-from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES, parse_database_url
-
-if TYPE_CHECKING:
-    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -55,8 +63,9 @@ __all__ = [
     "backend_name_for_url",
     "backend_sources",
     "load_backend",
-    "open_store",
     "register",
+    "store_class_for",
+    "support_for",
     "unregister",
 ]
 
@@ -67,8 +76,8 @@ ENTRY_POINT_GROUP = "chatflow_sqlalchemy.backends"
 CORE_DISTRIBUTION = "chatflow-sqlalchemy"
 
 _BUILTINS: dict[str, tuple[str, str | None]] = {
-    "sqlite": ("chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore", None),
-    "postgresql": ("chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore", "postgres"),
+    "sqlite": ("chatflow_sqlalchemy.backends.sqlite:SQLiteDialectSupport", None),
+    "postgresql": ("chatflow_sqlalchemy.backends.postgresql:PostgresDialectSupport", "postgres"),
 }
 """name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver)."""
 
@@ -78,9 +87,13 @@ _BUILTIN_DRIVERS = {"postgresql": "psycopg"}
 _KNOWN_PLUGINS = {"mysql": "chatflow-sqlalchemy-mariadb"}
 """name -> the published distribution that provides it (after aliasing)."""
 
-_registered: dict[str, str | type[SQLAlchemySessionStore]] = {}
+_registered: dict[str, str | type[DialectSupport]] = {}
 _lock = threading.Lock()
 _warned_shadowed: set[tuple[str, str]] = set()
+_instances: dict[type[DialectSupport], DialectSupport] = {}
+"""One shared instance per support class (supports hold no state)."""
+_of_store_classes: dict[type[Any], type[DialectSupport]] = {}
+"""The support class standing for each store class a deprecated target named."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +104,7 @@ class BackendSource:
         name: The backend name.
         origin: ``"register()"``, ``"built-in"`` or ``"entry point"``.
         distributions: The distributions that declare it (two or more: a conflict).
-        target: ``"module:attr"`` of the store class, when known.
+        target: ``"module:attr"`` of the backend's DialectSupport class, when known.
 
     """
 
@@ -101,12 +114,15 @@ class BackendSource:
     target: str | None
 
 
-def register(name: str, target: str | type[SQLAlchemySessionStore]) -> None:
+def register(name: str, target: str | type[DialectSupport]) -> None:
     """Register a backend at run time; it wins over built-ins and entry points.
 
     Args:
         name: Dialect name (``make_url(url).get_backend_name()``).
-        target: The store class, or ``"module:Class"`` to import lazily.
+        target: The backend's :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
+            subclass, or ``"module:Class"`` to import it lazily. (A store class
+            is still accepted, with a :class:`DeprecationWarning` when it is
+            loaded, until the next release.)
 
     """
     with _lock:
@@ -182,7 +198,7 @@ def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
         raise DuplicateBackendError(
             f"backend {name!r} is registered by {len(claims)} distributions: {listing}; "
             f"uninstall all but one of them, or choose one with "
-            f"chatflow_sqlalchemy.register({name!r}, 'module:StoreClass')"
+            f"chatflow_sqlalchemy.register({name!r}, 'module:DialectSupportClass')"
         )
     return claims[0]
 
@@ -190,9 +206,8 @@ def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
 # --------------------------------------------------------------------------- importing
 
 
-def _import_target(
-    name: str, target: str, hint: str
-) -> type[SQLAlchemySessionStore]:
+def _import(name: str, target: str, hint: str) -> Any:
+    """The object ``"module:attr"`` names; any failure is a :class:`BackendImportError`."""
     module_name, _, attr = target.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -203,12 +218,53 @@ def _import_target(
             f"backend {name!r} ({target}) cannot be imported: "
             f"{type(exc).__name__}: {exc}; {hint}"
         ) from exc
-    if not isinstance(obj, type) or not callable(getattr(obj, "from_url", None)):
-        raise BackendImportError(
-            f"backend {name!r} ({target}) is not a session store class (it has no from_url); "
-            f"{hint}"
-        )
     return obj
+
+
+def _is_store_class(obj: Any) -> bool:
+    return isinstance(obj, type) and callable(getattr(obj, "from_url", None))
+
+
+def _as_support(name: str, obj: Any, target: str, hint: str) -> type[DialectSupport]:
+    """``obj`` checked to be a backend: a DialectSupport subclass (or, deprecated, a store)."""
+    if isinstance(obj, type) and issubclass(obj, DialectSupport):
+        return obj
+    if _is_store_class(obj):
+        warnings.warn(
+            f"backend {name!r} ({target}) names a store class; name its DialectSupport "
+            "subclass instead, with store_class set to the store class (store classes "
+            "are accepted until the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _support_of_store(obj)
+    raise BackendImportError(
+        f"backend {name!r} ({target}) is not a DialectSupport subclass; {hint}"
+    )
+
+
+def _support_of_store(store: type[Any]) -> type[DialectSupport]:
+    """The support class a store class stands for: its support's class, opening it."""
+    with _lock:
+        found = _of_store_classes.get(store)
+        if found is None:
+            given = getattr(store, "dialect_support", None)
+            base = type(given) if isinstance(given, DialectSupport) else DialectSupport
+            found = cast(type[DialectSupport], type(base.__name__, (base,), {
+                "store_class": store,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+            }))
+            _of_store_classes[store] = found
+        return found
+
+
+def _import_target(name: str, target: str, hint: str) -> type[DialectSupport]:
+    return _as_support(name, _import(name, target, hint), target, hint)
+
+
+def _target_text(target: str | type[Any]) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def _builtin_hint(extra: str | None) -> str:
@@ -239,12 +295,13 @@ def _entry_point_hint(ep: EntryPoint) -> str:
     return f"reinstall it with its dependencies: pip install --force-reinstall '{dist}'"
 
 
-def _lookup(name: str) -> type[SQLAlchemySessionStore] | None:
+def _lookup(name: str) -> type[DialectSupport] | None:
     """Load backend ``name`` exactly (no alias); None when nothing provides it."""
     with _lock:
         target = _registered.get(name)
     if target is not None and not isinstance(target, str):
-        return target
+        hint = "pass register() a DialectSupport subclass"
+        return _as_support(name, target, _target_text(target), hint)
     if target is not None:
         return _import_target(name, target, "fix the target given to register()")
     if name in _BUILTINS:
@@ -262,8 +319,8 @@ def _lookup(name: str) -> type[SQLAlchemySessionStore] | None:
     return _import_target(name, ep.value, _entry_point_hint(ep))
 
 
-def load_backend(name: str) -> type[SQLAlchemySessionStore]:
-    """Return the store class for backend ``name`` (its alias is tried if nothing has it).
+def load_backend(name: str) -> type[DialectSupport]:
+    """Return the DialectSupport class of backend ``name`` (its alias is tried if nothing has it).
 
     Raises:
         BackendNotFoundError: No backend of that name is installed (lists installed ones).
@@ -277,6 +334,42 @@ def load_backend(name: str) -> type[SQLAlchemySessionStore]:
     if backend is None:
         raise BackendNotFoundError(name, installed=_names(), fix=_not_found_fix(name))
     return backend
+
+
+def support_for(dialect_name: str) -> DialectSupport:
+    """The dialect hooks of backend ``dialect_name``: one shared instance of its class.
+
+    What a store built by the generic class, the migrations and the CLI use
+    for a database; raises as :func:`load_backend` does.
+    """
+    backend = load_backend(dialect_name)
+    with _lock:
+        found = _instances.get(backend)
+    if found is None:
+        found = backend()
+        with _lock:
+            found = _instances.setdefault(backend, found)
+    return found
+
+
+def store_class_for(name: str) -> type[Any]:
+    """The store class backend ``name`` opens (its support's ``store_class``), imported.
+
+    Raises:
+        BackendImportError: The class cannot be imported, or has no ``from_url``;
+            and as :func:`load_backend`.
+
+    """
+    backend = load_backend(name)
+    target = backend.store_class
+    hint = f"fix store_class of {backend.__module__}.{backend.__qualname__}"
+    store = _import(name, target, hint) if isinstance(target, str) else target
+    if not _is_store_class(store):
+        raise BackendImportError(
+            f"backend {name!r}: {_target_text(target)} is not a session store class "
+            f"(it has no from_url); {hint}"
+        )
+    return cast(type[Any], store)
 
 
 def _not_found_fix(name: str) -> str | None:
@@ -307,12 +400,9 @@ def backend_sources() -> dict[str, BackendSource]:
     sources: dict[str, BackendSource] = {}
     for name in _names():
         if name in registered:
-            target = registered[name]
-            if isinstance(target, str):
-                text = target
-            else:
-                text = f"{target.__module__}:{target.__qualname__}"
-            sources[name] = BackendSource(name, "register()", (), text)
+            sources[name] = BackendSource(
+                name, "register()", (), _target_text(registered[name])
+            )
         elif name in _BUILTINS:
             sources[name] = BackendSource(
                 name, "built-in", (CORE_DISTRIBUTION,), _BUILTINS[name][0]
@@ -328,31 +418,12 @@ def backend_sources() -> dict[str, BackendSource]:
     return sources
 
 
-def available_backends() -> dict[str, type[SQLAlchemySessionStore] | Exception]:
-    """Every installed backend: its loaded class, or the error that prevented loading."""
-    result: dict[str, type[SQLAlchemySessionStore] | Exception] = {}
+def available_backends() -> dict[str, type[DialectSupport] | Exception]:
+    """Every installed backend: its DialectSupport class, or the error that prevented loading."""
+    result: dict[str, type[DialectSupport] | Exception] = {}
     for name in _names():
         try:
             result[name] = load_backend(name)
         except Exception as exc:  # reported, never raised: one broken plugin must not hide others
             result[name] = exc
     return result
-
-
-def open_store(url: str | URL | None = None, **kwargs: Any) -> SQLAlchemySessionStore:
-    """Open a session store for ``url``, picking the backend by its dialect.
-
-    Without ``url``, ``$CHATFLOW_DATABASE_URL`` is used, else
-    ``sqlite:///chatflow.db``, as in the CLI. ``postgresql://`` URLs use
-    psycopg 3. Keyword arguments go to the backend's ``from_url`` (e.g.
-    ``default_max_turns``, ``dedup_ttl_hours``).
-
-    Raises:
-        DatabaseURLError: The URL cannot mean a database (the message gives the fix).
-        BackendNotFoundError: The dialect has no installed backend (lists installed ones).
-        BackendImportError: Its driver is missing (names the extra to install).
-        DuplicateBackendError: Two installed plugins claim the dialect.
-
-    """
-    parsed = parse_database_url(url)
-    return load_backend(parsed.get_backend_name()).from_url(parsed, **kwargs)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from datetime import datetime, timedelta
+from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
@@ -36,14 +36,13 @@ from sqlalchemy import (
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
-from chatflow_sqlalchemy.lease import Lease
+from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
+from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
 
 logger = logging.getLogger("chatflow_sqlalchemy")
-
-if TYPE_CHECKING:
-    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
 __all__ = [
     "CLAIM_IS_MINE",
@@ -54,6 +53,35 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+
+class _Turns(Protocol):
+    @property
+    def leases(self) -> SessionLeases: ...
+
+    def offer(self, lease: Lease) -> None: ...
+
+    def withdraw(self, lease: Lease) -> bool: ...
+
+
+class _Store(Protocol):
+    """What the claim backend needs of its store (the store passes itself)."""
+
+    @property
+    def support(self) -> DialectSupport: ...
+
+    @property
+    def runtime(self) -> StoreRuntime: ...
+
+    @property
+    def turns(self) -> _Turns: ...
+
+    @property
+    def _dedup_ttl(self) -> timedelta: ...
+
+    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
+
+    def _purge_now_and_then(self, now: datetime) -> None: ...
 
 
 _processed = cast(Table, ChatflowProcessedMessage.__table__)
@@ -128,7 +156,7 @@ _LIST = select(
 class SQLClaims:
     """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine."""
 
-    def __init__(self, store: SQLAlchemySessionStore) -> None:
+    def __init__(self, store: _Store) -> None:
         self._store = store
         self._acquire = store.support.acquire_claim(_processed)
         # Session leases taken with a claim and not yet used by a turn, per claim.

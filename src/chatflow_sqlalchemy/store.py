@@ -77,6 +77,11 @@ from chatflow_sqlalchemy.lifecycle import (
     validate_sweep_limit,
     validate_user_id,
 )
+from chatflow_sqlalchemy.migrate import (
+    auto_migrate_enabled,
+    ensure_schema,
+    require_existing_database,
+)
 from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import (
     has_changes,
@@ -86,6 +91,7 @@ from chatflow_sqlalchemy.reconcile import (
     other_incarnation,
     unsaved_tail_call,
 )
+from chatflow_sqlalchemy.registry import support_for
 from chatflow_sqlalchemy.rows import (
     IS_PROCESSED,
     SELECT_VERSION,
@@ -208,8 +214,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         engine_options: Mapping[str, Any] | None = None,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
     ) -> None:
-        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
-
         self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
         self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
@@ -274,14 +278,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     @classmethod
     def _support_for(cls, dialect_name: str) -> DialectSupport:
-        if cls.dialect_support is not None:
-            return cls.dialect_support
-        from chatflow_sqlalchemy.registry import load_backend
-
-        backend = load_backend(dialect_name)
-        if backend.dialect_support is None:
-            raise TypeError(f"backend {dialect_name!r} ({backend!r}) declares no dialect_support")
-        return backend.dialect_support
+        """The class's own dialect hooks, else those the registry has for ``dialect_name``."""
+        return cls.dialect_support if cls.dialect_support is not None else support_for(dialect_name)
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
@@ -289,8 +287,6 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         return cls(url, **kwargs)
 
     def _open_schema(self) -> None:
-        from chatflow_sqlalchemy.migrate import ensure_schema, require_existing_database
-
         with self.runtime.guard:
             if not self.auto_migrate:  # connecting would create a missing SQLite file
                 require_existing_database(self.engine)

@@ -5,7 +5,10 @@ SQLAlchemy parses a few common mistakes into something valid but unintended:
 ``chat.db``, so a bot answers and the history is gone at the next start. Every
 entry point (the store constructors, :func:`~chatflow_sqlalchemy.open_store` and
 the CLI) reads its URL through :func:`parse_database_url`, so they accept and
-refuse the same URLs with the same one-line fix.
+refuse the same URLs with the same one-line fix. :func:`psycopg_url` maps a
+PostgreSQL URL to the one driver the PostgreSQL store runs on; it lives here,
+not in the backend, so that tools (migrations, the CLI) map URLs without
+importing any store.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "DEFAULT_DATABASE_URL",
     "URL_EXAMPLES",
     "parse_database_url",
+    "psycopg_url",
     "quoted_url",
     "require_backend",
 ]
@@ -79,6 +83,28 @@ def require_backend(url: URL, backend: str, store: str) -> None:
             f"{store} opens {backend} databases, not {quoted_url(url)}; open any URL with "
             f"chatflow_sqlalchemy.open_store(url), which picks the store for its database"
         )
+
+
+def psycopg_url(url: str | URL) -> URL:
+    """Map ``postgresql://`` / ``postgres://`` URLs to the psycopg 3 driver.
+
+    Raises:
+        DatabaseURLError: ``url`` is not a PostgreSQL URL, or names another driver
+            (the store runs on psycopg 3 only).
+
+    """
+    parsed = parse_database_url(str(url).replace("postgres://", "postgresql://", 1)
+                                if isinstance(url, str) else url)
+    require_backend(parsed, "postgresql", "PostgresSessionStore")
+    if parsed.drivername in ("postgresql", "postgres"):
+        return parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername != "postgresql+psycopg":
+        driver = parsed.drivername.partition("+")[2]
+        raise DatabaseURLError(
+            f"the PostgreSQL store runs on psycopg 3, not {driver}: write the URL as "
+            f"{parsed.set(drivername='postgresql+psycopg').render_as_string()!r}"
+        )
+    return parsed
 
 
 def _refuse_sqlite_host(url: URL) -> None:

@@ -32,16 +32,12 @@ from chatflow_sqlalchemy.dialect import (
     SessionWrite,
     ping_when_idle,
 )
-from chatflow_sqlalchemy.exceptions import (
-    BackendImportError,
-    DatabaseUnavailableError,
-    DatabaseURLError,
-)
+from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
-from chatflow_sqlalchemy.urls import parse_database_url, require_backend
+from chatflow_sqlalchemy.urls import psycopg_url
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg
@@ -108,28 +104,6 @@ OPERATION_TIMEOUT_SECONDS = 15.0
 ``PostgresSessionStore.operation_timeout``)."""
 
 logger = logging.getLogger("chatflow_sqlalchemy")
-
-
-def psycopg_url(url: str | URL) -> URL:
-    """Map ``postgresql://`` / ``postgres://`` URLs to the psycopg 3 driver.
-
-    Raises:
-        DatabaseURLError: ``url`` is not a PostgreSQL URL, or names another driver
-            (the store runs on psycopg 3 only).
-
-    """
-    parsed = parse_database_url(str(url).replace("postgres://", "postgresql://", 1)
-                                if isinstance(url, str) else url)
-    require_backend(parsed, "postgresql", "PostgresSessionStore")
-    if parsed.drivername in ("postgresql", "postgres"):
-        return parsed.set(drivername="postgresql+psycopg")
-    if parsed.drivername != "postgresql+psycopg":
-        driver = parsed.drivername.partition("+")[2]
-        raise DatabaseURLError(
-            f"the PostgreSQL store runs on psycopg 3, not {driver}: write the URL as "
-            f"{parsed.set(drivername='postgresql+psycopg').render_as_string()!r}"
-        )
-    return parsed
 
 
 def default_connect_args(url: URL, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -219,6 +193,7 @@ class PostgresDialectSupport(DialectSupport):
     """PostgreSQL specifics: ``ON CONFLICT`` upserts, row locks, a one-statement write."""
 
     name = "postgresql"
+    store_class = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
     install_hint = INSTALL_HINT
     expires_processed_whole = True
 

@@ -33,6 +33,7 @@ from chatflow_sqlalchemy.dialect import (
 )
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
 from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
+from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
 
@@ -87,6 +88,7 @@ class SQLiteDialectSupport(DialectSupport):
     """SQLite specifics: pragmas, ``BEGIN IMMEDIATE`` writes, ``ON CONFLICT`` upserts."""
 
     name = "sqlite"
+    store_class = "chatflow_sqlalchemy.backends.sqlite:SQLiteSessionStore"
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A shared single connection in memory; a small pool of connections on disk."""
@@ -337,8 +339,6 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         require_encryption: bool = False,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
     ) -> None:
-        from chatflow_sqlalchemy.migrate import auto_migrate_enabled
-
         self.db_path = _refuse_url(db_path)
         url = sqlite_url(self.db_path)
         path = database_file(url)

@@ -110,9 +110,14 @@ def skips_locked_rows(dialect: Dialect) -> bool:
 
 
 class MariaDBDialectSupport(DialectSupport):
-    """MariaDB / MySQL specifics (PyMySQL or mysqlclient)."""
+    """MariaDB / MySQL specifics (PyMySQL or mysqlclient): the backend ``mysql``/``mariadb``.
+
+    The entry points name this class; ``open_store`` opens its
+    :attr:`store_class`, imported only then (this module imports no store).
+    """
 
     name = "mysql"
+    store_class = "chatflow_sqlalchemy_mariadb.store:MariaDBSessionStore"
     install_hint = INSTALL_HINT
 
     def engine_options(self, url: URL) -> dict[str, Any]:

@@ -1,0 +1,43 @@
+"""``open_store``: a store for any database URL, by the backend its dialect names.
+
+The registry (:mod:`chatflow_sqlalchemy.registry`) knows which
+:class:`~chatflow_sqlalchemy.dialect.DialectSupport` serves a dialect and
+which store class that support names; this module opens that class. It sits
+above both, so the registry never imports a store and a store only looks its
+dialect up in the registry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from sqlalchemy import URL
+
+from chatflow_sqlalchemy.registry import store_class_for
+from chatflow_sqlalchemy.urls import parse_database_url
+
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+
+__all__ = ["open_store"]
+
+
+def open_store(url: str | URL | None = None, **kwargs: Any) -> SQLAlchemySessionStore:
+    """Open a session store for ``url``, picking the backend by its dialect.
+
+    Without ``url``, ``$CHATFLOW_DATABASE_URL`` is used, else
+    ``sqlite:///chatflow.db``, as in the CLI. ``postgresql://`` URLs use
+    psycopg 3. The store class is the one the backend's ``DialectSupport``
+    names (its ``store_class``); keyword arguments go to that class's
+    ``from_url`` (e.g. ``default_max_turns``, ``dedup_ttl_hours``).
+
+    Raises:
+        DatabaseURLError: The URL cannot mean a database (the message gives the fix).
+        BackendNotFoundError: The dialect has no installed backend (lists installed ones).
+        BackendImportError: Its driver is missing (names the extra to install).
+        DuplicateBackendError: Two installed plugins claim the dialect.
+
+    """
+    parsed = parse_database_url(url)
+    store_class = store_class_for(parsed.get_backend_name())
+    return cast("SQLAlchemySessionStore", store_class.from_url(parsed, **kwargs))
