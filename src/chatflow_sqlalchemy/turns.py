@@ -74,7 +74,7 @@ class Turns:
         self._store = store
         self._runtime = runtime
         self.leases = leases
-        self._held: dict[str, _Held] = {}
+        self._held: dict[int, _Held] = {}  # by id() of the context in its turn
         self._orphans: set[asyncio.Task[Any]] = set()
         self._offered: dict[str, tuple[Lease, float]] = {}
         self._offered_lock = threading.Lock()
@@ -111,7 +111,7 @@ class Turns:
         """
         lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
         held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
-        self._held[ctx.session_id] = held
+        self._held[id(ctx)] = held
         try:
             if not await self._store._run_blocking(
                 self._store._refresh, ctx, (True, lease.version)
@@ -127,7 +127,7 @@ class Turns:
         A turn inside a webhook claim block for this session commits the claim
         with it (the claim is found here, in the caller's context).
         """
-        held = self._held.pop(ctx.session_id)
+        held = self._held.pop(id(ctx))
         try:
             await held.stop_renewing()
             fence = active_fence(ctx.session_id)
@@ -138,7 +138,7 @@ class Turns:
 
     async def discard(self, ctx: SessionContext) -> None:
         """After a turn ended by an exception: write nothing, give the lease back."""
-        held = self._held.pop(ctx.session_id, None)
+        held = self._held.pop(id(ctx), None)
         if held is not None:
             try:
                 await held.stop_renewing()
