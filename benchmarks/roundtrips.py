@@ -100,7 +100,7 @@ def count_turns(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, dict[
             before = _txid(direct_url)
             proxy.reset_counts()
             await drive(8, turns)
-            counts = proxy.reset_counts()
+            counts: dict[str, int] = proxy.reset_counts()
             counts["xids"] = _txid(direct_url) - before - 1
             return counts
 
@@ -149,7 +149,7 @@ def count_floor(proxy: Any, direct_url: str, turns: int = 40) -> dict[str, float
             proxy.reset_counts()
             for ref in refs[20:]:
                 await adapter.turn(ref, adapter.payload(ref))
-            counts = proxy.reset_counts()
+            counts: dict[str, int] = proxy.reset_counts()
             counts["xids"] = _txid(direct_url) - before - 1
             return counts
         finally:
