@@ -94,7 +94,8 @@ class AcquiredClaim:
         lease_fence: The statement also took the claimed session's turn lease
             (free, and no earlier claim of the session in flight), as
             :mod:`chatflow_sqlalchemy.lease` takes it: its fence. The
-            block's turn then uses that lease; None: the turn takes its own.
+            store's next turn on the session uses that lease (the claim
+            gives it back if none did); None: the turn takes its own.
 
     """
 
