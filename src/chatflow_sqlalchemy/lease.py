@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Float, Table, bindparam, null, or_, select, update
+from sqlalchemy import ColumnElement, Float, Table, bindparam, null, or_, select, update
 
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.models import ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
-from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
 
 __all__ = [
-    "DEFAULT_TURN_LEASE_SECONDS",
     "LEASE_FREE",
     "LEASE_HELD",
     "RELEASE",
@@ -40,8 +38,8 @@ __all__ = [
     "TAKE_VALUES",
     "Lease",
     "SessionLeases",
+    "free_at",
     "lease_params",
-    "validate_turn_lease_seconds",
 ]
 
 _s = cast(Table, ChatflowSession.__table__)
@@ -58,16 +56,22 @@ _MINE = (
 LEASE_HELD = _MINE & (_s.c.lease_expires_at > _NOW)
 """The session row while this holder's lease is unexpired (parameters: :func:`lease_params`)."""
 
-_FREE = or_(_s.c.lease_owner.is_(None), _s.c.lease_expires_at <= _NOW)
+
+
+def free_at(now: ColumnElement[datetime]) -> ColumnElement[bool]:
+    """The session row's lease is free, or expired at ``now`` (a database-clock time)."""
+    return or_(_s.c.lease_owner.is_(None), _s.c.lease_expires_at <= now)
+
+
+LEASE_FREE = free_at(_NOW)
+"""The session row's lease is free or expired (parameter ``lease_now``)."""
 TAKE_VALUES: dict[str, Any] = {
     "lease_owner": bindparam("holder_token"),
     "lease_fence": _s.c.lease_fence + 1,
     "lease_expires_at": _UNTIL,
 }
 """What taking the lease sets (``holder_token``, ``lease_until``, ``turn_lease_seconds``)."""
-LEASE_FREE = _FREE
-"""The session row's lease is free or expired (parameter ``lease_now``)."""
-_TAKE = update(_s).where(_SESSION, _FREE).values(TAKE_VALUES)
+_TAKE = update(_s).where(_SESSION, LEASE_FREE).values(TAKE_VALUES)
 _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
     _SESSION, _s.c.lease_owner == bindparam("holder_token")
 )

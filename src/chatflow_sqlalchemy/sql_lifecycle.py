@@ -49,7 +49,6 @@ from sqlalchemy import (
     func,
     insert,
     literal,
-    or_,
     select,
     tuple_,
     type_coerce,
@@ -58,6 +57,7 @@ from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import CorruptRowError
+from chatflow_sqlalchemy.lease import free_at
 from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     matches_metadata,
@@ -232,10 +232,7 @@ def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
 
 def _not_leased_now(now: datetime) -> ColumnElement[bool]:
     """No turn holds the session's lease (by the database's clock): none is running on it."""
-    database_now = DatabaseNow(bindparam(None, now, type_=UTCDateTime()))
-    return or_(
-        _sessions.c.lease_owner.is_(None), _sessions.c.lease_expires_at <= database_now
-    )
+    return free_at(DatabaseNow(bindparam(None, now, type_=UTCDateTime())))
 
 
 def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:

@@ -62,12 +62,7 @@ from chatflow_sqlalchemy.exceptions import (
     LeaseLostError,
     SessionDeletedError,
 )
-from chatflow_sqlalchemy.lease import (
-    DEFAULT_TURN_LEASE_SECONDS,
-    Lease,
-    SessionLeases,
-    validate_turn_lease_seconds,
-)
+from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     SWEEP_BATCH,
@@ -124,6 +119,7 @@ from chatflow_sqlalchemy.sql_lifecycle import (
 )
 from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.urls import parse_database_url, require_backend
+from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
 from chatflow_sqlalchemy.writer import SessionWriter
 
 __all__ = [

@@ -33,11 +33,11 @@ from chatflow_sqlalchemy.dialect import (
     ping_when_idle,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
-from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.urls import psycopg_url
+from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg

@@ -32,10 +32,10 @@ from chatflow_sqlalchemy.dialect import (
     on_conflict_acquire,
 )
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
-from chatflow_sqlalchemy.lease import DEFAULT_TURN_LEASE_SECONDS
 from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
+from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
