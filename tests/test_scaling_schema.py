@@ -45,6 +45,9 @@ def test_keys_without_session_id_are_the_ones_docs_scaling_lists() -> None:
         # the claims table stays a local table on the coordinator, or is distributed
         # by message_id on its own.
         "chatflow_processed_messages": ["message_id"],
+        # The durable inbox: its arrival id and its global message id (the dedup key);
+        # the last key found is kept here.
+        "chatflow_inbox": ["message_id"],
     }
 
 

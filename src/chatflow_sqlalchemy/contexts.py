@@ -105,8 +105,11 @@ class AgentResolver:
         """The Agent named ``name``; ``default`` if it has that name and no resolver knows it.
 
         Without either, a temporary agent of that name without tools, with a
-        warning logged once per name.
+        warning logged once per name. An empty name (a session the inbox
+        created before its first turn) stands for ``default``.
         """
+        if not name and default is not None:
+            return default
         if self.resolver is not None:
             agent = self.resolver(name)
             if agent is not None:

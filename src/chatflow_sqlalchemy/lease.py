@@ -31,6 +31,7 @@ from chatflow_sqlalchemy.models import ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
 
 __all__ = [
+    "KEEP_HELD",
     "LEASE_FREE",
     "LEASE_HELD",
     "RELEASE",
@@ -76,7 +77,9 @@ _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
     _SESSION, _s.c.lease_owner == bindparam("holder_token")
 )
 _EXISTS = select(_s.c.session_id).where(_SESSION)
-_RENEW = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
+KEEP_HELD = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
+"""Check the lease is still held and move it on (also :meth:`SessionLeases.until_params`):
+the write of a turn run by an inbox batch, which keeps the lease for its reply."""
 RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
 RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
@@ -155,9 +158,9 @@ class SessionLeases:
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease's expiry on; False if it expired or was taken over."""
-        params = {**lease_params(lease), **self._until()}
+        params = {**lease_params(lease), **self.until_params()}
         with self._runtime.transaction(single=True) as conn:
-            return conn.execute(_RENEW, params).rowcount == 1
+            return conn.execute(KEEP_HELD, params).rowcount == 1
 
     def release(self, lease: Lease) -> None:
         """Give the lease back (a turn that wrote nothing, or whose write failed)."""
@@ -171,9 +174,9 @@ class SessionLeases:
 
     def take_params(self) -> dict[str, Any]:
         """Parameters of a take by a new holder (a fresh token), but the session's."""
-        return {"holder_token": secrets.token_hex(16), "lease_now": utcnow(), **self._until()}
+        return {"holder_token": secrets.token_hex(16), "lease_now": utcnow(), **self.until_params()}
 
-    def _until(self) -> dict[str, Any]:
+    def until_params(self) -> dict[str, Any]:
         """The expiry's parameters (the worker's value only where no database clock renders)."""
         until = utcnow() + timedelta(seconds=self.lease_seconds)
         return {"lease_until": until, "turn_lease_seconds": self.lease_seconds}

@@ -40,7 +40,8 @@ from chatflow_sqlalchemy.context import (
     validate_max_turns,
     validate_session_id,
 )
-from chatflow_sqlalchemy.exceptions import ClaimLostError
+from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError
+from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     ListFilters,
@@ -51,6 +52,7 @@ from chatflow_sqlalchemy.lifecycle import (
     validate_sweep_limit,
     validate_user_id,
 )
+from chatflow_sqlalchemy.memory_inbox import MemoryInbox
 from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
     DEFAULT_TURN_LEASE_SECONDS,
@@ -121,6 +123,14 @@ class SessionStore(AsyncStoreAPI):
         self._closed = False
         self._claim_rows = MemoryClaims(self)
         self._turn_starts: dict[int, _Snapshot] = {}
+        self._inbox_rows = MemoryInbox(self.turn_lease_seconds)
+        self.inbox = Inbox(
+            self._inbox_rows,
+            lease_seconds=self.turn_lease_seconds,
+            dedup_seconds=self._ttl_seconds,
+            system="memory",
+        )
+        """The durable inbox (:mod:`chatflow_sqlalchemy.inbox`), kept until the store closes."""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -225,15 +235,20 @@ class SessionStore(AsyncStoreAPI):
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
         ctx._check_alive()
-        if active_fence(ctx.session_id) is not None:  # kept to discard a fenced-out turn
+        fenced = active_fence(ctx.session_id) or active_batch(ctx.session_id)
+        if fenced is not None:  # kept to discard a fenced-out turn
             self._turn_starts[id(ctx)] = ctx._snapshot()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
         ctx._check_alive()  # a turn of a session deleted meanwhile is not kept
         start = self._turn_starts.pop(id(ctx), None)
+        changed = start is not None and _turn_changed(ctx, start)
         fence = active_fence(ctx.session_id)
-        if fence is not None and start is not None and _turn_changed(ctx, start):
+        if fence is not None and start is not None and changed:
             self._commit_claim(ctx, fence, start)
+        batch = active_batch(ctx.session_id)
+        if batch is not None and start is not None and changed:
+            self._answer_batch(ctx, batch, start)
         self._flush_context(ctx)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
@@ -252,6 +267,17 @@ class SessionStore(AsyncStoreAPI):
             with ctx._mutex:
                 ctx._restore(start)
             raise ClaimLostError(fence.message_id)
+
+    def _answer_batch(self, ctx: SessionContext, batch: BatchFence, start: _Snapshot) -> None:
+        """As the SQL stores: a turn of an inbox batch records its reply, or is undone."""
+        last = ctx._history[-1] if ctx._history else None
+        added = last is not None and not any(message is last for message in start.history)
+        try:
+            self._inbox_rows.answer(batch, reply_of(last if added else None))
+        except LeaseLostError:
+            with ctx._mutex:
+                ctx._restore(start)
+            raise
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None."""
@@ -485,6 +511,7 @@ class SessionStore(AsyncStoreAPI):
             self._sessions.clear()
             self._updated.clear()
             self._processed.clear()
+        self._inbox_rows.clear()
 
     def __enter__(self) -> SessionStore:
         return self

@@ -49,6 +49,7 @@ __all__ = [
     "NAMING_CONVENTION",
     "SESSION_ID_MAX_LENGTH",
     "Base",
+    "ChatflowInboxItem",
     "ChatflowMessage",
     "ChatflowMessageArchive",
     "ChatflowProcessedMessage",
@@ -280,3 +281,42 @@ class ChatflowProcessedMessage(Base):
     )
 
     __table_args__ = (Index(None, "processed_at"), Index(None, "session_id", "ticket"))
+
+
+class ChatflowInboxItem(Base):
+    """An inbound message in the durable inbox (revision 0009), kept until sent and past dedup.
+
+    ``store.inbox.put`` inserts it ``pending``; a worker of ``inbox.serve``
+    holding its session's lease takes the session's pending items as one
+    batch (``in_flight``, ``batch_token`` set, ``attempts`` bumped). The
+    batch's turn records the reply and ``answered_at`` in its own
+    transaction; then the items become ``done`` (no ``send``) or ``sent``.
+    A failed batch goes back to ``pending`` until ``not_before``, or ends
+    ``dead`` with its ``error`` (:mod:`chatflow_sqlalchemy.inbox`).
+
+    ``id`` is the arrival order; ``received_at`` and ``not_before`` are the
+    database's clock. ``text`` and ``reply`` are sealed on a store with a
+    cipher, like message content.
+    """
+
+    __tablename__ = "chatflow_inbox"
+
+    id: Mapped[int] = mapped_column(MessageId, primary_key=True, autoincrement=True)
+    message_id: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH), unique=True)
+    session_id: Mapped[str] = mapped_column(String(SESSION_ID_MAX_LENGTH))
+    text: Mapped[str] = mapped_column(LongText)
+    payload: Mapped[Any | None] = mapped_column(JSONDocument, nullable=True)
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    state: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    not_before: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    batch_token: Mapped[str | None] = mapped_column(
+        String(LEASE_OWNER_MAX_LENGTH), nullable=True
+    )
+    answered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    reply: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    error: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (Index(None, "session_id", "state"), Index(None, "state", "updated_at"))

@@ -62,6 +62,7 @@ from chatflow_sqlalchemy.exceptions import (
     LeaseLostError,
     SessionDeletedError,
 )
+from chatflow_sqlalchemy.inbox import UNBORN_AGENT, BatchFence, Inbox
 from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
@@ -107,6 +108,7 @@ from chatflow_sqlalchemy.runtime import (
 )
 from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
 from chatflow_sqlalchemy.sql_claims import SQLClaims
+from chatflow_sqlalchemy.sql_inbox import SQLInbox
 from chatflow_sqlalchemy.sql_lifecycle import (
     SweepCursor,
     decode_transcript,
@@ -259,12 +261,19 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             engine, self.support, self.url, owns_engine=owns_engine, engine_options=options,
             io_workers=self._blocking_io_workers,
         )
-        self.turns = Turns(
-            self, self.runtime, SessionLeases(self.runtime, self.turn_lease_seconds)
-        )
+        leases = SessionLeases(self.runtime, self.turn_lease_seconds)
+        self.turns = Turns(self, self.runtime, leases)
         self._writer = SessionWriter(
-            self.runtime, self._sealer, self._agents, archive_pruned=self.archive_pruned
+            self.runtime, self._sealer, self._agents, archive_pruned=self.archive_pruned,
+            leases=leases,
         )
+        self.inbox = Inbox(
+            SQLInbox(self, leases, self._sealer),
+            lease_seconds=self.turn_lease_seconds,
+            dedup_seconds=self._dedup_ttl.total_seconds(),
+            system=self.runtime.system,
+        )
+        """The durable inbox (:mod:`chatflow_sqlalchemy.inbox`)."""
         # Dialect statements are built once: building an upsert costs more than running it.
         self._insert_session = self.support.insert_ignore(_sessions)
         self._claim = self.support.claim_processed(_processed)
@@ -447,7 +456,45 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 )
                 stored = read_session(conn, self._sealer, session_id)
             assert stored is not None
+        elif stored.agent_name == UNBORN_AGENT:
+            stored = self._adopt(session_id, default_agent, metadata)
         return self._contexts.publish(self._build_context(stored, session_id, default_agent))
+
+    def _create_empty_session(self, session_id: str) -> None:
+        """A session for the inbox to lease before its first turn (no agent chosen yet).
+
+        The first ``get_or_create`` gives it its agent and metadata, as if it
+        created it (:meth:`_adopt`).
+        """
+        now = utcnow()
+        with self.runtime.transaction(write=True) as conn:
+            conn.execute(self._insert_session, {
+                "session_id": session_id,
+                "active_agent_name": UNBORN_AGENT,
+                "metadata_json": self._sealer.seal_metadata(session_id, {}),
+                "version": first_version(),
+                "created_at": now,
+                "updated_at": now,
+                "user_id": None,
+            })
+
+    def _adopt(
+        self, session_id: str, agent: Agent, metadata: dict[str, Any]
+    ) -> StoredSession:
+        """Give a session the inbox created its agent and metadata; return it as stored."""
+        sealed = self._sealer.seal_metadata(session_id, metadata)
+        with self.runtime.transaction(write=True) as conn:
+            conn.execute(
+                update(_sessions)
+                .where(_sessions.c.session_id == session_id,
+                       _sessions.c.active_agent_name == UNBORN_AGENT)
+                .values(active_agent_name=agent.name, metadata_json=sealed,
+                        version=_sessions.c.version + 1, updated_at=utcnow())
+            )
+            stored = read_session(conn, self._sealer, session_id)
+        if stored is None:
+            raise SessionDeletedError(session_id)
+        return stored
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None if the session does not exist."""
@@ -547,6 +594,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def sweep(self, limit: int | None = None) -> int:
         """Remove expired sessions (messages and claims too) in batches; return how many.
 
+        Inbox messages done or sent longer ago than the dedup window go too.
+
         A session is expired when not updated for ``session_ttl_hours``. Each
         batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
         removed: a session whose turn is in progress (under a live lease, by
@@ -560,6 +609,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """
         ttl = self._session_ttl()
         validate_sweep_limit(limit)
+        self.inbox.purge()
         cutoff = utcnow() - ttl
         cursor = SweepCursor()
         total = 0
@@ -788,7 +838,11 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     # ------------------------------------------------------------ writes and turns
 
     def _flush_context(
-        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+        self,
+        ctx: SessionContext,
+        fence: ClaimFence | None = None,
+        lease: Lease | None = None,
+        batch: BatchFence | None = None,
     ) -> None:
         """Write what ``ctx`` changed since the database last saw it, in one transaction.
 
@@ -797,7 +851,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         :class:`ClaimLostError` is raised (the context is reloaded).
         ``lease``: the turn's lease, given back by the same transaction, or
         nothing is written and :class:`LeaseLostError` is raised. A turn
-        that changed nothing leaves its lease to the caller.
+        that changed nothing leaves its lease to the caller. ``batch``: the
+        inbox batch the turn runs for; its reply is recorded in the same
+        transaction, which keeps the lease.
         """
         self._claimed_version(ctx.session_id)  # stale once written: no later call may use it
         with ctx._mutex:
@@ -808,7 +864,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             ctx._writing += 1
             try:
                 with telemetry.operation("turn.commit", self.runtime.system):
-                    deleted = self._writer.write(ctx, fence, lease)
+                    deleted = self._writer.write(ctx, fence, lease, batch)
                 telemetry.count("chatflow.messages.pruned", deleted, self.runtime.system)
             except SessionDeletedError:
                 self._forget(ctx.session_id, ctx)

@@ -116,6 +116,26 @@ class _Instruments:
                 unit="{session}",
                 description="Sessions removed by the retention sweep",
             ),
+            "chatflow.inbox.received": meter.create_counter(
+                "chatflow.inbox.received",
+                unit="{message}",
+                description="Messages the inbox accepted (redeliveries refused are not counted)",
+            ),
+            "chatflow.inbox.answered": meter.create_counter(
+                "chatflow.inbox.answered",
+                unit="{message}",
+                description="Inbox messages whose batch was handled and its reply stored",
+            ),
+            "chatflow.inbox.failed": meter.create_counter(
+                "chatflow.inbox.failed",
+                unit="{message}",
+                description="Inbox messages whose batch raised (retried later, or dead)",
+            ),
+            "chatflow.inbox.send_failures": meter.create_counter(
+                "chatflow.inbox.send_failures",
+                unit="{reply}",
+                description="Calls of the inbox's send that raised (each retry counts)",
+            ),
         }
 
 
@@ -158,8 +178,8 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
     """Run the block as the store operation ``name``: a span and a duration sample.
 
     Args:
-        name: ``claim``, ``load``, ``turn.lease`` or ``turn.commit`` (the span is
-            ``chatflow.<name>``).
+        name: ``claim``, ``load``, ``turn.lease``, ``turn.commit``, ``inbox.put``,
+            ``inbox.batch`` or ``inbox.send`` (the span is ``chatflow.<name>``).
         system: The database (``db.system.name``): ``sqlite``, ``postgresql``...
         **attributes: More span attributes, keyed ``chatflow.<key>``.
 

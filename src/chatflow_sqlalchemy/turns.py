@@ -22,6 +22,7 @@ from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, active_fence
 from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.inbox import BatchFence, active_batch
 from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.runtime import StoreRuntime
 
@@ -43,21 +44,41 @@ class _Store(Protocol):
     def _refresh(self, ctx: SessionContext, claimed: tuple[bool, int | None] = ...) -> bool: ...
 
     def _flush_context(
-        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+        self,
+        ctx: SessionContext,
+        fence: ClaimFence | None = None,
+        lease: Lease | None = None,
+        batch: BatchFence | None = None,
     ) -> None: ...
 
 
 class _Held:
-    """A lease held by a running turn, and the task that renews it."""
+    """A lease held by a running turn, and the task that renews it.
 
-    def __init__(self, lease: Lease, renewal: asyncio.Task[None]) -> None:
+    A turn run by an inbox batch uses the batch's lease: the batch renews
+    it and gives it back (``batch`` is set, ``renewal`` None).
+    """
+
+    def __init__(
+        self,
+        lease: Lease,
+        renewal: asyncio.Task[None] | None,
+        batch: BatchFence | None = None,
+    ) -> None:
         self.lease = lease
         self.renewal = renewal
+        self.batch = batch
 
     async def stop_renewing(self) -> None:
         """Cancel the renewal and wait for it; a cancellation of the caller still raises."""
-        self.renewal.cancel()
-        await asyncio.wait([self.renewal])
+        if self.renewal is not None:
+            self.renewal.cancel()
+            await asyncio.wait([self.renewal])
+
+    @property
+    def ours(self) -> bool:
+        """The turn gives the lease back (it is not its batch's)."""
+        return self.batch is None and not self.lease.released
 
 
 class Turns:
@@ -109,9 +130,14 @@ class Turns:
             SessionDeletedError: The session is gone (no lease is kept).
 
         """
-        lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
-        held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
+        batch = active_batch(ctx.session_id)
+        if batch is not None:
+            held = _Held(batch.lease, None, batch)
+        else:
+            lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
+            held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
         self._held[id(ctx)] = held
+        lease = held.lease
         try:
             if not await self._store._run_blocking(
                 self._store._refresh, ctx, (True, lease.version)
@@ -125,15 +151,18 @@ class Turns:
         """Write the turn in one transaction that also gives the lease back.
 
         A turn inside a webhook claim block for this session commits the claim
-        with it (the claim is found here, in the caller's context).
+        with it (the claim is found here, in the caller's context); a turn of
+        an inbox batch records the batch's reply and keeps its lease.
         """
         held = self._held.pop(id(ctx))
         try:
             await held.stop_renewing()
             fence = active_fence(ctx.session_id)
-            await self._store._run_blocking(self._store._flush_context, ctx, fence, held.lease)
+            await self._store._run_blocking(
+                self._store._flush_context, ctx, fence, held.lease, held.batch
+            )
         finally:
-            if not held.lease.released:
+            if held.ours:
                 await self._give_back(held.lease)
 
     async def discard(self, ctx: SessionContext) -> None:
@@ -143,7 +172,8 @@ class Turns:
             try:
                 await held.stop_renewing()
             finally:
-                await self._give_back(held.lease)
+                if held.ours:
+                    await self._give_back(held.lease)
 
     async def _offered_lease(self, session_id: str) -> Lease | None:
         """The lease a webhook claim took for this session, renewed first if one is due.

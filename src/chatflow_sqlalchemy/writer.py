@@ -34,7 +34,8 @@ from chatflow_sqlalchemy.context import (
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
-from chatflow_sqlalchemy.lease import RELEASE_HELD, Lease, lease_params
+from chatflow_sqlalchemy.inbox import BatchFence
+from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, Lease, SessionLeases, lease_params
 from chatflow_sqlalchemy.lifecycle import pruned_seqs
 from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import install, orphaned_tool_call, other_incarnation
@@ -52,6 +53,7 @@ from chatflow_sqlalchemy.rows import (
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
+from chatflow_sqlalchemy.sql_inbox import answer_batch
 from chatflow_sqlalchemy.sql_lifecycle import archive_rows
 
 __all__ = ["SessionWriter"]
@@ -67,13 +69,21 @@ class SessionWriter:
         sealer: Encrypts what the store encrypts at rest.
         agents: Resolves the agent of rows a rebase reads.
         archive_pruned: Keep pruned rows in the archive table.
+        leases: The store's session leases (a turn of an inbox batch keeps its lease).
 
     """
 
     def __init__(
-        self, runtime: StoreRuntime, sealer: Sealer, agents: AgentResolver, *, archive_pruned: bool
+        self,
+        runtime: StoreRuntime,
+        sealer: Sealer,
+        agents: AgentResolver,
+        *,
+        archive_pruned: bool,
+        leases: SessionLeases,
     ) -> None:
         self._runtime = runtime
+        self._leases = leases
         self._support: DialectSupport = runtime.support
         self._sealer = sealer
         self._agents = agents
@@ -85,12 +95,18 @@ class SessionWriter:
         )
 
     def write(
-        self, ctx: SessionContext, fence: ClaimFence | None = None, lease: Lease | None = None
+        self,
+        ctx: SessionContext,
+        fence: ClaimFence | None = None,
+        lease: Lease | None = None,
+        batch: BatchFence | None = None,
     ) -> int:
         """Write ``ctx``'s changes; return how many message rows it deleted (pruned or cleared).
 
         Call it under ``ctx._mutex``, with changes to write. ``lease``: the
         turn's lease, checked and given back by the same transaction.
+        ``batch``: the inbox batch the turn runs for; the transaction records
+        its reply, and the lease (the batch's) is checked and kept.
 
         Raises:
             SessionDeletedError: The session is gone (or is another one now).
@@ -100,17 +116,22 @@ class SessionWriter:
         """
         reply = None if fence is None else self._reply(ctx)
         deleted = None
-        if self._writes_at_once and ctx._seqs and not self._archives_now(ctx):
+        if self._writes_at_once and batch is None and ctx._seqs and not self._archives_now(ctx):
             deleted = self._write_at_once(ctx, fence, reply, lease)
         if deleted is None:
+            answer = None if batch is None else (batch, self._answer(ctx))
+            keep = None if batch is None else self._leases.until_params()
             with self._runtime.transaction(write=True) as conn:
                 if lease is not None:
-                    give_back(conn, lease, ctx._durable.incarnation if ctx._durable else None)
-                deleted = self._write_changes(conn, ctx, fence, reply)
+                    incarnation = ctx._durable.incarnation if ctx._durable else None
+                    give_back(conn, lease, incarnation, keep=keep)
+                deleted = self._write_changes(conn, ctx, fence, reply, answer)
         if fence is not None:
             fence.reply = reply
-        if lease is not None:
+        if lease is not None and batch is None:
             lease.released = True
+        elif lease is not None and ctx._durable is not None:
+            lease.version = ctx._durable.version  # the batch's next turn need not read it
         return deleted
 
     def _reply(self, ctx: SessionContext) -> str | None:
@@ -121,11 +142,15 @@ class SessionWriter:
         what the block itself stores there (an answer it could not store is
         refused all the same, before the turn is written).
         """
+        reply = self._answer(ctx)
+        return None if self._sealer.active else reply
+
+    def _answer(self, ctx: SessionContext) -> str | None:
+        """The model answer this turn added, if it is the window's last message."""
         durable = ctx._durable
         if durable is None or not ctx._seqs or ctx._seqs[-1] in durable.seqs:
             return None
-        reply = reply_of(ctx._history[-1])
-        return None if self._sealer.active else reply
+        return reply_of(ctx._history[-1])
 
     def _write_at_once(
         self,
@@ -160,7 +185,12 @@ class SessionWriter:
         return len(gone)
 
     def _write_changes(
-        self, conn: Connection, ctx: SessionContext, fence: ClaimFence | None, reply: str | None
+        self,
+        conn: Connection,
+        ctx: SessionContext,
+        fence: ClaimFence | None,
+        reply: str | None,
+        answer: tuple[BatchFence, str | None] | None = None,
     ) -> int:
         """Compare-and-swap the session's version, then write the message diff.
 
@@ -192,6 +222,8 @@ class SessionWriter:
             claim = fence.params(now, reply)
             if conn.execute(FENCE_CLAIM, claim).rowcount != 1:
                 raise ClaimLostError(fence.message_id)
+        if answer is not None:
+            answer_batch(conn, answer[0], answer[1], self._sealer)
         _mark_written(ctx, gone, new_rows, metadata_json)
         return len(gone)
 
@@ -287,20 +319,27 @@ class SessionWriter:
         )
 
 
-def give_back(conn: Connection, lease: Lease, incarnation: object) -> None:
+def give_back(
+    conn: Connection, lease: Lease, incarnation: object, *, keep: dict[str, Any] | None = None
+) -> None:
     """First statement of a turn's write transaction: check the lease and give it back.
 
     It also takes the session row's write lock, as the compare-and-swap
     after it would. The transaction rolls back whole if a later statement
     fails, the lease included. ``incarnation``: the ``created_at`` of the
-    session the turn began on.
+    session the turn began on. ``keep``: the expiry's parameters of a
+    lease the turn's inbox batch keeps (it is moved on, not given back).
 
     Raises:
         SessionDeletedError: The session is gone (or is another one now).
         LeaseLostError: The lease expired or was taken over.
 
     """
-    if conn.execute(RELEASE_HELD, lease_params(lease)).rowcount == 1:
+    if keep is None:
+        held = conn.execute(RELEASE_HELD, lease_params(lease))
+    else:
+        held = conn.execute(KEEP_HELD, {**lease_params(lease), **keep})
+    if held.rowcount == 1:
         return
     created = conn.execute(SELECT_CREATED, {"session_id": lease.session_id}).first()
     if created is None or (incarnation is not None and created[0] != incarnation):

@@ -1,0 +1,781 @@
+"""The durable inbox: nothing lost after the webhook's 200, bursts answered as one turn.
+
+A webhook puts each inbound message into ``store.inbox`` (durable when
+``put`` returns, idempotent by message id) and answers 200; workers of
+``store.inbox.serve(handle, send=...)`` on any number of processes answer
+them::
+
+    accepted = await store.inbox.aput(message_id, session_id=phone, text=body, sent_at=ts)
+
+    async def handle(batch):      # batch.session_id, batch.items, batch.text
+        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        return result.content     # the reply
+
+    await store.inbox.serve(handle, send=send_reply)
+
+How it holds:
+
+* A worker takes a session with pending messages whose **turn lease** is
+  free (:mod:`chatflow_sqlalchemy.lease`: the session's own lease, one clock,
+  the database's) and keeps it through the batch and its reply. Nothing else
+  is held while ``handle`` runs.
+* The session's pending messages, ordered by the platform's ``sent_at``
+  then arrival, are one **batch**; a session is ready once its newest
+  pending message is ``coalesce_seconds`` old (a burst is one batch), or its
+  oldest one has waited ``MAX_COALESCE_FACTOR`` times that. Messages put
+  while the batch runs wait for the next batch.
+* A turn run by ``handle`` on the batch's session uses the batch's lease and
+  records the reply and the items' answered state in the transaction that
+  writes the turn. A batch whose worker dies after that commit is never
+  handled again: the worker that takes the session over sends the stored
+  reply.
+* ``handle`` raising gives the batch back (retried after a backoff);
+  after ``max_attempts`` its messages are ``dead``, with the error kept. A
+  failed ``send`` is retried with backoff without running the turn again.
+* States: ``pending``, ``in_flight``, ``done`` (answered, no ``send``),
+  ``sent``, ``dead``.
+
+Each store provides the rows (:class:`InboxRows`); this module holds what is
+the same everywhere: validation, the worker loop, the turn's hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol, TypeVar
+
+from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy.claims import validate_message_id
+from chatflow_sqlalchemy.exceptions import LeaseLostError
+from chatflow_sqlalchemy.lease import Lease
+from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, check_storable_text
+
+__all__ = [
+    "DEAD",
+    "DONE",
+    "INBOX_STATES",
+    "IN_FLIGHT",
+    "MAX_COALESCE_FACTOR",
+    "PENDING",
+    "SENT",
+    "UNBORN_AGENT",
+    "BatchFence",
+    "Inbox",
+    "InboxBatch",
+    "InboxEntry",
+    "InboxItem",
+    "InboxReply",
+    "InboxRows",
+    "InboxStats",
+    "Unsent",
+    "active_batch",
+    "parse_sent_at",
+]
+
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+_T = TypeVar("_T")
+
+PENDING, IN_FLIGHT, DONE, SENT, DEAD = "pending", "in_flight", "done", "sent", "dead"
+INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
+"""Every state an inbox message can be in, in the order it goes through them."""
+
+MAX_COALESCE_FACTOR = 10
+"""A session whose messages keep coming is served once its oldest one waited this many
+coalesce windows."""
+
+UNBORN_AGENT = ""
+"""The agent name of a session the inbox created for its lease before any turn: the first
+``get_or_create`` gives it the caller's agent."""
+
+BATCH_LIMIT = 100
+"""At most this many messages in one batch; the rest go to the next."""
+
+_FIRST_POLL, _LAST_POLL = 0.005, 0.25
+"""Backoff of an idle worker between looks for ready sessions (a local put wakes it at once)."""
+
+_MAX_RETRY_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class InboxItem:
+    """One inbound message, as ``handle`` sees it.
+
+    Attributes:
+        message_id: The platform's id (the dedup key).
+        session_id: The conversation it belongs to.
+        text: What the user wrote.
+        sent_at: When the platform says it was sent (UTC), if it said.
+        received_at: When the inbox stored it (the database's clock).
+        payload: The JSON document given to ``put``, if any.
+        attempts: How many batches took it, this one included.
+
+    """
+
+    message_id: str
+    session_id: str
+    text: str
+    sent_at: datetime | None
+    received_at: datetime
+    payload: Any = None
+    attempts: int = 1
+
+
+@dataclass(frozen=True)
+class InboxBatch:
+    """The messages of one session answered as one turn, in order.
+
+    Attributes:
+        session_id: Their session.
+        items: The messages, ordered by ``sent_at`` (when given) then arrival.
+
+    """
+
+    session_id: str
+    items: tuple[InboxItem, ...]
+
+    @property
+    def text(self) -> str:
+        """The items' texts, in order, joined by newlines: the turn's user message."""
+        return "\n".join(item.text for item in self.items)
+
+    @property
+    def message_ids(self) -> tuple[str, ...]:
+        """The items' message ids, in order."""
+        return tuple(item.message_id for item in self.items)
+
+
+@dataclass(frozen=True)
+class InboxReply:
+    """What ``send`` delivers: a batch's reply.
+
+    Attributes:
+        session_id: The session (on WhatsApp, the user's phone).
+        text: The reply ``handle`` returned.
+        message_ids: The messages it answers.
+
+    """
+
+    session_id: str
+    text: str
+    message_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """A reply stored with its turn and not sent yet: a batch token and its reply."""
+
+    token: str
+    reply: InboxReply
+
+
+@dataclass(frozen=True)
+class InboxEntry:
+    """One inbox message as operators see it (``inbox list``).
+
+    Attributes:
+        message_id: The platform's id.
+        session_id: Its session.
+        state: One of :data:`INBOX_STATES`.
+        attempts: Batches that took it.
+        received_at: When it was stored.
+        updated_at: Its last change of state.
+        sent_at: The platform's timestamp, if given.
+        error: Why its last attempt failed, if it did.
+
+    """
+
+    message_id: str
+    session_id: str
+    state: str
+    attempts: int
+    received_at: datetime
+    updated_at: datetime
+    sent_at: datetime | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (times as ISO 8601)."""
+        return {
+            "message_id": self.message_id,
+            "session_id": self.session_id,
+            "state": self.state,
+            "attempts": self.attempts,
+            "received_at": self.received_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+            "sent_at": None if self.sent_at is None else self.sent_at.isoformat(),
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class InboxStats:
+    """Counts for operators (``inbox stats``).
+
+    Attributes:
+        counts: Messages per state (every state present, zero included).
+        oldest_pending_seconds: Age of the oldest pending message, None if none.
+        dead_last_hour: Messages that died in the last hour.
+
+    """
+
+    counts: dict[str, int]
+    oldest_pending_seconds: float | None
+    dead_last_hour: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "counts": dict(self.counts),
+            "oldest_pending_seconds": self.oldest_pending_seconds,
+            "dead_last_hour": self.dead_last_hour,
+        }
+
+
+@dataclass
+class BatchFence:
+    """A batch in progress: what a turn run by ``handle`` commits with.
+
+    Attributes:
+        session_id: The batch's session.
+        lease: The session's lease, held by the batch (the turn keeps it).
+        token: The batch's token, on its items' rows.
+        size: How many items the batch holds.
+        answered: A turn's write recorded the reply.
+
+    """
+
+    session_id: str
+    lease: Lease
+    token: str
+    size: int
+    answered: bool = field(default=False)
+
+
+_BATCH: contextvars.ContextVar[BatchFence | None] = contextvars.ContextVar(
+    "chatflow_inbox_batch", default=None
+)
+
+
+def active_batch(session_id: str) -> BatchFence | None:
+    """The inbox batch this code runs in, if it is ``session_id``'s (read on the caller's side)."""
+    batch = _BATCH.get()
+    return batch if batch is not None and batch.session_id == session_id else None
+
+
+class InboxRows(Protocol):
+    """What a store provides for its inbox: its rows, and its sessions' leases.
+
+    Every call is one short transaction (or a step of the in-memory store
+    under its lock). Calls that take a ``lease`` do nothing and return False
+    (or raise :class:`LeaseLostError`) once the lease is not held.
+    """
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a blocking call off the event loop."""
+
+    def put(
+        self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any
+    ) -> bool:
+        """Store a pending message; False if its id is already in the inbox."""
+
+    def ready(self, coalesce_seconds: float, limit: int, busy: Collection[str]) -> list[str]:
+        """Up to ``limit`` sessions, not in ``busy``, with a batch to serve and a free lease."""
+
+    def take(self, session_id: str) -> Lease | None:
+        """Take the session's lease (creating an empty session if none exists yet)."""
+
+    def renew(self, lease: Lease) -> bool:
+        """Move the lease on; False if it is lost."""
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease back."""
+
+    def open_batch(
+        self, lease: Lease, token: str, max_attempts: int
+    ) -> tuple[list[Unsent], list[InboxItem]]:
+        """Recover what a dead holder left, then take the pending messages as one batch.
+
+        Returns the replies answered but not sent (in order), and the
+        batch's items (marked in flight under ``token``, attempts counted).
+        """
+
+    def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
+        """Store ``handle``'s reply; the items are done, or wait for ``send`` if ``to_send``."""
+
+    def sent(self, token: str) -> None:
+        """The batch's reply was sent."""
+
+    def failed(
+        self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
+    ) -> None:
+        """``handle`` raised: back to pending after ``retry_in`` seconds, or dead."""
+
+    def undeliverable(self, lease: Lease, token: str, error: str) -> None:
+        """``send`` kept failing: the items are dead, their reply kept."""
+
+    def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
+        """Messages in arrival order, optionally of one state."""
+
+    def retry(self, message_id: str) -> bool:
+        """A dead message (with its batch) back to pending; False if it is not dead."""
+
+    def stats(self) -> InboxStats:
+        """Counts per state, oldest pending age, dead in the last hour."""
+
+    def purge(self, older_than_seconds: float) -> int:
+        """Delete done and sent messages older than that; return how many."""
+
+
+Handle = Callable[[InboxBatch], Awaitable[str | None]]
+Send = Callable[[InboxReply], Awaitable[None]]
+
+
+class Inbox:
+    """A store's durable inbox (``store.inbox``); see the module's description.
+
+    Args:
+        rows: The store's inbox rows.
+        lease_seconds: The store's ``turn_lease_seconds``: a batch's lease.
+        dedup_seconds: How long done and sent messages stay, refusing their id.
+        system: The database, for telemetry.
+
+    """
+
+    def __init__(
+        self, rows: InboxRows, *, lease_seconds: float, dedup_seconds: float, system: str
+    ) -> None:
+        self._rows = rows
+        self.lease_seconds = lease_seconds
+        self._dedup_seconds = dedup_seconds
+        self._system = system
+        self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._wakers_lock = threading.Lock()
+
+    def put(
+        self,
+        message_id: str,
+        *,
+        session_id: str,
+        text: str,
+        sent_at: datetime | int | float | str | None = None,
+        payload: Any = None,
+    ) -> bool:
+        """Store an inbound message; durable when this returns.
+
+        Args:
+            message_id: The platform's message id (the dedup key).
+            session_id: The conversation (on WhatsApp, the sender's phone).
+            text: The message's text.
+            sent_at: The platform's timestamp: an aware ``datetime``, or epoch
+                seconds as int, float or digit string (as WhatsApp sends it).
+            payload: Any JSON document to keep with the message.
+
+        Returns:
+            False if the id is already in the inbox (a redelivery): do nothing more.
+
+        Raises:
+            ValueError: A bad argument (the message says which and why).
+
+        """
+        args = _checked(message_id, session_id, text, sent_at, payload)
+        with telemetry.operation("inbox.put", self._system):
+            accepted = self._rows.put(*args)
+        if accepted:
+            telemetry.count("chatflow.inbox.received", 1, self._system)
+            self.wake()
+        return accepted
+
+    async def aput(
+        self,
+        message_id: str,
+        *,
+        session_id: str,
+        text: str,
+        sent_at: datetime | int | float | str | None = None,
+        payload: Any = None,
+    ) -> bool:
+        """:meth:`put` without blocking the event loop."""
+        args = _checked(message_id, session_id, text, sent_at, payload)
+        with telemetry.operation("inbox.put", self._system):
+            accepted = await self._rows.run(self._rows.put, *args)
+        if accepted:
+            telemetry.count("chatflow.inbox.received", 1, self._system)
+            self.wake()
+        return accepted
+
+    async def serve(
+        self,
+        handle: Handle,
+        *,
+        send: Send | None = None,
+        concurrency: int = 4,
+        coalesce_seconds: float = 1.0,
+        max_attempts: int = 5,
+        retry_seconds: float = 1.0,
+    ) -> None:
+        """Answer the inbox's messages until cancelled.
+
+        Args:
+            handle: ``async handle(batch) -> reply``: runs the batch's turn and
+                returns the reply (None: nothing to send).
+            send: ``async send(reply)``: delivers a reply; retried with
+                backoff on failure, never re-running the turn.
+            concurrency: Batches (of distinct sessions) in flight at once.
+            coalesce_seconds: A session's messages closer than this are one batch.
+            max_attempts: Batches (and sends) tried before the messages are dead.
+            retry_seconds: First backoff after a failure; it doubles each time.
+
+        Raises:
+            ValueError: A bad argument.
+
+        """
+        worker = _Worker(
+            self, handle, send, _positive_int(concurrency, "concurrency"),
+            _seconds(coalesce_seconds, "coalesce_seconds", allow_zero=True),
+            _positive_int(max_attempts, "max_attempts"),
+            _seconds(retry_seconds, "retry_seconds", allow_zero=True),
+        )
+        await worker.run()
+
+    def entries(self, *, state: str | None = None, limit: int | None = 100) -> list[InboxEntry]:
+        """Messages in arrival order, optionally of one state (``inbox list``)."""
+        return self._rows.entries(_checked_state(state), limit)
+
+    def retry(self, message_id: str) -> bool:
+        """Give a dead message another try, with the rest of its batch; False if not dead."""
+        return self._rows.retry(validate_message_id(message_id))
+
+    def stats(self) -> InboxStats:
+        """Counts per state, oldest pending age, dead in the last hour (``inbox stats``)."""
+        return self._rows.stats()
+
+    def purge(self) -> int:
+        """Delete done and sent messages past the dedup window; return how many."""
+        return self._rows.purge(self._dedup_seconds)
+
+    async def aentries(
+        self, *, state: str | None = None, limit: int | None = 100
+    ) -> list[InboxEntry]:
+        """:meth:`entries` without blocking the event loop."""
+        return await self._rows.run(self._rows.entries, _checked_state(state), limit)
+
+    async def aretry(self, message_id: str) -> bool:
+        """:meth:`retry` without blocking the event loop."""
+        return await self._rows.run(self._rows.retry, validate_message_id(message_id))
+
+    async def astats(self) -> InboxStats:
+        """:meth:`stats` without blocking the event loop."""
+        return await self._rows.run(self._rows.stats)
+
+    async def apurge(self) -> int:
+        """:meth:`purge` without blocking the event loop."""
+        return await self._rows.run(self._rows.purge, self._dedup_seconds)
+
+    @property
+    def rows(self) -> InboxRows:
+        """The store's inbox rows (what :class:`_Worker` drives)."""
+        return self._rows
+
+    @property
+    def system(self) -> str:
+        """The database, for telemetry."""
+        return self._system
+
+    def waker(self) -> asyncio.Event:
+        """An event a local ``put`` sets (so a worker here need not poll for it)."""
+        event = asyncio.Event()
+        with self._wakers_lock:
+            self._wakers.add((asyncio.get_running_loop(), event))
+        return event
+
+    def drop_waker(self, event: asyncio.Event) -> None:
+        """Stop setting ``event``."""
+        with self._wakers_lock:
+            self._wakers = {pair for pair in self._wakers if pair[1] is not event}
+
+    def wake(self) -> None:
+        """Set every local worker's waker: there may be work (a put, a batch finished)."""
+        with self._wakers_lock:
+            wakers = list(self._wakers)
+        for loop, event in wakers:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+
+class _Worker:
+    """One ``serve`` call: finds ready sessions and runs their batches."""
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        handle: Handle,
+        send: Send | None,
+        concurrency: int,
+        coalesce_seconds: float,
+        max_attempts: int,
+        retry_seconds: float,
+    ) -> None:
+        self._inbox = inbox
+        self._rows = inbox.rows
+        self._handle = handle
+        self._send = send
+        self._concurrency = concurrency
+        self._coalesce = coalesce_seconds
+        self._max_attempts = max_attempts
+        self._retry = retry_seconds
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._orphans: set[asyncio.Future[None]] = set()
+
+    async def run(self) -> None:
+        wake = self._inbox.waker()
+        idle = _FIRST_POLL
+        try:
+            while True:
+                wake.clear()
+                started = await self._start_ready()
+                idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), idle)
+        finally:
+            self._inbox.drop_waker(wake)
+            running = list(self._running.values())
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+
+    async def _start_ready(self) -> int:
+        """Take the lease of each ready session there is room for; start its batch."""
+        room = self._concurrency - len(self._running)
+        if room <= 0:
+            return 0
+        try:
+            ready = await self._rows.run(
+                self._rows.ready, self._coalesce, room, frozenset(self._running)
+            )
+        except Exception as exc:  # the database is away: look again later
+            logger.warning("inbox: could not look for ready sessions: %s", exc)
+            return 0
+        started = 0
+        for session_id in ready:
+            lease = await self._take(session_id)
+            if lease is None:
+                continue
+            task = asyncio.get_running_loop().create_task(self._serve_session(lease))
+            self._running[session_id] = task
+            task.add_done_callback(functools.partial(self._finished, session_id))
+            started += 1
+        return started
+
+    def _finished(self, session_id: str, _: asyncio.Task[None]) -> None:
+        self._running.pop(session_id, None)
+        self._inbox.wake()
+
+    async def _take(self, session_id: str) -> Lease | None:
+        """Take the lease; one taken as the worker is cancelled is given back."""
+        take = asyncio.ensure_future(self._rows.run(self._rows.take, session_id))
+        try:
+            return await asyncio.shield(take)
+        except asyncio.CancelledError:
+            take.add_done_callback(self._give_back_orphan)
+            raise
+        except Exception as exc:
+            logger.warning("inbox: could not take session %r: %s", session_id, exc)
+            return None
+
+    def _give_back_orphan(self, take: asyncio.Future[Lease | None]) -> None:
+        if take.cancelled() or take.exception() is not None:
+            return
+        lease = take.result()
+        if lease is not None:
+            orphan = asyncio.ensure_future(self._rows.run(self._rows.release, lease))
+            self._orphans.add(orphan)
+            orphan.add_done_callback(self._orphans.discard)
+
+    async def _serve_session(self, lease: Lease) -> None:
+        """Send what a dead holder answered, then run one batch; always give the lease back."""
+        renewal = asyncio.get_running_loop().create_task(self._renew(lease))
+        try:
+            token = secrets.token_hex(16)
+            unsent, items = await self._rows.run(
+                self._rows.open_batch, lease, token, self._max_attempts
+            )
+            for answered in unsent:
+                await self._deliver(lease, answered.token, answered.reply)
+            if items:
+                await self._run_batch(lease, token, tuple(items))
+        except LeaseLostError:
+            logger.warning("inbox: lost the lease of session %r; another worker takes over",
+                           lease.session_id)
+        except Exception:
+            logger.exception("inbox: serving session %r failed; it is tried again",
+                             lease.session_id)
+        finally:
+            renewal.cancel()
+            await asyncio.wait([renewal])
+            release = asyncio.ensure_future(self._rows.run(self._rows.release, lease))
+            try:
+                await asyncio.shield(release)
+            except Exception as exc:
+                logger.warning("inbox: could not give back session %r (its lease expires on "
+                               "its own): %s", lease.session_id, exc)
+
+    async def _renew(self, lease: Lease) -> None:
+        while True:
+            await asyncio.sleep(self._inbox.lease_seconds / 3)
+            try:
+                if not await self._rows.run(self._rows.renew, lease):
+                    logger.warning("inbox: lost the lease of session %r", lease.session_id)
+                    return
+            except Exception as exc:
+                logger.warning("inbox: could not renew session %r: %s", lease.session_id, exc)
+
+    async def _run_batch(self, lease: Lease, token: str, items: tuple[InboxItem, ...]) -> None:
+        batch = InboxBatch(lease.session_id, items)
+        fence = BatchFence(lease.session_id, lease, token, len(items))
+        system = self._inbox.system
+        reset = _BATCH.set(fence)
+        try:
+            with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
+                reply = await self._handle(batch)
+        except Exception as exc:
+            await self._failed(lease, token, items, exc)
+            return
+        finally:
+            _BATCH.reset(reset)
+        if reply is not None and not isinstance(reply, str):
+            await self._failed(lease, token, items, TypeError(
+                f"handle must return the reply as str or None, got {type(reply).__name__}"))
+            return
+        to_send = self._send is not None and reply is not None
+        if not await self._rows.run(self._rows.finish, lease, token, reply, to_send):
+            raise LeaseLostError(lease.session_id)
+        telemetry.count("chatflow.inbox.answered", len(items), system)
+        if to_send:
+            assert reply is not None
+            answer = InboxReply(lease.session_id, reply, batch.message_ids)
+            await self._deliver(lease, token, answer)
+
+    async def _failed(
+        self, lease: Lease, token: str, items: tuple[InboxItem, ...], exc: Exception
+    ) -> None:
+        telemetry.count("chatflow.inbox.failed", len(items), self._inbox.system)
+        attempts = max(item.attempts for item in items)
+        retry_in = min(self._retry * 2 ** (attempts - 1), _MAX_RETRY_SECONDS)
+        logger.warning("inbox: handling %d message(s) of session %r failed (attempt %d of %d): "
+                       "%s", len(items), lease.session_id, attempts, self._max_attempts,
+                       _describe(exc))
+        await self._rows.run(
+            self._rows.failed, lease, token, _describe(exc), retry_in, self._max_attempts
+        )
+
+    async def _deliver(self, lease: Lease, token: str, reply: InboxReply) -> None:
+        """``send`` the reply, retried with backoff; dead after ``max_attempts`` failures."""
+        if self._send is None:
+            await self._rows.run(self._rows.sent, token)
+            return
+        system = self._inbox.system
+        delay = self._retry
+        error = ""
+        for attempt in range(1, self._max_attempts + 1):
+            if attempt > 1 and not await self._rows.run(self._rows.renew, lease):
+                raise LeaseLostError(lease.session_id)  # the new holder sends it
+            try:
+                with telemetry.operation("inbox.send", system):
+                    await self._send(reply)
+            except Exception as exc:
+                telemetry.count("chatflow.inbox.send_failures", 1, system)
+                error = _describe(exc)
+                logger.warning("inbox: sending the reply of session %r failed (attempt %d of "
+                               "%d): %s", reply.session_id, attempt, self._max_attempts, error)
+                if attempt < self._max_attempts:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, _MAX_RETRY_SECONDS)
+                continue
+            await self._rows.run(self._rows.sent, token)
+            return
+        await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _checked(
+    message_id: object, session_id: object, text: object, sent_at: object, payload: object
+) -> tuple[str, str, str, datetime | None, Any]:
+    validate_message_id(message_id)
+    assert isinstance(message_id, str)
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
+    if len(session_id) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(f"session_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    check_storable_text(text, "text")
+    if payload is not None:
+        try:
+            json.dumps(payload, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"payload must be JSON-serialisable: {exc}") from None
+    return message_id, session_id, text, parse_sent_at(sent_at), payload
+
+
+def parse_sent_at(value: object) -> datetime | None:
+    """The platform's timestamp as an aware UTC ``datetime`` (None stays None).
+
+    Accepts an aware ``datetime``, or epoch seconds as int, float or a string
+    of digits (WhatsApp's ``timestamp``).
+
+    Raises:
+        ValueError: A naive datetime, or anything else.
+
+    """
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("sent_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return value.astimezone(timezone.utc)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            pass
+    raise ValueError(
+        f"sent_at must be an aware datetime or epoch seconds (int, float or digits), "
+        f"got {value!r}"
+    )
+
+
+def _checked_state(state: str | None) -> str | None:
+    if state is not None and state not in INBOX_STATES:
+        raise ValueError(f"unknown inbox state {state!r}; use one of {', '.join(INBOX_STATES)}")
+    return state
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if value != value or value < 0 or (value == 0 and not allow_zero) or value > 86400:
+        raise ValueError(f"{name} must be between 0 and 86400 seconds, got {value!r}")
+    return float(value)
