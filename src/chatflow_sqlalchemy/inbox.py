@@ -42,7 +42,6 @@ the same everywhere: validation, the worker loop, the turn's hook.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import json
@@ -68,7 +67,6 @@ __all__ = [
     "MAX_COALESCE_FACTOR",
     "PENDING",
     "SENT",
-    "UNBORN_AGENT",
     "BatchFence",
     "Inbox",
     "InboxBatch",
@@ -93,10 +91,6 @@ INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
 MAX_COALESCE_FACTOR = 10
 """A session whose messages keep coming is served once its oldest one waited this many
 coalesce windows."""
-
-UNBORN_AGENT = ""
-"""The agent name of a session the inbox created for its lease before any turn: the first
-``get_or_create`` gives it the caller's agent."""
 
 BATCH_LIMIT = 100
 """At most this many messages in one batch; the rest go to the next."""
@@ -545,8 +539,7 @@ class _Worker:
                 wake.clear()
                 started = await self._start_ready()
                 idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), idle)
+                await _until_woken(wake, idle)
         finally:
             self._inbox.drop_waker(wake)
             running = list(self._running.values())
@@ -706,6 +699,20 @@ class _Worker:
             await self._rows.run(self._rows.sent, token)
             return
         await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
+
+
+async def _until_woken(wake: asyncio.Event, timeout: float) -> None:
+    """Wait for ``wake`` at most ``timeout`` seconds.
+
+    Not ``asyncio.wait_for``: before Python 3.12 it can swallow a
+    cancellation that arrives as the event is set, and ``serve`` would then
+    never stop.
+    """
+    woken = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait({woken}, timeout=timeout)
+    finally:
+        woken.cancel()
 
 
 def _describe(exc: BaseException) -> str:

@@ -70,6 +70,7 @@ from chatflow_sqlalchemy.models import (
     ChatflowSession,
     UTCDateTime,
 )
+from chatflow_sqlalchemy.values import UNBORN_AGENT
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
@@ -123,6 +124,7 @@ def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnEleme
 
 
 def _filtered(query: Select[Any], dialect_name: str, filters: ListFilters) -> Select[Any]:
+    query = query.where(_sessions.c.active_agent_name != UNBORN_AGENT)
     if filters.user_id is not None:
         query = query.where(_sessions.c.user_id == filters.user_id)
     if filters.updated_after is not None:

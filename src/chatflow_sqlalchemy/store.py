@@ -62,7 +62,7 @@ from chatflow_sqlalchemy.exceptions import (
     LeaseLostError,
     SessionDeletedError,
 )
-from chatflow_sqlalchemy.inbox import UNBORN_AGENT, BatchFence, Inbox
+from chatflow_sqlalchemy.inbox import BatchFence, Inbox
 from chatflow_sqlalchemy.lease import Lease, SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
@@ -121,7 +121,11 @@ from chatflow_sqlalchemy.sql_lifecycle import (
 )
 from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.urls import parse_database_url, require_backend
-from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
+from chatflow_sqlalchemy.values import (
+    DEFAULT_TURN_LEASE_SECONDS,
+    UNBORN_AGENT,
+    validate_turn_lease_seconds,
+)
 from chatflow_sqlalchemy.writer import SessionWriter
 
 __all__ = [
@@ -500,7 +504,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """Return the session's context, or None if the session does not exist."""
         validate_session_id(session_id)
         ctx, stored = self._lookup(session_id)
-        if ctx is not None or stored is None:
+        if ctx is not None or stored is None or stored.agent_name == UNBORN_AGENT:
             return ctx
         return self._contexts.publish(self._build_context(stored, session_id, None))
 

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_PAGE_LIMIT",
     "SESSION_ID_MAX_LENGTH",
     "TURN_LEASE_BOUNDS",
+    "UNBORN_AGENT",
     "check_storable_text",
     "utcnow",
     "validate_page_limit",
@@ -80,6 +81,11 @@ def validate_page_limit(limit: object, name: str = "limit") -> int | None:
         raise ValueError(f"{name} must be a positive int or None (no limit), got {limit!r}")
     return min(limit, MAX_PAGE_LIMIT)
 
+
+UNBORN_AGENT = ""
+"""The agent name of a session the inbox created for its lease before any turn: the first
+``get_or_create`` gives it the caller's agent; until then ``get`` and ``list_sessions``
+do not show it."""
 
 DEFAULT_TURN_LEASE_SECONDS = 30.0
 """How long a turn's lease on its session lasts without renewal (store option)."""

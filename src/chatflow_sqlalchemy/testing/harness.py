@@ -449,6 +449,7 @@ WORKER_PRELOAD = (
     "chatflow_sqlalchemy.testing.harness",
     "chatflow_sqlalchemy.testing.claim_workers",
     "chatflow_sqlalchemy.testing.lifecycle_suite",
+    "chatflow_sqlalchemy.testing.inbox_suite",
 )
 """Modules the kit's fork server imports once, so each worker process does not."""
 

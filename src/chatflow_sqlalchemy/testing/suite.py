@@ -73,6 +73,7 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
     turns_worker,
 )
+from chatflow_sqlalchemy.testing.inbox_suite import InboxAcrossProcessesTests, InboxTests
 from chatflow_sqlalchemy.testing.lifecycle_suite import (
     ArchiveTests,
     EncryptionTests,
@@ -97,6 +98,8 @@ __all__ = [
     "TestEncryption",
     "TestErasureAndExport",
     "TestExactRoundTrip",
+    "TestInbox",
+    "TestInboxAcrossProcesses",
     "TestListSessions",
     "TestMetadata",
     "TestOneContextPerSession",
@@ -2892,6 +2895,17 @@ class TestArchive(ArchiveTests, StoreTestBase):
 
 class TestEncryption(EncryptionTests, StoreTestBase):
     """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""
+
+
+# ========================================================== durable inbox
+
+
+class TestInbox(InboxTests, StoreTestBase):
+    """``store.inbox`` in one process (see ``inbox_suite``)."""
+
+
+class TestInboxAcrossProcesses(InboxAcrossProcessesTests, StoreTestBase):
+    """Inbox workers killed in other processes (see ``inbox_suite``)."""
 
 
 # ========================================================== lease clocks
