@@ -207,7 +207,8 @@ _RETRY = (
     update(_i)
     .where(
         _i.c.state == _state(DEAD),
-        or_(_i.c.message_id == bindparam("message_id"), _i.c.batch_token == bindparam("token")),
+        # not "message_id": an UPDATE reserves its columns' names for its SET values
+        or_(_i.c.message_id == bindparam("retried_id"), _i.c.batch_token == bindparam("token")),
     )
     .values(state=_state(PENDING), attempts=0, not_before=null(), updated_at=_NOW)
 )
@@ -411,7 +412,7 @@ class SQLInbox:
             found = conn.execute(_DEAD_TOKEN, {"message_id": message_id}).first()
             if found is None:
                 return False
-            conn.execute(_RETRY, {"message_id": message_id, "token": found[0], "now": utcnow()})
+            conn.execute(_RETRY, {"retried_id": message_id, "token": found[0], "now": utcnow()})
         return True
 
     def stats(self) -> InboxStats:
