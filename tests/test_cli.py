@@ -128,6 +128,8 @@ READ_COMMANDS: list[list[str]] = [
     ["db", "check"],
     ["dedup", "list"],
     ["dedup", "count"],
+    ["inbox", "list"],
+    ["inbox", "stats"],
 ]
 """Every read command that looks at a database (``db history`` reads none)."""
 

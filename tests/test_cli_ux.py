@@ -15,7 +15,7 @@ import pytest
 
 from chatflow_sqlalchemy.cli import cli, main
 
-GROUPS = ["db", "sessions", "dedup", "users", "keys"]
+GROUPS = ["db", "sessions", "dedup", "inbox", "users", "keys"]
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy import migrate as migrate_module
     from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.inbox import Inbox
     from chatflow_sqlalchemy.lifecycle import ListFilters
     from chatflow_sqlalchemy.sealing import Sealer
 
@@ -438,7 +439,7 @@ def _command(
 )
 @click.pass_context
 def cli(ctx: click.Context, url: str | None) -> None:
-    """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids."""
+    """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids, the inbox."""
     if ctx.invoked_subcommand is None:  # only options (--url X): the help, not an error
         click.echo(ctx.get_help())
 
@@ -462,6 +463,14 @@ def sessions() -> None:
 @cli.group(no_args_is_help=True)
 def dedup() -> None:
     """Processed webhook ids (the dedup window)."""
+
+
+@cli.group(no_args_is_help=True)
+def inbox() -> None:
+    """The durable inbox: messages, retries, counts.
+
+    list and stats never change anything; retry and purge write.
+    """
 
 
 # --------------------------------------------------------------------------- db
@@ -1542,6 +1551,192 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
             removed += conn.execute(delete(table).where(table.c.processed_at < cutoff)).rowcount
     _emit(as_json, {"ttl_hours": ttl, "removed": removed},
           f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
+
+
+# --------------------------------------------------------------------------- inbox
+
+
+INBOX_STATES = ("pending", "in_flight", "done", "sent", "dead")
+"""The inbox's states (``chatflow_sqlalchemy.inbox.INBOX_STATES``, not imported: it is heavy)."""
+
+
+@contextmanager
+def _inbox(
+    url_option: str | None, *, write: bool = False, dedup_ttl_hours: float | None = None
+) -> Iterator[tuple[URL, Engine, Inbox]]:
+    """The inbox of an existing database at head, through a store on the CLI's own engine.
+
+    Without ``write`` the engine is the query-only one of the read commands, so
+    the store can only read (SQLite refuses any write); it never migrates.
+    """
+    from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+
+    with (
+        _database(url_option, write=write) as (parsed, engine),
+        SQLAlchemySessionStore(
+            engine=engine, auto_migrate=False, dedup_ttl_hours=_ttl(dedup_ttl_hours)
+        ) as store,
+    ):
+        yield parsed, engine, store.inbox
+
+
+def _inbox_table() -> Any:
+    from chatflow_sqlalchemy.models import ChatflowInboxItem
+
+    return ChatflowInboxItem.__table__
+
+
+def _age(seconds: float) -> str:
+    """A duration for people: seconds, minutes, hours or days."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+@_command(inbox, "list")
+@click.option(
+    "--state", type=click.Choice(INBOX_STATES), help="only the messages in this state"
+)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
+def inbox_list(state: str | None, limit: int, as_json: bool, url: str | None) -> None:
+    """List inbox messages in arrival order, oldest first (read-only).
+
+    States: pending (waiting for a worker), in_flight (a worker's batch),
+    done (answered, no send), sent (answered and sent), dead (failed
+    max_attempts times; the error says why: retry it with inbox retry).
+    """
+    with _inbox(url) as (_parsed, _engine, rows):
+        entries = rows.entries(state=state, limit=limit)
+        counts = rows.stats().counts
+    total = counts.get(state, 0) if state is not None else sum(counts.values())
+    if as_json:
+        _emit(True, {"state": state, "total": total,
+                     "messages": [entry.as_dict() for entry in entries]})
+        return
+    if not entries:
+        click.echo(f"no {state} messages in the inbox" if state else "no messages in the inbox")
+        return
+    _table(("MESSAGE ID", "SESSION", "STATE", "ATTEMPTS", "RECEIVED", "UPDATED", "ERROR"), [
+        (clean(e.message_id), clean(e.session_id), e.state, str(e.attempts),
+         _format_time(e.received_at), _format_time(e.updated_at), clean(e.error or "-"))
+        for e in entries
+    ])
+    if total > len(entries):
+        click.echo(f"showing {len(entries)} of {total}; use --limit to see more")
+    if any(entry.state == "dead" for entry in entries):
+        click.echo(f"give a dead message another try with: {PROG} inbox retry MESSAGE_ID",
+                   err=True)
+
+
+@_command(inbox, "retry")
+@click.argument("message_id")
+def inbox_retry(message_id: str, as_json: bool, url: str | None) -> None:
+    """Give a dead message another try, with the rest of its batch.
+
+    Its batch's dead messages are pending again with their attempts reset;
+    the next worker of inbox.serve answers them. Only dead messages are
+    retried: see them with inbox list --state dead.
+    """
+    from chatflow_sqlalchemy.claims import validate_message_id
+
+    _checked(validate_message_id, message_id)
+    shown = clean(repr(message_id))
+    with _inbox(url, write=True) as (parsed, engine, rows):
+        if not rows.retry(message_id):
+            raise _not_dead(engine, parsed, message_id)
+    _emit(as_json, {"message_id": message_id, "retried": True},
+          f"retried {shown}: it is pending again with the rest of its batch; "
+          "the next worker of inbox.serve answers it")
+
+
+def _not_dead(engine: Engine, url: URL, message_id: str) -> CliError:
+    """Why ``inbox retry`` did nothing: no such message, or it is not dead (exit 1)."""
+    from sqlalchemy import select
+
+    table = _inbox_table()
+    with _read_conn(engine) as conn:
+        state = conn.execute(
+            select(table.c.state).where(table.c.message_id == message_id)
+        ).scalar()
+    shown = clean(repr(message_id))
+    if state is None:
+        return CliError(f"no message {shown} in the inbox of {_describe(url)}; see: "
+                        f"{PROG} inbox list", EXIT_FAILED)
+    why = {"pending": "it waits for a worker", "in_flight": "a worker is answering it",
+           "done": "it was answered", "sent": "it was answered and its reply sent"}
+    return CliError(
+        f"message {shown} is {clean(state)}, not dead ({why.get(state, 'nothing to retry')}): "
+        f"only dead messages are retried; see them with: {PROG} inbox list --state dead",
+        EXIT_FAILED,
+    )
+
+
+@_command(inbox, "stats")
+def inbox_stats(as_json: bool, url: str | None) -> None:
+    """Count inbox messages per state (read-only).
+
+    Also the age of the oldest pending message (by the database's clock)
+    and how many messages died in the last hour.
+    """
+    with _inbox(url) as (_parsed, _engine, rows):
+        stats = rows.stats()
+    if as_json:
+        _emit(True, stats.as_dict())
+        return
+    _table(("STATE", "MESSAGES"), [(state, str(n)) for state, n in stats.counts.items()])
+    oldest = stats.oldest_pending_seconds
+    click.echo("no pending messages" if oldest is None
+               else f"oldest pending message: waiting {_age(oldest)}")
+    click.echo(f"dead in the last hour: {stats.dead_last_hour}")
+    if stats.counts.get("dead"):
+        click.echo(f"see the dead messages with: {PROG} inbox list --state dead", err=True)
+
+
+def _inbox_answered_between(conn: Connection, start: datetime, end: datetime) -> int:
+    """How many done or sent messages changed state in ``[start, end)``."""
+    from sqlalchemy import func, select
+
+    table = _inbox_table()
+    return int(conn.execute(select(func.count()).select_from(table).where(
+        table.c.state.in_(["done", "sent"]), table.c.updated_at >= start, table.c.updated_at < end,
+    )).scalar_one())
+
+
+@_command(inbox, "purge", yes=True)
+@_ttl_option
+def inbox_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | None) -> None:
+    """Delete answered (done and sent) messages older than the TTL.
+
+    Pending, in-flight and dead messages stay. An answered message keeps
+    its id refused for the dedup window, so a --ttl-hours shorter than the
+    default lets a redelivery in: that asks for confirmation unless --yes.
+    """
+    from chatflow_sqlalchemy.claims import validate_dedup_ttl
+
+    ttl = _ttl(ttl_hours)
+    try:
+        validate_dedup_ttl(ttl)  # the store's own bound on its dedup window
+    except ValueError as exc:
+        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    default_ttl = _ttl(None)
+    with _inbox(url, write=True, dedup_ttl_hours=ttl) as (_parsed, engine, rows):
+        if ttl < default_ttl:
+            with _read_conn(engine) as conn:
+                unexpired = _inbox_answered_between(conn, _cutoff(default_ttl), _cutoff(ttl))
+            if unexpired:
+                _confirm(
+                    f"Purge {unexpired} answered message(s) still inside the default "
+                    f"{default_ttl:g} h dedup window (a redelivery could then be answered "
+                    "twice)?",
+                    yes,
+                )
+        removed = rows.purge()
+    _emit(as_json, {"ttl_hours": ttl, "removed": removed},
+          f"removed {removed} answered inbox message(s) older than {ttl:g} h")
 
 
 # --------------------------------------------------------------------------- misc
