@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         SchemaError,
         SessionDeletedError,
     )
+    from chatflow_sqlalchemy.inbox import Inbox, InboxBatch, InboxItem, InboxReply
     from chatflow_sqlalchemy.memory import SessionStore
     from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.registry import available_backends, register
@@ -52,6 +53,10 @@ _LAZY: dict[str, str] = {
     "SessionStore": "chatflow_sqlalchemy.memory",
     "SessionContext": "chatflow_sqlalchemy.context",
     "WebhookClaim": "chatflow_sqlalchemy.claims",
+    "Inbox": "chatflow_sqlalchemy.inbox",
+    "InboxBatch": "chatflow_sqlalchemy.inbox",
+    "InboxItem": "chatflow_sqlalchemy.inbox",
+    "InboxReply": "chatflow_sqlalchemy.inbox",
     "available_backends": "chatflow_sqlalchemy.registry",
     "open_store": "chatflow_sqlalchemy.opening",
     "register": "chatflow_sqlalchemy.registry",
@@ -79,6 +84,10 @@ __all__ = [
     "DatabaseURLError",
     "DatabaseUnavailableError",
     "DuplicateBackendError",
+    "Inbox",
+    "InboxBatch",
+    "InboxItem",
+    "InboxReply",
     "LeaseLostError",
     "PostgresSessionStore",
     "SQLAlchemySessionStore",

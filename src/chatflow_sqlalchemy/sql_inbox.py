@@ -34,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.exceptions import LeaseLostError, SessionDeletedError
+from chatflow_sqlalchemy.exceptions import CorruptRowError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BATCH_LIMIT as _BATCH_LIMIT
 from chatflow_sqlalchemy.inbox import (
     DEAD,
@@ -170,6 +170,11 @@ _TAKE_ITEMS = (
         not_before=null(),
         updated_at=_NOW,
     )
+)
+_UNREADABLE = (
+    update(_i)
+    .where(_i.c.id == bindparam("row_id"))
+    .values(state=_state(DEAD), error=bindparam("error"), updated_at=_NOW)
 )
 _FINISH = (
     update(_i)
@@ -323,10 +328,25 @@ class SQLInbox:
                 "error": "the worker handling it stopped (its lease expired)",
             })
             unsent = self._answered(conn, session_id, params)
-            rows = conn.execute(_PENDING, params).all()
-            if rows:
-                conn.execute(_TAKE_ITEMS, {**params, "ids": [row.id for row in rows]})
-        return unsent, [self._item(session_id, row) for row in rows]
+            items = self._take_pending(conn, session_id, params)
+        return unsent, items
+
+    def _take_pending(
+        self, conn: Connection, session_id: str, params: dict[str, Any]
+    ) -> list[InboxItem]:
+        """Mark the pending messages in flight; one that cannot be read is dead at once."""
+        items, taken = [], []
+        for row in conn.execute(_PENDING, params).all():
+            try:
+                items.append(self._item(session_id, row))
+            except CorruptRowError as exc:
+                dead = {"row_id": row.id, "error": str(exc), "now": params["now"]}
+                conn.execute(_UNREADABLE, dead)
+                continue
+            taken.append(row.id)
+        if taken:
+            conn.execute(_TAKE_ITEMS, {**params, "ids": taken})
+        return items
 
     def _answered(self, conn: Connection, session_id: str, params: dict[str, Any]) -> list[Unsent]:
         """Replies stored and not sent, each taken under a token of ours; empty ones are done."""
