@@ -337,3 +337,63 @@ def test_a_broken_exporter_never_breaks_a_turn(
     lease = other.turns.leases.take(phone)
     assert lease is not None, "the turn left its lease held"
     other.turns.leases.release(lease)
+
+
+def test_the_inbox_reports_put_batch_and_send(
+    open_store: Callable[..., Any], recorded: Recorded
+) -> None:
+    """Spans ``chatflow.inbox.put/batch/send`` and the inbox counters; no message text."""
+    import asyncio
+
+    from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
+
+    store = open_store()
+    system = store.engine.dialect.name
+    before = {
+        name: recorded.total(name, **{"db.system.name": system})
+        for name in ("chatflow.inbox.received", "chatflow.inbox.answered",
+                     "chatflow.inbox.failed", "chatflow.inbox.send_failures")
+    }
+    phone = _phone()
+    for mid in ("i-1", "i-2"):
+        store.inbox.put(mid, session_id=phone, text=f"secret {mid}")
+    store.inbox.put("i-1", session_id=phone, text="redelivered")  # refused: not counted
+    sends: list[InboxReply] = []
+    failures = {"handle": 1, "send": 1}
+
+    async def handle(batch: InboxBatch) -> str:
+        if failures["handle"]:
+            failures["handle"] -= 1
+            raise RuntimeError("once")
+        return "ok"
+
+    async def send(reply: InboxReply) -> None:
+        if failures["send"]:
+            failures["send"] -= 1
+            raise ConnectionError("once")
+        sends.append(reply)
+
+    async def serve_until_sent() -> None:
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, send=send, coalesce_seconds=0, retry_seconds=0)
+        )
+        for _ in range(3000):  # a 60 s hang guard
+            if sends:
+                break
+            await asyncio.sleep(0.02)
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+    asyncio.run(serve_until_sent())
+    assert len(sends) == 1
+    after = {name: recorded.total(name, **{"db.system.name": system}) - count
+             for name, count in before.items()}
+    assert after == {"chatflow.inbox.received": 2, "chatflow.inbox.answered": 2,
+                     "chatflow.inbox.failed": 2, "chatflow.inbox.send_failures": 1}
+    assert len(recorded.named("chatflow.inbox.put")) == 3
+    batches = recorded.named("chatflow.inbox.batch")
+    assert [span.attributes["chatflow.inbox.items"] for span in batches] == [2, 2]
+    assert [span.status.is_ok for span in batches] == [False, True]
+    assert len(recorded.named("chatflow.inbox.send")) == 2
+    _no_session_id_in(recorded.spans(), phone)
+    assert not any("secret" in str(span.attributes) for span in recorded.spans())

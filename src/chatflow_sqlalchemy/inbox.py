@@ -48,6 +48,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -66,6 +67,7 @@ __all__ = [
     "IN_FLIGHT",
     "MAX_COALESCE_FACTOR",
     "PENDING",
+    "PURGE_EVERY_SECONDS",
     "SENT",
     "BatchFence",
     "Inbox",
@@ -99,6 +101,9 @@ _FIRST_POLL, _LAST_POLL = 0.005, 0.25
 """Backoff of an idle worker between looks for ready sessions (a local put wakes it at once)."""
 
 _MAX_RETRY_SECONDS = 3600.0
+
+PURGE_EVERY_SECONDS = 300.0
+"""How often a worker deletes the done and sent messages past the dedup window."""
 
 
 @dataclass(frozen=True)
@@ -534,9 +539,13 @@ class _Worker:
     async def run(self) -> None:
         wake = self._inbox.waker()
         idle = _FIRST_POLL
+        next_purge = time.monotonic()
         try:
             while True:
                 wake.clear()
+                if time.monotonic() >= next_purge:
+                    next_purge = time.monotonic() + PURGE_EVERY_SECONDS
+                    await self._purge()
                 started = await self._start_ready()
                 idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
                 await _until_woken(wake, idle)
@@ -547,6 +556,12 @@ class _Worker:
                 task.cancel()
             if running:
                 await asyncio.wait(running)
+
+    async def _purge(self) -> None:
+        try:
+            await self._inbox.apurge()
+        except Exception as exc:  # upkeep: the next one will do
+            logger.warning("inbox: could not purge answered messages: %s", exc)
 
     async def _start_ready(self) -> int:
         """Take the lease of each ready session there is room for; start its batch."""
