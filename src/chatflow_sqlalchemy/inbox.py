@@ -323,6 +323,13 @@ class InboxRows(Protocol):
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
         """``send`` kept failing: the items are dead, their reply kept."""
 
+    def abandon(self, lease: Lease, token: str) -> None:
+        """``serve`` stopped during ``handle``: its unanswered items are pending again.
+
+        The attempt is not counted; answered items wait for the next holder,
+        which sends their reply.
+        """
+
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
 
@@ -657,6 +664,9 @@ class _Worker:
         try:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
                 reply = await self._handle(batch)
+        except asyncio.CancelledError:  # serve stops (a deploy): not the batch's fault
+            await _shielded(self._rows.run(self._rows.abandon, lease, token))
+            raise
         except Exception as exc:
             await self._failed(lease, token, items, exc)
             return
@@ -690,8 +700,8 @@ class _Worker:
 
     async def _deliver(self, lease: Lease, token: str, reply: InboxReply) -> None:
         """``send`` the reply, retried with backoff; dead after ``max_attempts`` failures."""
-        if self._send is None:
-            await self._rows.run(self._rows.sent, token)
+        if self._send is None:  # a reply stored by a worker that had a send
+            await self._rows.run(self._rows.finish, lease, token, reply.text, False)
             return
         system = self._inbox.system
         delay = self._retry
@@ -714,6 +724,11 @@ class _Worker:
             await self._rows.run(self._rows.sent, token)
             return
         await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
+
+
+async def _shielded(work: Awaitable[_T]) -> _T:
+    """Finish ``work`` even if the caller is cancelled meanwhile (the caller still is)."""
+    return await asyncio.shield(asyncio.ensure_future(work))
 
 
 async def _until_woken(wake: asyncio.Event, timeout: float) -> None:

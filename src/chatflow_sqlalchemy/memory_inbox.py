@@ -289,6 +289,17 @@ class MemoryInbox:
                 row.set(DEAD, now)
                 row.error = error
 
+    def abandon(self, lease: Lease, token: str) -> None:
+        """``serve`` stopped during ``handle``: unanswered items pending again, uncounted."""
+        now = utcnow()
+        with self._lock:
+            self._check(lease)
+            for row in self._batch(token):
+                if row.answered_at is None:
+                    row.set(PENDING, now)
+                    row.attempts -= 1
+                    row.batch_token = None
+
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
         with self._lock:

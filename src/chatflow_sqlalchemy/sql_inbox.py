@@ -205,6 +205,16 @@ _UNDELIVERABLE = (
     .where(_OF_BATCH)
     .values(state=_state(DEAD), error=bindparam("error"), updated_at=_NOW)
 )
+_ABANDON = (
+    update(_i)
+    .where(_OF_BATCH, _i.c.answered_at.is_(None))
+    .values(
+        state=_state(PENDING),
+        attempts=_i.c.attempts - 1,
+        batch_token=null(),
+        updated_at=_NOW,
+    )
+)
 _DEAD_TOKEN = select(_i.c.batch_token).where(
     _i.c.message_id == bindparam("message_id"), _i.c.state == _state(DEAD)
 )
@@ -414,6 +424,12 @@ class SQLInbox:
         with self._runtime.transaction(write=True) as conn:
             self._check(conn, lease)
             conn.execute(_UNDELIVERABLE, {"token": token, "error": error, "now": utcnow()})
+
+    def abandon(self, lease: Lease, token: str) -> None:
+        """``serve`` stopped during ``handle``: unanswered items pending again, uncounted."""
+        with self._runtime.transaction(write=True) as conn:
+            self._check(conn, lease)
+            conn.execute(_ABANDON, {"token": token, "now": utcnow()})
 
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""

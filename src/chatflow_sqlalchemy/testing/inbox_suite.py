@@ -368,6 +368,34 @@ class InboxTests:
         assert listed[0].as_dict()["state"] == "pending"
         assert store.inbox.retry(ids[0]) is False  # only dead messages are retried
 
+    def test_stopping_serve_during_a_turn_gives_the_batch_back_uncounted(
+        self, store: Any
+    ) -> None:
+        sid, (mid,) = _sid(), _ids()
+        store.inbox.put(mid, session_id=sid, text="hello")
+
+        async def stop_during_handle() -> None:
+            entered = asyncio.Event()
+
+            async def handle(batch: InboxBatch) -> None:
+                entered.set()
+                await asyncio.sleep(3600)
+
+            serving = asyncio.ensure_future(store.inbox.serve(handle, **_FAST))
+            await asyncio.wait_for(entered.wait(), _HANG_GUARD)
+            serving.cancel()  # a deploy stops the worker
+            await asyncio.gather(serving, return_exceptions=True)
+
+        asyncio.run(stop_during_handle())
+        (entry,) = [e for e in store.inbox.entries(limit=None) if e.message_id == mid]
+        assert (entry.state, entry.attempts) == ("pending", 0)
+        seen: list[InboxBatch] = []
+        asyncio.run(_serve_until(
+            store, _turn_handle(_runner(store), seen),
+            lambda: _states(store, [mid]) == {mid: "done"},
+        ))
+        assert [item.attempts for item in seen[0].items] == [1]
+
     def test_handle_returning_a_non_string_fails_the_batch(self, store: Any) -> None:
         sid, (mid,) = _sid(), _ids()
         store.inbox.put(mid, session_id=sid, text="x")
