@@ -9,7 +9,7 @@ sent across processes that it kills.
 
 It also kills itself (``SIGKILL``) at named points, once each across the
 whole fleet: the first worker to reach a point with its marked message
-creates the point's file (``O_EXCL``: only one can) and dies there. The
+creates the point's file (a hard link: only one can) and dies there. The
 points are:
 
 * ``taken``: ``handle`` was called (the batch is in flight), before the turn;
@@ -22,6 +22,7 @@ points are:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import random
@@ -52,6 +53,12 @@ SENDS_GLOB = "sends-*.jsonl"
 THINK_SECONDS = (0.005, 0.05)
 """How long the engine waits before each answer: a model call, shortened."""
 
+_SENDING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "inbox_campaign_sending", default=None
+)
+"""The message ids of the reply this task last sent (the inbox records it next, in the
+same task's context)."""
+
 
 def sends_file(log_dir: str | Path, slot: int) -> Path:
     """Where the worker in ``slot`` appends what it sent."""
@@ -65,16 +72,19 @@ def point_file(log_dir: str | Path, point: str) -> Path:
 
 
 def _die_at(log_dir: str, point: str) -> None:
-    """Kill this process at ``point`` if no worker has died there yet."""
+    """Kill this process at ``point`` if no worker has died there yet.
+
+    The claim is a hard link to a file already written, so the point's file
+    exists whole or not at all, even if the test kills this process meanwhile.
+    """
+    draft = Path(log_dir) / f"draft-{point}-{os.getpid()}"
+    draft.write_text(f"{os.getpid()} {time.time()!r}")
     try:
-        fd = os.open(point_file(log_dir, point), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.link(draft, point_file(log_dir, point))
     except FileExistsError:
         return
-    try:
-        os.write(fd, f"{os.getpid()} {time.time()!r}".encode())
-        os.fsync(fd)
     finally:
-        os.close(fd)
+        draft.unlink()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -86,6 +96,20 @@ def _append_line(path: Path, record: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _record_recorded(rows: Any, path: Path, slot: int) -> None:
+    """After the inbox records a reply sent, append a ``recorded`` line for its messages."""
+    recorded = rows.sent
+
+    def sent(token: str) -> None:
+        recorded(token)
+        ids = _SENDING.get()
+        if ids is not None:
+            _append_line(path, {"event": "recorded", "pid": os.getpid(), "slot": slot,
+                                "at": time.time(), "message_ids": ids})
+
+    rows.sent = sent
 
 
 class _ThinkingEngine(ScriptedEngine):
@@ -148,12 +172,15 @@ def inbox_worker(
         if marks["after_commit"] in reply.message_ids:
             _die_at(log_dir, "after_commit")
         _append_line(sends, {
-            "pid": os.getpid(), "slot": slot, "at": time.time(),
+            "event": "sent", "pid": os.getpid(), "slot": slot, "at": time.time(),
             "session_id": reply.session_id, "message_ids": list(reply.message_ids),
             "text": reply.text,
         })
+        _SENDING.set(list(reply.message_ids))
         if marks["after_send"] in reply.message_ids:
             _die_at(log_dir, "after_send")
+
+    _record_recorded(store.inbox.rows, sends, slot)
 
     async def serve() -> None:
         events.put(("ready", os.getpid()))

@@ -25,8 +25,9 @@ at-least-once. A worker killed after its ``send`` returned and before the
 inbox recorded it sent leaves a reply that the worker taking the session
 over sends again (the turn does not run again: its stored reply is
 resent). Such a resend is attributed to that window only if the first
-sender was killed after that send and before the resend; any other
-duplicate counts as doubled and fails the test.
+sender was killed after that send and before the resend, and had not seen
+the inbox record it (the workers log that too); any other duplicate counts
+as doubled and fails the test.
 """
 
 from __future__ import annotations
@@ -290,13 +291,15 @@ def check(spec: StoreSpec, log_dir: Path, inbound: dict[str, Inbound], fleet: Fl
     for point in KILL_POINTS:
         path = point_file(log_dir, point)
         if path.exists():
-            pid, died = path.read_text().split()
-            assert int(pid) in fleet.died, f"the worker that claimed {point} did not die there"
+            words = path.read_text().split()
+            pid, died = int(words[0]), float(words[1])
+            # It killed itself, or this process's random kill landed right there.
+            assert pid in fleet.died or pid in fleet.killed, f"{point}'s worker did not die"
             counts.kills[point] += 1
-            fleet.killed[int(pid)] = float(died)
+            fleet.killed.setdefault(pid, died)
     histories = read_histories(spec, sorted({m.session_id for m in inbound.values()}))
     unanswered = check_histories(histories, inbound, counts)
-    unsent = check_sends(read_sends(log_dir), inbound, fleet.killed, counts)
+    unsent = check_sends(*read_sends(log_dir), inbound, fleet.killed, counts)
     counts.lost = len(unanswered | unsent)
 
 
@@ -333,17 +336,23 @@ def check_histories(histories: dict[str, list[str]], inbound: dict[str, Inbound]
     return {m.message_id for text, m in by_text.items() if seen[text] == 0}
 
 
-def read_sends(log_dir: Path) -> list[dict[str, Any]]:
-    """Every reply the workers sent, in the order they sent them."""
-    records = [json.loads(line) for path in sorted(log_dir.glob(SENDS_GLOB))
-               for line in path.read_text().splitlines()]
-    return sorted(records, key=lambda record: record["at"])
+def read_sends(log_dir: Path) -> tuple[list[dict[str, Any]], set[tuple[int, tuple[str, ...]]]]:
+    """Every reply the workers sent, in the order they sent them; and the (pid, message
+    ids) of those the inbox recorded as sent before their worker died."""
+    records = sorted((json.loads(line) for path in sorted(log_dir.glob(SENDS_GLOB))
+                      for line in path.read_text().splitlines()), key=lambda r: r["at"])
+    recorded = {(r["pid"], tuple(r["message_ids"])) for r in records if r["event"] == "recorded"}
+    return [r for r in records if r["event"] == "sent"], recorded
 
 
-def check_sends(sends: list[dict[str, Any]], inbound: dict[str, Inbound],
-                killed: dict[int, float], counts: Counts) -> set[str]:
-    """Every message covered by one reply (its answer), a resend only after its sender
-    died; return the ids no reply covered."""
+def check_sends(sends: list[dict[str, Any]], recorded: set[tuple[int, tuple[str, ...]]],
+                inbound: dict[str, Inbound], killed: dict[int, float],
+                counts: Counts) -> set[str]:
+    """Every message covered by one reply (its answer); the same reply again only if its
+    first sender died after sending it and before the inbox recorded it. Return the ids
+    no reply covered."""
+    if not recorded:
+        counts.problems.append("no worker logged a reply recorded as sent: the log is broken")
     first_send: dict[str, dict[str, Any]] = {}
     for record in sends:
         ids = record["message_ids"]
@@ -358,7 +367,8 @@ def check_sends(sends: list[dict[str, Any]], inbound: dict[str, Inbound],
         died = killed.get(first["pid"])
         if (all(e is first for e in earlier) and first["message_ids"] == ids
                 and first["text"] == record["text"] and died is not None
-                and first["at"] <= died <= record["at"]):
+                and first["at"] <= died <= record["at"]
+                and (first["pid"], tuple(ids)) not in recorded):
             counts.resent += 1
         else:
             counts.doubled += 1
