@@ -169,12 +169,12 @@ class Fleet:
         return worker
 
     def kill(self, slot: int) -> None:
-        """SIGKILL the worker in ``slot`` (if it still runs) and start another."""
+        """SIGKILL the worker in ``slot`` and start another (after restarting the dead)."""
+        self.restart_the_dead()
         worker = self.workers[slot]
-        if worker.process.is_alive():
-            self.killed[worker.pid] = time.time()
-            worker.kill()
-            assert worker.process.exitcode == -signal.SIGKILL
+        self.killed[worker.pid] = time.time()
+        worker.kill()
+        assert worker.process.exitcode == -signal.SIGKILL
         self.start(slot)
 
     def restart_the_dead(self) -> None:
@@ -296,7 +296,7 @@ def check(spec: StoreSpec, log_dir: Path, inbound: dict[str, Inbound], fleet: Fl
             # It killed itself, or this process's random kill landed right there.
             assert pid in fleet.died or pid in fleet.killed, f"{point}'s worker did not die"
             counts.kills[point] += 1
-            fleet.killed.setdefault(pid, died)
+            fleet.killed[pid] = min(died, fleet.killed.get(pid, died))
     histories = read_histories(spec, sorted({m.session_id for m in inbound.values()}))
     unanswered = check_histories(histories, inbound, counts)
     unsent = check_sends(*read_sends(log_dir), inbound, fleet.killed, counts)
