@@ -79,7 +79,7 @@ ANSWERED_BOUND = 120.0
 """Hang guard: every message sent within this many seconds of the first put."""
 
 SENT_AT_BASE = 1_767_225_600
-"""The platform's timestamps (epoch seconds) start here; one second apart per session."""
+"""The platform's timestamps (epoch seconds) start here, one second apart along a session."""
 
 SEED = int(os.environ.get("CHATFLOW_CAMPAIGN_SEED", "27"))
 
@@ -143,7 +143,8 @@ def plan(rng: random.Random) -> list[tuple[float, Inbound]]:
 
 
 def marked(rng: random.Random) -> tuple[dict[str, str], str]:
-    """The message whose batch dies at each worker kill point, and the one killed after put."""
+    """The message whose batch dies at each worker kill point, and the one after whose put
+    this process kills a worker."""
     sessions = rng.sample(range(SESSIONS), len(KILL_POINTS) + 1)
     ids = [f"wamid.{s:02d}.{k}" for s, k in zip(sessions, (0, 2, 3, 4, 1), strict=True)]
     return dict(zip(KILL_POINTS, ids[:-1], strict=True)), ids[-1]
