@@ -8,6 +8,7 @@ Examples::
     python -m benchmarks --no-postgres --markdown /tmp/results.md
     python -m benchmarks --only profile      # cProfile of our SQLite and PostgreSQL stores
     python -m benchmarks --only claims       # webhook claims: cost, and kills with redelivery
+    python -m benchmarks --only inbox        # the inbox: throughput, put -> send latency
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from benchmarks.suites import (
     run_single,
 )
 
-SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "profile")
+SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "inbox", "profile")
 DEFAULT_SUITES = ("single", "multi", "growth", "rss", "looplag", "claims")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -147,6 +148,11 @@ def _run(suites: tuple[str, ...], cfg: Config, env: Env) -> tuple[Results, str]:
         _log("== claims")
         quick = ClaimConfig(cost_messages=60, messages=20, workers=(2,))
         results.claims = run_claims(env, _log, quick if cfg.rounds == 1 else None)
+    if "inbox" in suites:
+        from benchmarks.inbox import QUICK, run_inbox
+
+        _log("== inbox")
+        results.inbox = run_inbox(env, _log, QUICK if cfg.rounds == 1 else None)
     if "profile" in suites:
         from benchmarks.profile_suite import run_profiles
 

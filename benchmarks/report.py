@@ -22,6 +22,8 @@ class Results:
     lag: list[Row]
     claims: str = ""
     """The webhook-claim suite's markdown (``benchmarks/claims.py``), empty if not run."""
+    inbox: str = ""
+    """The inbox suite's markdown (``benchmarks/inbox.py``), empty if not run."""
 
 
 def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
@@ -219,6 +221,8 @@ def render(res: Results, cfg: Config) -> str:
     ]
     if res.claims:
         parts.append(res.claims.rstrip())
+    if res.inbox:
+        parts.append(res.inbox.rstrip())
     problems = _problems(res.single + res.multi + res.growth + res.rss + res.lag)
     if problems:
         parts += ["### Verification failures", "\n".join(problems)]
