@@ -46,6 +46,7 @@ import contextvars
 import functools
 import json
 import logging
+import random
 import secrets
 import threading
 import time
@@ -57,8 +58,7 @@ from typing import Any, Protocol, TypeVar
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import validate_message_id
 from chatflow_sqlalchemy.exceptions import LeaseLostError
-from chatflow_sqlalchemy.lease import Lease
-from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, check_storable_text
+from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, Lease, check_storable_text
 
 __all__ = [
     "DEAD",
@@ -101,6 +101,9 @@ _FIRST_POLL, _LAST_POLL = 0.005, 0.25
 """Backoff of an idle worker between looks for ready sessions (a local put wakes it at once)."""
 
 _MAX_RETRY_SECONDS = 3600.0
+
+_SPREAD = 4
+"""A worker looks at this many ready sessions per free slot and tries them in random order."""
 
 PURGE_EVERY_SECONDS = 300.0
 """How often a worker deletes the done and sent messages past the dedup window."""
@@ -293,6 +296,13 @@ class InboxRows(Protocol):
 
     def take(self, session_id: str) -> Lease | None:
         """Take the session's lease (creating an empty session if none exists yet)."""
+
+    def warm(self, lease: Lease) -> None:
+        """Load the session's context into the store's cache before ``handle`` runs.
+
+        The Runner's ``get_or_create`` is synchronous and runs on the event
+        loop; with the context cached it reads nothing there.
+        """
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease on; False if it is lost."""
@@ -577,13 +587,16 @@ class _Worker:
             return 0
         try:
             ready = await self._rows.run(
-                self._rows.ready, self._coalesce, room, frozenset(self._running)
+                self._rows.ready, self._coalesce, room * _SPREAD, frozenset(self._running)
             )
         except Exception as exc:  # the database is away: look again later
             logger.warning("inbox: could not look for ready sessions: %s", exc)
             return 0
+        random.shuffle(ready)  # workers seeing the same oldest sessions race less for them
         started = 0
         for session_id in ready:
+            if started == room:
+                break
             lease = await self._take(session_id)
             if lease is None:
                 continue
@@ -663,6 +676,7 @@ class _Worker:
         reset = _BATCH.set(fence)
         try:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
+                await self._rows.run(self._rows.warm, lease)
                 reply = await self._handle(batch)
         except asyncio.CancelledError:  # serve stops (a deploy): not the batch's fault
             await _shielded(self._rows.run(self._rows.abandon, lease, token))
@@ -677,7 +691,8 @@ class _Worker:
                 f"handle must return the reply as str or None, got {type(reply).__name__}"))
             return
         to_send = self._send is not None and reply is not None
-        if not await self._rows.run(self._rows.finish, lease, token, reply, to_send):
+        finish = self._rows.run(self._rows.finish, lease, token, reply, to_send)
+        if not await _shielded(finish):  # handle's work is kept even if serve stops now
             raise LeaseLostError(lease.session_id)
         telemetry.count("chatflow.inbox.answered", len(items), system)
         if to_send:
@@ -721,7 +736,8 @@ class _Worker:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, _MAX_RETRY_SECONDS)
                 continue
-            await self._rows.run(self._rows.sent, token)
+            # Sent: recorded even if serve is stopping meanwhile, or it would be sent again.
+            await _shielded(self._rows.run(self._rows.sent, token))
             return
         await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
 

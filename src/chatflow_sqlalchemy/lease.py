@@ -19,7 +19,6 @@ reads the version back in the same transaction.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -29,6 +28,7 @@ from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.models import ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.values import Lease
 
 __all__ = [
     "KEEP_HELD",
@@ -37,7 +37,6 @@ __all__ = [
     "RELEASE",
     "RELEASE_HELD",
     "TAKE_VALUES",
-    "Lease",
     "SessionLeases",
     "free_at",
     "lease_params",
@@ -86,24 +85,6 @@ RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_exp
 """Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
 
 
-@dataclass
-class Lease:
-    """A turn's hold on its session, as the take statement returned it.
-
-    Attributes:
-        session_id: The session.
-        owner: This take's random token (the row's ``lease_owner``).
-        fence: The session's fencing counter after this take.
-        version: The session's version when the lease was taken.
-        released: The turn's write gave the lease back.
-
-    """
-
-    session_id: str
-    owner: str
-    fence: int
-    version: int
-    released: bool = False
 
 
 def lease_params(lease: Lease) -> dict[str, Any]:

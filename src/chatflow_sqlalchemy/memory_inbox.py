@@ -33,8 +33,7 @@ from chatflow_sqlalchemy.inbox import (
     InboxStats,
     Unsent,
 )
-from chatflow_sqlalchemy.lease import Lease
-from chatflow_sqlalchemy.values import utcnow
+from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["MemoryInbox"]
 
@@ -150,6 +149,9 @@ class MemoryInbox:
             held is not None and held[0] == lease.owner and held[1] == lease.fence
             and held[2] > time.monotonic()
         )
+
+    def warm(self, lease: Lease) -> None:
+        """Nothing to read: the in-memory store's contexts are its sessions."""
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease on; False if lost."""

@@ -37,10 +37,10 @@ from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
 from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.lease import Lease, SessionLeases
+from chatflow_sqlalchemy.lease import SessionLeases
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.runtime import StoreRuntime
-from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, utcnow
+from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, Lease, utcnow
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 

@@ -51,10 +51,11 @@ from chatflow_sqlalchemy.inbox import (
     InboxStats,
     Unsent,
 )
-from chatflow_sqlalchemy.lease import KEEP_HELD, Lease, SessionLeases, free_at, lease_params
+from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
 from chatflow_sqlalchemy.models import ChatflowInboxItem, ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
+from chatflow_sqlalchemy.values import Lease
 
 __all__ = ["ANSWER_BATCH", "SQLInbox", "answer_batch"]
 
@@ -254,6 +255,8 @@ class _Store(Protocol):
 
     def _create_empty_session(self, session_id: str) -> None: ...
 
+    def _warm(self, session_id: str, version: int) -> None: ...
+
 
 class SQLInbox:
     """:class:`~chatflow_sqlalchemy.inbox.InboxRows` on a SQL store.
@@ -316,6 +319,10 @@ class SQLInbox:
         except SessionDeletedError:
             self._store._create_empty_session(session_id)
             return self._leases.take(session_id)
+
+    def warm(self, lease: Lease) -> None:
+        """Cache the session's context (read at the lease's version) before ``handle``."""
+        self._store._warm(lease.session_id, lease.version)
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease on; False if lost."""

@@ -62,8 +62,8 @@ from chatflow_sqlalchemy.exceptions import (
     LeaseLostError,
     SessionDeletedError,
 )
-from chatflow_sqlalchemy.inbox import BatchFence, Inbox
-from chatflow_sqlalchemy.lease import Lease, SessionLeases
+from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
+from chatflow_sqlalchemy.lease import SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     SWEEP_BATCH,
@@ -124,6 +124,7 @@ from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 from chatflow_sqlalchemy.values import (
     DEFAULT_TURN_LEASE_SECONDS,
     UNBORN_AGENT,
+    Lease,
     validate_turn_lease_seconds,
 )
 from chatflow_sqlalchemy.writer import SessionWriter
@@ -503,7 +504,18 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None if the session does not exist."""
         validate_session_id(session_id)
-        ctx, stored = self._lookup(session_id)
+        return self._get(session_id, (False, None))
+
+    def _warm(self, session_id: str, version: int) -> None:
+        """Cache the context of a session an inbox batch holds, read at ``version``.
+
+        Run off the event loop before ``handle``: the Runner's ``get_or_create``
+        then finds it and reads nothing on the loop.
+        """
+        self._get(session_id, (True, version))
+
+    def _get(self, session_id: str, claimed: tuple[bool, int | None]) -> SessionContext | None:
+        ctx, stored = self._lookup(session_id, claimed)
         if ctx is not None or stored is None or stored.agent_name == UNBORN_AGENT:
             return ctx
         return self._contexts.publish(self._build_context(stored, session_id, None))
@@ -523,8 +535,12 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         The turn's lease reads the version again before the turn (it catches
         up with a session written elsewhere since, and finds one deleted
         since), so the claim block's ``get_or_create`` needs no round trip of
-        its own. ``(False, None)`` without a claim.
+        its own. Inside an inbox batch of the session, the version its lease
+        read. ``(False, None)`` otherwise.
         """
+        batch = active_batch(session_id)
+        if batch is not None:
+            return True, batch.lease.version
         if self._claims_backend is None:
             return False, None
         return claimed_session_version(session_id, self._claims_backend)

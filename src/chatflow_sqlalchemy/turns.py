@@ -23,8 +23,9 @@ from chatflow_sqlalchemy.claims import ClaimFence, active_fence
 from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence, active_batch
-from chatflow_sqlalchemy.lease import Lease, SessionLeases
+from chatflow_sqlalchemy.lease import SessionLeases
 from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.values import Lease
 
 __all__ = ["Turns"]
 

@@ -8,6 +8,7 @@ must run without importing SQLAlchemy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "SESSION_ID_MAX_LENGTH",
     "TURN_LEASE_BOUNDS",
     "UNBORN_AGENT",
+    "Lease",
     "check_storable_text",
     "utcnow",
     "validate_page_limit",
@@ -106,3 +108,23 @@ def validate_turn_lease_seconds(value: object) -> float:
             f"(how long a dead worker's session stays blocked), got {value!r}"
         )
     return float(value)
+
+
+@dataclass
+class Lease:
+    """A turn's hold on its session, as the take statement returned it.
+
+    Attributes:
+        session_id: The session.
+        owner: This take's random token (the row's ``lease_owner``).
+        fence: The session's fencing counter after this take.
+        version: The session's version when the lease was taken.
+        released: The turn's write gave the lease back.
+
+    """
+
+    session_id: str
+    owner: str
+    fence: int
+    version: int
+    released: bool = False

@@ -35,7 +35,7 @@ from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence
-from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, Lease, SessionLeases, lease_params
+from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
 from chatflow_sqlalchemy.lifecycle import pruned_seqs
 from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import install, orphaned_tool_call, other_incarnation
@@ -55,6 +55,7 @@ from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
 from chatflow_sqlalchemy.sql_inbox import answer_batch
 from chatflow_sqlalchemy.sql_lifecycle import archive_rows
+from chatflow_sqlalchemy.values import Lease
 
 __all__ = ["SessionWriter"]
 

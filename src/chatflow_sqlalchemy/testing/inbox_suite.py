@@ -309,6 +309,9 @@ class InboxTests:
             finally:
                 in_turn[batch.session_id] -= 1
 
+        for sid in sessions:  # known sessions: each worker reads them off the event loop
+            store.get_or_create(sid, Agent(name="Bot", instructions=""))
+
         async def scenario() -> None:
             for n in range(3):
                 for sid in sessions:
@@ -395,6 +398,39 @@ class InboxTests:
             lambda: _states(store, [mid]) == {mid: "done"},
         ))
         assert [item.attempts for item in seen[0].items] == [1]
+
+    def test_stopping_serve_right_after_a_send_does_not_send_it_again(
+        self, store: Any
+    ) -> None:
+        sid, (mid,) = _sid(), _ids()
+        store.inbox.put(mid, session_id=sid, text="hello")
+        sent: list[InboxReply] = []
+
+        async def reply(batch: InboxBatch) -> str:
+            return "hi"
+
+        async def stop_after_send() -> None:
+            serving: asyncio.Future[None] | None = None
+
+            async def send_then_stop(answer: InboxReply) -> None:
+                sent.append(answer)
+                assert serving is not None
+                serving.cancel()  # a deploy stops the worker as the send returns
+
+            serving = asyncio.ensure_future(
+                store.inbox.serve(reply, send=send_then_stop, **_FAST)
+            )
+            await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), _HANG_GUARD)
+
+        asyncio.run(stop_after_send())
+
+        async def send(answer: InboxReply) -> None:
+            sent.append(answer)
+
+        asyncio.run(_serve_until(
+            store, reply, lambda: _states(store, [mid]) == {mid: "sent"}, send=send
+        ))
+        assert sent == [InboxReply(sid, "hi", (mid,))]
 
     def test_handle_returning_a_non_string_fails_the_batch(self, store: Any) -> None:
         sid, (mid,) = _sid(), _ids()
