@@ -13,8 +13,9 @@ records the reply in its own transaction (see ``chatflow_sqlalchemy.inbox``).
   ``error`` (why it was retried or died), ``updated_at`` (purge and stats);
 * ``received_at`` and ``not_before`` are set by the database's clock.
 
-Indexed by ``(session_id, state)`` (a session's batch) and ``(state,
-updated_at)`` (ready sessions, purge, stats). No foreign key: a message is
+Indexed by ``(session_id, state)`` (a session's batch), ``(state,
+updated_at)`` (ready sessions, purge, stats) and ``batch_token`` (a batch's
+items). No foreign key: a message is
 kept before its session exists. MySQL/MariaDB: the table takes the
 backend's binary collation for ids, like the other tables. The downgrade
 drops the table, and with it every message not yet answered.
@@ -88,6 +89,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_chatflow_inbox_session_id_state", _TABLE, ["session_id", "state"])
     op.create_index("ix_chatflow_inbox_state_updated_at", _TABLE, ["state", "updated_at"])
+    op.create_index("ix_chatflow_inbox_batch_token", _TABLE, ["batch_token"])
 
 
 def downgrade() -> None:

@@ -254,6 +254,7 @@ class BatchFence:
         token: The batch's token, on its items' rows.
         size: How many items the batch holds.
         answered: A turn's write recorded the reply.
+        open: The batch still runs (a task ``handle`` started may outlive it).
 
     """
 
@@ -262,6 +263,7 @@ class BatchFence:
     token: str
     size: int
     answered: bool = field(default=False)
+    open: bool = field(default=True)
 
 
 _BATCH: contextvars.ContextVar[BatchFence | None] = contextvars.ContextVar(
@@ -272,7 +274,9 @@ _BATCH: contextvars.ContextVar[BatchFence | None] = contextvars.ContextVar(
 def active_batch(session_id: str) -> BatchFence | None:
     """The inbox batch this code runs in, if it is ``session_id``'s (read on the caller's side)."""
     batch = _BATCH.get()
-    return batch if batch is not None and batch.session_id == session_id else None
+    if batch is None or not batch.open or batch.session_id != session_id:
+        return None
+    return batch
 
 
 class InboxRows(Protocol):
@@ -552,6 +556,7 @@ class _Worker:
         self._retry = retry_seconds
         self._running: dict[str, asyncio.Task[None]] = {}
         self._orphans: set[asyncio.Future[None]] = set()
+        self._stopping = False
 
     async def run(self) -> None:
         wake = self._inbox.waker()
@@ -567,6 +572,7 @@ class _Worker:
                 idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
                 await _until_woken(wake, idle)
         finally:
+            self._stopping = True
             self._inbox.drop_waker(wake)
             running = list(self._running.values())
             for task in running:
@@ -639,8 +645,13 @@ class _Worker:
             unsent, items = await self._rows.run(
                 self._rows.open_batch, lease, token, self._max_attempts
             )
-            for answered in unsent:
-                await self._deliver(lease, answered.token, answered.reply)
+            try:
+                for answered in unsent:
+                    await self._deliver(lease, answered.token, answered.reply)
+            except BaseException:  # the new messages were not handled: not an attempt
+                if items:
+                    await _shielded(self._rows.run(self._rows.abandon, lease, token))
+                raise
             if items:
                 await self._run_batch(lease, token, tuple(items))
         except LeaseLostError:
@@ -651,10 +662,8 @@ class _Worker:
                              lease.session_id)
         finally:
             renewal.cancel()
-            await asyncio.wait([renewal])
-            release = asyncio.ensure_future(self._rows.run(self._rows.release, lease))
             try:
-                await asyncio.shield(release)
+                await _shielded(self._rows.run(self._rows.release, lease))
             except Exception as exc:
                 logger.warning("inbox: could not give back session %r (its lease expires on "
                                "its own): %s", lease.session_id, exc)
@@ -678,18 +687,23 @@ class _Worker:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
                 await self._rows.run(self._rows.warm, lease)
                 reply = await self._handle(batch)
-        except asyncio.CancelledError:  # serve stops (a deploy): not the batch's fault
-            await _shielded(self._rows.run(self._rows.abandon, lease, token))
-            raise
+        except asyncio.CancelledError as exc:
+            if self._stopping:  # serve stops (a deploy): not the batch's fault
+                await _shielded(self._rows.run(self._rows.abandon, lease, token))
+                raise
+            await self._failed(lease, token, items, exc)  # cancelled inside handle
+            return
         except Exception as exc:
             await self._failed(lease, token, items, exc)
             return
         finally:
+            fence.open = False  # a task handle started outside the batch takes its own lease
             _BATCH.reset(reset)
         if reply is not None and not isinstance(reply, str):
             await self._failed(lease, token, items, TypeError(
                 f"handle must return the reply as str or None, got {type(reply).__name__}"))
             return
+        reply = reply or None  # an empty reply is nothing to send
         to_send = self._send is not None and reply is not None
         finish = self._rows.run(self._rows.finish, lease, token, reply, to_send)
         if not await _shielded(finish):  # handle's work is kept even if serve stops now
@@ -701,7 +715,7 @@ class _Worker:
             await self._deliver(lease, token, answer)
 
     async def _failed(
-        self, lease: Lease, token: str, items: tuple[InboxItem, ...], exc: Exception
+        self, lease: Lease, token: str, items: tuple[InboxItem, ...], exc: BaseException
     ) -> None:
         telemetry.count("chatflow.inbox.failed", len(items), self._inbox.system)
         attempts = max(item.attempts for item in items)
@@ -774,6 +788,7 @@ def _checked(
         raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
     if len(session_id) > SESSION_ID_MAX_LENGTH:
         raise ValueError(f"session_id is longer than {SESSION_ID_MAX_LENGTH} characters")
+    check_storable_text(session_id, "session_id")
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
     check_storable_text(text, "text")

@@ -329,7 +329,7 @@ class SessionStore(AsyncStoreAPI):
         return matches_metadata(self._sessions[session_id].metadata, filters.metadata)
 
     def erase_user(self, user_id: str) -> int:
-        """Erase ``user_id``'s sessions and their claims at once; return how many."""
+        """Erase ``user_id``'s sessions, claims and inbox messages at once; return how many."""
         validate_user_id(user_id)
         with self._lock:
             self._check_open()
@@ -339,6 +339,7 @@ class SessionStore(AsyncStoreAPI):
                 if row.session_id in ids:
                     del self._claim_rows.rows[message_id]
                     self._processed.pop(message_id, None)
+            self._inbox_rows.forget_sessions(set(ids))
         for ctx in contexts:
             if ctx is not None:
                 ctx._deleted = True
@@ -370,6 +371,7 @@ class SessionStore(AsyncStoreAPI):
                 if row.session_id in ids:
                     del self._claim_rows.rows[message_id]
                     self._processed.pop(message_id, None)
+            self._inbox_rows.forget_sessions(set(ids))
         for ctx in contexts:
             if ctx is not None:
                 ctx._deleted = True

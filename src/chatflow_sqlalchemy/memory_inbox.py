@@ -98,6 +98,12 @@ class MemoryInbox:
             self._rows.clear()
             self._leases.clear()
 
+    def forget_sessions(self, session_ids: Collection[str]) -> None:
+        """Drop the messages of these sessions (their user was erased)."""
+        with self._lock:
+            for key in [k for k, row in self._rows.items() if row.session_id in session_ids]:
+                del self._rows[key]
+
     def put(
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any
     ) -> bool:
@@ -190,8 +196,10 @@ class MemoryInbox:
             rows = self._of_session(lease.session_id)
             for row in rows:
                 if row.state == IN_FLIGHT and row.answered_at is None:
-                    row.set(DEAD if row.attempts >= max_attempts else PENDING, now)
-                    row.error, row.batch_token = _ABANDONED, None
+                    dead = row.attempts >= max_attempts
+                    row.set(DEAD if dead else PENDING, now)
+                    row.error = _ABANDONED
+                    row.batch_token = row.batch_token if dead else None
             unsent = self._answered(rows, token, now)
             pending = [row for row in rows if row.state == PENDING and row.answered_at is None]
             pending.sort(key=lambda row: (row.sent_at or row.received_at, row.id))
@@ -275,7 +283,8 @@ class MemoryInbox:
         with self._lock:
             self._check(lease)
             for row in self._batch(token):
-                dead = row.attempts >= max_attempts
+                # Dead at once if its turn committed: running it again would repeat it.
+                dead = row.attempts >= max_attempts or row.answered_at is not None
                 row.set(DEAD if dead else PENDING, now)
                 row.error = error
                 row.not_before = now + timedelta(seconds=retry_in)

@@ -319,4 +319,8 @@ class ChatflowInboxItem(Base):
     error: Mapped[str | None] = mapped_column(LongText, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
-    __table_args__ = (Index(None, "session_id", "state"), Index(None, "state", "updated_at"))
+    __table_args__ = (
+        Index(None, "session_id", "state"),
+        Index(None, "state", "updated_at"),
+        Index(None, "batch_token"),
+    )

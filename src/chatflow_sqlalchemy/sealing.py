@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from chatflow_agent import Message
-from sqlalchemy import Connection, Select, Table, and_, not_, select, update
+from sqlalchemy import Connection, Select, Table, and_, not_, or_, select, update
 
 from chatflow_sqlalchemy.crypto import (
     TOKEN_PREFIX,
@@ -35,7 +35,12 @@ from chatflow_sqlalchemy.crypto import (
     token_key_id,
 )
 from chatflow_sqlalchemy.exceptions import CorruptRowError
-from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive, ChatflowSession
+from chatflow_sqlalchemy.models import (
+    ChatflowInboxItem,
+    ChatflowMessage,
+    ChatflowMessageArchive,
+    ChatflowSession,
+)
 
 __all__ = [
     "ROTATE_BATCH",
@@ -51,6 +56,7 @@ _SEALED_KEY = "_enc"
 _sessions = cast(Table, ChatflowSession.__table__)
 _messages = cast(Table, ChatflowMessage.__table__)
 _archive = cast(Table, ChatflowMessageArchive.__table__)
+_inbox = cast(Table, ChatflowInboxItem.__table__)
 
 
 class Sealer:
@@ -114,6 +120,25 @@ class Sealer:
             return self.cipher.decrypt(text, session_id)
         except CipherError as exc:
             raise CorruptRowError(session_id, row_id, str(exc), table=table) from exc
+
+    def seal_json(self, session_id: str, value: Any) -> Any:
+        """A JSON document as stored (an inbox message's ``payload``); None stays None."""
+        if self.cipher is None or value is None:
+            return value
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
+
+    def open_json(self, session_id: str, row_id: object, stored: Any, table: str) -> Any:
+        """A document :meth:`seal_json` stored, in clear."""
+        if isinstance(stored, dict) and set(stored) == {_SEALED_KEY}:
+            text = self.open_text(session_id, row_id, stored[_SEALED_KEY], table)
+            return json.loads(text)
+        if self.require and stored is not None:
+            raise CorruptRowError(
+                session_id, row_id, "plaintext JSON while require_encryption=True (encrypt "
+                "it with chatflow-sqlalchemy keys rotate)", table=table,
+            )
+        return stored
 
     def open_metadata(self, session_id: str, stored: Any) -> Any:
         """A stored ``metadata_json`` in clear (a dict, or what was stored if not one)."""
@@ -187,8 +212,45 @@ def rotate_batch(
             )
         done += len(rows)
         more = more or len(rows) == batch
+    inbox_done = _rotate_inbox(conn, cipher, batch, lock)
     rewritten, scanned = _rotate_metadata(conn, cipher, batch, cursor)
-    return done + rewritten, more or scanned == batch
+    return done + inbox_done + rewritten, more or inbox_done == batch or scanned == batch
+
+
+def _rotate_inbox(
+    conn: Connection,
+    cipher: AESGCMCipher,
+    batch: int,
+    lock: Callable[[Select[Any], Connection], Select[Any]],
+) -> int:
+    """Re-seal inbox messages' text, payload and reply, each row only if its reply is unchanged.
+
+    Workers write a row's reply and state; its text and payload never change.
+    """
+    sealer = Sealer(cipher, False)
+    rows = conn.execute(lock(
+        select(_inbox.c.id, _inbox.c.session_id, _inbox.c.text, _inbox.c.payload,
+               _inbox.c.reply)
+        .where(or_(_stale(_inbox.c.text, cipher.primary),
+                   and_(_inbox.c.reply.is_not(None), _stale(_inbox.c.reply, cipher.primary))))
+        .order_by(_inbox.c.id)
+        .limit(batch),
+        conn,
+    )).all()
+    for row in rows:
+        def reseal(text: str, session_id: str = row.session_id) -> str:
+            if is_encrypted(text):
+                text = cipher.decrypt(text, session_id)
+            return cipher.encrypt(text, session_id)
+
+        payload = sealer.open_json(row.session_id, row.id, row.payload, _inbox.name)
+        values = {"text": reseal(row.text), "payload": sealer.seal_json(row.session_id, payload)}
+        unchanged = _inbox.c.reply.is_(None)
+        if row.reply is not None:
+            values["reply"] = reseal(row.reply)
+            unchanged = _inbox.c.reply == row.reply
+        conn.execute(update(_inbox).where(_inbox.c.id == row.id, unchanged).values(values))
+    return len(rows)
 
 
 def _rotate_metadata(

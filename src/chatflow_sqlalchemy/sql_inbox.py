@@ -128,7 +128,8 @@ _ABANDONED = (
         state=case((_i.c.attempts >= bindparam("max_attempts"), _state(DEAD)),
                    else_=_state(PENDING)),
         error=bindparam("error"),
-        batch_token=null(),
+        batch_token=case((_i.c.attempts >= bindparam("max_attempts"), _i.c.batch_token),
+                         else_=null()),
         updated_at=_NOW,
     )
 )
@@ -188,14 +189,15 @@ _FINISH = (
     )
 )
 _SENT = update(_i).where(_OF_BATCH).values(state=_state(SENT), updated_at=_NOW)
+_GIVES_UP = or_(_i.c.attempts >= bindparam("max_attempts"), _i.c.answered_at.is_not(None))
+"""A failed batch's item is dead after its last attempt, or at once if its turn committed
+(running the turn again would repeat it; its reply is withheld until an operator retries)."""
 _FAILED = (
     update(_i)
     .where(_OF_BATCH)
     .values(
-        state=case((_i.c.attempts >= bindparam("max_attempts"), _state(DEAD)),
-                   else_=_state(PENDING)),
-        batch_token=case((_i.c.attempts >= bindparam("max_attempts"), _i.c.batch_token),
-                         else_=null()),
+        state=case((_GIVES_UP, _state(DEAD)), else_=_state(PENDING)),
+        batch_token=case((_GIVES_UP, _i.c.batch_token), else_=null()),
         not_before=_RETRY_AT,
         error=bindparam("error"),
         updated_at=_NOW,
@@ -245,8 +247,17 @@ _PURGE = (
 )
 
 
+class _Turns(Protocol):
+    def lend(self, lease: Lease) -> None: ...
+
+    def unlend(self, lease: Lease) -> None: ...
+
+
 class _Store(Protocol):
     """What the inbox rows need of their store (the store passes itself)."""
+
+    @property
+    def turns(self) -> _Turns: ...
 
     @property
     def runtime(self) -> StoreRuntime: ...
@@ -287,7 +298,7 @@ class SQLInbox:
             "session_id": session_id,
             "text": self._sealer.seal_text(session_id, text),
             "sent_at": sent_at,
-            "payload": payload,
+            "payload": self._sealer.seal_json(session_id, payload),
             "now": utcnow(),
         }
         try:
@@ -313,12 +324,19 @@ class SQLInbox:
             return [row[0] for row in conn.execute(_READY, params)]
 
     def take(self, session_id: str) -> Lease | None:
-        """The session's lease; a session first met here is created empty first."""
+        """The session's lease, kept by the batch and lent to the store's turns.
+
+        A session first met here is created empty first.
+        """
         try:
-            return self._leases.take(session_id)
+            lease = self._leases.take(session_id)
         except SessionDeletedError:
             self._store._create_empty_session(session_id)
-            return self._leases.take(session_id)
+            lease = self._leases.take(session_id)
+        if lease is not None:
+            lease.kept = True
+            self._store.turns.lend(lease)
+        return lease
 
     def warm(self, lease: Lease) -> None:
         """Cache the session's context (read at the lease's version) before ``handle``."""
@@ -330,6 +348,7 @@ class SQLInbox:
 
     def release(self, lease: Lease) -> None:
         """Give the lease back."""
+        self._store.turns.unlend(lease)
         self._leases.release(lease)
 
     def open_batch(
@@ -377,9 +396,14 @@ class SQLInbox:
             if reply is None:
                 conn.execute(_NOTHING_TO_SEND, {**params, "ids": ids})
                 continue
+            try:
+                text = self._sealer.open_text(session_id, rows[-1].id, reply, _TABLE)
+            except CorruptRowError as exc:  # a reply no one can send: never blocks the rest
+                for row in rows:
+                    conn.execute(_UNREADABLE, {"row_id": row.id, "error": str(exc), **params})
+                continue
             token = f"{params['token'][:24]}{len(unsent):08x}"
             conn.execute(_RESUME, {**params, "ids": ids, "token": token})
-            text = self._sealer.open_text(session_id, rows[-1].id, reply, _TABLE)
             message_ids = tuple(row.message_id for row in rows)
             unsent.append(Unsent(token, InboxReply(session_id, text, message_ids)))
         return unsent
@@ -391,7 +415,7 @@ class SQLInbox:
             text=self._sealer.open_text(session_id, row.id, row.text, _TABLE),
             sent_at=row.sent_at,
             received_at=row.received_at,
-            payload=row.payload,
+            payload=self._sealer.open_json(session_id, row.id, row.payload, _TABLE),
             attempts=row.attempts + 1,
         )
 

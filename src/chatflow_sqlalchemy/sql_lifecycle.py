@@ -64,6 +64,7 @@ from chatflow_sqlalchemy.lifecycle import (
 )
 from chatflow_sqlalchemy.models import (
     CLAIM_ACQUIRED,
+    ChatflowInboxItem,
     ChatflowMessage,
     ChatflowMessageArchive,
     ChatflowProcessedMessage,
@@ -109,6 +110,7 @@ _processed = cast(Table, ChatflowProcessedMessage.__table__)
 
 
 _archive = cast(Table, ChatflowMessageArchive.__table__)
+_inbox = cast(Table, ChatflowInboxItem.__table__)
 
 
 def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnElement[bool]]:
@@ -183,7 +185,7 @@ def _chunks(ids: list[str]) -> Iterator[list[str]]:
 
 
 def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] = ()) -> int:
-    """Delete the sessions ``ids`` with their messages, claims and rows in ``extra``.
+    """Delete the sessions ``ids`` with their messages, claims, inbox and rows in ``extra``.
 
     Runs in the caller's transaction: the caller commits once, so either
     everything about these sessions goes or nothing does. ``extra``: more
@@ -192,7 +194,7 @@ def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] 
     """
     erased = 0
     for chunk in _chunks(list(ids)):
-        for table in (_messages, _processed, _archive, *extra):
+        for table in (_messages, _processed, _archive, _inbox, *extra):
             conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
         erased += conn.execute(
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))

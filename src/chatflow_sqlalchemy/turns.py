@@ -78,8 +78,8 @@ class _Held:
 
     @property
     def ours(self) -> bool:
-        """The turn gives the lease back (it is not its batch's)."""
-        return self.batch is None and not self.lease.released
+        """The turn gives the lease back (it is not an inbox batch's)."""
+        return not self.lease.kept and not self.lease.released
 
 
 class Turns:
@@ -99,6 +99,7 @@ class Turns:
         self._held: dict[int, _Held] = {}  # by id() of the context in its turn
         self._orphans: set[asyncio.Task[Any]] = set()
         self._offered: dict[str, tuple[Lease, float]] = {}
+        self._lent: dict[str, Lease] = {}
         self._offered_lock = threading.Lock()
 
     def offer(self, lease: Lease) -> None:
@@ -109,6 +110,20 @@ class Turns:
         """
         with self._offered_lock:
             self._offered[lease.session_id] = (lease, time.monotonic())
+
+    def lend(self, lease: Lease) -> None:
+        """An inbox batch of this store holds ``lease``: this store's turns on it use it.
+
+        A turn of another task (or a thread) on the batch's session would
+        otherwise wait for the lease while holding ``session.lock``, which the
+        batch's own turn then waits for.
+        """
+        self._lent[lease.session_id] = lease
+
+    def unlend(self, lease: Lease) -> None:
+        """The batch ends: turns take the session's lease again."""
+        if self._lent.get(lease.session_id) is lease:
+            del self._lent[lease.session_id]
 
     def withdraw(self, lease: Lease) -> bool:
         """Take back an offered lease; False if a turn has used it (it is the turn's now)."""
@@ -136,7 +151,10 @@ class Turns:
             held = _Held(batch.lease, None, batch)
         else:
             lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
-            held = _Held(lease, asyncio.get_running_loop().create_task(self._renew(lease)))
+            renewal = None if lease.kept else asyncio.get_running_loop().create_task(
+                self._renew(lease)
+            )
+            held = _Held(lease, renewal)
         self._held[id(ctx)] = held
         lease = held.lease
         try:
@@ -196,7 +214,7 @@ class Turns:
             attempts = 0
             while True:
                 attempts += 1
-                lease = await self._take_once(session_id)
+                lease = self._lent.get(session_id) or await self._take_once(session_id)
                 if lease is not None:
                     op.set("chatflow.lease.attempts", attempts)
                     return lease

@@ -120,6 +120,8 @@ class Lease:
         fence: The session's fencing counter after this take.
         version: The session's version when the lease was taken.
         released: The turn's write gave the lease back.
+        kept: An inbox batch holds it beyond its turns: a turn's write checks
+            it and keeps it, and only the batch gives it back.
 
     """
 
@@ -128,3 +130,4 @@ class Lease:
     fence: int
     version: int
     released: bool = False
+    kept: bool = False

@@ -107,7 +107,8 @@ class SessionWriter:
         Call it under ``ctx._mutex``, with changes to write. ``lease``: the
         turn's lease, checked and given back by the same transaction.
         ``batch``: the inbox batch the turn runs for; the transaction records
-        its reply, and the lease (the batch's) is checked and kept.
+        its reply. A lease an inbox batch holds (``lease.kept``) is checked and
+        kept, not given back.
 
         Raises:
             SessionDeletedError: The session is gone (or is another one now).
@@ -117,11 +118,12 @@ class SessionWriter:
         """
         reply = None if fence is None else self._reply(ctx)
         deleted = None
-        if self._writes_at_once and batch is None and ctx._seqs and not self._archives_now(ctx):
+        kept = lease is not None and lease.kept
+        if self._writes_at_once and not kept and ctx._seqs and not self._archives_now(ctx):
             deleted = self._write_at_once(ctx, fence, reply, lease)
         if deleted is None:
             answer = None if batch is None else (batch, self._answer(ctx))
-            keep = None if batch is None else self._leases.until_params()
+            keep = self._leases.until_params() if lease is not None and lease.kept else None
             with self._runtime.transaction(write=True) as conn:
                 if lease is not None:
                     incarnation = ctx._durable.incarnation if ctx._durable else None
@@ -129,7 +131,7 @@ class SessionWriter:
                 deleted = self._write_changes(conn, ctx, fence, reply, answer)
         if fence is not None:
             fence.reply = reply
-        if lease is not None and batch is None:
+        if lease is not None and not lease.kept:
             lease.released = True
         elif lease is not None and ctx._durable is not None:
             lease.version = ctx._durable.version  # the batch's next turn need not read it
