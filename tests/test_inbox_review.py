@@ -1,0 +1,333 @@
+"""Review of the durable inbox: scenarios that try to break it, on real databases.
+
+Each test states the guarantee it checks (DESIGN "Durable inbox" / docs/inbox.md).
+Tests marked ``FAILS`` in their docstring demonstrate a bug in the code as reviewed;
+the others pin a subtle guarantee that held under a real attempt to break it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Role, Runner
+from sqlalchemy import text
+
+from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
+from chatflow_sqlalchemy.crypto import AESGCMCipher
+from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
+from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to
+
+from . import pg_util
+
+_FAST = {"coalesce_seconds": 0.0, "retry_seconds": 0.0}
+_HANG_GUARD = 60.0
+_K1 = bytes(range(32))
+_K2 = bytes(range(32, 64))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """Opens stores with the given options on one database per test (SQLite file or PG)."""
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            def open_one(**options: Any) -> Any:
+                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db", **options))
+        else:
+            url = pg_util.postgres_url()
+            schema = stack.enter_context(pg_util.fresh_schema(url))
+
+            def open_one(**options: Any) -> Any:
+                return stack.enter_context(pg_util.schema_store(url, schema, **options))
+        yield open_one
+
+
+def _runner(store: Any) -> Runner:
+    return Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                  engine=ReplyModel())
+
+
+def _turn(runner: Runner) -> Callable[[InboxBatch], Any]:
+    async def handle(batch: InboxBatch) -> str:
+        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        return str(result.content)
+
+    return handle
+
+
+async def _states(store: Any) -> dict[str, str]:
+    return {e.message_id: e.state for e in await store.inbox.aentries(limit=None)}
+
+
+async def _until(check: Callable[[], Any], what: str, guard: float = _HANG_GUARD) -> None:
+    """Wait until the awaitable ``check()`` is truthy (a hang guard, never a timing)."""
+    deadline = time.monotonic() + guard
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: {what} did not happen within {guard}s")
+        await asyncio.sleep(0.02)
+
+
+async def _reached(store: Any, states: dict[str, str]) -> bool:
+    found = await _states(store)
+    return all(found.get(mid) == state for mid, state in states.items())
+
+
+async def _settled(store: Any, ids: list[str]) -> bool:
+    """Every message of ``ids`` is in a final state (done, sent or dead)."""
+    found = await _states(store)
+    return all(found.get(mid) in ("done", "sent", "dead") for mid in ids)
+
+
+async def _serve_until(store: Any, handle: Any, states: dict[str, str], **options: Any) -> None:
+    serving = asyncio.ensure_future(store.inbox.serve(handle, **{**_FAST, **options}))
+    try:
+        await _until(lambda: _reached(store, states), f"states {states}")
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+
+async def _stop(*tasks: asyncio.Future[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _user_texts(store: Any, session_id: str) -> list[Any]:
+    ctx = store.get(session_id)
+    return [] if ctx is None else [m.content for m in ctx.history if m.role == Role.USER]
+
+
+# --------------------------------------------------------------------------- deadlock
+
+
+def test_a_local_turn_queued_on_the_session_does_not_deadlock_the_batch(
+    open_store: Any,
+) -> None:
+    """FAILS. A turn of another task of this process (a proactive message, an admin
+    endpoint) that starts on a session while an inbox batch holds its lease waits for
+    the lease *inside* ``session.lock`` (turns.py ``begin`` under ``TurnLock``). The
+    batch's own turn then queues on ``session.lock`` behind it: each waits for the other,
+    and the batch renews its lease forever. Expected: both turns run (one after the
+    other) and the message is answered."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+
+    async def scenario() -> None:
+        in_handle, go = asyncio.Event(), asyncio.Event()
+
+        async def handle(batch: InboxBatch) -> str:
+            in_handle.set()
+            await go.wait()  # e.g. downloading the message's media before the turn
+            result = await runner.run_async(session_id=batch.session_id,
+                                            user_message=batch.text)
+            return str(result.content)
+
+        serving = asyncio.ensure_future(store.inbox.serve(handle, **_FAST))
+        other: asyncio.Future[Any] | None = None
+        try:
+            await asyncio.wait_for(in_handle.wait(), _HANG_GUARD)
+            other = asyncio.ensure_future(
+                runner.run_async(session_id="alice", user_message="proactive"))
+            await asyncio.sleep(0.3)  # the other turn is in session.lock, polling the lease
+            go.set()
+            await _until(lambda: _reached(store, {"m1": "done"}), "the batch's answer")
+            await asyncio.wait_for(asyncio.shield(other), _HANG_GUARD)
+        finally:
+            await _stop(serving, *([other] if other is not None else []))
+
+    asyncio.run(scenario())
+    assert sorted(_user_texts(store, "alice")) == ["hello", "proactive"]
+
+
+# --------------------------------------------------------------------------- key rotation
+
+
+def _cipher(*keys: str) -> AESGCMCipher:
+    known = {"k1": _K1, "k2": _K2}
+    return AESGCMCipher(keys={key: known[key] for key in keys}, primary=keys[0])
+
+
+def test_rotating_keys_then_dropping_the_old_one_keeps_pending_messages(
+    open_store: Any,
+) -> None:
+    """FAILS. The documented rotation ("give them the same keys first, then rotate, then
+    drop the old key", cli.py keys_rotate) re-seals messages, archive and metadata but
+    not ``chatflow_inbox`` (sealing.py ``rotate_batch``). A message pending at rotation
+    time is then unreadable once the old key is gone and dies at once, unanswered
+    (sql_inbox.py ``_take_pending``). Expected: it is answered."""
+    before = open_store(cipher=_cipher("k1"))
+    before.inbox.put("m1", session_id="alice", text="hello")
+    rotated = open_store(cipher=_cipher("k2", "k1"))
+    rotated.rotate_keys()
+    after = open_store(cipher=_cipher("k2"))
+    seen: list[InboxBatch] = []
+
+    async def handle(batch: InboxBatch) -> None:
+        seen.append(batch)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(after.inbox.serve(handle, **_FAST))
+        try:
+            await _until(lambda: _settled(after, ["m1"]), "m1 settled")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    (entry,) = after.inbox.entries(limit=None)
+    assert (entry.state, entry.error) == ("done", None)
+    assert [b.text for b in seen] == ["hello"]
+
+
+async def _leave_reply_unsent(store: Any, message_id: str) -> None:
+    """Serve until ``send`` is called for ``message_id``, then stop serve (a deploy):
+    the turn committed its reply, and the reply was never sent."""
+    runner, sending = _runner(store), asyncio.Event()
+
+    async def send(reply: InboxReply) -> None:
+        sending.set()
+        await asyncio.sleep(3600)
+
+    serving = asyncio.ensure_future(store.inbox.serve(_turn(runner), send=send, **_FAST))
+    try:
+        await asyncio.wait_for(sending.wait(), _HANG_GUARD)
+    finally:
+        await _stop(serving)
+    assert (await _states(store))[message_id] == "in_flight"
+
+
+def test_an_unsent_reply_under_a_retired_key_does_not_stall_its_session(
+    open_store: Any,
+) -> None:
+    """FAILS. A reply stored with its turn and not sent yet is sealed with the key of the
+    time; rotation does not re-seal it (sealing.py ``rotate_batch``). Once that key is
+    dropped, every ``open_batch`` of the session raises in ``_answered``
+    (sql_inbox.py: ``open_text`` of ``rows[-1].reply``) and rolls back: the session is
+    retried at the fastest poll forever and none of its new messages is ever answered.
+    (The same holds for an unsent reply stored in plaintext on a store then opened with
+    ``require_encryption=True``.) Expected: the session's new message is answered
+    (the unreadable reply dead with its reason, as an unreadable text is)."""
+    before = open_store(cipher=_cipher("k1"))
+    before.inbox.put("m1", session_id="alice", text="hello")
+    asyncio.run(_leave_reply_unsent(before, "m1"))
+    open_store(cipher=_cipher("k2", "k1")).rotate_keys()
+    after = open_store(cipher=_cipher("k2"))
+    after.inbox.put("m2", session_id="alice", text="are you there?")
+    sent: list[InboxReply] = []
+
+    async def send(reply: InboxReply) -> None:
+        sent.append(reply)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(
+            after.inbox.serve(_turn(_runner(after)), send=send, **_FAST))
+        try:
+            await _until(lambda: _settled(after, ["m2"]), "m2 settled")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    assert [reply.message_ids for reply in sent][-1] == ("m2",)
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+def test_stopping_serve_while_it_sends_a_recovered_reply_does_not_count_new_messages(
+    open_store: Any,
+) -> None:
+    """FAILS. ``open_batch`` takes the session's new messages (in flight, attempt counted)
+    *before* ``_serve_session`` sends the replies a previous holder left unsent. A serve
+    stopped during that send (a deploy; or a ``LeaseLostError`` / database error there)
+    leaves the new messages in flight, counted, never given to ``handle`` and never given
+    back (``abandon`` only runs inside ``_run_batch``). The next holder then counts the
+    recovery as a failed attempt: with ``max_attempts=1`` the message is dead without any
+    ``handle`` having seen it. Expected: as for a stop during ``handle`` (commit 1b9edfd),
+    the attempt is not counted and the message is answered."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="first")
+    asyncio.run(_leave_reply_unsent(store, "m1"))
+    store.inbox.put("m2", session_id="alice", text="second")
+    seen: list[InboxBatch] = []
+
+    async def scenario() -> None:
+        sending = asyncio.Event()
+
+        async def slow_send(reply: InboxReply) -> None:
+            sending.set()
+            await asyncio.sleep(3600)
+
+        async def handle(batch: InboxBatch) -> None:
+            seen.append(batch)
+
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, send=slow_send, max_attempts=1, **_FAST))
+        try:
+            await asyncio.wait_for(sending.wait(), _HANG_GUARD)  # m1's reply, recovered
+        finally:
+            await _stop(serving)  # a deploy
+        assert seen == []
+
+        async def send(reply: InboxReply) -> None:
+            pass
+
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, send=send, max_attempts=1, **_FAST))
+        try:
+            await _until(lambda: _settled(store, ["m1", "m2"]), "m1 and m2 settled")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    states = {e.message_id: (e.state, e.error) for e in store.inbox.entries(limit=None)}
+    assert states["m2"] == ("done", None)
+    assert [b.message_ids for b in seen] == [("m2",)]
+
+
+# --------------------------------------------------------------------------- data governance
+
+
+def _inbox_texts(store: Any, session_id: str) -> list[str]:
+    with store.engine.connect() as conn:
+        return list(conn.execute(
+            text("SELECT text FROM chatflow_inbox WHERE session_id = :s ORDER BY id"),
+            {"s": session_id},
+        ).scalars())
+
+
+def test_erase_user_erases_the_users_inbox_messages(open_store: Any) -> None:
+    """FAILS. ``erase_user`` ("sessions erased, with their messages, archive and claims";
+    DESIGN "Lifecycle and data governance") goes through ``erase_sessions``
+    (sql_lifecycle.py), which does not know ``chatflow_inbox``: the user's words stay
+    there (a dead message for ever: ``purge`` only removes done and sent ones; an
+    answered one for the dedup window). ``delete(session_id)`` keeps them too, and
+    ``export_user`` does not list them. Expected: nothing of the user's is left."""
+    store = open_store()
+    bot = Agent(name="Bot", instructions="")
+    runner = _runner(store)
+    store.inbox.put("m1", session_id="alice", text="my address is 1 Main St")
+
+    async def handle(batch: InboxBatch) -> str:
+        await store.aget_or_create(batch.session_id, bot, user_id="u-alice")
+        if "card" in batch.text:
+            raise RuntimeError("the model is down")
+        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        return str(result.content)
+
+    async def scenario() -> None:
+        await _serve_until(store, handle, {"m1": "done"})
+        await store.inbox.aput("m2", session_id="alice", text="and my card is 4111")
+        await _serve_until(store, handle, {"m2": "dead"}, max_attempts=1)
+
+    asyncio.run(scenario())
+    assert store.erase_user("u-alice") == 1
+    assert store.get("alice") is None
+    assert _inbox_texts(store, "alice") == []
