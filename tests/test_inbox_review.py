@@ -331,3 +331,137 @@ def test_erase_user_erases_the_users_inbox_messages(open_store: Any) -> None:
     assert store.erase_user("u-alice") == 1
     assert store.get("alice") is None
     assert _inbox_texts(store, "alice") == []
+
+
+# --------------------------------------------------------------------------- retry
+
+
+def test_retry_of_a_batch_that_died_with_its_worker_brings_its_whole_batch_back(
+    open_store: Any,
+) -> None:
+    """FAILS. docs/inbox.md: "``inbox retry`` puts a dead message back to ``pending`` with
+    the rest of its batch". A batch whose worker stalled or died on its last attempt is
+    made dead by the next holder's recovery (sql_inbox.py ``_ABANDONED``), which clears
+    ``batch_token``: ``retry`` then finds no batch (``_RETRY`` matches the token) and
+    brings back only the one id. This is the poison-message case (the batch crashes its
+    worker every time), exactly when an operator retries after a fix."""
+    stalled = open_store(turn_lease_seconds=0.5)
+    taker = open_store(turn_lease_seconds=0.5)
+    for mid in ("m1", "m2"):
+        stalled.inbox.put(mid, session_id="alice", text=mid)
+    entered, stop = threading.Event(), threading.Event()
+
+    async def freeze(batch: InboxBatch) -> None:
+        entered.set()
+        time.sleep(1.5)  # a blocking call freezes this worker's loop: its lease lapses
+
+    def run_stalled_worker() -> None:
+        async def main() -> None:
+            serving = asyncio.ensure_future(stalled.inbox.serve(freeze, max_attempts=1, **_FAST))
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+            await _stop(serving)
+
+        asyncio.run(main())
+
+    worker = threading.Thread(target=run_stalled_worker)
+    worker.start()
+    try:
+        assert entered.wait(_HANG_GUARD)
+
+        async def never(batch: InboxBatch) -> None:
+            raise AssertionError("the batch was on its last attempt")
+
+        asyncio.run(_serve_until(taker, never, {"m1": "dead", "m2": "dead"}, max_attempts=1))
+    finally:
+        stop.set()
+        worker.join(_HANG_GUARD)
+    assert taker.inbox.retry("m1") is True
+    assert {e.message_id: e.state for e in taker.inbox.entries(limit=None)} == {
+        "m1": "pending", "m2": "pending"}
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def test_clear_treats_the_inbox_alike_on_sql_and_in_memory(tmp_path: Path) -> None:
+    """Passes; pins parity: ``clear()`` keeps the inbox on both stores (as it keeps the
+    processed webhook ids); only ``close()`` forgets the in-memory store's inbox."""
+    left = {}
+    with SQLiteSessionStore(tmp_path / "x.db") as sql, SessionStore() as memory:
+        for name, store in (("sql", sql), ("memory", memory)):
+            store.inbox.put("m1", session_id="alice", text="hello")
+            store.clear()
+            left[name] = [e.message_id for e in store.inbox.entries(limit=None)]
+    assert left["sql"] == left["memory"]
+
+
+def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: Path) -> None:
+    """FAILS. After ``send`` returns, the 'sent' UPDATE (inbox.py ``_deliver``:
+    ``await self._rows.run(self._rows.sent, token)``) is not shielded, unlike ``abandon``
+    and ``release``: a stop of ``serve`` (a deploy, not a kill) that lands while that
+    call waits for a pool thread cancels it before it runs (iopool.py: "a queued call is
+    skipped"). The message stays answered-unsent and the next worker sends the reply a
+    second time, although no process died (docs/inbox.md puts the at-least-once window
+    at a *killed* worker). Expected: one send."""
+    store = SQLiteSessionStore(tmp_path / "x.db")
+    store.inbox.put("m1", session_id="alice", text="hello")
+    sent: list[InboxReply] = []
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        serving: asyncio.Future[None]
+
+        async def send(reply: InboxReply) -> None:
+            sent.append(reply)
+            if len(sent) == 1:  # the store's pool is busy (other batches' statements) ...
+                for _ in range(8):
+                    asyncio.ensure_future(store.inbox.rows.run(gate.wait, _HANG_GUARD))
+                await asyncio.sleep(0.2)
+                asyncio.get_running_loop().call_later(0.5, gate.set)
+                serving.cancel()  # ... as the deploy stops serve
+
+        serving = asyncio.ensure_future(
+            store.inbox.serve(_turn(_runner(store)), send=send, **_FAST))
+        await asyncio.gather(serving, return_exceptions=True)
+        await _serve_until(store, _turn(_runner(store)), {"m1": "sent"}, send=send)
+
+    with store:
+        asyncio.run(scenario())
+        assert [reply.message_ids for reply in sent] == [("m1",)]
+
+
+# --------------------------------------------------------------------------- the batch's context
+
+
+def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(open_store: Any) -> None:
+    """FAILS. The batch is found through a ``contextvars`` variable (inbox.py ``_BATCH``),
+    which every task created inside ``handle`` copies. A task that outlives the batch (a
+    follow-up message sent a bit later) still finds the batch's fence in ``Turns.begin``
+    and runs its turn on the batch's lease, long released: the turn is lost with
+    ``LeaseLostError`` instead of taking the session's lease as any other turn does.
+    Expected: the follow-up turn is written."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+    follow_ups: list[asyncio.Task[Any]] = []
+
+    async def scenario() -> None:
+        later = asyncio.Event()
+
+        async def follow_up(session_id: str) -> Any:
+            await later.wait()
+            return await runner.run_async(session_id=session_id, user_message="follow-up")
+
+        async def handle(batch: InboxBatch) -> str:
+            result = await runner.run_async(session_id=batch.session_id,
+                                            user_message=batch.text)
+            follow_ups.append(asyncio.ensure_future(follow_up(batch.session_id)))
+            return str(result.content)
+
+        await _serve_until(store, handle, {"m1": "done"})
+        later.set()
+        await asyncio.wait_for(follow_ups[0], _HANG_GUARD)
+
+    asyncio.run(scenario())
+    assert _user_texts(store, "alice") == ["hello", "follow-up"]
