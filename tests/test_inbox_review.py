@@ -465,3 +465,60 @@ def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(open_stor
 
     asyncio.run(scenario())
     assert _user_texts(store, "alice") == ["hello", "follow-up"]
+
+
+def test_one_stalled_session_does_not_starve_the_others(open_store: Any) -> None:
+    """FAILS. A session whose ``open_batch`` raises every time (here: the unsent reply
+    under a retired key) is released and, having the lowest ``min(id)``, is first in
+    ``_READY``'s ``ORDER BY`` again at the next look, which comes at the fastest poll
+    since a batch "started" (inbox.py ``_start_ready``). With ``concurrency=1`` it takes
+    the only slot for ever: another user's message is never answered. Expected: bob is
+    answered."""
+    before = open_store(cipher=_cipher("k1"))
+    before.inbox.put("a1", session_id="alice", text="hello")
+    asyncio.run(_leave_reply_unsent(before, "a1"))
+    open_store(cipher=_cipher("k2", "k1")).rotate_keys()
+    after = open_store(cipher=_cipher("k2"))
+    after.inbox.put("b1", session_id="bob", text="hi, I am bob")
+
+    async def send(reply: InboxReply) -> None:
+        pass
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(after.inbox.serve(
+            _turn(_runner(after)), send=send, concurrency=1, **_FAST))
+        try:
+            await _until(lambda: _settled(after, ["b1"]), "b1 settled")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    assert _user_texts(after, "bob") == ["hi, I am bob"]
+
+
+def test_an_empty_reply_is_not_sent(open_store: Any) -> None:
+    """FAILS. docs/inbox.md, States: "``done``: answered, and ``serve`` was given no
+    ``send`` (or the reply was empty)". inbox.py ``_run_batch`` only skips ``send`` for
+    None, so ``""`` (what ``result.content`` is when the model answers with no text,
+    ``final_text = turn_result.text or ""`` in the Runner) is sent as an empty message,
+    which a platform refuses: retried, then dead. Expected: done, nothing sent."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    sent: list[InboxReply] = []
+
+    async def send(reply: InboxReply) -> None:
+        sent.append(reply)
+
+    async def handle(batch: InboxBatch) -> str:
+        return ""
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(store.inbox.serve(handle, send=send, **_FAST))
+        try:
+            await _until(lambda: _settled(store, ["m1"]), "m1 settled")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    assert [(reply.text, reply.message_ids) for reply in sent] == []
+    assert [e.state for e in store.inbox.entries(limit=None)] == ["done"]
