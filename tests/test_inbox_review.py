@@ -8,8 +8,10 @@ the others pin a subtle guarantee that held under a real attempt to break it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,9 +19,10 @@ from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Role, Runner
-from sqlalchemy import text
+from sqlalchemy import create_engine, make_url, text
 
 from chatflow_sqlalchemy import SessionStore, SQLiteSessionStore
+from chatflow_sqlalchemy import open_store as open_url
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
 from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to
@@ -32,13 +35,42 @@ _K1 = bytes(range(32))
 _K2 = bytes(range(32, 64))
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def _mariadb_database(stack: ExitStack) -> str:
+    """A new MariaDB database for this test (dropped after it); skip if none is configured."""
+    raw = os.environ.get("CHATFLOW_TEST_MARIADB_URL")
+    if not raw:
+        pytest.skip("CHATFLOW_TEST_MARIADB_URL is unset")
+    name = f"t_{uuid.uuid4().hex}"
+    admin = create_engine(raw, isolation_level="AUTOCOMMIT")
+    stack.callback(admin.dispose)
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+
+    stack.callback(drop)
+    return make_url(raw).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=[
+    "sqlite",
+    pytest.param("postgresql", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+])
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """Opens stores with the given options on one database per test (SQLite file or PG)."""
+    """Opens stores with the given options on one database per test (SQLite file, PG or
+    MariaDB)."""
     with ExitStack() as stack:
         if request.param == "sqlite":
             def open_one(**options: Any) -> Any:
                 return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db", **options))
+        elif request.param == "mariadb":
+            url = _mariadb_database(stack)
+
+            def open_one(**options: Any) -> Any:
+                return stack.enter_context(open_url(url, **options))
         else:
             url = pg_util.postgres_url()
             schema = stack.enter_context(pg_util.fresh_schema(url))
@@ -522,3 +554,35 @@ def test_an_empty_reply_is_not_sent(open_store: Any) -> None:
     asyncio.run(scenario())
     assert [(reply.text, reply.message_ids) for reply in sent] == []
     assert [e.state for e in store.inbox.entries(limit=None)] == ["done"]
+
+
+def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(open_store: Any) -> None:
+    """FAILS. inbox.py ``_run_batch`` takes any ``CancelledError`` out of ``handle`` for a
+    stop of ``serve``: the batch is given back *uncounted* and the error re-raised, which
+    ends only that batch's task; ``serve`` goes on and takes the batch again at once. A
+    ``handle`` whose own await was cancelled (a cancelled shared future, ``gather`` over a
+    task someone cancelled) raises ``CancelledError`` while ``serve`` is not stopping:
+    the message is then tried for ever at the fastest poll, never counted, never dead.
+    Expected: attempts are counted and the message dies after ``max_attempts``."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    calls: list[int] = []
+
+    async def handle(batch: InboxBatch) -> None:
+        calls.append(batch.items[0].attempts)
+        raise asyncio.CancelledError  # e.g. the media download it awaited was cancelled
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(store.inbox.serve(handle, max_attempts=2, **_FAST))
+
+        async def settled_or_looping() -> bool:
+            return len(calls) > 20 or await _settled(store, ["m1"])
+
+        try:
+            await _until(settled_or_looping, "m1 settled or retried 20 times")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    assert [e.state for e in store.inbox.entries(limit=None)] == ["dead"]
+    assert calls == [1, 2]
