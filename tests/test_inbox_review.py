@@ -586,3 +586,42 @@ def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(open_store
     asyncio.run(scenario())
     assert [e.state for e in store.inbox.entries(limit=None)] == ["dead"]
     assert calls == [1, 2]
+
+
+def test_a_reply_handle_rejected_after_its_turn_is_not_sent(open_store: Any) -> None:
+    """FAILS. ``handle`` runs its turn (the turn's write stores the model's answer as the
+    batch's reply: sql_inbox.py ``answer_batch``), then raises: e.g. a moderation check
+    of the answer refuses it. docs/inbox.md: "``handle`` raising gives the batch back: its
+    messages are retried after a backoff, and after ``max_attempts`` they are dead".
+    Instead ``_FAILED`` puts the items back to pending *with* ``answered_at``, so the next
+    ``open_batch`` takes them for "answered and not sent" (``_ANSWERED``) and sends the
+    stored answer ``handle`` refused; ``handle`` is never called again. Expected: no
+    reply the caller refused is ever sent."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+    calls: list[int] = []
+    sent: list[InboxReply] = []
+
+    async def handle(batch: InboxBatch) -> str:
+        calls.append(batch.items[0].attempts)
+        await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        raise ValueError("the answer failed moderation")
+
+    async def send(reply: InboxReply) -> None:
+        sent.append(reply)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, send=send, max_attempts=3, **_FAST))
+
+        async def over() -> bool:
+            return bool(sent) or await _settled(store, ["m1"])
+
+        try:
+            await _until(over, "m1 sent or dead")
+        finally:
+            await _stop(serving)
+
+    asyncio.run(scenario())
+    assert [reply.text for reply in sent] == []
