@@ -625,3 +625,22 @@ def test_a_reply_handle_rejected_after_its_turn_is_not_sent(open_store: Any) -> 
 
     asyncio.run(scenario())
     assert [reply.text for reply in sent] == []
+
+
+# --------------------------------------------------------------------------- encryption
+
+
+def test_the_payload_is_sealed_at_rest_like_the_text(open_store: Any) -> None:
+    """FAILS. docs/inbox.md suggests keeping "the raw webhook entry" as ``payload``; that
+    entry holds the message's body. With ``cipher=`` (and even ``require_encryption=True``)
+    ``text`` and ``reply`` are sealed, but ``payload`` is stored as plain JSON
+    (sql_inbox.py ``put``: ``"payload": payload``), so the words the cipher protects in
+    ``text`` sit next to it in clear. Expected: nothing of the message readable at rest."""
+    store = open_store(cipher=_cipher("k1"), require_encryption=True)
+    entry = {"from": "15550001", "type": "text", "text": {"body": "my card is 4111"}}
+    store.inbox.put("m1", session_id="alice", text="my card is 4111", payload=entry)
+    with store.engine.connect() as conn:
+        stored_text, stored_payload = conn.execute(
+            text("SELECT text, payload FROM chatflow_inbox WHERE message_id = 'm1'")).one()
+    assert "4111" not in str(stored_text)
+    assert "4111" not in str(stored_payload)
