@@ -644,3 +644,50 @@ def test_the_payload_is_sealed_at_rest_like_the_text(open_store: Any) -> None:
             text("SELECT text, payload FROM chatflow_inbox WHERE message_id = 'm1'")).one()
     assert "4111" not in str(stored_text)
     assert "4111" not in str(stored_payload)
+
+
+# --------------------------------------------------------------------------- clock
+
+
+@pytest.mark.parametrize("seconds", [-3600.0, -1.5, 0.0, 2.25])
+def test_the_database_clock_moves_by_negative_seconds_too(
+    open_store: Any, seconds: float
+) -> None:
+    """Passes; pins what ``_READY``, ``_PURGE`` and ``stats`` rely on: ``DatabaseNow``
+    shifted by a *negated* bind parameter (``-bindparam(...)``, as sql_inbox.py writes
+    the coalescing and dedup horizons) is the database's now minus those seconds, to the
+    millisecond SQLite keeps, on every backend."""
+    from datetime import timedelta
+
+    from sqlalchemy import Float, bindparam, select
+
+    from chatflow_sqlalchemy.clock import DatabaseNow
+    from chatflow_sqlalchemy.models import UTCDateTime, utcnow
+
+    store = open_store()
+    now = DatabaseNow(bindparam("a", type_=UTCDateTime()))
+    moved = DatabaseNow(bindparam("b", type_=UTCDateTime()), -bindparam("s", type_=Float()))
+    worker = utcnow()
+    with store.engine.connect() as conn:
+        base, shifted = conn.execute(select(now, moved), {
+            "a": worker, "b": worker + timedelta(seconds=seconds), "s": -seconds}).one()
+    difference = (shifted - base).total_seconds()
+    assert abs(difference - seconds) < 0.01
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("session_id", ["a\x00b", "lone \ud800 surrogate"])
+def test_a_session_id_no_session_can_have_is_refused_at_put(
+    open_store: Any, session_id: str
+) -> None:
+    """FAILS. inbox.py ``_checked`` checks the session id's type and length only, not
+    ``check_storable_text`` as ``validate_session_id`` does for every other API. So
+    ``put`` accepts (SQLite: True, and the webhook answers 200) a message whose session
+    no turn can ever have (``get_or_create`` raises ``ValueError``): it can only die; on
+    PostgreSQL/MariaDB the driver's own error escapes instead of a ``ValueError`` that
+    names the fix. Expected: ``ValueError`` naming ``session_id``, nothing stored."""
+    store = open_store()
+    with pytest.raises(ValueError, match="session_id"):
+        store.inbox.put("m1", session_id=session_id, text="hello")
