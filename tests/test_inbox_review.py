@@ -691,3 +691,48 @@ def test_a_session_id_no_session_can_have_is_refused_at_put(
     store = open_store()
     with pytest.raises(ValueError, match="session_id"):
         store.inbox.put("m1", session_id=session_id, text="hello")
+
+
+# --------------------------------------------------------------------------- pins
+
+
+def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_reply(
+    open_store: Any,
+) -> None:
+    """Passes; pins: a second turn in the same ``handle`` reuses the batch's kept lease
+    (writer.py ``give_back(keep=)``; ``lease.version`` moved on by the first write) and
+    re-records the batch's reply (``ANSWER_BATCH`` matches the same in-flight rows again:
+    its rowcount is the batch size on MariaDB too, where PyMySQL counts found rows). A
+    stop after both turns sends the *last* turn's answer, once, and runs neither again."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+    turns: list[str] = []
+
+    async def scenario() -> None:
+        both = asyncio.Event()
+
+        async def handle(batch: InboxBatch) -> str:
+            turns.append(batch.text)
+            await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+            await runner.run_async(session_id=batch.session_id, user_message="and again")
+            both.set()
+            await asyncio.sleep(3600)  # post-processing when the deploy stops serve
+            return "never"
+
+        serving = asyncio.ensure_future(store.inbox.serve(handle, **_FAST))
+        try:
+            await asyncio.wait_for(both.wait(), _HANG_GUARD)
+        finally:
+            await _stop(serving)
+        sent: list[InboxReply] = []
+
+        async def send(reply: InboxReply) -> None:
+            sent.append(reply)
+
+        await _serve_until(store, handle, {"m1": "sent"}, send=send)
+        assert sent == [InboxReply("alice", reply_to("and again"), ("m1",))]
+
+    asyncio.run(scenario())
+    assert turns == ["hello"]
+    assert _user_texts(store, "alice") == ["hello", "and again"]
