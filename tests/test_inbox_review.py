@@ -54,30 +54,41 @@ def _mariadb_database(stack: ExitStack) -> str:
     return make_url(raw).set(database=name).render_as_string(hide_password=False)
 
 
-@pytest.fixture(params=[
+_SQL = [
     "sqlite",
     pytest.param("postgresql", marks=pytest.mark.postgres),
     pytest.param("mariadb", marks=pytest.mark.mariadb),
-])
+]
+
+
+def _opener(kind: str, stack: ExitStack, tmp_path: Path) -> Callable[..., Any]:
+    """Opens stores with the given options on this test's one database of ``kind``."""
+    if kind == "memory":
+        memory = stack.enter_context(SessionStore())
+        return lambda: memory
+    if kind == "sqlite":
+        return lambda **options: stack.enter_context(
+            SQLiteSessionStore(tmp_path / "x.db", **options))
+    if kind == "mariadb":
+        url = _mariadb_database(stack)
+        return lambda **options: stack.enter_context(open_url(url, **options))
+    pg = pg_util.postgres_url()
+    schema = stack.enter_context(pg_util.fresh_schema(pg))
+    return lambda **options: stack.enter_context(pg_util.schema_store(pg, schema, **options))
+
+
+@pytest.fixture(params=_SQL)
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """Opens stores with the given options on one database per test (SQLite file, PG or
-    MariaDB)."""
+    """Opens SQL stores with the given options on one database per test."""
     with ExitStack() as stack:
-        if request.param == "sqlite":
-            def open_one(**options: Any) -> Any:
-                return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db", **options))
-        elif request.param == "mariadb":
-            url = _mariadb_database(stack)
+        yield _opener(request.param, stack, tmp_path)
 
-            def open_one(**options: Any) -> Any:
-                return stack.enter_context(open_url(url, **options))
-        else:
-            url = pg_util.postgres_url()
-            schema = stack.enter_context(pg_util.fresh_schema(url))
 
-            def open_one(**options: Any) -> Any:
-                return stack.enter_context(pg_util.schema_store(url, schema, **options))
-        yield open_one
+@pytest.fixture(params=[*_SQL, "memory"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """Like ``open_store`` for a single store, the in-memory store too (generic inbox code)."""
+    with ExitStack() as stack:
+        yield _opener(request.param, stack, tmp_path)
 
 
 def _runner(store: Any) -> Runner:
@@ -141,15 +152,16 @@ def _user_texts(store: Any, session_id: str) -> list[Any]:
 
 
 def test_a_local_turn_queued_on_the_session_does_not_deadlock_the_batch(
-    open_store: Any,
+    any_store: Any,
 ) -> None:
     """FAILS. A turn of another task of this process (a proactive message, an admin
     endpoint) that starts on a session while an inbox batch holds its lease waits for
     the lease *inside* ``session.lock`` (turns.py ``begin`` under ``TurnLock``). The
     batch's own turn then queues on ``session.lock`` behind it: each waits for the other,
     and the batch renews its lease forever. Expected: both turns run (one after the
-    other) and the message is answered."""
-    store = open_store()
+    other) and the message is answered, as on the in-memory store (whose turns take no
+    lease: its variant passes)."""
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
 
@@ -274,7 +286,7 @@ def test_an_unsent_reply_under_a_retired_key_does_not_stall_its_session(
 
 
 def test_stopping_serve_while_it_sends_a_recovered_reply_does_not_count_new_messages(
-    open_store: Any,
+    any_store: Any,
 ) -> None:
     """FAILS. ``open_batch`` takes the session's new messages (in flight, attempt counted)
     *before* ``_serve_session`` sends the replies a previous holder left unsent. A serve
@@ -284,7 +296,7 @@ def test_stopping_serve_while_it_sends_a_recovered_reply_does_not_count_new_mess
     recovery as a failed attempt: with ``max_attempts=1`` the message is dead without any
     ``handle`` having seen it. Expected: as for a stop during ``handle`` (commit 1b9edfd),
     the attempt is not counted and the message is answered."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="first")
     asyncio.run(_leave_reply_unsent(store, "m1"))
     store.inbox.put("m2", session_id="alice", text="second")
@@ -466,14 +478,14 @@ def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: 
 # --------------------------------------------------------------------------- the batch's context
 
 
-def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(open_store: Any) -> None:
+def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(any_store: Any) -> None:
     """FAILS. The batch is found through a ``contextvars`` variable (inbox.py ``_BATCH``),
     which every task created inside ``handle`` copies. A task that outlives the batch (a
     follow-up message sent a bit later) still finds the batch's fence in ``Turns.begin``
     and runs its turn on the batch's lease, long released: the turn is lost with
     ``LeaseLostError`` instead of taking the session's lease as any other turn does.
     Expected: the follow-up turn is written."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
     follow_ups: list[asyncio.Task[Any]] = []
@@ -528,13 +540,13 @@ def test_one_stalled_session_does_not_starve_the_others(open_store: Any) -> None
     assert _user_texts(after, "bob") == ["hi, I am bob"]
 
 
-def test_an_empty_reply_is_not_sent(open_store: Any) -> None:
+def test_an_empty_reply_is_not_sent(any_store: Any) -> None:
     """FAILS. docs/inbox.md, States: "``done``: answered, and ``serve`` was given no
     ``send`` (or the reply was empty)". inbox.py ``_run_batch`` only skips ``send`` for
     None, so ``""`` (what ``result.content`` is when the model answers with no text,
     ``final_text = turn_result.text or ""`` in the Runner) is sent as an empty message,
     which a platform refuses: retried, then dead. Expected: done, nothing sent."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     sent: list[InboxReply] = []
 
@@ -556,7 +568,7 @@ def test_an_empty_reply_is_not_sent(open_store: Any) -> None:
     assert [e.state for e in store.inbox.entries(limit=None)] == ["done"]
 
 
-def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(open_store: Any) -> None:
+def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(any_store: Any) -> None:
     """FAILS. inbox.py ``_run_batch`` takes any ``CancelledError`` out of ``handle`` for a
     stop of ``serve``: the batch is given back *uncounted* and the error re-raised, which
     ends only that batch's task; ``serve`` goes on and takes the batch again at once. A
@@ -564,7 +576,7 @@ def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(open_store
     task someone cancelled) raises ``CancelledError`` while ``serve`` is not stopping:
     the message is then tried for ever at the fastest poll, never counted, never dead.
     Expected: attempts are counted and the message dies after ``max_attempts``."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     calls: list[int] = []
 
@@ -588,7 +600,7 @@ def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(open_store
     assert calls == [1, 2]
 
 
-def test_a_reply_handle_rejected_after_its_turn_is_not_sent(open_store: Any) -> None:
+def test_a_reply_handle_rejected_after_its_turn_is_not_sent(any_store: Any) -> None:
     """FAILS. ``handle`` runs its turn (the turn's write stores the model's answer as the
     batch's reply: sql_inbox.py ``answer_batch``), then raises: e.g. a moderation check
     of the answer refuses it. docs/inbox.md: "``handle`` raising gives the batch back: its
@@ -597,7 +609,7 @@ def test_a_reply_handle_rejected_after_its_turn_is_not_sent(open_store: Any) -> 
     ``open_batch`` takes them for "answered and not sent" (``_ANSWERED``) and sends the
     stored answer ``handle`` refused; ``handle`` is never called again. Expected: no
     reply the caller refused is ever sent."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
     calls: list[int] = []
@@ -697,14 +709,14 @@ def test_a_session_id_no_session_can_have_is_refused_at_put(
 
 
 def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_reply(
-    open_store: Any,
+    any_store: Any,
 ) -> None:
     """Passes; pins: a second turn in the same ``handle`` reuses the batch's kept lease
     (writer.py ``give_back(keep=)``; ``lease.version`` moved on by the first write) and
     re-records the batch's reply (``ANSWER_BATCH`` matches the same in-flight rows again:
     its rowcount is the batch size on MariaDB too, where PyMySQL counts found rows). A
     stop after both turns sends the *last* turn's answer, once, and runs neither again."""
-    store = open_store()
+    store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
     turns: list[str] = []
