@@ -452,6 +452,7 @@ def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: 
     store.inbox.put("m1", session_id="alice", text="hello")
     sent: list[InboxReply] = []
     gate = threading.Event()
+    blockers: list[asyncio.Future[Any]] = []
 
     async def scenario() -> None:
         serving: asyncio.Future[None]
@@ -460,14 +461,15 @@ def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: 
             sent.append(reply)
             if len(sent) == 1:  # the store's pool is busy (other batches' statements) ...
                 for _ in range(8):
-                    asyncio.ensure_future(store.inbox.rows.run(gate.wait, _HANG_GUARD))
+                    blockers.append(asyncio.ensure_future(
+                        store.inbox.rows.run(gate.wait, _HANG_GUARD)))
                 await asyncio.sleep(0.2)
                 asyncio.get_running_loop().call_later(0.5, gate.set)
                 serving.cancel()  # ... as the deploy stops serve
 
         serving = asyncio.ensure_future(
             store.inbox.serve(_turn(_runner(store)), send=send, **_FAST))
-        await asyncio.gather(serving, return_exceptions=True)
+        await asyncio.gather(serving, *blockers, return_exceptions=True)
         await _serve_until(store, _turn(_runner(store)), {"m1": "sent"}, send=send)
 
     with store:
