@@ -750,3 +750,33 @@ def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_r
     asyncio.run(scenario())
     assert turns == ["hello"]
     assert _user_texts(store, "alice") == ["hello", "and again"]
+
+
+def test_a_session_deleted_under_a_running_batch_is_answered_once_on_its_new_self(
+    open_store: Any,
+) -> None:
+    """Passes; pins: ``delete(session_id)`` while a batch holds the session (before its
+    turn) makes that turn fail its fenced write (the new row has no lease) instead of
+    writing into the new incarnation; the batch is recovered by the next take (the
+    session row the turn created is leased anew) and answered once. The cost is one
+    attempt (the recovery counts it)."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+    attempts: list[int] = []
+    sent: list[InboxReply] = []
+
+    async def handle(batch: InboxBatch) -> str:
+        attempts.append(batch.items[0].attempts)
+        if len(attempts) == 1:
+            await asyncio.to_thread(store.delete, batch.session_id)  # "delete my data"
+        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        return str(result.content)
+
+    async def send(reply: InboxReply) -> None:
+        sent.append(reply)
+
+    asyncio.run(_serve_until(store, handle, {"m1": "sent"}, send=send))
+    assert attempts == [1, 2]
+    assert [reply.message_ids for reply in sent] == [("m1",)]
+    assert _user_texts(store, "alice") == ["hello"]
