@@ -780,3 +780,27 @@ def test_a_session_deleted_under_a_running_batch_is_answered_once_on_its_new_sel
     assert attempts == [1, 2]
     assert [reply.message_ids for reply in sent] == [("m1",)]
     assert _user_texts(store, "alice") == ["hello"]
+
+
+@pytest.mark.parametrize("hop", ["to_thread", "run_in_executor"])
+def test_a_sync_turn_handle_runs_in_a_thread_uses_the_batch(open_store: Any, hop: str) -> None:
+    """FAILS for ``run_in_executor``. ``handle`` running the sync ``Runner.run`` in a
+    thread: ``asyncio.to_thread`` copies the caller's context (the batch is found), but
+    ``loop.run_in_executor`` does not. The turn then does not see the batch
+    (turns.py ``active_batch``), polls for the session's lease that the batch holds and
+    renews for ever, and ``handle`` waits for the turn: a permanent deadlock, nothing
+    logged. Expected: answered (or an error that says what to do)."""
+    store = open_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = _runner(store)
+
+    async def handle(batch: InboxBatch) -> str:
+        args = (runner.run, batch.session_id, batch.text)
+        if hop == "to_thread":
+            result = await asyncio.to_thread(*args)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(None, *args)
+        return str(result.content)
+
+    asyncio.run(_serve_until(store, handle, {"m1": "done"}))
+    assert _user_texts(store, "alice") == ["hello"]
