@@ -1,8 +1,8 @@
-"""Review of the durable inbox: scenarios that try to break it, on real databases.
+"""The durable inbox under faults and edge cases, on real databases.
 
-Each test states the guarantee it checks (DESIGN "Durable inbox" / docs/inbox.md).
-Tests marked ``FAILS`` in their docstring demonstrate a bug in the code as reviewed;
-the others pin a subtle guarantee that held under a real attempt to break it.
+Each test states the guarantee it checks (DESIGN "Durable inbox", docs/inbox.md):
+stops and lost leases at awkward moments, key rotation, erasure, handles that
+misbehave, and turns that meet a batch. Generic cases run on the in-memory store too.
 """
 
 from __future__ import annotations
@@ -154,13 +154,11 @@ def _user_texts(store: Any, session_id: str) -> list[Any]:
 def test_a_local_turn_queued_on_the_session_does_not_deadlock_the_batch(
     any_store: Any,
 ) -> None:
-    """FAILS. A turn of another task of this process (a proactive message, an admin
-    endpoint) that starts on a session while an inbox batch holds its lease waits for
-    the lease *inside* ``session.lock`` (turns.py ``begin`` under ``TurnLock``). The
-    batch's own turn then queues on ``session.lock`` behind it: each waits for the other,
-    and the batch renews its lease forever. Expected: both turns run (one after the
-    other) and the message is answered, as on the in-memory store (whose turns take no
-    lease: its variant passes)."""
+    """A turn of another task on a session a batch holds runs, and so does the batch's.
+
+    A proactive message or an admin endpoint may start a turn while ``handle`` is busy.
+    That turn uses the batch's lease instead of waiting for it while holding the
+    session's lock, which the batch's own turn would then wait for: a deadlock."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
@@ -203,11 +201,11 @@ def _cipher(*keys: str) -> AESGCMCipher:
 def test_rotating_keys_then_dropping_the_old_one_keeps_pending_messages(
     open_store: Any,
 ) -> None:
-    """FAILS. The documented rotation ("give them the same keys first, then rotate, then
-    drop the old key", cli.py keys_rotate) re-seals messages, archive and metadata but
-    not ``chatflow_inbox`` (sealing.py ``rotate_batch``). A message pending at rotation
-    time is then unreadable once the old key is gone and dies at once, unanswered
-    (sql_inbox.py ``_take_pending``). Expected: it is answered."""
+    """A message pending across a key rotation is answered after the old key is dropped.
+
+    ``rotate_keys`` re-seals the inbox like the rest of the store, so the documented
+    rotation (add the new key, rotate, drop the old one) never turns a waiting message
+    into an unreadable one that dies unanswered."""
     before = open_store(cipher=_cipher("k1"))
     before.inbox.put("m1", session_id="alice", text="hello")
     rotated = open_store(cipher=_cipher("k2", "k1"))
@@ -251,14 +249,11 @@ async def _leave_reply_unsent(store: Any, message_id: str) -> None:
 def test_an_unsent_reply_under_a_retired_key_does_not_stall_its_session(
     open_store: Any,
 ) -> None:
-    """FAILS. A reply stored with its turn and not sent yet is sealed with the key of the
-    time; rotation does not re-seal it (sealing.py ``rotate_batch``). Once that key is
-    dropped, every ``open_batch`` of the session raises in ``_answered``
-    (sql_inbox.py: ``open_text`` of ``rows[-1].reply``) and rolls back: the session is
-    retried at the fastest poll forever and none of its new messages is ever answered.
-    (The same holds for an unsent reply stored in plaintext on a store then opened with
-    ``require_encryption=True``.) Expected: the session's new message is answered
-    (the unreadable reply dead with its reason, as an unreadable text is)."""
+    """A reply left unsent across a key rotation does not stall its session.
+
+    The session's stored, unsent reply must stay readable or die with its reason; it
+    must never make every new batch of the session fail, or the session's new messages
+    would be retried for ever and never answered."""
     before = open_store(cipher=_cipher("k1"))
     before.inbox.put("m1", session_id="alice", text="hello")
     asyncio.run(_leave_reply_unsent(before, "m1"))
@@ -288,14 +283,11 @@ def test_an_unsent_reply_under_a_retired_key_does_not_stall_its_session(
 def test_stopping_serve_while_it_sends_a_recovered_reply_does_not_count_new_messages(
     any_store: Any,
 ) -> None:
-    """FAILS. ``open_batch`` takes the session's new messages (in flight, attempt counted)
-    *before* ``_serve_session`` sends the replies a previous holder left unsent. A serve
-    stopped during that send (a deploy; or a ``LeaseLostError`` / database error there)
-    leaves the new messages in flight, counted, never given to ``handle`` and never given
-    back (``abandon`` only runs inside ``_run_batch``). The next holder then counts the
-    recovery as a failed attempt: with ``max_attempts=1`` the message is dead without any
-    ``handle`` having seen it. Expected: as for a stop during ``handle`` (commit 1b9edfd),
-    the attempt is not counted and the message is answered."""
+    """A stop while a recovered reply is sent does not count the session's new messages.
+
+    A batch first sends what a previous holder answered and left unsent. If ``serve``
+    stops there (a deploy), the new messages taken with it go back uncounted, as for a
+    stop during ``handle``, so even with ``max_attempts=1`` they are answered later."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="first")
     asyncio.run(_leave_reply_unsent(store, "m1"))
@@ -348,12 +340,10 @@ def _inbox_texts(store: Any, session_id: str) -> list[str]:
 
 
 def test_erase_user_erases_the_users_inbox_messages(open_store: Any) -> None:
-    """FAILS. ``erase_user`` ("sessions erased, with their messages, archive and claims";
-    DESIGN "Lifecycle and data governance") goes through ``erase_sessions``
-    (sql_lifecycle.py), which does not know ``chatflow_inbox``: the user's words stay
-    there (a dead message for ever: ``purge`` only removes done and sent ones; an
-    answered one for the dedup window). ``delete(session_id)`` keeps them too, and
-    ``export_user`` does not list them. Expected: nothing of the user's is left."""
+    """``erase_user`` erases the user's inbox messages along with their sessions.
+
+    The inbox keeps the user's own words (a dead message until retried, an answered one
+    for the dedup window); erasure that left them behind would not be erasure."""
     store = open_store()
     bot = Agent(name="Bot", instructions="")
     runner = _runner(store)
@@ -383,12 +373,11 @@ def test_erase_user_erases_the_users_inbox_messages(open_store: Any) -> None:
 def test_retry_of_a_batch_that_died_with_its_worker_brings_its_whole_batch_back(
     open_store: Any,
 ) -> None:
-    """FAILS. docs/inbox.md: "``inbox retry`` puts a dead message back to ``pending`` with
-    the rest of its batch". A batch whose worker stalled or died on its last attempt is
-    made dead by the next holder's recovery (sql_inbox.py ``_ABANDONED``), which clears
-    ``batch_token``: ``retry`` then finds no batch (``_RETRY`` matches the token) and
-    brings back only the one id. This is the poison-message case (the batch crashes its
-    worker every time), exactly when an operator retries after a fix."""
+    """Retrying a message whose batch died with its stalled worker brings the whole batch back.
+
+    A batch whose worker lapsed on its last attempt is made dead by the next holder.
+    That is the poison-message case an operator retries after a fix, so ``retry`` must
+    restore the rest of the batch too, as docs/inbox.md promises."""
     stalled = open_store(turn_lease_seconds=0.5)
     taker = open_store(turn_lease_seconds=0.5)
     for mid in ("m1", "m2"):
@@ -429,8 +418,10 @@ def test_retry_of_a_batch_that_died_with_its_worker_brings_its_whole_batch_back(
 
 
 def test_clear_treats_the_inbox_alike_on_sql_and_in_memory(tmp_path: Path) -> None:
-    """Passes; pins parity: ``clear()`` keeps the inbox on both stores (as it keeps the
-    processed webhook ids); only ``close()`` forgets the in-memory store's inbox."""
+    """``clear()`` treats the inbox alike on the SQL and in-memory stores.
+
+    Both keep it (as they keep the processed webhook ids); only ``close()`` forgets the
+    in-memory store's inbox. Code tested on one store then behaves the same on the other."""
     left = {}
     with SQLiteSessionStore(tmp_path / "x.db") as sql, SessionStore() as memory:
         for name, store in (("sql", sql), ("memory", memory)):
@@ -441,13 +432,10 @@ def test_clear_treats_the_inbox_alike_on_sql_and_in_memory(tmp_path: Path) -> No
 
 
 def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: Path) -> None:
-    """FAILS. After ``send`` returns, the 'sent' UPDATE (inbox.py ``_deliver``:
-    ``await self._rows.run(self._rows.sent, token)``) is not shielded, unlike ``abandon``
-    and ``release``: a stop of ``serve`` (a deploy, not a kill) that lands while that
-    call waits for a pool thread cancels it before it runs (iopool.py: "a queued call is
-    skipped"). The message stays answered-unsent and the next worker sends the reply a
-    second time, although no process died (docs/inbox.md puts the at-least-once window
-    at a *killed* worker). Expected: one send."""
+    """A stop of ``serve`` landing just as ``send`` returns does not send the reply again.
+
+    The record that the reply was sent is shielded from the stop, even while it waits
+    for a busy pool. A deploy is not a crash: only a killed worker may send twice."""
     store = SQLiteSessionStore(tmp_path / "x.db")
     store.inbox.put("m1", session_id="alice", text="hello")
     sent: list[InboxReply] = []
@@ -481,12 +469,11 @@ def test_a_stop_landing_as_send_returns_does_not_send_the_reply_again(tmp_path: 
 
 
 def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(any_store: Any) -> None:
-    """FAILS. The batch is found through a ``contextvars`` variable (inbox.py ``_BATCH``),
-    which every task created inside ``handle`` copies. A task that outlives the batch (a
-    follow-up message sent a bit later) still finds the batch's fence in ``Turns.begin``
-    and runs its turn on the batch's lease, long released: the turn is lost with
-    ``LeaseLostError`` instead of taking the session's lease as any other turn does.
-    Expected: the follow-up turn is written."""
+    """A task started in ``handle`` that outlives the batch runs its turn on its own lease.
+
+    Tasks copy the context that lets turns find their batch. A later turn of such a
+    task (a delayed follow-up) must take the session's lease as any turn does, not reuse
+    the batch's released one and be lost with ``LeaseLostError``."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
@@ -514,12 +501,11 @@ def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(any_store
 
 
 def test_one_stalled_session_does_not_starve_the_others(open_store: Any) -> None:
-    """FAILS. A session whose ``open_batch`` raises every time (here: the unsent reply
-    under a retired key) is released and, having the lowest ``min(id)``, is first in
-    ``_READY``'s ``ORDER BY`` again at the next look, which comes at the fastest poll
-    since a batch "started" (inbox.py ``_start_ready``). With ``concurrency=1`` it takes
-    the only slot for ever: another user's message is never answered. Expected: bob is
-    answered."""
+    """A session with an unsent reply from before a key rotation does not starve the others.
+
+    With ``concurrency=1`` the oldest ready session is tried first. If its batch could
+    not be opened it would take the only slot at every poll, and another user's message
+    (here bob's) would never be answered."""
     before = open_store(cipher=_cipher("k1"))
     before.inbox.put("a1", session_id="alice", text="hello")
     asyncio.run(_leave_reply_unsent(before, "a1"))
@@ -543,11 +529,10 @@ def test_one_stalled_session_does_not_starve_the_others(open_store: Any) -> None
 
 
 def test_an_empty_reply_is_not_sent(any_store: Any) -> None:
-    """FAILS. docs/inbox.md, States: "``done``: answered, and ``serve`` was given no
-    ``send`` (or the reply was empty)". inbox.py ``_run_batch`` only skips ``send`` for
-    None, so ``""`` (what ``result.content`` is when the model answers with no text,
-    ``final_text = turn_result.text or ""`` in the Runner) is sent as an empty message,
-    which a platform refuses: retried, then dead. Expected: done, nothing sent."""
+    """An empty reply is recorded as done and not sent.
+
+    A model that answers with no text yields ``""``; a platform refuses an empty
+    message, so sending it would only be retried until dead (docs/inbox.md, States)."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     sent: list[InboxReply] = []
@@ -571,13 +556,11 @@ def test_an_empty_reply_is_not_sent(any_store: Any) -> None:
 
 
 def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(any_store: Any) -> None:
-    """FAILS. inbox.py ``_run_batch`` takes any ``CancelledError`` out of ``handle`` for a
-    stop of ``serve``: the batch is given back *uncounted* and the error re-raised, which
-    ends only that batch's task; ``serve`` goes on and takes the batch again at once. A
-    ``handle`` whose own await was cancelled (a cancelled shared future, ``gather`` over a
-    task someone cancelled) raises ``CancelledError`` while ``serve`` is not stopping:
-    the message is then tried for ever at the fastest poll, never counted, never dead.
-    Expected: attempts are counted and the message dies after ``max_attempts``."""
+    """A ``CancelledError`` raised by ``handle`` itself counts as a failed attempt.
+
+    Only a stop of ``serve`` gives a batch back uncounted. A ``handle`` whose own await
+    was cancelled must not be retried for ever at the fastest poll: it dies after
+    ``max_attempts``."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     calls: list[int] = []
@@ -603,14 +586,11 @@ def test_a_handle_that_raises_cancelled_error_is_not_retried_for_ever(any_store:
 
 
 def test_a_reply_handle_rejected_after_its_turn_is_not_sent(any_store: Any) -> None:
-    """FAILS. ``handle`` runs its turn (the turn's write stores the model's answer as the
-    batch's reply: sql_inbox.py ``answer_batch``), then raises: e.g. a moderation check
-    of the answer refuses it. docs/inbox.md: "``handle`` raising gives the batch back: its
-    messages are retried after a backoff, and after ``max_attempts`` they are dead".
-    Instead ``_FAILED`` puts the items back to pending *with* ``answered_at``, so the next
-    ``open_batch`` takes them for "answered and not sent" (``_ANSWERED``) and sends the
-    stored answer ``handle`` refused; ``handle`` is never called again. Expected: no
-    reply the caller refused is ever sent."""
+    """A reply ``handle`` refuses after its turn committed is never sent.
+
+    The turn stores its answer as the batch's reply; ``handle`` may then raise (say, the
+    answer failed moderation). The batch fails as docs/inbox.md says, and the withheld
+    answer is not later sent as "answered and not sent"."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
@@ -645,11 +625,10 @@ def test_a_reply_handle_rejected_after_its_turn_is_not_sent(any_store: Any) -> N
 
 
 def test_the_payload_is_sealed_at_rest_like_the_text(open_store: Any) -> None:
-    """FAILS. docs/inbox.md suggests keeping "the raw webhook entry" as ``payload``; that
-    entry holds the message's body. With ``cipher=`` (and even ``require_encryption=True``)
-    ``text`` and ``reply`` are sealed, but ``payload`` is stored as plain JSON
-    (sql_inbox.py ``put``: ``"payload": payload``), so the words the cipher protects in
-    ``text`` sit next to it in clear. Expected: nothing of the message readable at rest."""
+    """With a cipher, the message's ``payload`` is sealed at rest like its text.
+
+    docs/inbox.md suggests keeping the raw webhook entry as ``payload``, and that entry
+    holds the message body: left in clear it would expose what the cipher protects."""
     store = open_store(cipher=_cipher("k1"), require_encryption=True)
     entry = {"from": "15550001", "type": "text", "text": {"body": "my card is 4111"}}
     store.inbox.put("m1", session_id="alice", text="my card is 4111", payload=entry)
@@ -667,10 +646,10 @@ def test_the_payload_is_sealed_at_rest_like_the_text(open_store: Any) -> None:
 def test_the_database_clock_moves_by_negative_seconds_too(
     open_store: Any, seconds: float
 ) -> None:
-    """Passes; pins what ``_READY``, ``_PURGE`` and ``stats`` rely on: ``DatabaseNow``
-    shifted by a *negated* bind parameter (``-bindparam(...)``, as sql_inbox.py writes
-    the coalescing and dedup horizons) is the database's now minus those seconds, to the
-    millisecond SQLite keeps, on every backend."""
+    """``DatabaseNow`` shifted by a negated bind parameter is the database's now minus it.
+
+    The inbox writes its coalescing and dedup horizons this way, and readiness, purge
+    and stats rely on them, on every backend and to the millisecond SQLite keeps."""
     from datetime import timedelta
 
     from sqlalchemy import Float, bindparam, select
@@ -696,12 +675,11 @@ def test_the_database_clock_moves_by_negative_seconds_too(
 def test_a_session_id_no_session_can_have_is_refused_at_put(
     open_store: Any, session_id: str
 ) -> None:
-    """FAILS. inbox.py ``_checked`` checks the session id's type and length only, not
-    ``check_storable_text`` as ``validate_session_id`` does for every other API. So
-    ``put`` accepts (SQLite: True, and the webhook answers 200) a message whose session
-    no turn can ever have (``get_or_create`` raises ``ValueError``): it can only die; on
-    PostgreSQL/MariaDB the driver's own error escapes instead of a ``ValueError`` that
-    names the fix. Expected: ``ValueError`` naming ``session_id``, nothing stored."""
+    """``put`` refuses a session id that no session can have, with a ``ValueError``.
+
+    Otherwise the webhook would answer 200 for a message that can only die (no turn can
+    open its session), or the driver's own error would escape instead of one naming
+    ``session_id``."""
     store = open_store()
     with pytest.raises(ValueError, match="session_id"):
         store.inbox.put("m1", session_id=session_id, text="hello")
@@ -713,11 +691,11 @@ def test_a_session_id_no_session_can_have_is_refused_at_put(
 def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_reply(
     any_store: Any,
 ) -> None:
-    """Passes; pins: a second turn in the same ``handle`` reuses the batch's kept lease
-    (writer.py ``give_back(keep=)``; ``lease.version`` moved on by the first write) and
-    re-records the batch's reply (``ANSWER_BATCH`` matches the same in-flight rows again:
-    its rowcount is the batch size on MariaDB too, where PyMySQL counts found rows). A
-    stop after both turns sends the *last* turn's answer, once, and runs neither again."""
+    """Two turns in one ``handle`` both commit, and the last answer is the stored reply.
+
+    The second turn reuses the batch's kept lease and records the reply again (on
+    MariaDB too, where matched rows are counted). After a stop, the recovered reply is
+    the last turn's, sent once, and neither turn runs again."""
     store = any_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
@@ -755,11 +733,10 @@ def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_r
 def test_a_session_deleted_under_a_running_batch_is_answered_once_on_its_new_self(
     open_store: Any,
 ) -> None:
-    """Passes; pins: ``delete(session_id)`` while a batch holds the session (before its
-    turn) makes that turn fail its fenced write (the new row has no lease) instead of
-    writing into the new incarnation; the batch is recovered by the next take (the
-    session row the turn created is leased anew) and answered once. The cost is one
-    attempt (the recovery counts it)."""
+    """A session deleted under a running batch is answered once, on its new incarnation.
+
+    The batch's turn fails its fenced write instead of writing into the new session;
+    the next take recovers the batch and answers it once, at the cost of one attempt."""
     store = open_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
@@ -784,12 +761,10 @@ def test_a_session_deleted_under_a_running_batch_is_answered_once_on_its_new_sel
 
 @pytest.mark.parametrize("hop", ["to_thread", "run_in_executor"])
 def test_a_sync_turn_handle_runs_in_a_thread_uses_the_batch(open_store: Any, hop: str) -> None:
-    """FAILS for ``run_in_executor``. ``handle`` running the sync ``Runner.run`` in a
-    thread: ``asyncio.to_thread`` copies the caller's context (the batch is found), but
-    ``loop.run_in_executor`` does not. The turn then does not see the batch
-    (turns.py ``active_batch``), polls for the session's lease that the batch holds and
-    renews for ever, and ``handle`` waits for the turn: a permanent deadlock, nothing
-    logged. Expected: answered (or an error that says what to do)."""
+    """A sync turn that ``handle`` runs in a thread completes on the batch's session.
+
+    ``asyncio.to_thread`` copies the caller's context but ``run_in_executor`` does not;
+    either way the turn uses the batch's lease instead of waiting for it for ever."""
     store = open_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
