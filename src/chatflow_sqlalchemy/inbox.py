@@ -42,7 +42,6 @@ the same everywhere: validation, the worker loop, the turn's hook.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import json
@@ -545,8 +544,7 @@ class _Worker:
                 wake.clear()
                 started = await self._start_ready()
                 idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), idle)
+                await _wait_event(wake, idle)
         finally:
             self._inbox.drop_waker(wake)
             running = list(self._running.values())
@@ -706,6 +704,20 @@ class _Worker:
             await self._rows.run(self._rows.sent, token)
             return
         await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Wait until ``event`` is set, at most ``timeout`` seconds; a cancellation always raises.
+
+    Not ``asyncio.wait_for``: before Python 3.12 it returns normally, losing the
+    cancellation, when the event is set just as the waiting task is cancelled
+    (CPython gh-86296), and the worker loop would then never stop.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([waiter], timeout=timeout)
+    finally:
+        waiter.cancel()
 
 
 def _describe(exc: BaseException) -> str:
