@@ -4,7 +4,7 @@ It answers ``POST /{version}/{phone-number-id}/messages`` as the Cloud API
 does (200 with a message id) and records every request, so a test can count
 what reached "WhatsApp": replies delivered exactly once, chunks in order.
 Statuses given to :meth:`FakeGraphAPI.answer_next` are used first (a 500, a
-429 with ``Retry-After: 0``), one per request. No network: it binds
+429 with ``Retry-After: 0``, :data:`DROP`), one per request. No network: it binds
 127.0.0.1 on a free port, in a thread of the test process.
 """
 
@@ -18,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 HANG_GUARD = 60.0
+DROP = 0
+"""A status for :meth:`FakeGraphAPI.answer_next`: read the request, hang up without answering."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class FakeGraphAPI:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status = fake._answer(self.path, self.headers.get("Authorization", ""), body)
+                if status == DROP:
+                    self.close_connection = True  # hang up without an answer
+                    return
                 payload = (
                     {"messaging_product": "whatsapp",
                      "messages": [{"id": f"wamid.out.{len(fake.requests)}"}]}
@@ -93,14 +98,14 @@ class FakeGraphAPI:
     def delivered(self) -> list[GraphRequest]:
         """The requests answered with success, in arrival order."""
         with self._lock:
-            return [r for r in self.requests if r.status < 400]
+            return [r for r in self.requests if 0 < r.status < 400]
 
     def wait_delivered(self, count: int, timeout: float = HANG_GUARD) -> list[GraphRequest]:
         """Wait until ``count`` requests were answered with success; return them all."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
-                done = [r for r in self.requests if r.status < 400]
+                done = [r for r in self.requests if 0 < r.status < 400]
                 if len(done) >= count:
                     return done
                 left = deadline - time.monotonic()

@@ -50,7 +50,7 @@ from ._whatsapp import (  # noqa: E402
     webhook,
 )
 from ._workers import postgres_spec, sqlite_spec  # noqa: E402
-from .fake_graph import FakeGraphAPI  # noqa: E402
+from .fake_graph import DROP, FakeGraphAPI  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     # chatflow-agent 0.3.4's webhook reads this name as a fallback on newer Starlette
@@ -336,6 +336,18 @@ async def test_a_long_reply_goes_in_chunks_and_a_retry_resumes_at_the_failed_one
     assert [r.status for r in fake.requests] == [200, 503, 200, 200]
 
 
+async def test_a_request_that_went_out_unanswered_is_not_sent_again(
+    store: Any, fake: FakeGraphAPI
+) -> None:
+    """WhatsApp may have delivered it: as upstream, no second send (no duplicate)."""
+    channel = build_channel(store, fake.url)
+    fake.answer_next(DROP)
+    async with client_of(channel) as client, channel.running():
+        await deliver(client, webhook(message("wamid.1", "hello")))
+        await until_states(store, {"wamid.1": "sent"})
+    assert [(r.status, r.text) for r in fake.requests] == [(DROP, "Bot re: hello")]
+
+
 async def test_an_unreachable_graph_api_is_retried_then_dead(store: Any) -> None:
     """Upstream's connect retries, then the inbox's: the reply is kept, the messages dead."""
     closed = f"http://127.0.0.1:{free_port()}"
@@ -481,3 +493,47 @@ def test_a_worker_killed_mid_turn(spec: StoreSpec, fake: FakeGraphAPI, tmp_path:
     texts, entries = _history(spec)
     assert texts == ["hello mid-turn"], "the killed turn left messages, or ran twice"
     assert [e.attempts for e in entries] == [2]
+
+
+def test_without_the_extra_the_import_names_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['fastapi'] = None\n"
+        "import chatflow_sqlalchemy.channels as channels\n"
+        "try:\n"
+        "    channels.DurableWhatsAppChannel\n"
+        "except Exception as exc:  # chatflow-agent's DependencyError, as upstream raises\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=HANG_GUARD, check=True, cwd=tmp_path)
+    assert result.stdout.startswith("DependencyError"), result.stdout
+    assert "pip install 'chatflow-sqlalchemy[whatsapp]'" in result.stdout, result.stdout
+
+
+async def test_the_workers_stop_even_as_they_are_woken(store: Any, fake: FakeGraphAPI) -> None:
+    """Stopping the app while a put wakes the workers still stops them.
+
+    Before Python 3.12, ``asyncio.wait_for`` returns normally instead of raising the
+    cancellation when what it waits for completes as the task is cancelled (CPython
+    gh-86296): a worker loop waiting for its waker that way never stopped. The two
+    yields put the cancellation exactly there: the waker's wait is done, the loop
+    not yet resumed.
+    """
+    channel = build_channel(store, fake.url)
+
+    async def wake_then_stop() -> None:
+        async with channel.running():
+            await asyncio.sleep(0.5)  # the workers found nothing and wait for their waker
+            store.inbox.wake()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+    for _ in range(5):
+        stopping = asyncio.ensure_future(wake_then_stop())
+        done, _ = await asyncio.wait([stopping], timeout=HANG_GUARD / 4)
+        assert done, "the workers did not stop when the app did"
+        stopping.result()

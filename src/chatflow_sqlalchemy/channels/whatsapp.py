@@ -124,8 +124,9 @@ def _take_upstream_webhook(app: FastAPI) -> Callable[..., Awaitable[Response]]:
 
     """
     for route in list(app.router.routes):
-        methods = route.methods if isinstance(route, APIRoute) else None
-        if isinstance(route, APIRoute) and route.path == "/webhook" and "POST" in (methods or ()):
+        if not isinstance(route, APIRoute) or route.path != "/webhook":
+            continue
+        if "POST" in (route.methods or ()):
             app.router.routes.remove(route)
             endpoint: Callable[..., Awaitable[Response]] = route.endpoint
             return endpoint
