@@ -1,8 +1,10 @@
-"""examples/whatsapp_webhook.py, served by a real uvicorn, driven by httpx, on a SQLite file.
+"""The examples, served by a real uvicorn, driven by httpx, on a SQLite file.
 
-Started exactly as examples/README.md says (``uvicorn examples.whatsapp_webhook:app``
-from the repository root, the store from ``CHATFLOW_DATABASE_URL``), on a free
-loopback port; "restart" is a new server process on the same file.
+Started exactly as examples/README.md says (``uvicorn examples.whatsapp_webhook:app``,
+``uvicorn examples.durable_whatsapp_bot:app`` from the repository root, the store from
+``CHATFLOW_DATABASE_URL``), on a free loopback port; "restart" is a new server process on
+the same file. The durable bot sends its replies to a fake Graph API on loopback
+(tests/fake_graph.py) through ``WHATSAPP_GRAPH_API_URL``.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(db: Path, **env: str) -> Iterator[Any]:
-    """Run ``uvicorn examples.whatsapp_webhook:app``; yield an httpx client; stop it cleanly."""
+def serve(db: Path, app: str = "examples.whatsapp_webhook:app", ready: str = "/openapi.json",
+          **env: str) -> Iterator[Any]:
+    """Run ``uvicorn APP``; yield an httpx client once ``ready`` answers; stop it cleanly."""
     port = _free_port()
     environ = {**os.environ, "CHATFLOW_DATABASE_URL": f"sqlite:///{db}", **env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "examples.whatsapp_webhook:app",
-         "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)],
         cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=HANG_GUARD)
@@ -52,7 +54,7 @@ def serve(db: Path, **env: str) -> Iterator[Any]:
         deadline = time.monotonic() + HANG_GUARD
         while True:
             try:
-                client.get("/openapi.json").raise_for_status()
+                client.get(ready).raise_for_status()
                 break
             except httpx.TransportError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -183,3 +185,60 @@ def test_a_failed_turn_answers_500_and_its_retry_runs_it_again(tmp_path: Path) -
     with SQLiteSessionStore(db) as store:
         states = {claim.message_id: claim.state for claim in list_claims(store)}
     assert states == {"wamid.1": "done", "wamid.2": "released"}
+
+
+# ------------------------------------------------------------------ the durable bot
+
+DURABLE_BOT = "examples.durable_whatsapp_bot:app"
+
+
+def test_the_durable_bot_answers_each_message_once_through_the_graph_api(tmp_path: Path) -> None:
+    """Signed webhooks in, replies out at the Graph API; then web and workers apart."""
+    from chatflow_sqlalchemy import open_store
+
+    from ._whatsapp import PHONE_NUMBER_ID, SECRET, message, signed, webhook
+    from .fake_graph import FakeGraphAPI
+
+    db = tmp_path / "bot.db"
+    with FakeGraphAPI() as fake:
+        env = {"WHATSAPP_APP_SECRET": SECRET, "WHATSAPP_VERIFY_TOKEN": "s3cret",
+               "WHATSAPP_ACCESS_TOKEN": "token", "WHATSAPP_PHONE_NUMBER_ID": PHONE_NUMBER_ID,
+               "WHATSAPP_GRAPH_API_URL": fake.url}
+        with serve(db, DURABLE_BOT, "/health", **env) as client:
+            raw, headers = signed(webhook(message("wamid.1", "Where is order 405?")))
+            first = client.post("/webhook", content=raw, headers=headers)
+            assert first.json()["messages_queued"] == 1, first.text
+            forged = client.post("/webhook", content=raw, headers={
+                **headers, "X-Hub-Signature-256": "sha256=" + "0" * 64})
+            assert forged.status_code == 403
+            (reply,) = fake.wait_delivered(1)
+            assert reply.to == PHONE and "405" in reply.text and "shipped" in reply.text
+            again = client.post("/webhook", content=raw, headers=headers)
+            assert again.json()["messages_queued"] == 0, "a redelivery must not be queued"
+            check = client.get("/webhook", params={"hub.mode": "subscribe",
+                                                   "hub.verify_token": "s3cret",
+                                                   "hub.challenge": "7"})
+            assert (check.status_code, check.text) == (200, "7")
+        with serve(db, DURABLE_BOT, "/health", CHATFLOW_INBOX_WORKERS="separate", **env) as web:
+            raw, headers = signed(webhook(message("wamid.2", "And order 406?")))
+            assert web.post("/webhook", content=raw, headers=headers).status_code == 200
+            store = open_store(f"sqlite:///{db}")
+            try:
+                states = {e.message_id: e.state for e in store.inbox.entries()}
+            finally:
+                store.close()
+            assert states == {"wamid.1": "sent", "wamid.2": "pending"}, "the web app answered"
+            workers = subprocess.Popen(
+                [sys.executable, "-m", "chatflow_sqlalchemy.channels",
+                 "examples.durable_whatsapp_bot:channel"],
+                cwd=ROOT, env={**os.environ, "CHATFLOW_DATABASE_URL": f"sqlite:///{db}", **env},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            try:
+                second = fake.wait_delivered(2)[1]
+            finally:
+                workers.send_signal(signal.SIGINT)
+                out = workers.communicate(timeout=HANG_GUARD)[0]
+            assert workers.returncode == 0, out
+        assert "406" in second.text
+        assert len(fake.requests) == 2, fake.requests
