@@ -20,6 +20,7 @@ from typing import Any, cast
 from urllib.parse import quote
 
 import pytest
+from chatflow_agent import Agent
 from sqlalchemy import Table, update
 
 from chatflow_sqlalchemy import open_store
@@ -292,6 +293,18 @@ def test_retry_moves_a_dead_batch_back_to_pending(
     code, out, err = run(capsys, "--url", url, "inbox", "retry", "sent-1", "--json")
     assert "is sent, not dead" in one_error_line(code, out, err, 1)
     assert out == ""  # stdout stays empty for scripts: the error is on stderr
+
+
+def test_sessions_list_skips_sessions_before_their_first_turn(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The inbox leases a session row before its first turn; like ``list_sessions()``,
+    ``sessions list`` shows it only once a turn gave it its agent."""
+    _seed(url)  # every batch answered without a turn: no session is born
+    with open_store(url) as store:
+        store.get_or_create("born", Agent(name="Bot", instructions=""))
+    listed = read_json(capsys, url, "sessions", "list")["sessions"]
+    assert [entry["session_id"] for entry in listed] == ["born"]
 
 
 def test_retry_in_human_words(url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -945,15 +945,20 @@ def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[An
     from sqlalchemy import func, select
 
     from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
+    from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     sessions_t: Any = ChatflowSession.__table__
     s, m = sessions_t.c, ChatflowMessage.__table__.c
     # Counted per listed session (an index range each), not over the whole table.
     count = select(func.count()).where(m.session_id == s.session_id).correlate(sessions_t)
-    query = select(
-        s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
-        s.created_at, s.updated_at,
-    ).order_by(s.updated_at.desc(), s.session_id)
+    query = (
+        select(
+            s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
+            s.created_at, s.updated_at,
+        )
+        .where(s.active_agent_name != UNBORN_AGENT)  # the inbox's, before their first turn
+        .order_by(s.updated_at.desc(), s.session_id)
+    )
     with _read_conn(engine) as conn:
         if filters is None:
             return list(conn.execute(query))
