@@ -80,6 +80,7 @@ __all__ = [
     "Unsent",
     "active_batch",
     "parse_sent_at",
+    "resumed_token",
 ]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
@@ -253,7 +254,6 @@ class BatchFence:
         lease: The session's lease, held by the batch (the turn keeps it).
         token: The batch's token, on its items' rows.
         size: How many items the batch holds.
-        answered: A turn's write recorded the reply.
         open: The batch still runs (a task ``handle`` started may outlive it).
 
     """
@@ -262,13 +262,17 @@ class BatchFence:
     lease: Lease
     token: str
     size: int
-    answered: bool = field(default=False)
     open: bool = field(default=True)
 
 
 _BATCH: contextvars.ContextVar[BatchFence | None] = contextvars.ContextVar(
     "chatflow_inbox_batch", default=None
 )
+
+
+def resumed_token(token: str, n: int) -> str:
+    """The token under which a worker holding ``token`` sends its ``n``-th recovered reply."""
+    return f"{token[:24]}{n:08x}"
 
 
 def active_batch(session_id: str) -> BatchFence | None:
@@ -410,11 +414,7 @@ class Inbox:
         """
         args = _checked(message_id, session_id, text, sent_at, payload)
         with telemetry.operation("inbox.put", self._system):
-            accepted = self._rows.put(*args)
-        if accepted:
-            telemetry.count("chatflow.inbox.received", 1, self._system)
-            self.wake()
-        return accepted
+            return self._received(self._rows.put(*args))
 
     async def aput(
         self,
@@ -428,7 +428,10 @@ class Inbox:
         """:meth:`put` without blocking the event loop."""
         args = _checked(message_id, session_id, text, sent_at, payload)
         with telemetry.operation("inbox.put", self._system):
-            accepted = await self._rows.run(self._rows.put, *args)
+            return self._received(await self._rows.run(self._rows.put, *args))
+
+    def _received(self, accepted: bool) -> bool:
+        """After a put: count an accepted message and wake the local workers."""
         if accepted:
             telemetry.count("chatflow.inbox.received", 1, self._system)
             self.wake()

@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.inbox import (
     InboxReply,
     InboxStats,
     Unsent,
+    resumed_token,
 )
 from chatflow_sqlalchemy.values import Lease, utcnow
 
@@ -226,7 +227,7 @@ class MemoryInbox:
                 for row in group:
                     row.set(DONE, now)
                 continue
-            resumed = f"{token[:24]}{len(unsent):08x}"
+            resumed = resumed_token(token, len(unsent))
             for row in group:
                 row.set(IN_FLIGHT, now)
                 row.batch_token = resumed
@@ -254,7 +255,6 @@ class MemoryInbox:
                 raise LeaseLostError(batch.session_id)
             for row in rows:
                 row.answered_at, row.reply, row.updated_at = now, reply, now
-        batch.answered = True
 
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store the reply; the items are done, or in flight until sent."""

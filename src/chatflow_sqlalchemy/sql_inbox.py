@@ -50,6 +50,7 @@ from chatflow_sqlalchemy.inbox import (
     InboxReply,
     InboxStats,
     Unsent,
+    resumed_token,
 )
 from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
 from chatflow_sqlalchemy.models import ChatflowInboxItem, ChatflowSession, UTCDateTime, utcnow
@@ -402,7 +403,7 @@ class SQLInbox:
                 for row in rows:
                     conn.execute(_UNREADABLE, {"row_id": row.id, "error": str(exc), **params})
                 continue
-            token = f"{params['token'][:24]}{len(unsent):08x}"
+            token = resumed_token(params["token"], len(unsent))
             conn.execute(_RESUME, {**params, "ids": ids, "token": token})
             message_ids = tuple(row.message_id for row in rows)
             unsent.append(Unsent(token, InboxReply(session_id, text, message_ids)))
@@ -520,5 +521,4 @@ def answer_batch(conn: Connection, batch: BatchFence, reply: str | None, sealer:
     params = {"token": batch.token, "reply": sealed, "now": utcnow()}
     if conn.execute(ANSWER_BATCH, params).rowcount != batch.size:
         raise LeaseLostError(batch.session_id)
-    batch.answered = True
 
