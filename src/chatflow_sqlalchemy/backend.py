@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.migrate import MigrationChain
     from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+    from chatflow_sqlalchemy.summaries import Summarizer
     from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
@@ -57,6 +58,7 @@ _SOURCES: dict[str, str] = {
     "CLAIM_NOW": "chatflow_sqlalchemy.clock",
     "DatabaseNow": "chatflow_sqlalchemy.clock",
     "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
+    "Summarizer": "chatflow_sqlalchemy.summaries",
 }
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "IOPool",
     "MigrationChain",
     "SQLAlchemySessionStore",
+    "Summarizer",
     "UTCDateTime",
 ]
 

@@ -40,6 +40,7 @@ from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, check_storable_tex
 
 __all__ = [
     "METADATA_MAX_DEPTH",
+    "SUMMARY_SEQ",
     "SessionContext",
     "TurnLock",
     "check_metadata",
@@ -55,6 +56,12 @@ _T = TypeVar("_T")
 
 _JOURNAL_LIMIT = 64
 """Rollback points kept per context (bounded so long-lived contexts stay small)."""
+
+SUMMARY_SEQ = 0
+"""The seq of the summary's SYSTEM message in memory; no stored row has it (rows start at 1)."""
+
+SUMMARY_HEADER = "Summary of the earlier conversation (its turns are no longer shown):\n"
+"""What the summary's SYSTEM message says before the summary itself."""
 
 
 def validate_id(value: object, name: str) -> str:
@@ -207,6 +214,12 @@ def dump_message(message: Message) -> str:
     return to_json(message.model_dump(), inf_nan_mode="constants").decode()
 
 
+def _rewind_count(turns: object) -> int:
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise ValueError(f"turns must be a positive int, got {turns!r}")
+    return turns
+
+
 class ContextOwner(Protocol):
     """What an attached context needs from its store (implemented by the SQL store)."""
 
@@ -227,6 +240,8 @@ class _Snapshot:
     seqs: list[int]
     agent: Agent
     cleared: bool
+    summary: str | None = None
+    summary_through: int = 0
 
 
 @dataclass
@@ -253,6 +268,9 @@ class DurableState:
     """Rows held back from memory: a trailing tool call without its result, written
     outside a turn by a writer that may have died. Deleted by the next write that
     appends a message after them."""
+    summary: str | None = None
+    summary_through: int = 0
+    """The highest seq folded into ``summary`` (0: none)."""
 
 
 class _TrackedDict(dict[str, Any]):
@@ -497,6 +515,13 @@ class SessionContext(_UpstreamSessionContext):
         self._async_writer = _AnyLoopLock()
         self._max_turns = 1
         self._metadata = _TrackedDict(self, {})
+        self._summary: str | None = None
+        self._summary_through = 0
+        self._summary_message: Message | None = None
+        self.forked_from: str | None = None
+        """The session this one was forked from (``store.fork``), None if it is no fork."""
+        self.forked_at_turn: int | None = None
+        """How many of ``forked_from``'s turns the fork took when it was made."""
         super().__init__(
             session_id=session_id,
             initial_agent=initial_agent,
@@ -531,10 +556,11 @@ class SessionContext(_UpstreamSessionContext):
         with self._mutex:
             self._check_alive()
             undo = self._push_undo()
-            self._history = list(messages)
+            self._history = [m for m in messages if not self._is_summary(m)]
             self._seqs = []
             self._cleared = True  # a replacement: nothing stored before it survives a rebase
             self._regroup()
+            self._place_summary()
             self._changed(undo)
 
     @property
@@ -565,6 +591,20 @@ class SessionContext(_UpstreamSessionContext):
     def deleted(self) -> bool:
         """True once the session was deleted through its store."""
         return self._deleted
+
+    @property
+    def summary(self) -> str | None:
+        """The summary of the turns pruning dropped (the store's ``summarizer``), or None.
+
+        The model sees it as one SYSTEM message after the session's own
+        SYSTEM messages, at the head of ``history``.
+        """
+        return self._summary
+
+    @property
+    def summary_through(self) -> int:
+        """The position (seq) of the last message folded into ``summary`` (0: none yet)."""
+        return self._summary_through
 
     # -------------------------------------------------------------- mutation
 
@@ -612,6 +652,8 @@ class SessionContext(_UpstreamSessionContext):
             self._n_system = 0
             self._turns.clear()
             self._cleared = True
+            self._summary = self._summary_message = None
+            self._summary_through = self._next_seq - 1  # what was pruned before is no more
             self._changed(undo)
 
     def rollback_to(self, checkpoint_len: int) -> None:
@@ -641,6 +683,55 @@ class SessionContext(_UpstreamSessionContext):
             else:
                 return
             self._changed(undo)
+
+    def rewind(self, turns: int = 1) -> None:
+        """Remove the last ``turns`` complete turns, in memory and in the store alike.
+
+        Runs as a turn of its own (see :meth:`arewind`); call :meth:`arewind`
+        from a running event loop. Edit-and-regenerate is a rewind, then a
+        new turn with the edited message.
+
+        Raises:
+            ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
+            RuntimeError: A turn is open on this context, or an event loop is running.
+            SessionDeletedError: If the session was deleted.
+
+        """
+        count = _rewind_count(turns)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self.arewind(count))
+            return
+        raise RuntimeError("rewind() cannot run inside a running event loop: await arewind()")
+
+    async def arewind(self, turns: int = 1) -> None:
+        """Async :meth:`rewind`: takes the session's turn, removes the turns, writes.
+
+        The turn fences it like any other (on a SQL store it holds the
+        session's lease and catches up first); removed messages go to the
+        archive on a store with ``archive_pruned=True``.
+        """
+        count = _rewind_count(turns)
+        with self._mutex:
+            self._check_alive()
+            if self._in_turn:
+                raise RuntimeError(
+                    "rewind inside a turn would remove the turn that is running: rewind "
+                    "before or after the turn (inside it, rollback_to undoes the turn's messages)"
+                )
+        async with self.lock:
+            with self._mutex:
+                self._ensure_indexed()
+                if count > len(self._turns):
+                    raise ValueError(
+                        f"cannot rewind {count} turn(s): the window holds {len(self._turns)} "
+                        "(pruned turns are gone from it)"
+                    )
+                keep = len(self._history) - sum(list(self._turns)[-count:])
+                del self._history[keep:]
+                del self._seqs[keep:]
+                self._reindex()
 
     def _prune_history(self) -> None:
         """Regroup the whole history into whole turns (upstream's full algorithm).
@@ -784,7 +875,10 @@ class SessionContext(_UpstreamSessionContext):
             self._changed()
 
     def _snapshot(self) -> _Snapshot:
-        return _Snapshot(list(self._history), list(self._seqs), self.active_agent, self._cleared)
+        return _Snapshot(
+            list(self._history), list(self._seqs), self.active_agent, self._cleared,
+            self._summary, self._summary_through,
+        )
 
     def _push_undo(self) -> _Snapshot:
         snapshot = self._snapshot()
@@ -810,6 +904,12 @@ class SessionContext(_UpstreamSessionContext):
         self._seqs = list(snapshot.seqs)
         self.active_agent = snapshot.agent
         self._cleared = snapshot.cleared
+        self._summary = snapshot.summary
+        self._summary_through = snapshot.summary_through
+        self._summary_message = next(
+            (m for m, seq in zip(self._history, self._seqs, strict=True) if seq == SUMMARY_SEQ),
+            None,
+        )
         self._reindex()
 
     def _new_seq(self) -> int:
@@ -820,8 +920,9 @@ class SessionContext(_UpstreamSessionContext):
     def _append(self, message: Message) -> None:
         role = message.role
         if role == Role.SYSTEM:
-            self._history.insert(self._n_system, message)
-            self._seqs.insert(self._n_system, self._new_seq())
+            at = self._n_system - (self._summary is not None)  # the summary stays last
+            self._history.insert(at, message)
+            self._seqs.insert(at, self._new_seq())
             self._n_system += 1
         elif role == Role.USER:
             self._history.append(message)
@@ -852,17 +953,23 @@ class SessionContext(_UpstreamSessionContext):
     def _regroup(self) -> None:
         """Upstream's full turn regroup; keeps the seqs of messages it can still match."""
         if len(self._seqs) != len(self._history):
-            self._seqs = [self._new_seq() for _ in self._history]
+            self._seqs = [
+                SUMMARY_SEQ if self._is_summary(m) else self._new_seq() for m in self._history
+            ]
         systems: list[tuple[Message, int]] = []
+        summary: list[tuple[Message, int]] = []
         turns: list[list[tuple[Message, int]]] = []
         for message, seq in zip(self._history, self._seqs, strict=True):
-            if message.role == Role.SYSTEM:
+            if seq == SUMMARY_SEQ:
+                summary = [(message, seq)]
+            elif message.role == Role.SYSTEM:
                 systems.append((message, seq))
             elif message.role == Role.USER:
                 turns.append([(message, seq)])
             elif turns:
                 turns[-1].append((message, seq))
         kept = turns[-self._max_turns :]
+        systems += summary
         pairs = systems + [pair for turn in kept for pair in turn]
         self._history = [message for message, _ in pairs]
         self._seqs = [seq for _, seq in pairs]
@@ -896,12 +1003,19 @@ class SessionContext(_UpstreamSessionContext):
         self._seqs = seqs
         self.active_agent = agent
         self._replace_metadata(metadata)
-        self._next_seq = max(self._next_seq, max(durable.seqs | durable.hidden, default=0) + 1)
+        self._next_seq = max(
+            self._next_seq,
+            max(durable.seqs | durable.hidden, default=0) + 1,
+            durable.summary_through + 1,
+        )
         self._journal.clear()
         self._durable = durable
         self._stale = False
         self._cleared = False
+        self._summary = durable.summary
+        self._summary_through = durable.summary_through
         self._reindex()
+        self._place_summary()
 
     def _replace_metadata(self, metadata: dict[str, Any]) -> None:
         self._metadata = _TrackedDict(self, metadata)
@@ -910,7 +1024,62 @@ class SessionContext(_UpstreamSessionContext):
         """Messages in memory that the database does not hold yet, with their seqs."""
         durable = self._durable.seqs if self._durable is not None else set()
         pairs = zip(self._seqs, self._history, strict=True)
-        return [(seq, message) for seq, message in pairs if seq not in durable]
+        return [
+            (seq, message) for seq, message in pairs if seq not in durable and seq != SUMMARY_SEQ
+        ]
+
+    # -------------------------------------------------------------- summary
+
+    def _is_summary(self, message: Message) -> bool:
+        """True if ``message`` is the summary's SYSTEM message this context shows."""
+        return message is self._summary_message
+
+    def _place_summary(self) -> None:
+        """Show ``_summary`` as the last SYSTEM message, or no summary message if it is None."""
+        if SUMMARY_SEQ in self._seqs:
+            at = self._seqs.index(SUMMARY_SEQ)
+            del self._history[at]
+            del self._seqs[at]
+            self._n_system -= 1
+        self._summary_message = None
+        if self._summary is not None:
+            message = Message(role=Role.SYSTEM, content=SUMMARY_HEADER + self._summary)
+            self._history.insert(self._n_system, message)
+            self._seqs.insert(self._n_system, SUMMARY_SEQ)
+            self._n_system += 1
+            self._summary_message = message
+
+    def _set_summary(self, summary: str | None, through: int) -> None:
+        """Take a new summary of the turns up to seq ``through`` (a write persists it)."""
+        with self._mutex:
+            self._check_alive()
+            self._summary = summary
+            self._summary_through = through
+            self._place_summary()
+
+    async def _aapply_summary(self, summary: str, based_on: int, through: int) -> bool:
+        """Take ``summary`` (of the turns up to seq ``through``) as a turn of its own.
+
+        Only over the summary it was made from (``based_on``, what
+        ``summary_through`` was then): False, changing nothing, if another
+        summary came first.
+        """
+        async with self.lock:
+            with self._mutex:
+                if self._summary_through != based_on:
+                    return False
+                self._set_summary(summary, through)
+        return True
+
+    def _turn_seqs(self) -> list[list[int]]:
+        """The seqs of each turn in the window, oldest first."""
+        seqs = self._seqs[self._n_system :]
+        turns: list[list[int]] = []
+        at = 0
+        for size in self._turns:
+            turns.append(seqs[at : at + size])
+            at += size
+        return turns
 
     def __repr__(self) -> str:
         return (

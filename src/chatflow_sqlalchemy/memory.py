@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.claims import (
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
+    SUMMARY_SEQ,
     SessionContext,
     _Snapshot,
     check_metadata,
@@ -53,6 +54,12 @@ from chatflow_sqlalchemy.lifecycle import (
     validate_user_id,
 )
 from chatflow_sqlalchemy.memory_inbox import MemoryInbox
+from chatflow_sqlalchemy.summaries import (
+    PendingSummary,
+    Summaries,
+    Summarizer,
+    validate_summarizer,
+)
 from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
     DEFAULT_TURN_LEASE_SECONDS,
@@ -72,6 +79,42 @@ def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
     return not same or ctx.active_agent is not start.agent
 
 
+class _MemorySummaryRows:
+    """The in-memory store's :class:`~chatflow_sqlalchemy.summaries.SummaryRows`."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+        self.waiting: dict[str, dict[int, Message]] = {}
+        """Pruned messages not yet in their session's summary, by session and seq."""
+        self._claimed: set[str] = set()
+
+    def claim(self, session_id: str) -> PendingSummary | None:
+        with self._store._lock:
+            ctx = self._store._sessions.get(session_id)
+            if ctx is None or session_id in self._claimed:
+                return None
+            through = ctx.summary_through
+            dropped = sorted(
+                (seq, m) for seq, m in self.waiting.get(session_id, {}).items() if seq > through
+            )
+            if not dropped:
+                return None
+            self._claimed.add(session_id)
+            return PendingSummary(ctx.summary, through, [m for _, m in dropped], dropped[-1][0])
+
+    def give_up(self, session_id: str) -> None:
+        with self._store._lock:
+            self._claimed.discard(session_id)
+
+    def settle(self, session_id: str, through: int) -> None:
+        """A write of the session: what its summary covers waits no more (under the lock)."""
+        waiting = self.waiting.get(session_id)
+        if waiting is not None and any(seq <= through for seq in waiting):
+            for seq in [seq for seq in waiting if seq <= through]:
+                del waiting[seq]
+            self._claimed.discard(session_id)
+
+
 class SessionStore(AsyncStoreAPI):
     """In-memory session registry; nothing survives the process.
 
@@ -85,6 +128,9 @@ class SessionStore(AsyncStoreAPI):
         turn_lease_seconds: Accepted as every store accepts it; turns of one
             in-memory store exclude each other within the process, where a
             turn cannot outlive its holder.
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -103,8 +149,10 @@ class SessionStore(AsyncStoreAPI):
         session_ttl_hours: float | None = None,
         archive_pruned: bool = False,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
+        summarizer: Summarizer | None = None,
     ) -> None:
         self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
+        self.summarizer = validate_summarizer(summarizer)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
         self.archive_pruned = validate_archive_pruned(archive_pruned)
@@ -122,6 +170,10 @@ class SessionStore(AsyncStoreAPI):
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
         self._claim_rows = MemoryClaims(self)
+        self._summary_rows = _MemorySummaryRows(self)
+        self._summaries = None if self.summarizer is None else Summaries(
+            self.summarizer, self._summary_rows, self.get, "memory"
+        )
         self._turn_starts: dict[int, _Snapshot] = {}
         self._inbox_rows = MemoryInbox(self.turn_lease_seconds)
         self.inbox = Inbox(
@@ -188,16 +240,29 @@ class SessionStore(AsyncStoreAPI):
         self._updated_at[session_id] = now
         self._created_at.setdefault(session_id, now)
 
-    def _archive_pruned(self, ctx: SessionContext) -> None:
-        """Keep what pruning dropped since the last write (under ``_lock``)."""
+    def _keep_what_left(self, ctx: SessionContext) -> None:
+        """Archive what left the window since the last write, as the SQL stores do.
+
+        Pruned messages wait for the summary (with a summarizer); with
+        ``archive_pruned`` the others are archived too, except what a clear
+        removed. Called under ``_lock``.
+        """
         window = dict(zip(ctx._seqs, ctx._history, strict=True))
+        window.pop(SUMMARY_SEQ, None)
         before = self._window_seen.get(ctx.session_id, {})
         gone = before.keys() - window.keys()
-        if gone:
+        pruned = pruned_seqs(gone, ctx._seqs, ctx._n_system)
+        if self.archive_pruned:
             kept = self._archive.setdefault(ctx.session_id, {})
-            for seq in pruned_seqs(gone, ctx._seqs, ctx._n_system):
+            for seq in pruned if ctx._cleared else gone:
                 kept[seq] = before[seq]
+        if self._summaries is not None and pruned and not ctx._cleared:
+            waiting = self._summary_rows.waiting.setdefault(ctx.session_id, {})
+            waiting.update((seq, before[seq]) for seq in pruned)
+            self._summaries.due(ctx.session_id)
+        self._summary_rows.settle(ctx.session_id, ctx.summary_through)
         self._window_seen[ctx.session_id] = window
+        ctx._cleared = False
 
     def transcript(self, session_id: str) -> list[Message]:
         """Archived messages, then the window, in order ([] for an unknown session)."""
@@ -209,6 +274,7 @@ class SessionStore(AsyncStoreAPI):
                 return []
             merged = dict(self._archive.get(session_id, {}))
             merged.update(zip(ctx._seqs, ctx._history, strict=True))
+            merged.pop(SUMMARY_SEQ, None)
             return [merged[seq] for seq in sorted(merged)]
 
     def _drop(self, session_id: str) -> SessionContext | None:
@@ -219,6 +285,7 @@ class SessionStore(AsyncStoreAPI):
         self._users.pop(session_id, None)
         self._archive.pop(session_id, None)
         self._window_seen.pop(session_id, None)
+        self._summary_rows.waiting.pop(session_id, None)
         return self._sessions.pop(session_id, None)
 
     # The ContextOwner protocol: contexts report their writes, which only move
@@ -229,8 +296,8 @@ class SessionStore(AsyncStoreAPI):
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
                 self._touch(ctx.session_id)
-                if self.archive_pruned:
-                    self._archive_pruned(ctx)
+                if self.archive_pruned or self._summaries is not None:
+                    self._keep_what_left(ctx)
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
@@ -503,11 +570,17 @@ class SessionStore(AsyncStoreAPI):
                 removed += 1
         return removed
 
+    def wait_for_summaries(self, timeout: float | None = None) -> bool:
+        """Wait until no summary is being made; False if ``timeout`` seconds passed first."""
+        return True if self._summaries is None else self._summaries.wait(timeout)
+
     def close(self) -> None:
         """Drop every session and claim; later calls raise ``RuntimeError`` (as SQL stores do).
 
-        Closing twice is harmless.
+        Closing twice is harmless. Summaries still being made are dropped.
         """
+        if self._summaries is not None:
+            self._summaries.close()
         with self._lock:
             self._closed = True
             self._sessions.clear()

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Date,
     DateTime,
     Dialect,
@@ -162,6 +163,11 @@ class ChatflowSession(Base):
     (``lease_owner``, None when free), until when by the database's clock
     (``lease_expires_at``), and a counter bumped by every take
     (``lease_fence``), so a holder that lost the lease cannot write.
+
+    ``summary*`` (revision 0010): the summary of the turns pruning dropped,
+    the highest ``seq`` folded into it, and until when a worker is writing the
+    next one (see :mod:`chatflow_sqlalchemy.summaries`). ``forked_from`` and
+    ``forked_at_turn``: where a fork was copied from (``store.fork``).
     """
 
     __tablename__ = "chatflow_sessions"
@@ -176,8 +182,17 @@ class ChatflowSession(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(LEASE_OWNER_MAX_LENGTH), nullable=True)
     lease_fence: Mapped[int] = mapped_column(BigInteger, server_default="0")
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    summary: Mapped[str | None] = mapped_column(LongText, nullable=True)
+    summary_through: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    summary_claimed_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    forked_from: Mapped[str | None] = mapped_column(
+        String(SESSION_ID_MAX_LENGTH), nullable=True
+    )
+    forked_at_turn: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
-    __table_args__ = (Index(None, "updated_at"), Index(None, "user_id"))
+    __table_args__ = (
+        Index(None, "updated_at"), Index(None, "user_id"), Index(None, "forked_from")
+    )
 
 
 class ChatflowMessage(Base):
@@ -230,6 +245,8 @@ class ChatflowMessageArchive(Base):
     message_json: Mapped[str] = mapped_column(LongText)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     archived_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    pending_summary: Mapped[bool] = mapped_column(Boolean, server_default="0")
+    """Pruned and not yet folded into the session's summary (revision 0010)."""
 
     __table_args__ = (Index(None, "session_id", "seq"),)
 

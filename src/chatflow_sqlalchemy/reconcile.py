@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from chatflow_agent import Agent, Message, Role
 
-from chatflow_sqlalchemy.context import DurableState, SessionContext, dump_metadata
+from chatflow_sqlalchemy.context import SUMMARY_SEQ, DurableState, SessionContext, dump_metadata
 from chatflow_sqlalchemy.rows import StoredSession
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "orphaned_tool_call",
     "other_incarnation",
     "repair_window",
+    "summary_changed",
     "unsaved_tail_call",
 ]
 
@@ -40,8 +41,11 @@ def install(
         metadata_json=dump_metadata(stored.metadata),
         incarnation=stored.created_at,
         hidden=frozenset(hidden),
+        summary=stored.summary,
+        summary_through=stored.summary_through,
     )
     ctx._load(window, seqs, agent, stored.metadata, durable)
+    ctx.forked_from, ctx.forked_at_turn = stored.forked_from, stored.forked_at_turn
 
 
 def repair_window(
@@ -113,13 +117,21 @@ def has_changes(ctx: SessionContext) -> bool:
     """True if ``ctx`` differs from what the database last held for it."""
     durable = ctx._durable
     assert durable is not None
-    if ctx.active_agent.name != durable.agent_name or len(ctx._seqs) != len(durable.seqs):
+    shown = len(ctx._seqs) - (ctx.summary is not None)
+    if ctx.active_agent.name != durable.agent_name or shown != len(durable.seqs):
         return True
-    if ctx._cleared:
-        return True  # also what another writer added before the clear must go
-    if any(seq not in durable.seqs for seq in reversed(ctx._seqs)):  # new ones are last
-        return True
+    if ctx._cleared or summary_changed(ctx):
+        return True  # a clear: also what another writer added before it must go
+    if any(seq not in durable.seqs for seq in reversed(ctx._seqs) if seq != SUMMARY_SEQ):
+        return True  # new ones are last
     return dump_metadata(ctx._metadata) != durable.metadata_json
+
+
+def summary_changed(ctx: SessionContext) -> bool:
+    """True if ``ctx``'s summary is not the one the database last held for it."""
+    durable = ctx._durable
+    assert durable is not None
+    return (ctx.summary, ctx.summary_through) != (durable.summary, durable.summary_through)
 
 
 def unsaved_tail_call(ctx: SessionContext) -> Message | None:

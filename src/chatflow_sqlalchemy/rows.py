@@ -33,6 +33,7 @@ __all__ = [
     "IS_PROCESSED",
     "SELECT_CREATED",
     "SELECT_VERSION",
+    "SET_SUMMARY",
     "StoredSession",
     "content_column",
     "dump_message_json",
@@ -62,6 +63,10 @@ _SELECT_SESSION = select(
     sessions.c.metadata_json,
     sessions.c.created_at,
     sessions.c.updated_at,
+    sessions.c.summary,
+    sessions.c.summary_through,
+    sessions.c.forked_from,
+    sessions.c.forked_at_turn,
 ).where(sessions.c.session_id == bindparam("session_id"))
 _SELECT_MESSAGES = (
     select(messages.c.id, messages.c.seq, messages.c.message_json)
@@ -88,6 +93,16 @@ BUMP_SESSION = (
 """The compare-and-swap of a session row: rowcount 1 only at the version the writer knows."""
 
 BUMP_SESSION_AND_METADATA = BUMP_SESSION.values(metadata_json=bindparam("metadata"))
+SET_SUMMARY = (
+    update(sessions)
+    .where(sessions.c.session_id == bindparam("sid"))
+    .values(
+        summary=bindparam("summary"),
+        summary_through=bindparam("through"),
+        summary_claimed_until=None,
+    )
+)
+"""A session's new summary (written after its compare-and-swap, under the row's lock)."""
 IS_PROCESSED = select(processed.c.message_id).where(
     processed.c.message_id == bindparam("message_id"),
     processed.c.processed_at >= bindparam("cutoff"),
@@ -105,6 +120,10 @@ class StoredSession:
     seqs: list[int]
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    summary: str | None = None
+    summary_through: int = 0
+    forked_from: str | None = None
+    forked_at_turn: int | None = None
 
 
 def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSession | None:
@@ -133,8 +152,13 @@ def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSes
             text = sealer.open_text(session_id, msg_row.id, text, "chatflow_messages")
         window.append(parse_message(session_id, msg_row.id, text))
         seqs.append(msg_row.seq)
+    summary = row.summary
+    if summary is not None and (opens or is_encrypted(summary)):
+        summary = sealer.open_text(session_id, None, summary, "chatflow_sessions")
     return StoredSession(
-        row.version, row.active_agent_name, metadata, window, seqs, row.created_at, row.updated_at
+        row.version, row.active_agent_name, metadata, window, seqs, row.created_at,
+        row.updated_at, summary, int(row.summary_through or 0), row.forked_from,
+        row.forked_at_turn,
     )
 
 

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import importlib.util
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -133,6 +134,7 @@ class StoreRuntime:
         self.aengine: AsyncEngine | None = None
         """The AsyncEngine of a native-async store, once needed (its async API runs on it)."""
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._thread_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self.pool: IOPool | None = None
         """The private thread pool, once the async API needed it."""
         self._lock = threading.Lock()
@@ -280,6 +282,8 @@ class StoreRuntime:
         store's threads, on the sync engine.
         """
         loop = asyncio.get_running_loop()
+        if loop in self._thread_loops:
+            return None
         with self._lock:
             self.check_open()
             owner = self._aloop
@@ -291,6 +295,15 @@ class StoreRuntime:
         if stale:
             await engine.dispose()
         return engine
+
+    def keep_on_threads(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run ``loop``'s database work on the store's threads, never on the AsyncEngine.
+
+        For a loop of the store's own that lives as long as the store (the
+        summaries'): were it to take the AsyncEngine once the caller's loop
+        closed, the caller's next loops would be left with the threads.
+        """
+        self._thread_loops.add(loop)
 
     def _io_pool(self) -> IOPool:
         with self._lock:

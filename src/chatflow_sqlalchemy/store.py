@@ -119,6 +119,8 @@ from chatflow_sqlalchemy.sql_lifecycle import (
     transcript_sources,
     user_session_ids,
 )
+from chatflow_sqlalchemy.sql_summaries import SQLSummaries
+from chatflow_sqlalchemy.summaries import Summaries, Summarizer, validate_summarizer
 from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 from chatflow_sqlalchemy.values import (
@@ -172,6 +174,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         turn_lease_seconds: How long a turn's lease on its session lasts
             without renewal (it is renewed while the turn runs): a worker
             that dies mid-turn frees its session after this long.
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
         auto_migrate: Create or upgrade the schema on open (True), or refuse
             a missing or old schema with
             :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
@@ -216,8 +221,10 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
+        summarizer: Summarizer | None = None,
     ) -> None:
         self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
+        self.summarizer = validate_summarizer(summarizer)
         self.auto_migrate = auto_migrate_enabled(auto_migrate)
         self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
         self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
@@ -268,9 +275,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         )
         leases = SessionLeases(self.runtime, self.turn_lease_seconds)
         self.turns = Turns(self, self.runtime, leases)
+        self._summaries = None if self.summarizer is None else Summaries(
+            self.summarizer, SQLSummaries(self.runtime, self._sealer), self.get,
+            self.runtime.system, on_loop=self.runtime.keep_on_threads,
+        )
         self._writer = SessionWriter(
             self.runtime, self._sealer, self._agents, archive_pruned=self.archive_pruned,
-            leases=leases,
+            leases=leases, summaries=self._summaries,
         )
         self.inbox = Inbox(
             SQLInbox(self, leases, self._sealer),
@@ -910,10 +921,23 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
     # ------------------------------------------------------------ lifecycle
 
+    def wait_for_summaries(self, timeout: float | None = None) -> bool:
+        """Wait until no summary is being made; False if ``timeout`` seconds passed first.
+
+        Summaries are made in the background after the turns that pruned;
+        a job that exits right after its last turn calls this first.
+        """
+        return True if self._summaries is None else self._summaries.wait(timeout)
+
     def close(self) -> None:
-        """Release the thread pool and (if the store created it) the engine."""
+        """Release the thread pool and (if the store created it) the engine.
+
+        Summaries still being made are dropped: their turns wait for the next prune.
+        """
         if self.runtime.closed:
             return
+        if self._summaries is not None:
+            self._summaries.close()
         self.runtime.close()
 
     def __enter__(self) -> SQLAlchemySessionStore:

@@ -136,6 +136,16 @@ class _Instruments:
                 unit="{reply}",
                 description="Calls of the inbox's send that raised (each retry counts)",
             ),
+            "chatflow.summaries.written": meter.create_counter(
+                "chatflow.summaries.written",
+                unit="{summary}",
+                description="Session summaries made and stored",
+            ),
+            "chatflow.summaries.failed": meter.create_counter(
+                "chatflow.summaries.failed",
+                unit="{summary}",
+                description="Summarizer calls that raised, timed out or returned no str",
+            ),
         }
 
 
@@ -179,7 +189,7 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
 
     Args:
         name: ``claim``, ``load``, ``turn.lease``, ``turn.commit``, ``inbox.put``,
-            ``inbox.batch`` or ``inbox.send`` (the span is ``chatflow.<name>``).
+            ``inbox.batch``, ``inbox.send`` or ``summary`` (the span is ``chatflow.<name>``).
         system: The database (``db.system.name``): ``sqlite``, ``postgresql``...
         **attributes: More span attributes, keyed ``chatflow.<key>``.
 

@@ -38,7 +38,12 @@ from chatflow_sqlalchemy.inbox import BatchFence
 from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
 from chatflow_sqlalchemy.lifecycle import pruned_seqs
 from chatflow_sqlalchemy.models import utcnow
-from chatflow_sqlalchemy.reconcile import install, orphaned_tool_call, other_incarnation
+from chatflow_sqlalchemy.reconcile import (
+    install,
+    orphaned_tool_call,
+    other_incarnation,
+    summary_changed,
+)
 from chatflow_sqlalchemy.rows import (
     BUMP_SESSION,
     BUMP_SESSION_AND_METADATA,
@@ -47,6 +52,7 @@ from chatflow_sqlalchemy.rows import (
     INSERT_MESSAGES,
     SELECT_CREATED,
     SELECT_VERSION,
+    SET_SUMMARY,
     message_row,
     read_session,
 )
@@ -54,7 +60,8 @@ from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
 from chatflow_sqlalchemy.sql_inbox import answer_batch
-from chatflow_sqlalchemy.sql_lifecycle import archive_rows
+from chatflow_sqlalchemy.sql_lifecycle import archive_rows, settle_summarized
+from chatflow_sqlalchemy.summaries import Summaries
 from chatflow_sqlalchemy.values import Lease
 
 __all__ = ["SessionWriter"]
@@ -69,8 +76,10 @@ class SessionWriter:
         runtime: Where the statements run.
         sealer: Encrypts what the store encrypts at rest.
         agents: Resolves the agent of rows a rebase reads.
-        archive_pruned: Keep pruned rows in the archive table.
+        archive_pruned: Keep pruned (and rewound) rows in the archive table.
         leases: The store's session leases (a turn of an inbox batch keeps its lease).
+        summaries: Where a write that pruned reports it (the store's summaries),
+            None on a store without a summarizer.
 
     """
 
@@ -82,6 +91,7 @@ class SessionWriter:
         *,
         archive_pruned: bool,
         leases: SessionLeases,
+        summaries: Summaries | None = None,
     ) -> None:
         self._runtime = runtime
         self._leases = leases
@@ -89,6 +99,7 @@ class SessionWriter:
         self._sealer = sealer
         self._agents = agents
         self._archive_pruned = archive_pruned
+        self._summaries = summaries
         self._lock_version: Executable = self._support.lock_session_row(SELECT_VERSION)
         # A backend that overrides the hook sends each write as one statement.
         self._writes_at_once = (
@@ -118,8 +129,12 @@ class SessionWriter:
         """
         reply = None if fence is None else self._reply(ctx)
         deleted = None
+        to_summarize = False
         kept = lease is not None and lease.kept
-        if self._writes_at_once and not kept and ctx._seqs and not self._archives_now(ctx):
+        if (
+            self._writes_at_once and not kept and ctx._seqs and not self._archives_now(ctx)
+            and not summary_changed(ctx)
+        ):
             deleted = self._write_at_once(ctx, fence, reply, lease)
         if deleted is None:
             answer = None if batch is None else (batch, self._answer(ctx))
@@ -128,9 +143,11 @@ class SessionWriter:
                 if lease is not None:
                     incarnation = ctx._durable.incarnation if ctx._durable else None
                     give_back(conn, lease, incarnation, keep=keep)
-                deleted = self._write_changes(conn, ctx, fence, reply, answer)
+                deleted, to_summarize = self._write_changes(conn, ctx, fence, reply, answer)
         if fence is not None:
             fence.reply = reply
+        if to_summarize and self._summaries is not None:
+            self._summaries.due(ctx.session_id)
         if lease is not None and not lease.kept:
             lease.released = True
         elif lease is not None and ctx._durable is not None:
@@ -194,12 +211,14 @@ class SessionWriter:
         fence: ClaimFence | None,
         reply: str | None,
         answer: tuple[BatchFence, str | None] | None = None,
-    ) -> int:
+    ) -> tuple[int, bool]:
         """Compare-and-swap the session's version, then write the message diff.
 
         The conditional UPDATE both detects concurrent writers and takes the
         row's write lock; only when it misses does the writer read the row
         (locked) to tell a deleted session from a moved one and rebase.
+        Returns how many rows left the window, and whether some of them
+        wait for a summary.
         """
         session_id = ctx.session_id
         now = utcnow()
@@ -213,8 +232,9 @@ class SessionWriter:
             if not bumped:
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
         gone, new_rows = self._message_diff(ctx, now)
-        if gone and self._archive_pruned:
-            archive_rows(conn, session_id, pruned_seqs(gone, ctx._seqs, ctx._n_system), now)
+        to_summarize = bool(gone) and self._archive(conn, ctx, gone, now)
+        if summary_changed(ctx):
+            self._write_summary(conn, ctx)
         if gone and not ctx._seqs:
             conn.execute(DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone:
@@ -228,16 +248,57 @@ class SessionWriter:
         if answer is not None:
             answer_batch(conn, answer[0], answer[1], self._sealer)
         _mark_written(ctx, gone, new_rows, metadata_json)
-        return len(gone)
+        return len(gone), to_summarize
 
     def _archives_now(self, ctx: SessionContext) -> bool:
-        """True if this write prunes rows to archive (it then takes the step-by-step path)."""
-        if not self._archive_pruned:
+        """True if this write archives rows (it then takes the step-by-step path)."""
+        if not self._archive_pruned and self._summaries is None:
             return False
         durable = ctx._durable
         assert durable is not None
-        gone = durable.seqs.difference(ctx._seqs)
-        return bool(gone and pruned_seqs(gone, ctx._seqs, ctx._n_system))
+        return any(self._to_archive(ctx, durable.seqs.difference(ctx._seqs)))
+
+    def _to_archive(self, ctx: SessionContext, gone: set[int]) -> tuple[list[int], list[int]]:
+        """Of the rows leaving the window: (those archived as they are, those pending a summary).
+
+        Pruned rows wait for the summary on a store with a summarizer (also
+        without ``archive_pruned``: they are deleted once summarized); with
+        ``archive_pruned`` the others are archived too (rewound or rolled
+        back), except what a clear removes and hidden rows (a tool call no
+        result can follow).
+        """
+        durable = ctx._durable
+        assert durable is not None
+        pruned = pruned_seqs(gone, ctx._seqs, ctx._n_system)
+        pending = pruned if self._summaries is not None and not ctx._cleared else []
+        if not self._archive_pruned:
+            return [], pending
+        if ctx._cleared:
+            return pruned, []
+        pending_set = set(pending)
+        others = gone.difference(pending_set, durable.hidden)
+        return sorted(others), pending
+
+    def _archive(
+        self, conn: Connection, ctx: SessionContext, gone: set[int], now: datetime
+    ) -> bool:
+        """Archive what leaves the window; True if some of it waits for a summary."""
+        kept, pending = self._to_archive(ctx, gone)
+        if kept:
+            archive_rows(conn, ctx.session_id, kept, now)
+        if pending:
+            archive_rows(conn, ctx.session_id, pending, now, pending=True)
+        return bool(pending)
+
+    def _write_summary(self, conn: Connection, ctx: SessionContext) -> None:
+        """Store ``ctx``'s new summary; the archived rows it covers no longer wait for one."""
+        summary = ctx.summary
+        conn.execute(SET_SUMMARY, {
+            "sid": ctx.session_id,
+            "summary": None if summary is None else self._sealer.seal_text(ctx.session_id, summary),
+            "through": ctx.summary_through,
+        })
+        settle_summarized(conn, ctx.session_id, ctx.summary_through, keep=self._archive_pruned)
 
     def _message_diff(
         self, ctx: SessionContext, now: datetime
@@ -301,6 +362,7 @@ class SessionWriter:
         our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
         our_metadata = dict(ctx._metadata)
         metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
+        our_summary = (ctx.summary, ctx.summary_through) if summary_changed(ctx) else None
         stored = read_session(conn, self._sealer, ctx.session_id)
         if stored is None or other_incarnation(ctx, stored):
             raise SessionDeletedError(ctx.session_id)
@@ -313,6 +375,9 @@ class SessionWriter:
         if cleared:
             ctx._history, ctx._seqs, ctx._cleared = [], [], True
             ctx._reindex()
+            ctx._set_summary(None, ctx._next_seq - 1)  # the clear drops the other's summary too
+        elif our_summary is not None and stored.summary_through == durable.summary_through:
+            ctx._set_summary(*our_summary)  # else another summary was written first: it stands
         for message in pending if carried is None else [carried, *pending]:
             ctx._append(message)
         logger.info(
@@ -371,6 +436,8 @@ def _mark_written(
         metadata_json=durable.metadata_json if metadata_json is None else metadata_json,
         incarnation=durable.incarnation,
         hidden=durable.hidden.difference(gone),
+        summary=ctx.summary,
+        summary_through=ctx.summary_through,
     )
     ctx._cleared = False
 

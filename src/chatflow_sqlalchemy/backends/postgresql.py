@@ -36,6 +36,7 @@ from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailab
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.summaries import Summarizer
 from chatflow_sqlalchemy.urls import psycopg_url
 from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
@@ -334,6 +335,9 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`).
             ``connect_args`` are added to the backend's defaults (a connect
             timeout and TCP keepalives, see :func:`default_connect_args`).
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
 
     Hangs are bounded: opening a connection by libpq's ``connect_timeout``
     (:data:`CONNECT_TIMEOUT_SECONDS` unless the URL or ``connect_args`` say
@@ -369,6 +373,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
         require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
+        summarizer: Summarizer | None = None,
         **more_engine_options: Any,
     ) -> None:
         if psycopg is None:
@@ -388,6 +393,7 @@ class PostgresSessionStore(SQLAlchemySessionStore):
             cipher=cipher,
             require_encryption=require_encryption,
             turn_lease_seconds=turn_lease_seconds,
+            summarizer=summarizer,
         )
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:

@@ -34,6 +34,7 @@ from chatflow_sqlalchemy.dialect import (
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
 from chatflow_sqlalchemy.migrate import auto_migrate_enabled
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
+from chatflow_sqlalchemy.summaries import Summarizer
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
 from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
@@ -312,6 +313,9 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         turn_lease_seconds: How long a turn's lease lasts without renewal
             (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`):
             turns of one session exclude each other across processes too.
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
@@ -338,6 +342,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         cipher: AESGCMCipher | None = None,
         require_encryption: bool = False,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
+        summarizer: Summarizer | None = None,
     ) -> None:
         self.db_path = _refuse_url(db_path)
         url = sqlite_url(self.db_path)
@@ -356,6 +361,7 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             cipher=cipher,
             require_encryption=require_encryption,
             turn_lease_seconds=turn_lease_seconds,
+            summarizer=summarizer,
         )
 
     @classmethod

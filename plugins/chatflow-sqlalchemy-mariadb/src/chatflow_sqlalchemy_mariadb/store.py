@@ -17,6 +17,7 @@ from chatflow_sqlalchemy.backend import (
     DEFAULT_TURN_LEASE_SECONDS,
     AESGCMCipher,
     SQLAlchemySessionStore,
+    Summarizer,
 )
 from sqlalchemy import URL, make_url, select
 
@@ -54,6 +55,9 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             ``connect_args``, ...), over the backend's defaults (``connect_args``
             key by key); also as keyword arguments of their own.
         turn_lease_seconds: How long a turn's lease lasts without renewal.
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
 
     Raises:
         BackendImportError: The driver is not installed.
@@ -76,6 +80,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
         require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
         turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
+        summarizer: Summarizer | None = None,
         **more_engine_options: Any,
     ) -> None:
         super().__init__(
@@ -89,6 +94,7 @@ class MariaDBSessionStore(SQLAlchemySessionStore):
             cipher=cipher,
             require_encryption=require_encryption,
             turn_lease_seconds=turn_lease_seconds,
+            summarizer=summarizer,
         )
 
     @classmethod

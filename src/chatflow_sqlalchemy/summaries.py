@@ -1,0 +1,254 @@
+"""Summaries: what a session remembers of the turns pruning dropped from its window.
+
+A store opened with ``summarizer=`` (any async callable
+``(previous_summary, dropped) -> str``) keeps, with each session, one summary
+of every turn its window no longer shows. The model sees it as one SYSTEM
+message after the session's own (``ctx.summary``, ``ctx.history``).
+
+How a summary is made, for every store alike:
+
+1. A turn's write prunes: the dropped messages are kept, waiting for the
+   summary (archived as pending on the SQL stores, in the same transaction),
+   and the store is told the session is :meth:`Summaries.due`.
+2. On the store's own summaries thread (its own event loop, so a turn never
+   waits for it and ``Runner.run``'s short-lived loops do not cancel it), a
+   worker claims the session's summarizing (:meth:`SummaryRows.claim`: one
+   process at a time, until a deadline by the database's clock) and reads the
+   previous summary and the waiting messages. No lease and no connection are
+   held while the summarizer runs.
+3. The new summary is applied as a turn of its own: under the session's lease,
+   only over the summary it was made from (``summary_through`` unchanged), so
+   concurrent workers never lose a summary or fold a turn into it twice. The
+   write that stores it lets go of the messages it covers (kept in the archive
+   with ``archive_pruned=True``, deleted otherwise) and bumps the session's
+   version, so every process shows it at its next turn.
+
+A summarizer that raises, returns something other than a str, or runs past
+:data:`SUMMARY_TIMEOUT_SECONDS` never fails a turn: a warning is logged, the
+claim is given back and the messages wait for the next prune.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Protocol
+
+from chatflow_agent import Message
+
+from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy.context import SessionContext
+from chatflow_sqlalchemy.exceptions import SessionDeletedError
+from chatflow_sqlalchemy.values import check_storable_text
+
+__all__ = [
+    "SUMMARY_TIMEOUT_SECONDS",
+    "PendingSummary",
+    "Summaries",
+    "Summarizer",
+    "SummaryRows",
+    "validate_summarizer",
+]
+
+logger = logging.getLogger("chatflow_sqlalchemy")
+
+Summarizer = Callable[[str | None, list[Message]], Awaitable[str]]
+"""``(previous_summary, dropped) -> new summary``: any async callable, so any model."""
+
+SUMMARY_TIMEOUT_SECONDS = 120.0
+"""How long one summarizer call may run before it counts as failed."""
+
+CLAIM_SECONDS = SUMMARY_TIMEOUT_SECONDS + 30.0
+"""How long a claim to summarize a session holds (a dead worker's lapses after this)."""
+
+
+def validate_summarizer(summarizer: object) -> Summarizer | None:
+    """``summarizer`` if it is None or callable, else ``ValueError`` saying what it takes."""
+    if summarizer is not None and not callable(summarizer):
+        raise ValueError(
+            "summarizer must be an async callable (previous_summary, dropped_messages) -> str, "
+            f"or None; got {type(summarizer).__name__}"
+        )
+    return summarizer
+
+
+@dataclass(frozen=True)
+class PendingSummary:
+    """What a claimed session's next summary is made from."""
+
+    previous: str | None
+    """The session's summary now (None before the first)."""
+    through: int
+    """The seq ``previous`` covers up to (0: none)."""
+    dropped: list[Message]
+    """The messages pruned since, oldest first."""
+    last_seq: int
+    """The seq of the newest of them: what the new summary covers up to."""
+
+
+class SummaryRows(Protocol):
+    """Where a store keeps summaries' inputs (the SQL stores' and the in-memory store's)."""
+
+    def claim(self, session_id: str) -> PendingSummary | None:
+        """Claim the session's summarizing and read its input.
+
+        None, holding no claim, if another worker holds it or nothing waits.
+        """
+
+    def give_up(self, session_id: str) -> None:
+        """Give back a claim without a new summary (the messages wait for the next prune)."""
+
+
+class Summaries:
+    """Makes the summaries of one store's sessions, on a thread of its own.
+
+    Args:
+        summarizer: The store's ``summarizer``.
+        rows: Where the store keeps summaries' inputs.
+        context: The store's live context of a session (None if it is gone).
+        system: The store's telemetry system name.
+        on_loop: Called with the summaries' event loop when it starts.
+
+    """
+
+    def __init__(
+        self,
+        summarizer: Summarizer,
+        rows: SummaryRows,
+        context: Callable[[str], SessionContext | None],
+        system: str,
+        on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    ) -> None:
+        self._summarizer = summarizer
+        self._rows = rows
+        self._context = context
+        self._system = system
+        self._on_loop = on_loop
+        self._mutex = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._running: dict[str, futures.Future[None]] = {}
+        self._again: set[str] = set()
+        self._closed = False
+
+    def due(self, session_id: str) -> None:
+        """A write pruned ``session_id``: summarize it, unless this store is doing so already."""
+        with self._mutex:
+            if self._closed:
+                return
+            if session_id in self._running:
+                self._again.add(session_id)  # looked at again before that run ends
+                return
+            loop = self._started()
+            # A fresh context: nothing of the caller's (a claim's fence, an inbox
+            # batch, the async facade of its write) follows the work to this loop.
+            self._running[session_id] = contextvars.Context().run(
+                asyncio.run_coroutine_threadsafe, self._summarize(session_id), loop
+            )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no summary is being made; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._mutex:
+                running = next(iter(self._running.values()), None)
+            if running is None:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            futures.wait([running], timeout=left)
+
+    def close(self) -> None:
+        """Stop: summaries in progress are dropped (their messages wait for the next prune)."""
+        with self._mutex:
+            self._closed = True
+            loop, thread = self._loop, self._thread
+            running = list(self._running.values())
+        for future in running:
+            future.cancel()
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+
+    def _started(self) -> asyncio.AbstractEventLoop:
+        """The summaries thread's event loop, started on first use (under ``_mutex``)."""
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            if self._on_loop is not None:
+                self._on_loop(loop)
+            thread = threading.Thread(
+                target=loop.run_forever, name="chatflow-summaries", daemon=True
+            )
+            thread.start()
+            self._loop, self._thread = loop, thread
+        return self._loop
+
+    async def _summarize(self, session_id: str) -> None:
+        """Fold every message waiting for the session's summary into it, one claim at a time."""
+        try:
+            while True:
+                with self._mutex:
+                    self._again.discard(session_id)
+                try:
+                    pending = await asyncio.to_thread(self._rows.claim, session_id)
+                except Exception as exc:
+                    logger.warning("could not read what session %r's summary is made from "
+                                   "(%s: %s)", session_id, type(exc).__name__, exc)
+                    await asyncio.to_thread(self._rows.give_up, session_id)
+                    return
+                if pending is None or not await self._fold(session_id, pending):
+                    with self._mutex:
+                        if session_id not in self._again:
+                            return
+        finally:
+            with self._mutex:
+                self._running.pop(session_id, None)
+
+    async def _fold(self, session_id: str, pending: PendingSummary) -> bool:
+        """Make one summary and apply it; False (claim given back) if that failed."""
+        with telemetry.operation("summary", self._system) as op:
+            op.set("chatflow.messages", len(pending.dropped))
+            try:
+                summary = await asyncio.wait_for(
+                    self._summarizer(pending.previous, list(pending.dropped)),
+                    SUMMARY_TIMEOUT_SECONDS,
+                )
+                if not isinstance(summary, str):
+                    raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
+                check_storable_text(summary, "summary")
+                return await self._apply(session_id, pending, summary)
+            except asyncio.CancelledError:
+                await asyncio.to_thread(self._rows.give_up, session_id)
+                raise
+            except Exception as exc:
+                logger.warning(
+                    "could not summarize session %r (%s: %s); its %d pruned message(s) wait "
+                    "for the next prune",
+                    session_id, type(exc).__name__, exc, len(pending.dropped),
+                )
+                telemetry.count("chatflow.summaries.failed", 1, self._system)
+                await asyncio.to_thread(self._rows.give_up, session_id)
+                return False
+
+    async def _apply(self, session_id: str, pending: PendingSummary, summary: str) -> bool:
+        """Store ``summary`` as a turn of its own, over the summary it was made from."""
+        ctx = await asyncio.to_thread(self._context, session_id)
+        if ctx is None:
+            return False
+        try:
+            applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
+        except SessionDeletedError:
+            return False
+        if not applied:
+            await asyncio.to_thread(self._rows.give_up, session_id)
+        else:
+            telemetry.count("chatflow.summaries.written", 1, self._system)
+        return applied
