@@ -1071,16 +1071,6 @@ class SessionContext(_UpstreamSessionContext):
                 self._set_summary(summary, through)
         return True
 
-    def _turn_seqs(self) -> list[list[int]]:
-        """The seqs of each turn in the window, oldest first."""
-        seqs = self._seqs[self._n_system :]
-        turns: list[list[int]] = []
-        at = 0
-        for size in self._turns:
-            turns.append(seqs[at : at + size])
-            at += size
-        return turns
-
     def __repr__(self) -> str:
         return (
             f"<SessionContext id={self.session_id!r} active_agent={self.active_agent.name!r} "

@@ -105,6 +105,18 @@ class SummaryRows(Protocol):
         """Give back a claim without a new summary (the messages wait for the next prune)."""
 
 
+CLOSE_SECONDS = 10.0
+"""How long ``close`` lets summaries in progress give back their claims."""
+
+
+async def _cancel_all() -> None:
+    """Cancel every task of the running loop but this one, and wait for them to end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Summaries:
     """Makes the summaries of one store's sessions, on a thread of its own.
 
@@ -157,7 +169,7 @@ class Summaries:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._mutex:
-                running = next(iter(self._running.values()), None)
+                running = next((f for f in self._running.values() if not f.done()), None)
             if running is None:
                 return True
             left = None if deadline is None else deadline - time.monotonic()
@@ -168,15 +180,17 @@ class Summaries:
     def close(self) -> None:
         """Stop: summaries in progress are dropped (their messages wait for the next prune)."""
         with self._mutex:
+            if self._closed:
+                return
             self._closed = True
             loop, thread = self._loop, self._thread
-            running = list(self._running.values())
-        for future in running:
-            future.cancel()
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()
+        if loop is None or thread is None:
+            return
+        stopping = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
+        futures.wait([stopping], timeout=CLOSE_SECONDS)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
     def _started(self) -> asyncio.AbstractEventLoop:
         """The summaries thread's event loop, started on first use (under ``_mutex``)."""
