@@ -6,7 +6,9 @@ each with the session id as associated data:
 * ``chatflow_messages.message_json`` (content, tool calls with their
   arguments, tool results) and the same column of the archive;
 * ``chatflow_sessions.metadata_json``, stored as ``{"_enc": "<token>"}`` (the
-  column stays a JSON object).
+  column stays a JSON object), and ``chatflow_sessions.summary`` (the summary of
+  the turns pruning dropped, see :mod:`~chatflow_sqlalchemy.summaries`);
+* the inbox's message text, payload and reply.
 
 In clear: ids (session, message, webhook), ``seq``, ``role``, timestamps,
 ``version``, ``active_agent_name``, ``user_id``, and the webhook claims
@@ -121,6 +123,12 @@ class Sealer:
         except CipherError as exc:
             raise CorruptRowError(session_id, row_id, str(exc), table=table) from exc
 
+    def open_summary(self, session_id: str, stored: str | None) -> str | None:
+        """A stored ``chatflow_sessions.summary`` in clear (None: the session has none)."""
+        return None if stored is None else self.open_text(
+            session_id, None, stored, _sessions.name
+        )
+
     def seal_json(self, session_id: str, value: Any) -> Any:
         """A JSON document as stored (an inbox message's ``payload``); None stays None."""
         if self.cipher is None or value is None:
@@ -187,11 +195,11 @@ def rotate_batch(
 
     Runs in the caller's (write) transaction. Message and archive rows are
     never updated by turns (only inserted or deleted), so each is rewritten
-    by id; a session's metadata is rewritten only if its ``version`` is
-    still the one read, so a concurrent turn's metadata is never overwritten.
-    Plaintext rows are sealed too (this is how an existing database is
-    encrypted). ``cursor`` carries the last session id whose metadata was
-    looked at, from batch to batch of one rotation.
+    by id; a session's metadata and summary are rewritten only if its
+    ``version`` is still the one read (every write of either bumps it), so a
+    concurrent turn's are never overwritten. Plaintext rows are sealed too
+    (this is how an existing database is encrypted). ``cursor`` carries the
+    last session id whose row was looked at, from batch to batch of one rotation.
     """
     done, more = 0, False
     for table in (_messages, _archive):
@@ -213,7 +221,7 @@ def rotate_batch(
         done += len(rows)
         more = more or len(rows) == batch
     inbox_done = _rotate_inbox(conn, cipher, batch, lock)
-    rewritten, scanned = _rotate_metadata(conn, cipher, batch, cursor)
+    rewritten, scanned = _rotate_sessions(conn, cipher, batch, cursor)
     return done + inbox_done + rewritten, more or inbox_done == batch or scanned == batch
 
 
@@ -253,12 +261,13 @@ def _rotate_inbox(
     return len(rows)
 
 
-def _rotate_metadata(
+def _rotate_sessions(
     conn: Connection, cipher: AESGCMCipher, batch: int, cursor: dict[str, str]
 ) -> tuple[int, int]:
-    sealer = Sealer(cipher, False)
+    """Re-seal the metadata and summary of up to ``batch`` sessions; (rewritten, looked at)."""
     query = (
-        select(_sessions.c.session_id, _sessions.c.version, _sessions.c.metadata_json)
+        select(_sessions.c.session_id, _sessions.c.version, _sessions.c.metadata_json,
+               _sessions.c.summary)
         .order_by(_sessions.c.session_id)
         .limit(batch)
     )
@@ -268,16 +277,32 @@ def _rotate_metadata(
     rows = conn.execute(query).all()
     for row in rows:
         cursor["session"] = row.session_id
-        stored = row.metadata_json
-        token = stored.get(_SEALED_KEY) if isinstance(stored, dict) else None
-        if isinstance(token, str) and token.startswith(f"{TOKEN_PREFIX}{cipher.primary}:"):
+        values = _resealed_session(Sealer(cipher, False), row)
+        if not values:
             continue
-        metadata = sealer.open_metadata(row.session_id, stored)
         conn.execute(
             update(_sessions)
             .where(and_(_sessions.c.session_id == row.session_id,
                         _sessions.c.version == row.version))
-            .values(metadata_json=sealer.seal_metadata(row.session_id, metadata))
+            .values(values)
         )
         done += 1
     return done, len(rows)
+
+
+def _resealed_session(sealer: Sealer, row: Any) -> dict[str, Any]:
+    """The session row's values not sealed with the primary key, sealed with it."""
+    cipher = sealer.cipher
+    assert cipher is not None
+    primary = f"{TOKEN_PREFIX}{cipher.primary}:"
+    values: dict[str, Any] = {}
+    stored = row.metadata_json
+    token = stored.get(_SEALED_KEY) if isinstance(stored, dict) else None
+    if not (isinstance(token, str) and token.startswith(primary)):
+        metadata = sealer.open_metadata(row.session_id, stored)
+        values["metadata_json"] = sealer.seal_metadata(row.session_id, metadata)
+    summary = row.summary
+    if summary is not None and not summary.startswith(primary):
+        opened = sealer.open_text(row.session_id, None, summary, _sessions.name)
+        values["summary"] = sealer.seal_text(row.session_id, opened)
+    return values
