@@ -55,8 +55,15 @@ class AsyncStoreAPI(BaseSessionStore):
         updated_after: datetime | None = None,
         limit: int | None = None,
         after: str | None = None,
+        forked_from: str | None = None,
     ) -> list[str]:
         """The ids of the sessions that match every filter given."""
+
+    @abc.abstractmethod
+    def fork(
+        self, session_id: str, new_session_id: str, *, at_turn: int | None = None
+    ) -> SessionContext:
+        """A new session that starts as a copy of ``session_id``'s first turns; its context."""
 
     @abc.abstractmethod
     def erase_user(self, user_id: str) -> int:
@@ -114,13 +121,22 @@ class AsyncStoreAPI(BaseSessionStore):
         updated_after: datetime | None = None,
         limit: int | None = None,
         after: str | None = None,
+        forked_from: str | None = None,
     ) -> list[str]:
         """Async :meth:`list_sessions`."""
         return await self._run_blocking(
             functools.partial(
                 self.list_sessions, user_id=user_id, metadata=metadata,
-                updated_after=updated_after, limit=limit, after=after,
+                updated_after=updated_after, limit=limit, after=after, forked_from=forked_from,
             )
+        )
+
+    async def afork(
+        self, session_id: str, new_session_id: str, *, at_turn: int | None = None
+    ) -> SessionContext:
+        """Async :meth:`fork`."""
+        return await self._run_blocking(
+            functools.partial(self.fork, at_turn=at_turn), session_id, new_session_id
         )
 
     async def aerase_user(self, user_id: str) -> int:

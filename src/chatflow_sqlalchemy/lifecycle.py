@@ -55,6 +55,7 @@ class ListFilters:
     updated_after: datetime | None = None
     limit: int | None = None
     after: str | None = None
+    forked_from: str | None = None
 
     @classmethod
     def build(
@@ -65,10 +66,13 @@ class ListFilters:
         updated_after: datetime | None = None,
         limit: int | None = None,
         after: str | None = None,
+        forked_from: str | None = None,
     ) -> ListFilters:
         """Check every argument; bad input raises ``ValueError`` saying what to pass."""
         if user_id is not None:
             validate_user_id(user_id)
+        if forked_from is not None:
+            validate_id(forked_from, "forked_from")  # a session id: the forks of that session
         wanted = _validate_metadata_filter(metadata)
         if updated_after is not None and (
             not isinstance(updated_after, datetime) or updated_after.tzinfo is None
@@ -84,7 +88,7 @@ class ListFilters:
             except ValueError as exc:
                 reason = f"after must be a session id (the last of a page): {exc}"
                 raise ValueError(reason) from None
-        return cls(user_id, wanted, updated_after, limit, after)
+        return cls(user_id, wanted, updated_after, limit, after, forked_from)
 
     @property
     def paged(self) -> bool:

@@ -42,6 +42,12 @@ from chatflow_sqlalchemy.context import (
     validate_session_id,
 )
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError
+from chatflow_sqlalchemy.forks import (
+    fork_window,
+    no_such_session,
+    session_exists,
+    validate_fork,
+)
 from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
 from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
@@ -372,11 +378,12 @@ class SessionStore(AsyncStoreAPI):
         updated_after: datetime | None = None,
         limit: int | None = None,
         after: str | None = None,
+        forked_from: str | None = None,
     ) -> list[str]:
         """Session ids: most recently updated first, or filtered and paged as the SQL stores."""
         filters = ListFilters.build(
             user_id=user_id, metadata=metadata, updated_after=updated_after,
-            limit=limit, after=after,
+            limit=limit, after=after, forked_from=forked_from,
         )
         with self._lock:
             self._check_open()
@@ -390,10 +397,82 @@ class SessionStore(AsyncStoreAPI):
     def _matches(self, session_id: str, filters: ListFilters) -> bool:
         if filters.user_id is not None and self._users.get(session_id) != filters.user_id:
             return False
+        ctx = self._sessions[session_id]
+        if filters.forked_from is not None and ctx.forked_from != filters.forked_from:
+            return False
         stamp = self._updated_at[session_id]
         if filters.updated_after is not None and not stamp > filters.updated_after:
             return False
-        return matches_metadata(self._sessions[session_id].metadata, filters.metadata)
+        return matches_metadata(ctx.metadata, filters.metadata)
+
+    def fork(
+        self, session_id: str, new_session_id: str, *, at_turn: int | None = None
+    ) -> SessionContext:
+        """A new session that starts as a copy of ``session_id``'s first turns (as the SQL stores).
+
+        It holds the source's SYSTEM messages and its first ``at_turn`` complete
+        turns (all when None), summary, active agent, metadata and ``user_id``;
+        ``forked_from`` and ``forked_at_turn`` say where it came from. A turn of
+        the source still running is not in it (as on the SQL stores, which copy
+        what is committed).
+
+        Raises:
+            ValueError: An invalid argument, no session ``session_id``, an existing
+                ``new_session_id`` (nothing changes), or ``at_turn`` negative or
+                more than the window's turns.
+
+        """
+        validate_fork(session_id, new_session_id, at_turn)
+        source = self.get(session_id)
+        if source is None:
+            raise no_such_session(session_id)
+        ctx = self._forked_context(source, new_session_id, at_turn)
+        with self._lock:
+            self._check_open()
+            if self._sessions.get(session_id) is not source:
+                raise no_such_session(session_id)  # deleted meanwhile
+            if new_session_id in self._sessions:
+                raise session_exists(new_session_id)
+            ctx._owner = self
+            self._sessions[new_session_id] = ctx
+            owner = self._users.get(session_id)
+            if owner is not None:
+                self._users[new_session_id] = owner
+            self._flush_context(ctx)
+        return ctx
+
+    def _forked_context(
+        self, source: SessionContext, new_session_id: str, at_turn: int | None
+    ) -> SessionContext:
+        """A context holding what a fork of ``source`` takes (not registered yet).
+
+        Read under the source's mutex, never under the store's lock (a
+        context's write takes its mutex, then the store's lock).
+        """
+        with source._mutex:
+            source._check_alive()
+            source._ensure_indexed()
+            start = source._turn_snapshot if source._in_turn else None
+            state = start if start is not None else source._snapshot()
+            metadata = json.loads(dump_metadata(source.metadata))
+            next_seq = source._next_seq
+        pairs = [(m, seq) for m, seq in zip(state.history, state.seqs, strict=True)
+                 if seq != SUMMARY_SEQ]
+        forked = fork_window(
+            source.session_id, [m for m, _ in pairs], [seq for _, seq in pairs], at_turn
+        )
+        ctx = SessionContext(
+            new_session_id, state.agent, max_turns=self.default_max_turns, metadata=metadata
+        )
+        with ctx._mutex:
+            ctx._restore(_Snapshot(
+                [m.model_copy(deep=True) for m in forked.messages], list(forked.seqs),
+                state.agent, False, state.summary, state.summary_through,
+            ))
+            ctx._place_summary()
+            ctx._next_seq = next_seq
+        ctx.forked_from, ctx.forked_at_turn = source.session_id, forked.turns
+        return ctx
 
     def erase_user(self, user_id: str) -> int:
         """Erase ``user_id``'s sessions, claims and inbox messages at once; return how many."""
@@ -472,7 +551,13 @@ class SessionStore(AsyncStoreAPI):
             "metadata": json.loads(dump_metadata(ctx.metadata)),
             "created_at": self._created_at[session_id].isoformat(),
             "updated_at": self._updated_at[session_id].isoformat(),
-            "messages": [m.model_dump(mode="json") for m in ctx.history],
+            "summary": ctx.summary,
+            "forked_from": ctx.forked_from,
+            "forked_at_turn": ctx.forked_at_turn,
+            "messages": [
+                m.model_dump(mode="json")
+                for m, seq in zip(ctx.history, ctx._seqs, strict=True) if seq != SUMMARY_SEQ
+            ],
             "archived_messages": [
                 message.model_dump(mode="json")
                 for _, message in sorted(self._archive.get(session_id, {}).items())

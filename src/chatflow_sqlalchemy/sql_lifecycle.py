@@ -135,6 +135,8 @@ def _filtered(query: Select[Any], dialect_name: str, filters: ListFilters) -> Se
         query = query.where(_sessions.c.user_id == filters.user_id)
     if filters.updated_after is not None:
         query = query.where(_sessions.c.updated_at > filters.updated_after)
+    if filters.forked_from is not None:
+        query = query.where(_sessions.c.forked_from == filters.forked_from)
     if filters.metadata:
         query = query.where(*_narrowing(dialect_name, filters.metadata))
     return query
@@ -400,13 +402,16 @@ def export_sessions(
     ids: list[str],
     parse: Any,
     open_metadata: Any = None,
+    open_summary: Callable[[str, str | None], str | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Everything stored about the sessions ``ids``, as JSON-ready dicts.
 
     ``parse(session_id, row_id, message_json) -> Message`` decodes a message
     row (the store's decoder: a corrupt row raises ``CorruptRowError``, naming
     ``chatflow_message_archive`` for an archived row). No corrupt row is
-    left out silently.
+    left out silently. ``open_metadata(session_id, stored)`` and
+    ``open_summary(session_id, stored)`` open what a cipher sealed (None:
+    exported as stored).
     """
     parse_archived = parser_for(_archive, parse)
     exported: list[dict[str, Any]] = []
@@ -439,6 +444,11 @@ def export_sessions(
                     else open_metadata(sid, row["metadata_json"]),
                     "created_at": _iso(row["created_at"]),
                     "updated_at": _iso(row["updated_at"]),
+                    "summary": row["summary"]
+                    if open_summary is None
+                    else open_summary(sid, row["summary"]),
+                    "forked_from": row["forked_from"],
+                    "forked_at_turn": row["forked_at_turn"],
                     "messages": [m.model_dump(mode="json") for m in messages],
                     "archived_messages": [
                         parse_archived(sid, row.id, row.message_json).model_dump(mode="json")

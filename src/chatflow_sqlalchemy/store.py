@@ -62,6 +62,7 @@ from chatflow_sqlalchemy.exceptions import (
     LeaseLostError,
     SessionDeletedError,
 )
+from chatflow_sqlalchemy.forks import session_exists, validate_fork
 from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
 from chatflow_sqlalchemy.lease import SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
@@ -108,6 +109,7 @@ from chatflow_sqlalchemy.runtime import (
 )
 from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
 from chatflow_sqlalchemy.sql_claims import SQLClaims
+from chatflow_sqlalchemy.sql_forks import copy_session
 from chatflow_sqlalchemy.sql_inbox import SQLInbox
 from chatflow_sqlalchemy.sql_lifecycle import (
     SweepCursor,
@@ -580,13 +582,15 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         updated_after: datetime | None = None,
         limit: int | None = None,
         after: str | None = None,
+        forked_from: str | None = None,
     ) -> list[str]:
         """Session ids, filtered and paged (see :mod:`chatflow_sqlalchemy.lifecycle`).
 
         Without arguments: every id, most recently updated first (as 0.3.4).
         ``user_id``, ``metadata`` (key -> value, all must match, compared by
-        JSON type) and ``updated_after`` filter; ``limit`` and ``after`` (the
-        last id of the previous page) page by keyset in ``session_id`` order.
+        JSON type), ``updated_after`` and ``forked_from`` (the forks of that
+        session, see :meth:`fork`) filter; ``limit`` and ``after`` (the last
+        id of the previous page) page by keyset in ``session_id`` order.
 
         Raises:
             ValueError: For an invalid argument (the message says which).
@@ -594,7 +598,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """
         filters = ListFilters.build(
             user_id=user_id, metadata=metadata, updated_after=updated_after,
-            limit=limit, after=after,
+            limit=limit, after=after, forked_from=forked_from,
         )
         if filters.metadata and self._sealer.active:
             raise ValueError(
@@ -603,6 +607,43 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             )
         with self.runtime.transaction() as conn:
             return session_page(conn, filters)
+
+    def fork(
+        self, session_id: str, new_session_id: str, *, at_turn: int | None = None
+    ) -> SessionContext:
+        """A new session ``new_session_id`` that starts as a copy of ``session_id``; its context.
+
+        The fork holds the source's SYSTEM messages and its first ``at_turn``
+        complete turns of the window (all of them when None), its summary, active
+        agent, metadata and ``user_id`` (so ``erase_user`` and ``export_user``
+        cover the forks of a user's sessions). Its context's ``forked_from`` and
+        ``forked_at_turn`` (the number of turns taken) say where it came from,
+        also after a reload. It is written in one transaction, from the source as
+        committed (a turn of the source still running is not in it); the source
+        is unchanged. Edit-and-branch: fork at a turn, then run a new turn on the fork.
+
+        Raises:
+            ValueError: An invalid argument, no session ``session_id`` (unknown
+                sessions are a ``ValueError``, as every other argument this store
+                cannot use), ``new_session_id`` exists (nothing is written), or
+                ``at_turn`` is negative or more than the window's turns.
+            CorruptRowError: A row of the source cannot be decoded (or opened).
+
+        """
+        validate_fork(session_id, new_session_id, at_turn)
+        try:
+            with self.runtime.transaction(write=True) as conn:
+                copy_session(conn, self._sealer, session_id, new_session_id, at_turn)
+                stored = read_session(conn, self._sealer, new_session_id)
+        except sa_exc.IntegrityError:
+            if self._read_version(new_session_id) is None:
+                raise
+            raise session_exists(new_session_id) from None  # created meanwhile by another writer
+        assert stored is not None
+        live = self._contexts.get(session_id)  # its agent stands for the name, as on a reload
+        agent = None if live is None else live.active_agent
+        self._forget(new_session_id)  # a context left of a session once under this id
+        return self._contexts.publish(self._build_context(stored, new_session_id, agent))
 
     def erase_user(self, user_id: str) -> int:
         """Erase every session of ``user_id`` with its messages and claims, in one transaction.
@@ -743,7 +784,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         with self.runtime.transaction() as conn:
             sessions = export_sessions(
                 conn, user_session_ids(conn, user_id), self._sealer.parser(parse_message),
-                self._sealer.open_metadata,
+                self._sealer.open_metadata, self._sealer.open_summary,
             )
         return {
             "format": EXPORT_FORMAT,

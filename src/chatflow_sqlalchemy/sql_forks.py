@@ -1,0 +1,103 @@
+"""Forks on the SQL stores: a session's rows copied to a new id, in the caller's transaction.
+
+Which messages a fork takes is decided in :mod:`chatflow_sqlalchemy.forks`;
+this module is its SQL, in portable Core. The source row is locked while it
+is read (``FOR UPDATE`` where the database has row locks; SQLite's write
+transaction excludes every other writer), so the fork copies one committed
+state of the source: a turn of the source still running is not in it.
+Messages are copied with the seqs they have in the source and sealed again
+under the new session id (a sealed value names its session as associated
+data, so a copied token would not open there).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, insert, select
+
+from chatflow_sqlalchemy.forks import ForkedWindow, fork_window, no_such_session, session_exists
+from chatflow_sqlalchemy.reconcile import repair_window
+from chatflow_sqlalchemy.rows import (
+    INSERT_MESSAGES,
+    StoredSession,
+    first_version,
+    message_row,
+    read_session,
+    sessions,
+)
+from chatflow_sqlalchemy.sealing import Sealer
+from chatflow_sqlalchemy.values import UNBORN_AGENT, utcnow
+
+__all__ = ["copy_session"]
+
+_LOCK_SOURCE = (
+    select(sessions.c.user_id, sessions.c.active_agent_name)
+    .where(sessions.c.session_id == bindparam("session_id"))
+    .with_for_update()
+)
+_EXISTS = select(sessions.c.session_id).where(sessions.c.session_id == bindparam("session_id"))
+_INSERT_SESSION = insert(sessions)
+
+
+def copy_session(
+    conn: Connection, sealer: Sealer, session_id: str, new_session_id: str, at_turn: int | None
+) -> ForkedWindow:
+    """Insert the fork ``new_session_id`` of ``session_id``; return what it took.
+
+    Runs in the caller's write transaction: an error leaves nothing written
+    once the caller rolls back.
+
+    Raises:
+        ValueError: No such source (or one the inbox created before its first
+            turn), ``new_session_id`` exists, or ``at_turn`` is more than the
+            source's turns.
+        CorruptRowError: A row of the source cannot be decoded (or opened).
+
+    """
+    source = conn.execute(_LOCK_SOURCE, {"session_id": session_id}).first()
+    if source is None or source.active_agent_name == UNBORN_AGENT:
+        raise no_such_session(session_id)
+    stored = read_session(conn, sealer, session_id)
+    assert stored is not None  # its row is locked
+    if conn.execute(_EXISTS, {"session_id": new_session_id}).first() is not None:
+        raise session_exists(new_session_id)
+    window, seqs, _hidden = repair_window(stored.messages, stored.seqs)
+    forked = fork_window(session_id, window, seqs, at_turn)
+    now = utcnow()
+    conn.execute(_INSERT_SESSION, _session_row(
+        sealer, stored, source.user_id, session_id, new_session_id, forked, now
+    ))
+    if forked.messages:
+        conn.execute(INSERT_MESSAGES, [
+            message_row(sealer, new_session_id, seq, message, now)
+            for seq, message in zip(forked.seqs, forked.messages, strict=True)
+        ])
+    return forked
+
+
+def _session_row(
+    sealer: Sealer,
+    stored: StoredSession,
+    user_id: str | None,
+    session_id: str,
+    new_session_id: str,
+    forked: ForkedWindow,
+    now: datetime,
+) -> dict[str, Any]:
+    """The fork's ``chatflow_sessions`` row: the source's agent, metadata, owner and summary."""
+    summary = stored.summary
+    return {
+        "session_id": new_session_id,
+        "active_agent_name": stored.agent_name,
+        "metadata_json": sealer.seal_metadata(new_session_id, stored.metadata),
+        "version": first_version(),
+        "created_at": now,
+        "updated_at": now,
+        "user_id": user_id,
+        "summary": None if summary is None else sealer.seal_text(new_session_id, summary),
+        "summary_through": stored.summary_through,
+        "forked_from": session_id,
+        "forked_at_turn": forked.turns,
+    }
