@@ -190,7 +190,7 @@ def _postgres_harness(
         {
             Capability.PERSISTENT, Capability.CROSS_PROCESS, Capability.SQL, async_mode,
             Capability.ENCRYPTION,
-            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE, Capability.FORKS,
         },
         cleanup=lambda: pool.give_back(schema),
     )
@@ -324,7 +324,7 @@ def _sqlite_file_harness(tmp_path: Path, migrated: Path) -> StoreHarness:
             Capability.SQL,
             Capability.ENCRYPTION,
             Capability.ASYNC_THREADPOOL,
-            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE, Capability.FORKS,
         },
     )
 
@@ -340,7 +340,7 @@ def _sqlite_shared_uri_harness() -> StoreHarness:
         StoreSpec(SQLITE_TARGET, (uri,)),
         {
             Capability.PERSISTENT, Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
-            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+            Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE, Capability.FORKS,
         },
         cleanup=anchor.close,
     )
@@ -359,7 +359,7 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
             StoreSpec(SQLITE_TARGET, (":memory:",)),
             {
                 Capability.SQL, Capability.EPHEMERAL, Capability.ENCRYPTION,
-                Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE,
+                Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE, Capability.FORKS,
             },
         )
     elif name == "sqlite-shared-uri":
@@ -368,7 +368,10 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         harness = SpecHarness(
             name,
             StoreSpec(MEMORY_TARGET),
-            {Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION, Capability.ARCHIVE},
+            {
+                Capability.EPHEMERAL, Capability.USER_SCOPE, Capability.RETENTION,
+                Capability.ARCHIVE, Capability.FORKS,
+            },
         )
     elif name in ("postgresql", "postgresql-generic"):
         try:

@@ -43,6 +43,7 @@ CAPABILITIES = {
     Capability.RETENTION,  # session_ttl_hours and sweep()
     Capability.ARCHIVE,  # archive_pruned and transcript()
     Capability.ENCRYPTION,  # cipher=, require_encryption=, rotate_keys()
+    Capability.FORKS,  # store.fork / afork and list_sessions(forked_from=)
 }
 
 

@@ -149,6 +149,10 @@ class Capability(str, enum.Enum):
     """SQL stores: ``cipher=`` (an ``AESGCMCipher``), ``require_encryption=`` and
     ``rotate_keys()``; rows are inspected through ``store.engine`` (needs ``SQL`` too)."""
 
+    FORKS = "forks"
+    """``store.fork(session_id, new_session_id, at_turn=)`` / ``afork`` and
+    ``list_sessions(forked_from=)`` (see DESIGN "Summaries, rewind and forks")."""
+
     def __str__(self) -> str:
         return self.value
 

@@ -62,6 +62,7 @@ from chatflow_sqlalchemy.claims import list_claims, release_claim
 from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to, start_worker
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
+from chatflow_sqlalchemy.testing.forks_suite import ForkTests
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
     Capability,
@@ -98,6 +99,7 @@ __all__ = [
     "TestEncryption",
     "TestErasureAndExport",
     "TestExactRoundTrip",
+    "TestForks",
     "TestInbox",
     "TestInboxAcrossProcesses",
     "TestListSessions",
@@ -2895,6 +2897,10 @@ class TestArchive(ArchiveTests, StoreTestBase):
 
 class TestEncryption(EncryptionTests, StoreTestBase):
     """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""
+
+
+class TestForks(ForkTests, StoreTestBase):
+    """``store.fork`` / ``afork`` and ``list_sessions(forked_from=)`` (see ``forks_suite``)."""
 
 
 # ========================================================== durable inbox

@@ -1,0 +1,218 @@
+"""Forks beyond the conformance kit (``testing/forks_suite.py``), on real databases.
+
+On a SQLite file, PostgreSQL, MariaDB (through its plugin) and the in-memory
+store: what the kit cannot say for every backend. Key rotation re-seals
+summaries (the fork's under its own id), two forks racing for one new id
+leave exactly one whole fork, a corrupt or unborn source writes nothing, and
+``export_user`` shows the summary beside the window on every store alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Message, Role
+from sqlalchemy import text
+
+from chatflow_sqlalchemy import SessionStore, open_store
+from chatflow_sqlalchemy.crypto import AESGCMCipher
+from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+from . import pg_util
+from .test_bad_input import _mariadb_database
+
+_HANG_GUARD = 60.0
+_K1, _K2 = os.urandom(32), os.urandom(32)
+
+_SQL = [
+    "sqlite",
+    pytest.param("postgresql", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+]
+
+Opener = Callable[..., Any]
+
+
+def _opener(kind: str, stack: ExitStack, tmp_path: Path) -> Opener:
+    """Opens stores with the given options, all on this test's one database of ``kind``."""
+    if kind == "memory":
+        memory: dict[str, Any] = {}
+
+        def open_memory(**options: Any) -> Any:
+            if "store" not in memory:
+                memory["store"] = stack.enter_context(SessionStore(**options))
+            return memory["store"]
+
+        return open_memory
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'forks.db'}"
+        return lambda **options: stack.enter_context(open_store(url, **options))
+    if kind == "mariadb":
+        pytest.importorskip("chatflow_sqlalchemy_mariadb")
+        url = _mariadb_database(stack)
+        return lambda **options: stack.enter_context(open_store(url, **options))
+    pg = pg_util.postgres_url()
+    schema = stack.enter_context(pg_util.fresh_schema(pg))
+    return lambda **options: stack.enter_context(pg_util.schema_store(pg, schema, **options))
+
+
+@pytest.fixture(params=_SQL)
+def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Opens SQL stores on one database per test."""
+    with ExitStack() as stack:
+        yield _opener(request.param, stack, tmp_path)
+
+
+@pytest.fixture(params=[*_SQL, "memory"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Like ``sql_store``, the in-memory store too (one store for the whole test)."""
+    with ExitStack() as stack:
+        yield _opener(request.param, stack, tmp_path)
+
+
+def _agent() -> Agent:
+    return Agent(name="bot", instructions="")
+
+
+def _turns(ctx: Any, first: int, last: int) -> None:
+    for n in range(first, last):
+        ctx.add_message(Message(role=Role.USER, content=f"u{n}"))
+        ctx.add_message(Message(role=Role.MODEL, content=f"m{n}"))
+
+
+async def _summarize(previous: str | None, dropped: list[Message]) -> str:
+    return ",".join([*([previous] if previous else []), *(str(m.content) for m in dropped)])
+
+
+def _summarized(store: Any, session_id: str, **kwargs: Any) -> Any:
+    """A session of four turns whose first two were pruned and summarized (window: 2)."""
+    ctx = store.get_or_create(session_id, _agent(), **kwargs)
+    _turns(ctx, 0, 4)
+    assert store.wait_for_summaries(_HANG_GUARD)
+    assert ctx.summary == "u0,m0,u1,m1"
+    return ctx
+
+
+def _raw(store: Any, sql: str, **params: Any) -> list[Any]:
+    with store.engine.connect() as conn:
+        return list(conn.execute(text(sql), params))
+
+
+def _cipher(*ids: str) -> AESGCMCipher:
+    keys = {"k1": _K1, "k2": _K2}
+    return AESGCMCipher({i: keys[i] for i in ids}, ids[0])
+
+
+def test_rotation_reseals_summaries_each_under_its_own_session(sql_store: Opener) -> None:
+    store = sql_store(cipher=_cipher("k1"), summarizer=_summarize, default_max_turns=2)
+    _summarized(store, "src")
+    fork = store.fork("src", "fork", at_turn=1)
+    assert fork.summary == "u0,m0,u1,m1"
+    plain = sql_store(summarizer=_summarize, default_max_turns=2)
+    _summarized(plain, "plain")  # written without a cipher: rotation encrypts it
+    sealed = dict(_raw(store, "SELECT session_id, summary FROM chatflow_sessions"))
+    assert sealed["src"].startswith("cfenc:1:k1:") and sealed["fork"].startswith("cfenc:1:k1:")
+    assert "u0" not in sealed["fork"] and not sealed["plain"].startswith("cfenc:")
+    assert _cipher("k1").decrypt(sealed["fork"], "fork") == "u0,m0,u1,m1", "sealed for the fork"
+    rotating = sql_store(cipher=_cipher("k2", "k1"))
+    assert rotating.rotate_keys(batch=1) > 0
+    resealed = dict(_raw(store, "SELECT session_id, summary FROM chatflow_sessions"))
+    assert all(value.startswith("cfenc:1:k2:") for value in resealed.values()), resealed
+    assert rotating.rotate_keys() == 0, "nothing is left under the old key"
+    only_k2 = sql_store(cipher=_cipher("k2"), require_encryption=True)
+    for session_id in ("src", "fork", "plain"):
+        again = only_k2.get(session_id)
+        assert again.summary == "u0,m0,u1,m1"
+        assert again.history[0].role == Role.SYSTEM
+    assert only_k2.get("fork").forked_from == "src"
+
+
+def test_two_forks_racing_for_one_id_leave_one_whole_fork(sql_store: Opener) -> None:
+    first, second = sql_store(), sql_store()
+    _turns(first.get_or_create("a", _agent()), 0, 3)
+    _turns(first.get_or_create("b", _agent()), 10, 12)
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, Any] = {}
+
+    def fork(store: Any, source: str) -> None:
+        barrier.wait(_HANG_GUARD)
+        try:
+            outcomes[source] = store.fork(source, "target")
+        except ValueError as exc:
+            outcomes[source] = exc
+
+    threads = [threading.Thread(target=fork, args=(s, src)) for s, src in ((first, "a"),
+                                                                           (second, "b"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(_HANG_GUARD)
+        assert not thread.is_alive(), "a fork hung"
+    won = [src for src, got in outcomes.items() if not isinstance(got, Exception)]
+    lost = [got for got in outcomes.values() if isinstance(got, Exception)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert "exists" in str(lost[0])
+    fresh = sql_store()
+    target = fresh.get("target")
+    assert target.forked_from == won[0]
+    expected = fresh.get(won[0]).history
+    assert [m.content for m in target.history] == [m.content for m in expected]
+    rows = _raw(fresh, "SELECT COUNT(*) FROM chatflow_messages WHERE session_id = 'target'")
+    assert rows[0][0] == len(expected), "no row of the other fork is left"
+
+
+def test_a_corrupt_source_writes_nothing(sql_store: Opener) -> None:
+    store = sql_store()
+    _turns(store.get_or_create("src", _agent()), 0, 2)
+    with store.engine.begin() as conn:
+        conn.execute(text(
+            "UPDATE chatflow_messages SET message_json = 'not json' "
+            "WHERE session_id = 'src' AND content = 'm1'"
+        ))
+    with pytest.raises(CorruptRowError):
+        store.fork("src", "copy")
+    assert _raw(store, "SELECT session_id FROM chatflow_sessions") == [("src",)]
+    assert _raw(store, "SELECT COUNT(*) FROM chatflow_messages WHERE session_id = 'copy'") == [
+        (0,)
+    ]
+
+
+def test_a_session_the_inbox_made_before_its_first_turn_is_no_source(
+    sql_store: Opener,
+) -> None:
+    store = sql_store()
+    store.get_or_create("real", _agent())
+    with store.engine.begin() as conn:  # as the inbox leaves it: no agent chosen yet
+        conn.execute(text(
+            "INSERT INTO chatflow_sessions (session_id, active_agent_name, metadata_json, "
+            "version, created_at, updated_at) SELECT 'unborn', '', metadata_json, 1, "
+            "created_at, updated_at FROM chatflow_sessions WHERE session_id = 'real'"
+        ))
+    with pytest.raises(ValueError, match="no such session"):
+        store.fork("unborn", "copy")
+    with pytest.raises(ValueError, match="exists"):
+        store.fork("real", "unborn")  # its id is taken all the same
+    assert store.get("copy") is None
+
+
+def test_export_shows_the_summary_beside_the_window_on_every_store(any_store: Opener) -> None:
+    store = any_store(summarizer=_summarize, default_max_turns=2)
+    source = _summarized(store, "src", user_id="ann")
+    fork = store.fork("src", "fork", at_turn=1)
+    document = store.export_user("ann")
+    by_id = {s["session_id"]: s for s in document["sessions"]}
+    assert sorted(by_id) == ["fork", "src"]
+    for ctx in (source, fork):
+        exported = by_id[ctx.session_id]
+        assert exported["summary"] == "u0,m0,u1,m1"
+        window = [m for m in ctx.history if m.role != Role.SYSTEM]  # the summary is no message
+        assert exported["messages"] == [m.model_dump(mode="json") for m in window]
+    assert (by_id["fork"]["forked_from"], by_id["fork"]["forked_at_turn"]) == ("src", 1)
+    assert (by_id["src"]["forked_from"], by_id["src"]["forked_at_turn"]) == (None, None)
+    assert [m["content"] for m in by_id["fork"]["messages"]] == ["u2", "m2"]
