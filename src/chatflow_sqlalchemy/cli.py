@@ -454,7 +454,7 @@ def db() -> None:
 
 @cli.group(no_args_is_help=True)
 def sessions() -> None:
-    """Inspect, delete, sweep and export sessions.
+    """Inspect, delete, sweep, export, rewind and fork sessions.
 
     The read commands (list, show, export) never create or migrate anything.
     """
@@ -975,12 +975,13 @@ def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[An
 
 def _list_filters(
     user: str | None, meta: Sequence[str], updated_after: str | None,
-    limit: int | None, after: str | None,
+    limit: int | None, after: str | None, forked_from: str | None = None,
 ) -> ListFilters | None:
     """``sessions list`` options as the store's filters (None: the plain listing)."""
     from chatflow_sqlalchemy.lifecycle import ListFilters
 
-    if user is None and not meta and updated_after is None and limit is None and after is None:
+    given = (user, updated_after, limit, after, forked_from)
+    if not meta and all(option is None for option in given):
         return None
     wanted: dict[str, Any] = {}
     for item in meta:
@@ -1004,7 +1005,8 @@ def _list_filters(
             since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
     try:
         return ListFilters.build(
-            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after
+            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after,
+            forked_from=forked_from,
         )
     except ValueError as exc:
         raise CliError(clean(str(exc))) from None
@@ -1023,9 +1025,10 @@ def _list_filters(
 )
 @click.option("--limit", type=click.IntRange(min=1), help="at most this many (a page)")
 @click.option("--after", metavar="ID", help="the page after this session id (the last shown)")
+@click.option("--forked-from", metavar="ID", help="only the forks of this session")
 def sessions_list(
     user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
-    after: str | None, as_json: bool, url: str | None,
+    after: str | None, forked_from: str | None, as_json: bool, url: str | None,
 ) -> None:
     """List sessions, most recently updated first.
 
@@ -1033,7 +1036,7 @@ def sessions_list(
     that walking the pages returns every session once even while they are
     written: pass the last id shown as --after for the next page.
     """
-    filters = _list_filters(user, meta, updated_after, limit, after)
+    filters = _list_filters(user, meta, updated_after, limit, after, forked_from)
     with _database(url) as (_parsed, engine):
         rows = _session_rows(engine, filters)
     full_page = limit is not None and len(rows) == limit
@@ -1280,6 +1283,136 @@ def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) 
         raise _no_session(session_id, parsed)
     shown = clean(repr(session_id))
     _emit(as_json, {"session_id": session_id, "deleted": True}, f"deleted session {shown}")
+
+
+# --------------------------------------------------------------------------- rewind / fork
+
+
+def _session_exists(engine: Engine, session_id: str) -> bool:
+    """True if the session exists (one the inbox made before its first turn does not yet)."""
+    from sqlalchemy import select
+
+    from chatflow_sqlalchemy.models import ChatflowSession
+    from chatflow_sqlalchemy.values import UNBORN_AGENT
+
+    s: Any = ChatflowSession.__table__.c
+    query = select(s.session_id).where(
+        s.session_id == session_id, s.active_agent_name != UNBORN_AGENT
+    )
+    with _read_conn(engine) as conn:
+        return conn.execute(query).first() is not None
+
+
+@contextmanager
+def _history_store(url: URL, **options: Any) -> Iterator[Any]:
+    """A store that changes a session's history as workers do (same turns, same keys).
+
+    Encrypted rows are read and written with the keys of ``$CHATFLOW_KEYS``;
+    a stored agent name stands for itself (the CLI runs no agent); a row that
+    cannot be read is exit 1, naming it.
+    """
+    from chatflow_agent import Agent
+
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.opening import open_store
+
+    cipher = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", "")).cipher
+    with open_store(url, cipher=cipher, auto_migrate=False, **options) as store:
+        store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
+        try:
+            yield store
+        except CorruptRowError as exc:
+            raise CliError(f"nothing was changed: {clean(str(exc))}", EXIT_FAILED) from None
+        except ValueError as exc:  # the store's refusal of an argument, naming the fix
+            raise CliError(clean(str(exc))) from None
+
+
+def _turns_in(history: Sequence[Message]) -> int:
+    """How many turns a history window holds (each opens with a USER message)."""
+    from chatflow_agent import Role
+
+    return sum(1 for message in history if message.role == Role.USER)
+
+
+@_command(sessions, "rewind", yes=True)
+@click.argument("session_id")
+@click.option(
+    "--turns", type=click.IntRange(min=1), default=1, show_default=True,
+    help="how many of the last complete turns to remove",
+)
+@click.option(
+    "--archive", is_flag=True,
+    help="keep the removed messages in the transcript archive (sessions show --all), as a "
+    "store with archive_pruned=True does; without it they are deleted",
+)
+def sessions_rewind(
+    session_id: str, turns: int, archive: bool, yes: bool, as_json: bool, url: str | None
+) -> None:
+    """Remove the last turns of a session (asks first).
+
+    Runs as a turn of the session, as ctx.rewind does: it waits for a turn
+    running on the session elsewhere, and workers show the shorter history
+    from their next turn on. Edit-and-regenerate is a rewind, then a new
+    turn. Asks for confirmation unless --yes. Encrypted rows are read and
+    written with the keys of $CHATFLOW_KEYS.
+    """
+    _validate_session_id(session_id)
+    shown = clean(repr(session_id))
+    with _database(url) as (parsed, engine):
+        if not _session_exists(engine, session_id):
+            raise _no_session(session_id, parsed)
+    with _history_store(parsed, archive_pruned=archive) as store:
+        ctx = store.get(session_id)
+        if ctx is None:
+            raise _no_session(session_id, parsed)
+        held = _turns_in(ctx.history)
+        if turns > held:
+            fix = f"pass --turns from 1 to {held}" if held else "there is nothing to rewind"
+            raise CliError(
+                f"cannot rewind {turns} turn(s) of session {shown}: its window holds "
+                f"{held}; {fix} (nothing was changed)"
+            )
+        _confirm(f"Remove the last {turns} turn(s) of session {shown}?", yes)
+        ctx.rewind(turns)
+        left = _turns_in(ctx.history)
+    _emit(as_json, {"session_id": session_id, "rewound": turns, "turns": left},
+          f"rewound {turns} turn(s) of session {shown}: {left} turn(s) left")
+
+
+@_command(sessions, "fork")
+@click.argument("session_id")
+@click.argument("new_session_id")
+@click.option(
+    "--at-turn", type=click.IntRange(min=0), metavar="K",
+    help="take only the first K complete turns of the window (default: all of them)",
+)
+def sessions_fork(
+    session_id: str, new_session_id: str, at_turn: int | None, as_json: bool, url: str | None
+) -> None:
+    """Copy a session into a new one, whole or up to a turn.
+
+    NEW_SESSION_ID gets the SYSTEM messages and the first K complete turns
+    of SESSION_ID's window (all of them without --at-turn), with its
+    summary, active agent, metadata and user_id, in one transaction; the
+    session is unchanged. An existing NEW_SESSION_ID is refused and nothing
+    is written. sessions list --forked-from SESSION_ID lists the forks.
+    Encrypted rows are read and written with the keys of $CHATFLOW_KEYS.
+    """
+    _validate_session_id(session_id)
+    with _database(url) as (parsed, engine):
+        if not _session_exists(engine, session_id):
+            raise _no_session(session_id, parsed)
+    with _history_store(parsed) as store:
+        ctx = store.fork(session_id, new_session_id, at_turn=at_turn)
+        taken = ctx.forked_at_turn
+        copied = len(ctx.history) - (ctx.summary is not None)  # the summary is no row
+    _emit(
+        as_json,
+        {"session_id": new_session_id, "forked_from": session_id, "forked_at_turn": taken,
+         "messages": copied},
+        f"forked session {clean(repr(session_id))} into {clean(repr(new_session_id))}: "
+        f"{taken} turn(s), {copied} message(s)",
+    )
 
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
@@ -1937,7 +2070,7 @@ def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
         try:
             sessions = export_sessions(
                 conn, user_session_ids(conn, user_id), sealer.parser(parse_message),
-                sealer.open_metadata,
+                sealer.open_metadata, sealer.open_summary,
             )
         except CorruptRowError as exc:
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
@@ -2038,7 +2171,7 @@ def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
 
 
 def _holds_plaintext(engine: Any) -> bool:
-    """True if a message, archived message or session metadata is stored unencrypted."""
+    """True if a message, archived message, session metadata or summary is stored unencrypted."""
     from sqlalchemy import Text, cast, not_, select
 
     from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
@@ -2053,6 +2186,9 @@ def _holds_plaintext(engine: Any) -> bool:
     ]
     queries.append(select(s.session_id).where(
         not_(cast(s.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))
+    ))
+    queries.append(select(s.session_id).where(
+        s.summary.is_not(None), not_(s.summary.startswith(TOKEN_PREFIX, autoescape=True))
     ))
     with _read_conn(engine) as conn:
         return any(conn.execute(query.limit(1)).first() is not None for query in queries)
