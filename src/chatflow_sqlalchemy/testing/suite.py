@@ -131,7 +131,9 @@ STORE_ASYNC_TWINS = (
     "apurge_processed_messages",
     "aclose",
 )
-CONTEXT_ASYNC_TWINS = ("aadd_message", "aset_active_agent", "aclear_history", "arollback_to")
+CONTEXT_ASYNC_TWINS = (
+    "aadd_message", "aset_active_agent", "aclear_history", "arollback_to", "arewind"
+)
 
 
 # =============================================================== helpers
