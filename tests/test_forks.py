@@ -9,6 +9,7 @@ leave exactly one whole fork, a corrupt or unborn source writes nothing, and
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -216,3 +217,28 @@ def test_export_shows_the_summary_beside_the_window_on_every_store(any_store: Op
     assert (by_id["fork"]["forked_from"], by_id["fork"]["forked_at_turn"]) == ("src", 1)
     assert (by_id["src"]["forked_from"], by_id["src"]["forked_at_turn"]) == (None, None)
     assert [m["content"] for m in by_id["fork"]["messages"]] == ["u2", "m2"]
+
+
+def test_a_fork_made_while_its_source_waits_for_a_summary_gets_that_summary_too(
+    any_store: Opener,
+) -> None:
+    """Turns pruned but not yet summarized when the fork is made reach the fork's summary."""
+    gate = threading.Event()
+
+    async def summarizer(previous: str | None, dropped: list[Message]) -> str:
+        await asyncio.to_thread(gate.wait, _HANG_GUARD)
+        said = [m.content or "" for m in dropped if m.role == Role.USER]
+        return " | ".join([previous, *said] if previous else said)
+
+    store = any_store(default_max_turns=1, summarizer=summarizer)
+    source = store.get_or_create("src", _agent())
+    for said in ("order 4711", "hello"):
+        source.add_message(Message(role=Role.USER, content=said))
+        source.add_message(Message(role=Role.MODEL, content="ok"))
+    assert source.summary is None  # its summary waits at the gate
+    fork = store.fork("src", "dst")
+    assert fork.summary is None
+    gate.set()
+    assert store.wait_for_summaries(_HANG_GUARD)
+    assert store.get("dst").summary == "order 4711"
+    assert store.get("src").summary == "order 4711"

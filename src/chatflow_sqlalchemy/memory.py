@@ -439,6 +439,11 @@ class SessionStore(AsyncStoreAPI):
             if owner is not None:
                 self._users[new_session_id] = owner
             self._flush_context(ctx)
+            waiting = self._summary_rows.waiting.get(session_id)
+            if waiting:  # what waited for the source's summary waits for the fork's too
+                self._summary_rows.waiting[new_session_id] = dict(waiting)
+        if waiting and self._summaries is not None:
+            self._summaries.due(new_session_id)
         return ctx
 
     def _forked_context(

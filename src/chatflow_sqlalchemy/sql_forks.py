@@ -13,11 +13,13 @@ data, so a copied token would not open there).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, bindparam, insert, select
+from sqlalchemy import Connection, Table, bindparam, insert, select
 
+from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.forks import ForkedWindow, fork_window, no_such_session, session_exists
+from chatflow_sqlalchemy.models import ChatflowMessageArchive
 from chatflow_sqlalchemy.reconcile import repair_window
 from chatflow_sqlalchemy.rows import (
     INSERT_MESSAGES,
@@ -39,6 +41,15 @@ _LOCK_SOURCE = (
 )
 _EXISTS = select(sessions.c.session_id).where(sessions.c.session_id == bindparam("session_id"))
 _INSERT_SESSION = insert(sessions)
+_archive = cast(Table, ChatflowMessageArchive.__table__)
+_WAITING = select(
+    _archive.c.id, _archive.c.seq, _archive.c.role, _archive.c.content,
+    _archive.c.message_json, _archive.c.created_at,
+).where(
+    _archive.c.session_id == bindparam("session_id"),
+    _archive.c.pending_summary,
+    _archive.c.seq > bindparam("through"),
+)
 
 
 def copy_session(
@@ -74,7 +85,32 @@ def copy_session(
             message_row(sealer, new_session_id, seq, message, now)
             for seq, message in zip(forked.seqs, forked.messages, strict=True)
         ])
+    _copy_waiting(conn, sealer, stored.summary_through, session_id, new_session_id, now)
     return forked
+
+
+def _copy_waiting(
+    conn: Connection,
+    sealer: Sealer,
+    through: int,
+    session_id: str,
+    new_session_id: str,
+    now: datetime,
+) -> None:
+    """Pruned messages still waiting for the source's summary wait for the fork's too."""
+    rows = conn.execute(_WAITING, {"session_id": session_id, "through": through}).all()
+    copies = []
+    for row in rows:
+        text = row.message_json
+        if sealer.active or is_encrypted(text):
+            text = sealer.open_text(session_id, row.id, text, _archive.name)
+        copies.append({
+            "session_id": new_session_id, "seq": row.seq, "role": row.role,
+            "content": row.content, "message_json": sealer.seal_text(new_session_id, text),
+            "created_at": row.created_at, "archived_at": now, "pending_summary": True,
+        })
+    if copies:
+        conn.execute(insert(_archive), copies)
 
 
 def _session_row(

@@ -640,6 +640,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 raise
             raise session_exists(new_session_id) from None  # created meanwhile by another writer
         assert stored is not None
+        if self._summaries is not None:
+            self._summaries.due(new_session_id)  # what waited for the source's summary
         live = self._contexts.get(session_id)  # its agent stands for the name, as on a reload
         agent = None if live is None else live.active_agent
         self._forget(new_session_id)  # a context left of a session once under this id
