@@ -24,7 +24,7 @@ from sqlalchemy import Table, insert
 from chatflow_sqlalchemy import migrate
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
 from chatflow_sqlalchemy.cli import UPSTREAM_LABEL, main
-from chatflow_sqlalchemy.demo import build_agents, run_demo
+from chatflow_sqlalchemy.demo import build_agents, engine_summarizer, run_demo
 from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.models import ChatflowProcessedMessage
 from chatflow_sqlalchemy.testing import ScriptedEngine
@@ -1124,7 +1124,7 @@ def test_postgresql_read_commands_and_corrupt_metadata(
 # --------------------------------------------------------------------------- demo
 
 
-DEMO_WORDS = ("handoff", "restart", "pruning", "duplicate", "rollback")
+DEMO_WORDS = ("handoff", "restart", "pruning", "duplicate", "rollback", "summar")
 
 
 def test_demo_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1162,6 +1162,42 @@ def test_run_demo_with_custom_output(tmp_path: Path) -> None:
     lines: list[str] = []
     run_demo(str(tmp_path / "d.db"), lines.append)
     assert lines[-2] == "All steps behaved as described."
+
+
+def test_demo_summary_is_written_by_its_engine_and_kept_in_the_database(tmp_path: Path) -> None:
+    """Step 9: the summary the demo prints is what the engine wrote, and the file keeps it."""
+    path = tmp_path / "d.db"
+    lines: list[str] = []
+    run_demo(str(path), lines.append)
+    printed = next(line for line in lines if line.strip().startswith("summary: "))
+    with SQLiteSessionStore(str(path)) as store:
+        session = store.get("whatsapp:+15550133")
+        assert session is not None
+        summary = session.summary
+        assert summary is not None and "order 408" in summary
+        assert summary.startswith("Summarizer re: ")  # the scripted engine's answer
+        assert printed.strip() == f"summary: {summary}"
+        first = session.history[0]
+        assert first.role == Role.SYSTEM and first.content is not None
+        assert first.content.endswith(summary)
+        users = [m.content for m in session.history if m.role == Role.USER]
+        assert "I am Ada; my parcel for order 408 arrived broken" not in users  # pruned
+
+
+def test_engine_summarizer_folds_the_previous_summary_and_what_the_user_said() -> None:
+    engine = ScriptedEngine()
+    summarize = engine_summarizer(engine)
+    dropped = [
+        Message(role=Role.USER, content="order 7 is late"),
+        Message(role=Role.MODEL, content="Sorry to hear that"),
+        Message(role=Role.USER, content="my name is Bo"),
+    ]
+    summary = asyncio.run(summarize("Summarizer re: earlier", dropped))
+    assert engine.calls == 1
+    assert summary == (
+        "Summarizer re: Summary so far: Summarizer re: earlier\n"
+        "The user said: order 7 is late; my name is Bo"
+    )
 
 
 def test_scripted_engine_fail_step_raises_and_runner_rolls_back(tmp_path: Path) -> None:

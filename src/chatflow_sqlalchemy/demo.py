@@ -13,7 +13,9 @@ reloads the session (with the active agent and its tools), turn-safe pruning
 to ``max_turns``, webhook deduplication and the rollback of a failing turn;
 then webhook claims: a turn that failed (the model provider is down) retried
 by the platform and processed once, and a burst of messages, each delivered to
-three handlers at once, processed once each and in order.
+three handlers at once, processed once each and in order; last, a summary of
+what pruning dropped, written by a summarizer that asks the demo's own engine,
+shown to the model and kept across a restart.
 Every claim it prints is also checked; a failed check raises :class:`DemoError`.
 """
 
@@ -31,6 +33,7 @@ from chatflow_agent import Agent, BaseEngine, Message, Role, Runner
 from chatflow_agent.core.engines.base import EngineTurnResult
 
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+from chatflow_sqlalchemy.summaries import Summarizer
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "DEMO_SESSION_ID",
     "DemoError",
     "build_agents",
+    "engine_summarizer",
     "run_demo",
 ]
 
@@ -51,6 +55,8 @@ _WEBHOOK_ID = "wamid.X"
 _RETRY_SESSION_ID = "whatsapp:+15550111"
 _BURST_SESSION_ID = "whatsapp:+15550122"
 _BURST = 6
+_SUMMARY_SESSION_ID = "whatsapp:+15550133"
+_SUMMARY_WAIT_SECONDS = 60.0
 
 
 class DemoError(RuntimeError):
@@ -103,6 +109,35 @@ def build_agents() -> dict[str, Agent]:
     support.add_handoff(billing)
     billing.add_handoff(support)
     return {"Support": support, "Billing": billing}
+
+
+def engine_summarizer(engine: BaseEngine) -> Summarizer:
+    """A store ``summarizer`` that asks ``engine`` for the summary, as a Runner asks it for a turn.
+
+    The prompt is what the user said in the dropped turns (after the summary so
+    far), sent as one USER message to an agent of its own; the engine's text is
+    the new summary. A real model rewrites it; the demo's
+    :class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine` answers
+    ``"Summarizer re: <prompt>"``, so the summary keeps the user's words.
+    """
+    agent = Agent(
+        name="Summarizer",
+        instructions="Summarize the conversation; keep every name, order number and amount.",
+    )
+
+    async def summarize(previous: str | None, dropped: list[Message]) -> str:
+        said = [m.content for m in dropped if m.role == Role.USER and m.content]
+        prompt = ([f"Summary so far: {previous}"] if previous else []) + [
+            "The user said: " + "; ".join(said)
+        ]
+        result = await engine.generate_turn_async(
+            agent=agent, history=[Message(role=Role.USER, content="\n".join(prompt))]
+        )
+        if not result.text:
+            raise RuntimeError("the engine answered without text")  # retried at the next prune
+        return result.text
+
+    return summarize
 
 
 # --------------------------------------------------------------------------- output
@@ -202,9 +237,11 @@ class _Demo:
         if response.handoff is not None:
             self.out(f"  -- handoff to {response.handoff.target_agent_name}")
 
-    def reopen(self) -> SQLiteSessionStore:
+    def reopen(self, summarizer: Summarizer | None = None) -> SQLiteSessionStore:
         """A second, independent store on the same file (what another process sees)."""
-        store = SQLiteSessionStore(self.db_path, default_max_turns=DEMO_MAX_TURNS)
+        store = SQLiteSessionStore(
+            self.db_path, default_max_turns=DEMO_MAX_TURNS, summarizer=summarizer
+        )
         store.set_agent_resolver(self.agents.get)
         return store
 
@@ -218,6 +255,7 @@ class _Demo:
             await self.rollback()
             await self.retried()
             await self.burst()
+            await self.summaries()
         finally:
             await self.store.aclose()
         self.out("")
@@ -371,6 +409,48 @@ class _Demo:
             self.out("  each message once, in order: a later claim's turn waits for earlier ones")
         finally:
             await tour.store.aclose()
+
+    async def summaries(self) -> None:
+        self.heading("9. Summaries: a summarizer on the demo's own engine keeps what pruning drops")
+        store = self.reopen(summarizer=engine_summarizer(self.engine))
+        runner = Runner(
+            starting_agent=self.agents["Support"], session_store=store, engine=self.engine
+        )
+        texts = ("I am Ada; my parcel for order 408 arrived broken", "Where is order 409?",
+                 "And order 410?", "Thanks, that is all")
+        try:
+            for text in texts:
+                await runner.run_async(_SUMMARY_SESSION_ID, text)
+                self.out(f"    user: {text}")
+            written = await asyncio.to_thread(store.wait_for_summaries, _SUMMARY_WAIT_SECONDS)
+            _check(written, "the summary was written in the background")
+            session = store.get(_SUMMARY_SESSION_ID)
+            assert session is not None
+            summary, history = session.summary, list(session.history)
+        finally:
+            await store.aclose()
+        _check(len(_turns(history)) == DEMO_MAX_TURNS, "the first turn was pruned")
+        _check(summary is not None and "order 408" in summary, "the summary keeps order 408")
+        _check(history[0].role == Role.SYSTEM and (history[0].content or "").endswith(str(summary)),
+               "the model sees the summary first, as one SYSTEM message")
+        self.out(f"  {len(texts)} turns, max_turns={DEMO_MAX_TURNS}: the first left the window;")
+        self.out("  after that turn, in the background, the engine wrote a summary of it:")
+        self.out(f"    summary: {summary}")
+        self.out("  the model now sees it first, as one SYSTEM message")
+        self.out("  store closed (simulated process exit)")
+        self.summary_reloads(summary, history)
+
+    def summary_reloads(self, summary: str | None, history: list[Message]) -> None:
+        """A fresh store (another process) shows the same summary, then the same turns."""
+        with self.reopen() as fresh:
+            reloaded = fresh.get(_SUMMARY_SESSION_ID)
+            assert reloaded is not None
+            again = list(reloaded.history)
+        _check(reloaded.summary == summary, "a fresh store reloads the summary")
+        _check(again[0].role == Role.SYSTEM and again[0].content == history[0].content,
+               "a fresh store shows the same summary message first")
+        _check(_dump(again[1:]) == _dump(history[1:]), "a fresh store reloads the same turns")
+        self.out(f"  reloaded: {len(again)} messages, the same summary first")
 
 
 def _last_reply(history: Sequence[Message]) -> str | None:
