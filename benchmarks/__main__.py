@@ -9,6 +9,7 @@ Examples::
     python -m benchmarks --only profile      # cProfile of our SQLite and PostgreSQL stores
     python -m benchmarks --only claims       # webhook claims: cost, and kills with redelivery
     python -m benchmarks --only inbox        # the inbox: throughput, put -> send latency
+    python -m benchmarks --only summaries    # a summarized turn beside a plain one
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from benchmarks.suites import (
     run_single,
 )
 
-SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "inbox", "profile")
-DEFAULT_SUITES = ("single", "multi", "growth", "rss", "looplag", "claims")
+SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "inbox", "summaries",
+          "profile")
+DEFAULT_SUITES = ("single", "multi", "growth", "rss", "looplag", "claims", "summaries")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -153,6 +155,14 @@ def _run(suites: tuple[str, ...], cfg: Config, env: Env) -> tuple[Results, str]:
 
         _log("== inbox")
         results.inbox = run_inbox(env, _log, QUICK if cfg.rounds == 1 else None)
+    if "summaries" in suites:
+        from benchmarks.summaries import QUICK as QUICK_SUMMARIES
+        from benchmarks.summaries import run_summaries
+
+        _log("== summaries")
+        results.summaries = run_summaries(
+            env, _log, QUICK_SUMMARIES if cfg.rounds == 1 else None
+        )
     if "profile" in suites:
         from benchmarks.profile_suite import run_profiles
 

@@ -24,6 +24,8 @@ class Results:
     """The webhook-claim suite's markdown (``benchmarks/claims.py``), empty if not run."""
     inbox: str = ""
     """The inbox suite's markdown (``benchmarks/inbox.py``), empty if not run."""
+    summaries: str = ""
+    """The summaries suite's markdown (``benchmarks/summaries.py``), empty if not run."""
 
 
 def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
@@ -223,6 +225,8 @@ def render(res: Results, cfg: Config) -> str:
         parts.append(res.claims.rstrip())
     if res.inbox:
         parts.append(res.inbox.rstrip())
+    if res.summaries:
+        parts.append(res.summaries.rstrip())
     problems = _problems(res.single + res.multi + res.growth + res.rss + res.lag)
     if problems:
         parts += ["### Verification failures", "\n".join(problems)]
