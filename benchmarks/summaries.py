@@ -14,9 +14,11 @@ store's summaries machinery costs by itself, with no model behind it.
   p50/p99 of ``run_async``, plain and summarized interleaved, medians over
   rounds. Verified afterwards: a fresh store shows every session's summary
   first and it counts exactly the messages pruned (none lost, none twice).
-* **time to summary**: one session, one turn at a time; after each turn that
-  prunes, how long until the summary covering it is stored
-  (``store.wait_for_summaries()`` returns).
+* **one turn at a time**: one session, plain and summarized; each turn
+  prunes, and the next starts once its summary is stored. The turn's p50,
+  the statements sent per turn (its summary's included: a count that machine
+  noise does not move), and how long after the turn's end its summary is
+  stored (``store.wait_for_summaries()`` returns).
 
 Run alone: ``python -m benchmarks --only summaries`` or ``python -m benchmarks.summaries``.
 """
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatflow_agent import Message
+from sqlalchemy import event
 
 from benchmarks.pg import create_schema, drop_schema, schema_connect_args
 from benchmarks.runner import Env, median, percentile
@@ -158,34 +161,53 @@ def _throughput_case(spec: dict[str, Any], cfg: SummaryConfig, mode: str) -> dic
 # ------------------------------------------------------------------ time to summary
 
 
-async def _time_to_summary(store: Any, cfg: SummaryConfig) -> tuple[list[float], list[float]]:
-    """(turn ms, turn end -> summary stored ms) for each turn that pruned."""
+@contextmanager
+def _statements(store: Any) -> Iterator[list[int]]:
+    """Count the statements ``store`` sends meanwhile (its summaries thread's too)."""
+    sent = [0]
+
+    def count(*_: Any) -> None:
+        sent[0] += 1
+
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield sent
+    finally:
+        for engine in store.engines:
+            event.remove(engine, "before_cursor_execute", count)
+
+
+async def _one_at_a_time(store: Any, cfg: SummaryConfig, mode: str
+                         ) -> tuple[list[float], list[float], int]:
+    """(turn ms, turn end -> summary stored ms, statements) over turns that each prune."""
     runner = _runner(store)
     for turn in range(cfg.window):
         await runner.run_async("t", f"warm {turn}")
     turns, waits = [], []
-    for turn in range(cfg.latency_turns):
-        began = time.perf_counter()
-        await runner.run_async("t", f"turn {turn}")
-        ended = time.perf_counter()
-        if not await asyncio.to_thread(store.wait_for_summaries, _WAIT_SECONDS):
-            raise RuntimeError(f"no summary {_WAIT_SECONDS:g} s after turn {turn}")
-        turns.append((ended - began) * 1e3)
-        waits.append((time.perf_counter() - ended) * 1e3)
-    ctx = store.get("t")
-    if ctx.summary != str(2 * cfg.latency_turns):
-        raise RuntimeError(f"summary {ctx.summary!r}, expected {2 * cfg.latency_turns}")
-    return turns, waits
+    with _statements(store) as sent:
+        for turn in range(cfg.latency_turns):
+            began = time.perf_counter()
+            await runner.run_async("t", f"turn {turn}")
+            ended = time.perf_counter()
+            if not await asyncio.to_thread(store.wait_for_summaries, _WAIT_SECONDS):
+                raise RuntimeError(f"no summary {_WAIT_SECONDS:g} s after turn {turn}")
+            turns.append((ended - began) * 1e3)
+            waits.append((time.perf_counter() - ended) * 1e3)
+    expected = str(2 * cfg.latency_turns) if mode == "summarized" else None
+    if store.get("t").summary != expected:
+        raise RuntimeError(f"summary {store.get('t').summary!r}, expected {expected!r}")
+    return turns, waits, sent[0]
 
 
-def _latency_case(spec: dict[str, Any], cfg: SummaryConfig) -> dict[str, float]:
-    store = _store(spec, cfg, "summarized")
+def _latency_case(spec: dict[str, Any], cfg: SummaryConfig, mode: str) -> dict[str, float]:
+    store = _store(spec, cfg, mode)
     try:
-        turns, waits = asyncio.run(_time_to_summary(store, cfg))
+        turns, waits, sent = asyncio.run(_one_at_a_time(store, cfg, mode))
     finally:
         store.close()
-    return {"turn_p50": percentile(turns, 0.5), "p50": percentile(waits, 0.5),
-            "p99": percentile(waits, 0.99)}
+    return {"turn_p50": percentile(turns, 0.5), "statements": sent / cfg.latency_turns,
+            "p50": percentile(waits, 0.5), "p99": percentile(waits, 0.99)}
 
 
 # ------------------------------------------------------------------ suite
@@ -199,7 +221,7 @@ def run_summaries(env: Env, log: Progress, cfg: SummaryConfig | None = None) -> 
     """Run both parts on every available database; return the markdown section."""
     cfg = cfg or SummaryConfig()
     series: dict[tuple[str, str], list[dict[str, float]]] = {}
-    latency: dict[str, list[dict[str, float]]] = {}
+    latency: dict[tuple[str, str], list[dict[str, float]]] = {}
     for rnd in range(cfg.rounds):
         for backend in _backends(env):
             for mode in _MODES:
@@ -208,11 +230,14 @@ def run_summaries(env: Env, log: Progress, cfg: SummaryConfig | None = None) -> 
                 series.setdefault((backend, mode), []).append(result)
                 log(f"  round {rnd + 1}: {backend:10} {mode:10} {result['per_s']:7.0f} turns/s"
                     f"  p50 {result['p50']:6.2f} ms  p99 {result['p99']:6.2f} ms")
-            with _fresh(env, backend, f"r{rnd}-latency") as spec:
-                waits = _latency_case(spec, cfg)
-            latency.setdefault(backend, []).append(waits)
-            log(f"  round {rnd + 1}: {backend:10} turn end -> summary stored p50 "
-                f"{waits['p50']:6.2f} ms  p99 {waits['p99']:6.2f} ms")
+            for mode in _MODES:
+                with _fresh(env, backend, f"r{rnd}-one-{mode}") as spec:
+                    one = _latency_case(spec, cfg, mode)
+                latency.setdefault((backend, mode), []).append(one)
+                stored = (f", summary stored after p50 {one['p50']:.2f} ms p99 {one['p99']:.2f}"
+                          " ms" if mode == "summarized" else "")
+                log(f"  round {rnd + 1}: {backend:10} {mode:10} one at a time: turn p50 "
+                    f"{one['turn_p50']:.2f} ms, {one['statements']:.1f} statements{stored}")
     return render_summaries(series, latency, cfg)
 
 
@@ -221,7 +246,8 @@ def _med(cases: list[dict[str, float]], key: str) -> float:
 
 
 def render_summaries(series: dict[tuple[str, str], list[dict[str, float]]],
-                     latency: dict[str, list[dict[str, float]]], cfg: SummaryConfig) -> str:
+                     latency: dict[tuple[str, str], list[dict[str, float]]],
+                     cfg: SummaryConfig) -> str:
     """The markdown of the summaries suite (medians over rounds)."""
     lines = [f"### Summaries: a summarized turn beside a plain one, S={cfg.sessions} x "
              f"T={cfg.turns} Runner turns, window {cfg.window} (every turn past it prunes), "
@@ -233,13 +259,15 @@ def render_summaries(series: dict[tuple[str, str], list[dict[str, float]]],
         ratio = "1.00" if mode == "plain" else f"{_med(cases, 'per_s') / plain:.2f}x"
         lines.append(f"| {backend} | {mode} | {_med(cases, 'per_s'):,.0f} | {ratio} | "
                      f"{_med(cases, 'p50'):.2f} | {_med(cases, 'p99'):.2f} |")
-    lines += ["", f"Time from the end of a turn that pruned until its summary is stored "
-              f"(one session, {cfg.latency_turns} turns one at a time):", "",
-              "| database | turn p50 ms | summary stored after: p50 ms | p99 ms |",
-              "|---|---:|---:|---:|"]
-    for backend, cases in latency.items():
-        lines.append(f"| {backend} | {_med(cases, 'turn_p50'):.2f} | {_med(cases, 'p50'):.2f} | "
-                     f"{_med(cases, 'p99'):.2f} |")
+    lines += ["", f"One session, {cfg.latency_turns} turns one at a time, each pruning (the "
+              "next starts once its summary is stored):", "",
+              "| database | store | turn p50 ms | statements / turn (summary included) | "
+              "summary stored after: p50 ms | p99 ms |", "|---|---|---:|---:|---:|---:|"]
+    for (backend, mode), cases in latency.items():
+        stored = (f"{_med(cases, 'p50'):.2f} | {_med(cases, 'p99'):.2f}"
+                  if mode == "summarized" else "- | -")
+        lines.append(f"| {backend} | {mode} | {_med(cases, 'turn_p50'):.2f} | "
+                     f"{_med(cases, 'statements'):.1f} | {stored} |")
     return "\n".join(lines) + "\n"
 
 
