@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.registry import available_backends, register
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
+    from chatflow_sqlalchemy.summaries import Summarizer
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,7 @@ _LAZY: dict[str, str] = {
     "InboxBatch": "chatflow_sqlalchemy.inbox",
     "InboxItem": "chatflow_sqlalchemy.inbox",
     "InboxReply": "chatflow_sqlalchemy.inbox",
+    "Summarizer": "chatflow_sqlalchemy.summaries",
     "available_backends": "chatflow_sqlalchemy.registry",
     "open_store": "chatflow_sqlalchemy.opening",
     "register": "chatflow_sqlalchemy.registry",
@@ -97,6 +99,7 @@ __all__ = [
     "SessionContext",
     "SessionDeletedError",
     "SessionStore",
+    "Summarizer",
     "WebhookClaim",
     "__version__",
     "available_backends",

@@ -10,6 +10,7 @@ one; only ``aclose``, whose work differs per store, is its own.
 from __future__ import annotations
 
 import abc
+import asyncio
 import functools
 from collections.abc import Callable
 from datetime import datetime
@@ -68,6 +69,10 @@ class AsyncStoreAPI(BaseSessionStore):
     @abc.abstractmethod
     def erase_user(self, user_id: str) -> int:
         """Delete everything stored about ``user_id``; return how many sessions went."""
+
+    @abc.abstractmethod
+    def wait_for_summaries(self, timeout: float | None = None) -> bool:
+        """Wait until no summary is being made; False if ``timeout`` seconds passed first."""
 
     @abc.abstractmethod
     def transcript(self, session_id: str) -> list[Message]:
@@ -142,6 +147,10 @@ class AsyncStoreAPI(BaseSessionStore):
     async def aerase_user(self, user_id: str) -> int:
         """Async :meth:`erase_user`."""
         return await self._run_blocking(self.erase_user, user_id)
+
+    async def await_for_summaries(self, timeout: float | None = None) -> bool:
+        """Async ``wait_for_summaries`` (the wait runs on a thread, never on the loop)."""
+        return await asyncio.to_thread(self.wait_for_summaries, timeout)
 
     async def atranscript(self, session_id: str) -> list[Message]:
         """Async :meth:`transcript`."""

@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -62,6 +63,9 @@ SUMMARY_SEQ = 0
 
 SUMMARY_HEADER = "Summary of the earlier conversation (its turns are no longer shown):\n"
 """What the summary's SYSTEM message says before the summary itself."""
+
+SUMMARY_TIMESTAMP = datetime(1970, 1, 1, tzinfo=timezone.utc)
+"""The summary message's timestamp: fixed, so a reload shows the very same message."""
 
 
 def validate_id(value: object, name: str) -> str:
@@ -1043,7 +1047,10 @@ class SessionContext(_UpstreamSessionContext):
             self._n_system -= 1
         self._summary_message = None
         if self._summary is not None:
-            message = Message(role=Role.SYSTEM, content=SUMMARY_HEADER + self._summary)
+            message = Message(
+                role=Role.SYSTEM, content=SUMMARY_HEADER + self._summary,
+                timestamp=SUMMARY_TIMESTAMP,
+            )
             self._history.insert(self._n_system, message)
             self._seqs.insert(self._n_system, SUMMARY_SEQ)
             self._n_system += 1
