@@ -197,14 +197,19 @@ class Summaries:
             while True:
                 with self._mutex:
                     self._again.discard(session_id)
+                # The context before the claim: the summary goes to the session it is
+                # made from, never to a new session under the id of one deleted meanwhile.
                 try:
+                    ctx = await asyncio.to_thread(self._context, session_id)
+                    if ctx is None:
+                        return
                     pending = await asyncio.to_thread(self._rows.claim, session_id)
                 except Exception as exc:
                     logger.warning("could not read what session %r's summary is made from "
                                    "(%s: %s)", session_id, type(exc).__name__, exc)
                     await asyncio.to_thread(self._rows.give_up, session_id)
                     return
-                if pending is None or not await self._fold(session_id, pending):
+                if pending is None or not await self._fold(ctx, pending):
                     with self._mutex:
                         if session_id not in self._again:
                             return
@@ -212,8 +217,9 @@ class Summaries:
             with self._mutex:
                 self._running.pop(session_id, None)
 
-    async def _fold(self, session_id: str, pending: PendingSummary) -> bool:
-        """Make one summary and apply it; False (claim given back) if that failed."""
+    async def _fold(self, ctx: SessionContext, pending: PendingSummary) -> bool:
+        """Make one summary of ``ctx``'s session and apply it; False if that failed."""
+        session_id = ctx.session_id
         with telemetry.operation("summary", self._system) as op:
             op.set("chatflow.messages", len(pending.dropped))
             try:
@@ -224,7 +230,7 @@ class Summaries:
                 if not isinstance(summary, str):
                     raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
                 check_storable_text(summary, "summary")
-                return await self._apply(session_id, pending, summary)
+                return await self._apply(ctx, pending, summary)
             except asyncio.CancelledError:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 raise
@@ -238,11 +244,13 @@ class Summaries:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 return False
 
-    async def _apply(self, session_id: str, pending: PendingSummary, summary: str) -> bool:
-        """Store ``summary`` as a turn of its own, over the summary it was made from."""
-        ctx = await asyncio.to_thread(self._context, session_id)
-        if ctx is None:
-            return False
+    async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> bool:
+        """Store ``summary`` as a turn of ``ctx``, over the summary it was made from.
+
+        ``ctx`` is the context the summary was claimed with: if its session
+        was deleted since (``SessionDeletedError``), the summary is dropped.
+        """
+        session_id = ctx.session_id
         try:
             applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
         except SessionDeletedError:
