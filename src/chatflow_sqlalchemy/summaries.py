@@ -31,6 +31,7 @@ claim is given back and the messages wait for the next prune.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -66,6 +67,9 @@ SUMMARY_TIMEOUT_SECONDS = 120.0
 
 CLAIM_SECONDS = SUMMARY_TIMEOUT_SECONDS + 30.0
 """How long a claim to summarize a session holds (a dead worker's lapses after this)."""
+
+CLOSE_GRACE_SECONDS = 10.0
+"""How long closing a store waits for its cancelled summaries to give their claims back."""
 
 
 def validate_summarizer(summarizer: object) -> Summarizer | None:
@@ -103,6 +107,15 @@ class SummaryRows(Protocol):
 
     def give_up(self, session_id: str) -> None:
         """Give back a claim without a new summary (the messages wait for the next prune)."""
+
+
+async def _cancel_others() -> None:
+    """Cancel every other task of the running loop and wait until each has ended."""
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Summaries:
@@ -166,17 +179,24 @@ class Summaries:
             futures.wait([running], timeout=left)
 
     def close(self) -> None:
-        """Stop: summaries in progress are dropped (their messages wait for the next prune)."""
+        """Stop: summaries in progress are dropped (their messages wait for the next prune).
+
+        Their work is cancelled and awaited before the loop stops, so that each
+        gives its claim back: another store summarizes the session at its next
+        prune, not a claim's lifetime later. A summarizer that will not stop is
+        left behind after :data:`CLOSE_GRACE_SECONDS`.
+        """
         with self._mutex:
             self._closed = True
             loop, thread = self._loop, self._thread
-            running = list(self._running.values())
-        for future in running:
-            future.cancel()
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()
+        if loop is None or thread is None:
+            return
+        stopping = asyncio.run_coroutine_threadsafe(_cancel_others(), loop)
+        with contextlib.suppress(Exception):  # (the grace running out too) stop all the same
+            stopping.result(CLOSE_GRACE_SECONDS)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
     def _started(self) -> asyncio.AbstractEventLoop:
         """The summaries thread's event loop, started on first use (under ``_mutex``)."""
