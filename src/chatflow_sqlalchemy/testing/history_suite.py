@@ -18,7 +18,9 @@ lose a summary nor fold a turn twice" means.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import threading
 import uuid
 from collections import Counter
@@ -307,6 +309,34 @@ def _assert_reloads(harness: StoreHarness, ctx: Any, **store_kwargs: Any) -> Non
         assert again.active_agent.name == ctx.active_agent.name
     finally:
         fresh.close()
+
+
+def _keys() -> dict[str, bytes]:
+    return {"k1": os.urandom(32), "k2": os.urandom(32)}
+
+
+def _cipher(keys: dict[str, bytes], primary: str, *others: str) -> Any:
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+
+    return AESGCMCipher({name: keys[name] for name in (primary, *others)}, primary)
+
+
+def _secret_turns(store: Any, ctx: Any) -> None:
+    """Three turns on a one-turn window: the first two end up in the summary."""
+    for word in ("secret-alpha", "secret-beta", "secret-gamma"):
+        _turn(ctx, word)
+        _waited(store)
+    assert folded(ctx.summary) == ["secret-alpha", "secret-beta"]
+
+
+def _stored_summary(store: Any, session_id: str) -> str | None:
+    """The ``summary`` column of the session's row, as stored (SQL stores)."""
+    from sqlalchemy import text
+
+    query = text("SELECT summary FROM chatflow_sessions WHERE session_id = :sid")
+    with store.engine.connect() as conn:
+        value = conn.execute(query, {"sid": session_id}).scalar_one()
+    return None if value is None else str(value)
 
 
 # ============================================================ summaries
@@ -716,27 +746,63 @@ class SummaryTests:
 
     @requires(Capability.ENCRYPTION)
     def test_the_summary_is_sealed_at_rest(self, harness: StoreHarness) -> None:
-        import os
-
-        from sqlalchemy import text
-
-        from chatflow_sqlalchemy.crypto import AESGCMCipher
-
-        cipher = AESGCMCipher({"k1": os.urandom(32)}, "k1")
+        cipher = _cipher(_keys(), "k1")
         store: Any = harness.open(default_max_turns=1, cipher=cipher,
                                   summarizer=FoldingSummarizer())
         sid = _sid()
         ctx = store.get_or_create(sid, _agent())
-        for word in ("secret-alpha", "secret-beta", "secret-gamma"):
-            _turn(ctx, word)
-            _waited(store)
-        assert folded(ctx.summary) == ["secret-alpha", "secret-beta"]
-        with store.engine.connect() as conn:
-            rows = conn.execute(
-                text("SELECT summary FROM chatflow_sessions WHERE session_id = :sid"), {"sid": sid}
-            ).all()
-        assert rows and rows[0][0] and "secret" not in rows[0][0], "the summary is stored in clear"
+        _secret_turns(store, ctx)
+        stored = _stored_summary(store, sid)
+        assert stored and "secret" not in stored, "the summary is stored in clear"
         _assert_reloads(harness, ctx, cipher=cipher)
+
+    @requires(Capability.ENCRYPTION, Capability.PERSISTENT)
+    def test_key_rotation_reseals_the_summary(self, harness: StoreHarness) -> None:
+        keys, sid = _keys(), _sid()
+        store: Any = harness.open(default_max_turns=1, summarizer=FoldingSummarizer(),
+                                  cipher=_cipher(keys, "k1"))
+        ctx = store.get_or_create(sid, _agent())
+        _secret_turns(store, ctx)
+        summary = ctx.summary
+        store.close()
+        rotating: Any = harness.open(cipher=_cipher(keys, "k2", "k1"))
+        rotating.rotate_keys()
+        assert (_stored_summary(rotating, sid) or "").startswith("cfenc:1:k2:"), (
+            "rotate_keys left the summary sealed with the old key"
+        )
+        rotating.close()
+        fresh, again = _reopen(harness, sid, cipher=_cipher(keys, "k2"))  # the old key dropped
+        assert again.summary == summary
+        fresh.close()
+
+    @requires(Capability.ENCRYPTION, Capability.PERSISTENT)
+    def test_encrypting_a_database_seals_its_summaries(self, harness: StoreHarness) -> None:
+        keys, sid = _keys(), _sid()
+        store: Any = harness.open(default_max_turns=1, summarizer=FoldingSummarizer())
+        ctx = store.get_or_create(sid, _agent())
+        _secret_turns(store, ctx)
+        summary = ctx.summary
+        store.close()
+        sealing: Any = harness.open(cipher=_cipher(keys, "k1"))
+        sealing.rotate_keys()  # how an existing database is encrypted
+        assert "secret" not in (_stored_summary(sealing, sid) or "secret"), (
+            "the summary stays in clear after the database was encrypted"
+        )
+        sealing.close()
+        fresh, again = _reopen(harness, sid, cipher=_cipher(keys, "k1"), require_encryption=True)
+        assert again.summary == summary
+        fresh.close()
+
+    @requires(Capability.USER_SCOPE)
+    def test_export_user_holds_the_summary(self, harness: StoreHarness) -> None:
+        store: Any = harness.open(default_max_turns=1, summarizer=FoldingSummarizer())
+        user = f"u-{uuid.uuid4().hex[:10]}"
+        ctx = store.get_or_create(_sid(), _agent(), user_id=user)
+        _secret_turns(store, ctx)
+        exported = store.export_user(user)
+        assert ctx.summary in json.dumps(exported), (
+            "export_user leaves out the summary, which holds what the user said"
+        )
 
     def test_a_store_without_a_summarizer_is_what_it_was(self, harness: StoreHarness) -> None:
         store: Any = harness.open(default_max_turns=2)
