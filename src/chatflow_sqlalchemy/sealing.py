@@ -7,6 +7,7 @@ each with the session id as associated data:
   arguments, tool results) and the same column of the archive;
 * ``chatflow_sessions.metadata_json``, stored as ``{"_enc": "<token>"}`` (the
   column stays a JSON object).
+* ``chatflow_sessions.summary`` (what the summarizer kept of pruned turns).
 
 In clear: ids (session, message, webhook), ``seq``, ``role``, timestamps,
 ``version``, ``active_agent_name``, ``user_id``, and the webhook claims
@@ -213,8 +214,10 @@ def rotate_batch(
         done += len(rows)
         more = more or len(rows) == batch
     inbox_done = _rotate_inbox(conn, cipher, batch, lock)
+    summaries = _rotate_summaries(conn, cipher, batch)
     rewritten, scanned = _rotate_metadata(conn, cipher, batch, cursor)
-    return done + inbox_done + rewritten, more or inbox_done == batch or scanned == batch
+    more = more or inbox_done == batch or summaries == batch or scanned == batch
+    return done + inbox_done + summaries + rewritten, more
 
 
 def _rotate_inbox(
@@ -250,6 +253,32 @@ def _rotate_inbox(
             values["reply"] = reseal(row.reply)
             unchanged = _inbox.c.reply == row.reply
         conn.execute(update(_inbox).where(_inbox.c.id == row.id, unchanged).values(values))
+    return len(rows)
+
+
+def _rotate_summaries(conn: Connection, cipher: AESGCMCipher, batch: int) -> int:
+    """Re-seal sessions' summaries, each only if its ``version`` is still the one read.
+
+    A turn that writes a new summary bumps the version in the same
+    transaction, so a summary written meanwhile is never overwritten (the
+    next batch finds it again if it is still stale).
+    """
+    rows = conn.execute(
+        select(_sessions.c.session_id, _sessions.c.version, _sessions.c.summary)
+        .where(_sessions.c.summary.is_not(None), _stale(_sessions.c.summary, cipher.primary))
+        .order_by(_sessions.c.session_id)
+        .limit(batch)
+    ).all()
+    for row in rows:
+        text = row.summary
+        if is_encrypted(text):
+            text = cipher.decrypt(text, row.session_id)
+        conn.execute(
+            update(_sessions)
+            .where(and_(_sessions.c.session_id == row.session_id,
+                        _sessions.c.version == row.version))
+            .values(summary=cipher.encrypt(text, row.session_id))
+        )
     return len(rows)
 
 
