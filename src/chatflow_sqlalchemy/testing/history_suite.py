@@ -1086,6 +1086,49 @@ class RewindTests:
         assert _users(ctx.history) == ["t0", "t1", "t2"], "the rewind removed the turn before it"
         _assert_reloads(harness, ctx)
 
+    def test_rewind_from_another_thread_waits_for_the_running_turn(
+        self, harness: StoreHarness
+    ) -> None:
+        """A rewind is fenced like a turn: one asked for meanwhile (another request) waits.
+
+        Only a rewind from inside the running turn is refused; a rewind from
+        another thread of the same process takes its turn after it, as one
+        from another store or process does.
+        """
+        store: Any = harness.open()
+        ctx = store.get_or_create(_sid(), _agent())
+        for n in range(3):
+            _turn(ctx, f"t{n}")
+        inside, finish = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+
+        async def long_turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(_user("long"))
+                inside.set()
+                await asyncio.to_thread(finish.wait, _HANG_GUARD)
+                ctx.add_message(Message(role=Role.MODEL, content="re: long"))
+
+        def rewind() -> None:
+            try:
+                ctx.rewind()
+            except BaseException as exc:
+                errors.append(exc)
+
+        holder = threading.Thread(target=asyncio.run, args=(long_turn(),))
+        holder.start()
+        assert inside.wait(_HANG_GUARD)
+        rewinder = threading.Thread(target=rewind)
+        rewinder.start()
+        rewinder.join(0.5)  # a chance to start; it must wait for the turn
+        finish.set()
+        holder.join(_HANG_GUARD)
+        rewinder.join(_HANG_GUARD)
+        assert not holder.is_alive() and not rewinder.is_alive()
+        assert not errors, f"a rewind from another thread was refused: {errors[0]!r}"
+        assert _users(ctx.history) == ["t0", "t1", "t2"], "the rewind removed the turn before it"
+        _assert_reloads(harness, ctx)
+
     def test_rewind_of_a_deleted_session_says_so(self, harness: StoreHarness) -> None:
         store: Any = harness.open()
         sid = _sid()
