@@ -477,6 +477,26 @@ class SummaryTests:
             finally:
                 fresh.close()
 
+    @requires(Capability.ARCHIVE)
+    def test_without_archive_pruned_the_transcript_is_the_window(
+        self, harness: StoreHarness
+    ) -> None:
+        """Pruned turns waiting for a summary are no archive: the transcript does not show them.
+
+        The summarizer always fails here, so the pruned turns keep waiting.
+        """
+        store: Any = harness.open(default_max_turns=2,
+                                  summarizer=FoldingSummarizer(fail=lambda n: True))
+        sid = _sid()
+        ctx = store.get_or_create(sid, _agent())
+        for n in range(4):
+            _turn(ctx, f"t{n}")
+            _waited(store)
+        assert _users(ctx.history) == ["t2", "t3"]
+        assert _shaped(store.transcript(sid)) == _shaped(ctx.history), (
+            "a store without archive_pruned shows pruned turns in its transcript"
+        )
+
     def test_a_slow_summarizer_never_delays_a_turn(self, harness: StoreHarness) -> None:
         gate = threading.Event()
         summarizer = FoldingSummarizer(gate=gate)
