@@ -27,6 +27,7 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import TracebackType
@@ -411,6 +412,10 @@ def _hand_over(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+_OPEN_TURNS: ContextVar[frozenset[int]] = ContextVar("chatflow_open_turns", default=frozenset())
+"""The contexts (by id) whose turn the running task (or one it started) has open."""
+
+
 class TurnLock:
     """The object behind ``session.lock``: an ``asyncio.Lock`` that also frames a turn.
 
@@ -433,6 +438,7 @@ class TurnLock:
         except BaseException:
             lock.release()
             raise
+        _OPEN_TURNS.set(_OPEN_TURNS.get() | {id(self._ctx)})
         return True
 
     async def release_async(self) -> None:
@@ -440,6 +446,7 @@ class TurnLock:
         try:
             await self._ctx._aend_turn()
         finally:
+            _OPEN_TURNS.set(_OPEN_TURNS.get() - {id(self._ctx)})
             self._lock.release()
 
     async def discard_async(self) -> None:
@@ -451,6 +458,7 @@ class TurnLock:
         try:
             await self._ctx._adiscard_turn()
         finally:
+            _OPEN_TURNS.set(_OPEN_TURNS.get() - {id(self._ctx)})
             self._lock.release()
 
     def locked(self) -> bool:
@@ -697,7 +705,7 @@ class SessionContext(_UpstreamSessionContext):
 
         Raises:
             ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
-            RuntimeError: A turn is open on this context, or an event loop is running.
+            RuntimeError: Called inside a turn of this context, or an event loop is running.
             SessionDeletedError: If the session was deleted.
 
         """
@@ -713,13 +721,21 @@ class SessionContext(_UpstreamSessionContext):
         """Async :meth:`rewind`: takes the session's turn, removes the turns, writes.
 
         The turn fences it like any other (on a SQL store it holds the
-        session's lease and catches up first); removed messages go to the
-        archive on a store with ``archive_pruned=True``.
+        session's lease and catches up first), and waits for a turn other
+        tasks or threads have open; removed messages go to the archive on a
+        store with ``archive_pruned=True``.
+
+        Raises:
+            ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
+            RuntimeError: Called inside a turn of this context (by its task or one
+                it started): nothing is changed.
+            SessionDeletedError: If the session was deleted.
+
         """
         count = _rewind_count(turns)
         with self._mutex:
             self._check_alive()
-            if self._in_turn:
+            if id(self) in _OPEN_TURNS.get():  # another task's turn is waited for
                 raise RuntimeError(
                     "rewind inside a turn would remove the turn that is running: rewind "
                     "before or after the turn (inside it, rollback_to undoes the turn's messages)"

@@ -112,6 +112,15 @@ class _MemorySummaryRows:
         with self._store._lock:
             self._claimed.discard(session_id)
 
+    def forget(self, session_id: str) -> None:
+        """The session is gone: nothing of it waits, and its claim goes (under the lock).
+
+        A summary being made of it then finds its context deleted; a new
+        session under the same id can be claimed at once.
+        """
+        self.waiting.pop(session_id, None)
+        self._claimed.discard(session_id)
+
     def settle(self, session_id: str, through: int) -> None:
         """A write of the session: what its summary covers waits no more (under the lock)."""
         waiting = self.waiting.get(session_id)
@@ -291,7 +300,7 @@ class SessionStore(AsyncStoreAPI):
         self._users.pop(session_id, None)
         self._archive.pop(session_id, None)
         self._window_seen.pop(session_id, None)
-        self._summary_rows.waiting.pop(session_id, None)
+        self._summary_rows.forget(session_id)
         return self._sessions.pop(session_id, None)
 
     # The ContextOwner protocol: contexts report their writes, which only move

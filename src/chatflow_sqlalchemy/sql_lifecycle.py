@@ -355,22 +355,31 @@ def parser_for(table: Table, parse: Callable[..., Message]) -> Callable[..., Mes
     return parse_row
 
 
-def transcript_sources(conn: Connection, session_id: str) -> list[tuple[str, int, str]]:
+def transcript_sources(
+    conn: Connection, session_id: str, *, waiting: bool = True
+) -> list[tuple[str, int, str]]:
     """``(table name, row id, message_json)`` of archive + window, one per seq, in seq order.
+
+    ``waiting``: also the archived rows that wait for the session's summary.
 
     A seq both archived and in the window (restored by a rollback) is taken
     from the window; a seq archived twice, from its latest archive row.
     """
-    return [(table, row_id, text) for table, row_id, _, text in _by_seq(conn, session_id)]
+    rows = _by_seq(conn, session_id, waiting)
+    return [(table, row_id, text) for table, row_id, _, text in rows]
 
 
-def _by_seq(conn: Connection, session_id: str) -> list[tuple[str, int, Any, str]]:
+def _by_seq(
+    conn: Connection, session_id: str, waiting: bool
+) -> list[tuple[str, int, Any, str]]:
     by_seq: dict[int, tuple[str, int, Any, str]] = {}
     archived = (
         select(_archive.c.id, _archive.c.seq, _archive.c.message_json)
         .where(_archive.c.session_id == session_id)
         .order_by(_archive.c.id)
     )
+    if not waiting:
+        archived = archived.where(~_archive.c.pending_summary)
     window = select(_messages.c.id, _messages.c.seq, _messages.c.message_json).where(
         _messages.c.session_id == session_id
     )

@@ -738,7 +738,9 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """
         validate_session_id(session_id)
         with self.runtime.transaction() as conn:
-            rows = transcript_sources(conn, session_id)
+            # Pruned rows waiting for a summary are the transcript only where pruned
+            # rows are kept (archive_pruned): without it they go once summarized.
+            rows = transcript_sources(conn, session_id, waiting=self.archive_pruned)
         return decode_transcript(session_id, rows, self._sealer.parser(parse_message))
 
     def rotate_keys(self, batch: int = ROTATE_BATCH) -> int:

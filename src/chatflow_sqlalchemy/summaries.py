@@ -31,7 +31,9 @@ claim is given back and the messages wait for the next prune.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import inspect
 import logging
 import threading
 import time
@@ -66,6 +68,9 @@ SUMMARY_TIMEOUT_SECONDS = 120.0
 
 CLAIM_SECONDS = SUMMARY_TIMEOUT_SECONDS + 30.0
 """How long a claim to summarize a session holds (a dead worker's lapses after this)."""
+
+CLOSE_GRACE_SECONDS = 10.0
+"""How long closing a store waits for its cancelled summaries to give their claims back."""
 
 
 def validate_summarizer(summarizer: object) -> Summarizer | None:
@@ -105,13 +110,10 @@ class SummaryRows(Protocol):
         """Give back a claim without a new summary (the messages wait for the next prune)."""
 
 
-CLOSE_SECONDS = 10.0
-"""How long ``close`` lets summaries in progress give back their claims."""
-
-
-async def _cancel_all() -> None:
-    """Cancel every task of the running loop but this one, and wait for them to end."""
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+async def _cancel_others() -> None:
+    """Cancel every other task of the running loop and wait until each has ended."""
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,7 +180,13 @@ class Summaries:
             futures.wait([running], timeout=left)
 
     def close(self) -> None:
-        """Stop: summaries in progress are dropped (their messages wait for the next prune)."""
+        """Stop: summaries in progress are dropped (their messages wait for the next prune).
+
+        Their work is cancelled and awaited before the loop stops, so that each
+        gives its claim back: another store summarizes the session at its next
+        prune, not a claim's lifetime later. A summarizer that will not stop is
+        left behind after :data:`CLOSE_GRACE_SECONDS`.
+        """
         with self._mutex:
             if self._closed:
                 return
@@ -186,8 +194,9 @@ class Summaries:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
-        stopping = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
-        futures.wait([stopping], timeout=CLOSE_SECONDS)
+        stopping = asyncio.run_coroutine_threadsafe(_cancel_others(), loop)
+        with contextlib.suppress(Exception):  # (the grace running out too) stop all the same
+            stopping.result(CLOSE_GRACE_SECONDS)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
@@ -211,34 +220,44 @@ class Summaries:
             while True:
                 with self._mutex:
                     self._again.discard(session_id)
+                # The context before the claim: the summary goes to the session it is
+                # made from, never to a new session under the id of one deleted meanwhile.
                 try:
+                    ctx = await asyncio.to_thread(self._context, session_id)
+                    if ctx is None:
+                        return
                     pending = await asyncio.to_thread(self._rows.claim, session_id)
                 except Exception as exc:
                     logger.warning("could not read what session %r's summary is made from "
                                    "(%s: %s)", session_id, type(exc).__name__, exc)
                     await asyncio.to_thread(self._rows.give_up, session_id)
                     return
-                if pending is None or not await self._fold(session_id, pending):
-                    with self._mutex:
-                        if session_id not in self._again:
-                            return
+                if pending is not None:
+                    await self._fold(ctx, pending)
+                with self._mutex:
+                    if session_id not in self._again:  # nothing pruned since the claim read
+                        return
         finally:
             with self._mutex:
                 self._running.pop(session_id, None)
 
-    async def _fold(self, session_id: str, pending: PendingSummary) -> bool:
-        """Make one summary and apply it; False (claim given back) if that failed."""
+    async def _fold(self, ctx: SessionContext, pending: PendingSummary) -> bool:
+        """Make one summary of ``ctx``'s session and apply it; False if that failed."""
+        session_id = ctx.session_id
         with telemetry.operation("summary", self._system) as op:
             op.set("chatflow.messages", len(pending.dropped))
             try:
-                summary = await asyncio.wait_for(
-                    self._summarizer(pending.previous, list(pending.dropped)),
-                    SUMMARY_TIMEOUT_SECONDS,
-                )
+                called = self._summarizer(pending.previous, list(pending.dropped))
+                if not inspect.isawaitable(called):
+                    raise TypeError(
+                        f"the summarizer returned {type(called).__name__}, not an awaitable: "
+                        "make it an async function (async def ...)"
+                    )
+                summary = await asyncio.wait_for(called, SUMMARY_TIMEOUT_SECONDS)
                 if not isinstance(summary, str):
                     raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
                 check_storable_text(summary, "summary")
-                return await self._apply(session_id, pending, summary)
+                return await self._apply(ctx, pending, summary)
             except asyncio.CancelledError:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 raise
@@ -252,11 +271,13 @@ class Summaries:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 return False
 
-    async def _apply(self, session_id: str, pending: PendingSummary, summary: str) -> bool:
-        """Store ``summary`` as a turn of its own, over the summary it was made from."""
-        ctx = await asyncio.to_thread(self._context, session_id)
-        if ctx is None:
-            return False
+    async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> bool:
+        """Store ``summary`` as a turn of ``ctx``, over the summary it was made from.
+
+        ``ctx`` is the context the summary was claimed with: if its session
+        was deleted since (``SessionDeletedError``), the summary is dropped.
+        """
+        session_id = ctx.session_id
         try:
             applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
         except SessionDeletedError:

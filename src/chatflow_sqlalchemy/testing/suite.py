@@ -74,6 +74,11 @@ from chatflow_sqlalchemy.testing.harness import (
     run_workers,
     turns_worker,
 )
+from chatflow_sqlalchemy.testing.history_suite import (
+    RewindTests,
+    SummariesAcrossProcessesTests,
+    SummaryTests,
+)
 from chatflow_sqlalchemy.testing.inbox_suite import InboxAcrossProcessesTests, InboxTests
 from chatflow_sqlalchemy.testing.lifecycle_suite import (
     ArchiveTests,
@@ -2914,6 +2919,24 @@ class TestInbox(InboxTests, StoreTestBase):
 
 class TestInboxAcrossProcesses(InboxAcrossProcessesTests, StoreTestBase):
     """Inbox workers killed in other processes (see ``inbox_suite``)."""
+
+
+# ===================================================== summaries and rewind
+
+
+class TestSummaries(SummaryTests, StoreTestBase):
+    """``summarizer=``, ``ctx.summary`` and ``wait_for_summaries`` (see ``history_suite``)."""
+
+
+class TestSummariesAcrossProcesses(SummariesAcrossProcessesTests, StoreTestBase):
+    """Summaries of one session made by several processes (see ``history_suite``)."""
+
+
+class TestRewind(RewindTests, StoreTestBase):
+    """``ctx.rewind`` / ``arewind`` (see ``history_suite``)."""
+
+
+__all__ += ["TestRewind", "TestSummaries", "TestSummariesAcrossProcesses"]
 
 
 # ========================================================== lease clocks
