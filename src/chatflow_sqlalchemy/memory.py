@@ -106,11 +106,17 @@ class _MemorySummaryRows:
             if not dropped:
                 return None
             self._claimed.add(session_id)
-            return PendingSummary(ctx.summary, through, [m for _, m in dropped], dropped[-1][0])
+            return PendingSummary(
+                ctx.summary, through, [m for _, m in dropped], dropped[-1][0], incarnation=ctx
+            )
 
     def give_up(self, session_id: str) -> None:
         with self._store._lock:
             self._claimed.discard(session_id)
+
+    def incarnation(self, ctx: SessionContext) -> object:
+        """``ctx`` itself: a session created anew under an id has a context of its own."""
+        return ctx
 
     def settle(self, session_id: str, through: int) -> None:
         """A write of the session: what its summary covers waits no more (under the lock)."""

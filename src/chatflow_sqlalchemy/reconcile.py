@@ -17,6 +17,7 @@ from chatflow_sqlalchemy.rows import StoredSession
 __all__ = [
     "has_changes",
     "holds_newer_than",
+    "incarnation_of",
     "install",
     "orphaned_tool_call",
     "other_incarnation",
@@ -83,6 +84,12 @@ def repair_window(
         seqs[:first] + seqs[start:end],
         hidden,
     )
+
+
+def incarnation_of(ctx: SessionContext) -> object:
+    """The ``created_at`` of the session row ``ctx`` was last read from (None: none yet)."""
+    durable = ctx._durable
+    return None if durable is None else durable.incarnation
 
 
 def other_incarnation(ctx: SessionContext, stored: StoredSession) -> bool:

@@ -15,12 +15,14 @@ from sqlalchemy import Float, Table, bindparam, or_, select, update
 
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.crypto import is_encrypted
+from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.models import (
     ChatflowMessageArchive,
     ChatflowSession,
     UTCDateTime,
     utcnow,
 )
+from chatflow_sqlalchemy.reconcile import incarnation_of
 from chatflow_sqlalchemy.rows import parse_message
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
@@ -42,7 +44,7 @@ _CLAIM = (
     .values(summary_claimed_until=_UNTIL)
 )
 _GIVE_UP = update(_s).where(_OF_SESSION).values(summary_claimed_until=None)
-_SUMMARY = select(_s.c.summary, _s.c.summary_through).where(_OF_SESSION)
+_SUMMARY = select(_s.c.summary, _s.c.summary_through, _s.c.created_at).where(_OF_SESSION)
 _PENDING = (
     select(_a.c.id, _a.c.seq, _a.c.message_json)
     .where(
@@ -75,7 +77,7 @@ class SQLSummaries:
         with self._runtime.transaction(write=True) as conn:
             if conn.execute(_CLAIM, params).rowcount != 1:
                 return None
-            summary, through = conn.execute(_SUMMARY, params).one()
+            summary, through, created_at = conn.execute(_SUMMARY, params).one()
             params["through"] = through
             rows = conn.execute(_PENDING, params).all()
             if not rows:
@@ -91,9 +93,14 @@ class SQLSummaries:
             through=int(through),
             dropped=[by_seq[seq] for seq in sorted(by_seq)],
             last_seq=max(by_seq),
+            incarnation=created_at,
         )
 
     def give_up(self, session_id: str) -> None:
         """Give back the claim; the pending rows wait for the next prune."""
         with self._runtime.transaction(single=True) as conn:
             conn.execute(_GIVE_UP, {"sid": session_id})
+
+    def incarnation(self, ctx: SessionContext) -> object:
+        """The ``created_at`` of the session row ``ctx`` was read from (as ``claim`` reads it)."""
+        return incarnation_of(ctx)

@@ -90,6 +90,8 @@ class PendingSummary:
     """The messages pruned since, oldest first."""
     last_seq: int
     """The seq of the newest of them: what the new summary covers up to."""
+    incarnation: object = None
+    """Which session of that id it was read from (see :meth:`SummaryRows.incarnation`)."""
 
 
 class SummaryRows(Protocol):
@@ -103,6 +105,13 @@ class SummaryRows(Protocol):
 
     def give_up(self, session_id: str) -> None:
         """Give back a claim without a new summary (the messages wait for the next prune)."""
+
+    def incarnation(self, ctx: SessionContext) -> object:
+        """What tells ``ctx``'s session from a later one of the same id, as ``claim`` reads it.
+
+        A session deleted (or erased) and created anew while its summary was
+        being made must not get the summary of the one that was deleted.
+        """
 
 
 CLOSE_SECONDS = 10.0
@@ -255,13 +264,16 @@ class Summaries:
     async def _apply(self, session_id: str, pending: PendingSummary, summary: str) -> bool:
         """Store ``summary`` as a turn of its own, over the summary it was made from."""
         ctx = await asyncio.to_thread(self._context, session_id)
-        if ctx is None:
-            return False
-        try:
-            applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
-        except SessionDeletedError:
-            return False
+        applied = False
+        # Only to the session it was made from: not to a new one under its id.
+        if ctx is not None and self._rows.incarnation(ctx) == pending.incarnation:
+            try:
+                applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
+            except SessionDeletedError:
+                pass
         if not applied:
+            # A claim that went with its session's row is gone already; giving back
+            # another worker's at worst lets a summary be made twice, never applied twice.
             await asyncio.to_thread(self._rows.give_up, session_id)
         else:
             telemetry.count("chatflow.summaries.written", 1, self._system)
