@@ -241,8 +241,7 @@ class Summaries:
             op.set("chatflow.messages", len(pending.dropped))
             try:
                 summary = await asyncio.wait_for(
-                    self._summarizer(pending.previous, list(pending.dropped)),
-                    SUMMARY_TIMEOUT_SECONDS,
+                    self._call(pending.previous, list(pending.dropped)), SUMMARY_TIMEOUT_SECONDS
                 )
                 if not isinstance(summary, str):
                     raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
@@ -260,6 +259,20 @@ class Summaries:
                 telemetry.count("chatflow.summaries.failed", 1, self._system)
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 return False
+
+    async def _call(self, previous: str | None, dropped: list[Message]) -> object:
+        """The summarizer's answer; whatever else it raises but a cancellation is an Exception.
+
+        KeyboardInterrupt or SystemExit raised in a task stop the event loop
+        it runs in (this thread's: every later summary), and another
+        BaseException would skip the failure's handling (the claim stays held).
+        """
+        try:
+            return await self._summarizer(previous, dropped)
+        except (asyncio.CancelledError, Exception):
+            raise
+        except BaseException as exc:
+            raise RuntimeError(f"the summarizer raised {type(exc).__name__}: {exc}") from exc
 
     async def _apply(self, session_id: str, pending: PendingSummary, summary: str) -> bool:
         """Store ``summary`` as a turn of its own, over the summary it was made from."""
