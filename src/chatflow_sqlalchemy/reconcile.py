@@ -46,6 +46,10 @@ def install(
         summary_through=stored.summary_through,
     )
     ctx._load(window, seqs, agent, stored.metadata, durable)
+    # A seq names one message in the transcript (archive and window merged by
+    # seq): never reuse an archived one (a rewound turn's, or one a fork copied
+    # to wait for its summary) for a new message.
+    ctx._next_seq = max(ctx._next_seq, stored.archived_through + 1)
     ctx.forked_from, ctx.forked_at_turn = stored.forked_from, stored.forked_at_turn
 
 
