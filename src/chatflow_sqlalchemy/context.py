@@ -1035,8 +1035,13 @@ class SessionContext(_UpstreamSessionContext):
     # -------------------------------------------------------------- summary
 
     def _is_summary(self, message: Message) -> bool:
-        """True if ``message`` is the summary's SYSTEM message this context shows."""
-        return message is self._summary_message
+        """True if ``message`` is the summary's SYSTEM message this context shows, or a copy.
+
+        A copy too: ``history = [m.model_copy() for m in history]`` (a redaction
+        pass, a JSON round trip) must not store the summary as a message.
+        """
+        shown = self._summary_message
+        return shown is not None and (message is shown or message == shown)
 
     def _place_summary(self) -> None:
         """Show ``_summary`` as the last SYSTEM message, or no summary message if it is None."""
