@@ -484,3 +484,77 @@ def test_a_summary_applied_while_a_runner_turn_runs_in_another_thread(
     assert store.wait_for_summaries(_HANG_GUARD)
     assert store.get("s").summary == "u0,m0"
     assert _contents(store.get("s").history)[1:] == ["u1", "m1"]
+
+
+# ------------------------------------------------------------- inbox and turns
+
+
+def test_a_summary_made_during_an_inbox_batch_uses_its_lease_and_keeps_its_reply(
+    any_store: Opener,
+) -> None:
+    """The summary's turn on a batch's session neither waits for the batch nor takes its reply."""
+    from chatflow_agent import Runner
+
+    from chatflow_sqlalchemy.inbox import InboxBatch
+    from chatflow_sqlalchemy.testing.claim_workers import ReplyModel
+
+    gate = _Gate()
+    store = any_store(default_max_turns=1, summarizer=gate)
+    _turn(store.get_or_create("alice", Agent(name="Bot", instructions="")), "0")
+    store.inbox.put("m1", session_id="alice", text="hello")
+    runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                    engine=ReplyModel())
+
+    async def handle(batch: InboxBatch) -> str:
+        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
+        gate.event.set()  # the turn pruned u0: its summary is made now, the batch still open
+        assert await asyncio.to_thread(store.wait_for_summaries, _HANG_GUARD)
+        assert store.get("alice").summary == "u0,m0"
+        return str(result.content)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, coalesce_seconds=0.0, retry_seconds=0.0))
+        try:
+            for _ in range(int(_HANG_GUARD / 0.02)):
+                entries = {e.message_id: e for e in await store.inbox.aentries(limit=None)}
+                if entries["m1"].state in ("done", "dead"):
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+        assert entries["m1"].state == "done", entries["m1"]
+
+    asyncio.run(scenario())
+    ctx = store.get("alice")
+    assert ctx.summary == "u0,m0"
+    assert [m.role for m in ctx.history] == [Role.SYSTEM, Role.USER, Role.MODEL]
+    assert ctx.history[1].content == "hello"
+
+
+def test_arewind_from_another_task_waits_for_the_running_turn(any_store: Opener) -> None:
+    """A rewind asked while another task's turn runs is a turn of its own: it waits."""
+    store = any_store()
+    ctx = store.get_or_create("s", _agent())
+    _turns(ctx, 0, 2)
+
+    async def scenario() -> None:
+        in_turn, finish = asyncio.Event(), asyncio.Event()
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="u2"))
+                in_turn.set()
+                await finish.wait()
+                ctx.add_message(Message(role=Role.MODEL, content="m2"))
+
+        running = asyncio.ensure_future(turn())
+        await asyncio.wait_for(in_turn.wait(), _HANG_GUARD)
+        rewinding = asyncio.ensure_future(ctx.arewind())  # e.g. an admin endpoint
+        await asyncio.sleep(0)
+        finish.set()
+        await asyncio.wait_for(asyncio.gather(running, rewinding), _HANG_GUARD)
+
+    asyncio.run(scenario())
+    assert _contents(ctx.history) == ["u0", "m0", "u1", "m1"]
