@@ -22,6 +22,7 @@ crash mid-turn leaves no partial turn behind.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import re
 import threading
@@ -66,6 +67,12 @@ SUMMARY_HEADER = "Summary of the earlier conversation (its turns are no longer s
 
 SUMMARY_TIMESTAMP = datetime(1970, 1, 1, tzinfo=timezone.utc)
 """The summary message's timestamp: fixed, so a reload shows the very same message."""
+
+_TURNS_HELD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "chatflow_turns_held", default=frozenset()
+)
+"""``id()`` of the contexts whose turn the running task holds (tasks it starts inherit it):
+``rewind`` there would remove the running turn, from any other task it waits for it."""
 
 
 def validate_id(value: object, name: str) -> str:
@@ -433,6 +440,7 @@ class TurnLock:
         except BaseException:
             lock.release()
             raise
+        _TURNS_HELD.set(_TURNS_HELD.get() | {id(self._ctx)})
         return True
 
     async def release_async(self) -> None:
@@ -440,6 +448,7 @@ class TurnLock:
         try:
             await self._ctx._aend_turn()
         finally:
+            _TURNS_HELD.set(_TURNS_HELD.get() - {id(self._ctx)})
             self._lock.release()
 
     async def discard_async(self) -> None:
@@ -451,6 +460,7 @@ class TurnLock:
         try:
             await self._ctx._adiscard_turn()
         finally:
+            _TURNS_HELD.set(_TURNS_HELD.get() - {id(self._ctx)})
             self._lock.release()
 
     def locked(self) -> bool:
@@ -697,7 +707,8 @@ class SessionContext(_UpstreamSessionContext):
 
         Raises:
             ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
-            RuntimeError: A turn is open on this context, or an event loop is running.
+            RuntimeError: An event loop is running in this thread (a turn of this
+                context running elsewhere is waited for).
             SessionDeletedError: If the session was deleted.
 
         """
@@ -714,12 +725,14 @@ class SessionContext(_UpstreamSessionContext):
 
         The turn fences it like any other (on a SQL store it holds the
         session's lease and catches up first); removed messages go to the
-        archive on a store with ``archive_pruned=True``.
+        archive on a store with ``archive_pruned=True``. Called inside a turn
+        of this context (by the task holding ``lock``) it raises
+        ``RuntimeError``; from another task or thread it waits for that turn.
         """
         count = _rewind_count(turns)
         with self._mutex:
             self._check_alive()
-            if self._in_turn:
+            if self._in_turn and id(self) in _TURNS_HELD.get():  # another task's: wait for it
                 raise RuntimeError(
                     "rewind inside a turn would remove the turn that is running: rewind "
                     "before or after the turn (inside it, rollback_to undoes the turn's messages)"
