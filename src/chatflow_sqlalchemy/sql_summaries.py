@@ -14,8 +14,8 @@ from chatflow_agent import Message
 from sqlalchemy import Float, Table, bindparam, or_, select, update
 
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.context import SessionContext
+from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.models import (
     ChatflowMessageArchive,
     ChatflowSession,

@@ -31,6 +31,7 @@ claim is given back and the messages wait for the next prune.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -280,10 +281,8 @@ class Summaries:
         applied = False
         # Only to the session it was made from: not to a new one under its id.
         if ctx is not None and self._rows.incarnation(ctx) == pending.incarnation:
-            try:
+            with contextlib.suppress(SessionDeletedError):  # deleted meanwhile
                 applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
-            except SessionDeletedError:
-                pass
         if not applied:
             # A claim that went with its session's row is gone already; giving back
             # another worker's at worst lets a summary be made twice, never applied twice.
