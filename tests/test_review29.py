@@ -558,3 +558,29 @@ def test_arewind_from_another_task_waits_for_the_running_turn(any_store: Opener)
 
     asyncio.run(scenario())
     assert _contents(ctx.history) == ["u0", "m0", "u1", "m1"]
+
+
+def test_close_returns_while_a_summarizer_blocks_its_thread(
+    any_store: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A summarizer stuck in blocking code (a sync SDK call) does not hang ``close()``."""
+    from chatflow_sqlalchemy import summaries
+
+    monkeypatch.setattr(summaries, "CLOSE_SECONDS", 0.2)
+    release, started = threading.Event(), threading.Event()
+
+    async def blocking(previous: str | None, dropped: list[Message]) -> str:
+        started.set()
+        release.wait(_HANG_GUARD)  # blocks the summaries' event loop itself
+        return "late"
+
+    store = any_store(default_max_turns=1, summarizer=blocking)
+    _turns(store.get_or_create("s", _agent()), 0, 2)
+    assert started.wait(_HANG_GUARD)
+    closing = threading.Thread(target=store.close)
+    closing.start()
+    closing.join(_HANG_GUARD / 2)
+    hung = closing.is_alive()
+    release.set()
+    closing.join(_HANG_GUARD)
+    assert not hung, "close() waited for the blocked summarizer"
