@@ -199,7 +199,13 @@ class Summaries:
         stopping = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
         futures.wait([stopping], timeout=CLOSE_SECONDS)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join()
+        thread.join(CLOSE_SECONDS)
+        if thread.is_alive():  # a summarizer blocks the loop's thread (blocking code in it)
+            logger.warning(
+                "close: a summarizer blocks the summaries' thread; it is left to end on its "
+                "own (its claim lapses); keep blocking calls out of the summarizer"
+            )
+            return
         loop.close()
 
     def _started(self) -> asyncio.AbstractEventLoop:
