@@ -584,3 +584,17 @@ def test_close_returns_while_a_summarizer_blocks_its_thread(
     release.set()
     closing.join(_HANG_GUARD)
     assert not hung, "close() waited for the blocked summarizer"
+
+
+def test_messages_waiting_for_a_summary_show_alike_on_every_store(any_store: Opener) -> None:
+    """Without archive_pruned, pruned messages waiting for a summary: same transcript, export."""
+
+    async def down(previous: str | None, dropped: list[Message]) -> str:
+        raise RuntimeError("the model is down")
+
+    store = any_store(default_max_turns=1, summarizer=down)
+    _turns(store.get_or_create("s", _agent(), user_id="ann"), 0, 2)
+    assert store.wait_for_summaries(_HANG_GUARD)
+    (exported,) = store.export_user("ann")["sessions"]
+    assert _contents(store.transcript("s")) == ["u0", "m0", "u1", "m1"]
+    assert [m["content"] for m in exported["archived_messages"]] == ["u0", "m0"]
