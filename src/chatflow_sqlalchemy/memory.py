@@ -277,17 +277,29 @@ class SessionStore(AsyncStoreAPI):
         ctx._cleared = False
 
     def transcript(self, session_id: str) -> list[Message]:
-        """Archived messages, then the window, in order ([] for an unknown session)."""
+        """Archived (or summary-waiting) messages, then the window, in order ([] if unknown)."""
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
             ctx = self._sessions.get(session_id)
             if ctx is None:
                 return []
-            merged = dict(self._archive.get(session_id, {}))
+            merged = self._archived(session_id)
             merged.update(zip(ctx._seqs, ctx._history, strict=True))
             merged.pop(SUMMARY_SEQ, None)
             return [merged[seq] for seq in sorted(merged)]
+
+    def _archived(self, session_id: str) -> dict[int, Message]:
+        """What the SQL stores' archive would hold, by seq (under ``_lock``).
+
+        The archive, and the pruned messages still waiting for the summary:
+        on SQL they are archive rows (``pending_summary``) also without
+        ``archive_pruned``, shown by ``transcript`` and ``export_user``.
+        """
+        return {
+            **self._summary_rows.waiting.get(session_id, {}),
+            **self._archive.get(session_id, {}),
+        }
 
     def _drop(self, session_id: str) -> SessionContext | None:
         """Forget a session (under ``_lock``); the caller marks its context deleted."""
@@ -571,7 +583,7 @@ class SessionStore(AsyncStoreAPI):
             ],
             "archived_messages": [
                 message.model_dump(mode="json")
-                for _, message in sorted(self._archive.get(session_id, {}).items())
+                for _, message in sorted(self._archived(session_id).items())
             ],
             "webhook_claims": [
                 {
