@@ -598,3 +598,85 @@ def test_messages_waiting_for_a_summary_show_alike_on_every_store(any_store: Ope
     (exported,) = store.export_user("ann")["sessions"]
     assert _contents(store.transcript("s")) == ["u0", "m0", "u1", "m1"]
     assert [m["content"] for m in exported["archived_messages"]] == ["u0", "m0"]
+
+
+def test_a_fork_made_mid_turn_copies_what_was_committed(any_store: Opener) -> None:
+    store = any_store()
+    ctx = store.get_or_create("src", _agent())
+    _turns(ctx, 0, 2)
+
+    async def scenario() -> Any:
+        async with ctx.lock:
+            ctx.add_message(Message(role=Role.USER, content="u2"))
+            return await store.afork("src", "f")
+
+    fork = asyncio.run(scenario())
+    assert _contents(fork.history) == ["u0", "m0", "u1", "m1"]
+    assert _contents(any_store().get("f").history) == ["u0", "m0", "u1", "m1"]
+    assert _contents(any_store().get("src").history) == ["u0", "m0", "u1", "m1", "u2"]
+
+
+def test_a_fork_racing_a_get_or_create_of_its_id_leaves_one_whole_session(
+    sql_store: Opener,
+) -> None:
+    first, second = sql_store(), sql_store()
+    _turns(first.get_or_create("src", _agent()), 0, 2)
+    barrier = threading.Barrier(2)
+    outcome: dict[str, Any] = {}
+
+    def fork() -> None:
+        barrier.wait(_HANG_GUARD)
+        try:
+            outcome["fork"] = first.fork("src", "new")
+        except ValueError as exc:
+            outcome["fork"] = exc
+
+    def create() -> None:
+        barrier.wait(_HANG_GUARD)
+        outcome["create"] = second.get_or_create("new", _agent())
+
+    threads = [threading.Thread(target=fork), threading.Thread(target=create)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(_HANG_GUARD)
+    fresh = sql_store().get("new")
+    if isinstance(outcome["fork"], Exception):
+        assert "exists" in str(outcome["fork"])
+        assert fresh.history == [] and fresh.forked_from is None
+    else:
+        assert _contents(fresh.history) == ["u0", "m0", "u1", "m1"]
+        assert fresh.forked_from == "src"
+        assert _contents(outcome["create"].history) == _contents(fresh.history)
+
+
+def test_a_replaced_history_keeps_the_summary_when_another_worker_wrote_first(
+    sql_store: Opener,
+) -> None:
+    """``history = ...`` is no clear: rebased on another worker's write, the summary stays."""
+    first = sql_store(default_max_turns=1, summarizer=_summarize)
+    ctx = first.get_or_create("s", _agent())
+    _turns(ctx, 0, 2)
+    assert first.wait_for_summaries(_HANG_GUARD)
+    ctx = first.get("s")
+    assert ctx.summary == "u0,m0"
+    _turn(sql_store(default_max_turns=1).get("s"), "2")  # another worker: ctx is behind
+    ctx.history = [m for m in ctx.history if m.role != Role.MODEL]  # e.g. a redaction
+    assert ctx.summary == "u0,m0"
+    fresh = sql_store(default_max_turns=1).get("s")
+    assert fresh.summary == "u0,m0"
+    assert _contents(fresh.history) == [ctx.history[0].content, "u1"]
+
+
+def test_a_clear_rebased_on_another_workers_summary_drops_it(sql_store: Opener) -> None:
+    first = sql_store(default_max_turns=1)
+    ctx = first.get_or_create("s", _agent())
+    _turn(ctx, "0")
+    other = sql_store(default_max_turns=1, summarizer=_summarize)
+    _turn(other.get("s"), "1")
+    assert other.wait_for_summaries(_HANG_GUARD)
+    assert other.get("s").summary == "u0,m0"
+    ctx.clear_history()  # behind the other worker's turn and summary
+    assert ctx.summary is None and ctx.history == []
+    fresh = sql_store(default_max_turns=1).get("s")
+    assert fresh.summary is None and fresh.history == []
