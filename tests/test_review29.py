@@ -680,3 +680,28 @@ def test_a_clear_rebased_on_another_workers_summary_drops_it(sql_store: Opener) 
     assert ctx.summary is None and ctx.history == []
     fresh = sql_store(default_max_turns=1).get("s")
     assert fresh.summary is None and fresh.history == []
+
+
+def test_a_rollback_that_restores_pruned_messages_keeps_them_out_of_the_summary(
+    any_store: Opener,
+) -> None:
+    """Outside a turn, rollback_to undoes a prune: the restored turn is not summarized too."""
+    gate = _Gate()
+    store = any_store(default_max_turns=1, summarizer=gate)
+    ctx = store.get_or_create("s", _agent())
+    _turn(ctx, "0")
+    checkpoint = len(ctx.history)
+    ctx.add_message(Message(role=Role.USER, content="u1"))  # prunes u0, m0 (written at once)
+    assert gate.started.wait(_HANG_GUARD)
+    ctx.rollback_to(checkpoint)  # u0, m0 are back in the window
+    assert _contents(ctx.history) == ["u0", "m0"]
+    gate.event.set()
+    assert store.wait_for_summaries(_HANG_GUARD)
+    shown = store.get("s")
+    assert shown.summary is None, "u0 and m0 are in the window and in the summary"
+    assert _contents(shown.history) == ["u0", "m0"]
+    _turn(store.get("s"), "2")  # u0 and m0 pruned again: now they are summarized, once
+    assert store.wait_for_summaries(_HANG_GUARD)
+    _turn(store.get("s"), "3")
+    assert store.wait_for_summaries(_HANG_GUARD)
+    assert store.get("s").summary == "u0,m0,u2,m2"
