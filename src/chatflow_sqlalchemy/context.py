@@ -1087,11 +1087,14 @@ class SessionContext(_UpstreamSessionContext):
 
         Only over the summary it was made from (``based_on``, what
         ``summary_through`` was then): False, changing nothing, if another
-        summary came first.
+        summary came first, or if a message it covers is back in the window (a
+        rollback undid its prune: the model would see it twice).
         """
         async with self.lock:
             with self._mutex:
                 if self._summary_through != based_on:
+                    return False
+                if any(seq <= through for seq in self._seqs[self._n_system :]):
                     return False
                 self._set_summary(summary, through)
         return True

@@ -99,9 +99,10 @@ class _MemorySummaryRows:
             ctx = self._store._sessions.get(session_id)
             if ctx is None or session_id in self._claimed:
                 return None
-            through = ctx.summary_through
-            dropped = sorted(
-                (seq, m) for seq, m in self.waiting.get(session_id, {}).items() if seq > through
+            through, shown = ctx.summary_through, set(ctx._seqs)
+            dropped = sorted(  # not what is back in the window (a rollback undid the prune)
+                (seq, m) for seq, m in self.waiting.get(session_id, {}).items()
+                if seq > through and seq not in shown
             )
             if not dropped:
                 return None

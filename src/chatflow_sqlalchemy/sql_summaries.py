@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import cast
 
 from chatflow_agent import Message
-from sqlalchemy import Float, Table, bindparam, or_, select, update
+from sqlalchemy import Float, Table, bindparam, exists, or_, select, update
 
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.context import SessionContext
@@ -23,6 +23,7 @@ from chatflow_sqlalchemy.models import (
     utcnow,
 )
 from chatflow_sqlalchemy.reconcile import incarnation_of
+from chatflow_sqlalchemy.rows import messages as _m
 from chatflow_sqlalchemy.rows import parse_message
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
@@ -51,6 +52,9 @@ _PENDING = (
         _a.c.session_id == bindparam("sid"),
         _a.c.pending_summary,
         _a.c.seq > bindparam("through"),  # older ones are covered: settled by the next write
+        ~exists().where(  # back in the window (a rollback undid the prune): not dropped
+            _m.c.session_id == _a.c.session_id, _m.c.seq == _a.c.seq
+        ),
     )
     .order_by(_a.c.seq, _a.c.id)
 )
