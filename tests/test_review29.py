@@ -114,18 +114,19 @@ class _Gate:
 # ------------------------------------------------------------------ summaries
 
 
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
 def test_a_summary_of_a_deleted_session_never_reaches_a_new_session_of_its_id(
-    any_store: Opener,
+    any_store: Opener, how: str
 ) -> None:
     """Delete (or erase) and recreate while a summary is made: the new session stays clean."""
     gate = _Gate()
     store = any_store(default_max_turns=1, summarizer=gate)
-    old = store.get_or_create("s", _agent())
+    old = store.get_or_create("s", _agent(), user_id="ann")
     _turn(old, "secret")
     _turn(old, "1")  # prunes "secret": its summary is being made
     assert gate.started.wait(_HANG_GUARD)
-    assert store.delete("s")
-    new = store.get_or_create("s", _agent())
+    assert store.delete("s") if how == "delete" else store.erase_user("ann") == 1
+    new = store.get_or_create("s", _agent(), user_id="bob")
     _turn(new, "fresh")
     gate.event.set()
     assert store.wait_for_summaries(_HANG_GUARD)
