@@ -127,6 +127,22 @@ async def _cancel_all() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    """The summaries' thread: run ``loop`` until stopped, let what is left end, close it.
+
+    What is left: the cancellation ``close`` asked for, when a summarizer
+    blocked the thread past ``close``'s wait (it runs once unblocked), and
+    what cancelled work started (giving a claim or a lease back).
+    """
+    try:
+        loop.run_forever()
+        left = asyncio.all_tasks(loop)
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    finally:
+        loop.close()
+
+
 class Summaries:
     """Makes the summaries of one store's sessions, on a thread of its own.
 
@@ -205,8 +221,6 @@ class Summaries:
                 "close: a summarizer blocks the summaries' thread; it is left to end on its "
                 "own (its claim lapses); keep blocking calls out of the summarizer"
             )
-            return
-        loop.close()
 
     def _started(self) -> asyncio.AbstractEventLoop:
         """The summaries thread's event loop, started on first use (under ``_mutex``)."""
@@ -215,7 +229,7 @@ class Summaries:
             if self._on_loop is not None:
                 self._on_loop(loop)
             thread = threading.Thread(
-                target=loop.run_forever, name="chatflow-summaries", daemon=True
+                target=_run, args=(loop,), name="chatflow-summaries", daemon=True
             )
             thread.start()
             self._loop, self._thread = loop, thread
