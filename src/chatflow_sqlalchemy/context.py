@@ -69,6 +69,7 @@ SUMMARY_TIMESTAMP = datetime(1970, 1, 1, tzinfo=timezone.utc)
 """The summary message's timestamp: fixed, so a reload shows the very same message."""
 
 
+
 def validate_id(value: object, name: str) -> str:
     """Return ``value`` if it is a usable id, else raise ``ValueError`` naming ``name``.
 
@@ -1051,8 +1052,13 @@ class SessionContext(_UpstreamSessionContext):
     # -------------------------------------------------------------- summary
 
     def _is_summary(self, message: Message) -> bool:
-        """True if ``message`` is the summary's SYSTEM message this context shows."""
-        return message is self._summary_message
+        """True if ``message`` is the summary's SYSTEM message this context shows, or a copy.
+
+        A copy too: ``history = [m.model_copy() for m in history]`` (a redaction
+        pass, a JSON round trip) must not store the summary as a message.
+        """
+        shown = self._summary_message
+        return shown is not None and (message is shown or message == shown)
 
     def _place_summary(self) -> None:
         """Show ``_summary`` as the last SYSTEM message, or no summary message if it is None."""
@@ -1085,11 +1091,14 @@ class SessionContext(_UpstreamSessionContext):
 
         Only over the summary it was made from (``based_on``, what
         ``summary_through`` was then): False, changing nothing, if another
-        summary came first.
+        summary came first, or if a message it covers is back in the window (a
+        rollback undid its prune: the model would see it twice).
         """
         async with self.lock:
             with self._mutex:
                 if self._summary_through != based_on:
+                    return False
+                if any(seq <= through for seq in self._seqs[self._n_system :]):
                     return False
                 self._set_summary(summary, through)
         return True

@@ -99,14 +99,17 @@ class _MemorySummaryRows:
             ctx = self._store._sessions.get(session_id)
             if ctx is None or session_id in self._claimed:
                 return None
-            through = ctx.summary_through
-            dropped = sorted(
-                (seq, m) for seq, m in self.waiting.get(session_id, {}).items() if seq > through
+            through, shown = ctx.summary_through, set(ctx._seqs)
+            dropped = sorted(  # not what is back in the window (a rollback undid the prune)
+                (seq, m) for seq, m in self.waiting.get(session_id, {}).items()
+                if seq > through and seq not in shown
             )
             if not dropped:
                 return None
             self._claimed.add(session_id)
-            return PendingSummary(ctx.summary, through, [m for _, m in dropped], dropped[-1][0])
+            return PendingSummary(
+                ctx.summary, through, [m for _, m in dropped], dropped[-1][0], incarnation=ctx
+            )
 
     def give_up(self, session_id: str) -> None:
         with self._store._lock:
@@ -120,6 +123,10 @@ class _MemorySummaryRows:
         """
         self.waiting.pop(session_id, None)
         self._claimed.discard(session_id)
+
+    def incarnation(self, ctx: SessionContext) -> object:
+        """``ctx`` itself: a session created anew under an id has a context of its own."""
+        return ctx
 
     def settle(self, session_id: str, through: int) -> None:
         """A write of the session: what its summary covers waits no more (under the lock)."""
@@ -280,7 +287,11 @@ class SessionStore(AsyncStoreAPI):
         ctx._cleared = False
 
     def transcript(self, session_id: str) -> list[Message]:
-        """Archived messages, then the window, in order ([] for an unknown session)."""
+        """Archived messages, then the window, in order ([] for an unknown session).
+
+        Pruned messages waiting for the summary are archived only with
+        ``archive_pruned`` (as on the SQL stores; ``export_user`` has them).
+        """
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
@@ -291,6 +302,18 @@ class SessionStore(AsyncStoreAPI):
             merged.update(zip(ctx._seqs, ctx._history, strict=True))
             merged.pop(SUMMARY_SEQ, None)
             return [merged[seq] for seq in sorted(merged)]
+
+    def _archived(self, session_id: str) -> dict[int, Message]:
+        """What the SQL stores' archive would hold, by seq (under ``_lock``).
+
+        The archive, and the pruned messages still waiting for the summary:
+        on SQL they are archive rows (``pending_summary``) also without
+        ``archive_pruned``, which ``export_user`` shows.
+        """
+        return {
+            **self._summary_rows.waiting.get(session_id, {}),
+            **self._archive.get(session_id, {}),
+        }
 
     def _drop(self, session_id: str) -> SessionContext | None:
         """Forget a session (under ``_lock``); the caller marks its context deleted."""
@@ -574,7 +597,7 @@ class SessionStore(AsyncStoreAPI):
             ],
             "archived_messages": [
                 message.model_dump(mode="json")
-                for _, message in sorted(self._archive.get(session_id, {}).items())
+                for _, message in sorted(self._archived(session_id).items())
             ],
             "webhook_claims": [
                 {

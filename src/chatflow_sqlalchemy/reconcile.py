@@ -17,6 +17,7 @@ from chatflow_sqlalchemy.rows import StoredSession
 __all__ = [
     "has_changes",
     "holds_newer_than",
+    "incarnation_of",
     "install",
     "orphaned_tool_call",
     "other_incarnation",
@@ -45,6 +46,10 @@ def install(
         summary_through=stored.summary_through,
     )
     ctx._load(window, seqs, agent, stored.metadata, durable)
+    # A seq names one message in the transcript (archive and window merged by
+    # seq): never reuse an archived one (a rewound turn's, or one a fork copied
+    # to wait for its summary) for a new message.
+    ctx._next_seq = max(ctx._next_seq, stored.archived_through + 1)
     ctx.forked_from, ctx.forked_at_turn = stored.forked_from, stored.forked_at_turn
 
 
@@ -83,6 +88,12 @@ def repair_window(
         seqs[:first] + seqs[start:end],
         hidden,
     )
+
+
+def incarnation_of(ctx: SessionContext) -> object:
+    """The ``created_at`` of the session row ``ctx`` was last read from (None: none yet)."""
+    durable = ctx._durable
+    return None if durable is None else durable.incarnation
 
 
 def other_incarnation(ctx: SessionContext, stored: StoredSession) -> bool:

@@ -16,12 +16,27 @@ from typing import Any, cast
 from chatflow_agent import Message, Role
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
-from sqlalchemy import Connection, Table, bindparam, case, delete, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Table,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
 
 from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.exceptions import CorruptRowError
-from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowProcessedMessage, ChatflowSession
+from chatflow_sqlalchemy.models import (
+    ChatflowMessage,
+    ChatflowMessageArchive,
+    ChatflowProcessedMessage,
+    ChatflowSession,
+)
 from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
@@ -52,6 +67,7 @@ FIRST_VERSION_BITS = 52
 sessions = cast(Table, ChatflowSession.__table__)
 messages = cast(Table, ChatflowMessage.__table__)
 processed = cast(Table, ChatflowProcessedMessage.__table__)
+_archive = cast(Table, ChatflowMessageArchive.__table__)
 
 SELECT_VERSION = select(sessions.c.version).where(sessions.c.session_id == bindparam("session_id"))
 SELECT_CREATED = select(sessions.c.created_at).where(
@@ -67,6 +83,10 @@ _SELECT_SESSION = select(
     sessions.c.summary_through,
     sessions.c.forked_from,
     sessions.c.forked_at_turn,
+    select(func.max(_archive.c.seq))
+    .where(_archive.c.session_id == sessions.c.session_id)
+    .scalar_subquery()
+    .label("archived_through"),
 ).where(sessions.c.session_id == bindparam("session_id"))
 _SELECT_MESSAGES = (
     select(messages.c.id, messages.c.seq, messages.c.message_json)
@@ -124,6 +144,8 @@ class StoredSession:
     summary_through: int = 0
     forked_from: str | None = None
     forked_at_turn: int | None = None
+    archived_through: int = 0
+    """The highest seq of its archived rows (0: none): new messages take seqs above it."""
 
 
 def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSession | None:
@@ -158,7 +180,7 @@ def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSes
     return StoredSession(
         row.version, row.active_agent_name, metadata, window, seqs, row.created_at,
         row.updated_at, summary, int(row.summary_through or 0), row.forked_from,
-        row.forked_at_turn,
+        row.forked_at_turn, int(row.archived_through or 0),
     )
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import cast
 
 from chatflow_agent import Message
-from sqlalchemy import Float, Table, bindparam, or_, select, update
+from sqlalchemy import Float, Table, bindparam, exists, or_, select, update
 
 from chatflow_sqlalchemy.clock import DatabaseNow
+from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.models import (
     ChatflowMessageArchive,
@@ -21,6 +22,8 @@ from chatflow_sqlalchemy.models import (
     UTCDateTime,
     utcnow,
 )
+from chatflow_sqlalchemy.reconcile import incarnation_of
+from chatflow_sqlalchemy.rows import messages as _m
 from chatflow_sqlalchemy.rows import parse_message
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
@@ -42,13 +45,16 @@ _CLAIM = (
     .values(summary_claimed_until=_UNTIL)
 )
 _GIVE_UP = update(_s).where(_OF_SESSION).values(summary_claimed_until=None)
-_SUMMARY = select(_s.c.summary, _s.c.summary_through).where(_OF_SESSION)
+_SUMMARY = select(_s.c.summary, _s.c.summary_through, _s.c.created_at).where(_OF_SESSION)
 _PENDING = (
     select(_a.c.id, _a.c.seq, _a.c.message_json)
     .where(
         _a.c.session_id == bindparam("sid"),
         _a.c.pending_summary,
         _a.c.seq > bindparam("through"),  # older ones are covered: settled by the next write
+        ~exists().where(  # back in the window (a rollback undid the prune): not dropped
+            _m.c.session_id == _a.c.session_id, _m.c.seq == _a.c.seq
+        ),
     )
     .order_by(_a.c.seq, _a.c.id)
 )
@@ -75,7 +81,7 @@ class SQLSummaries:
         with self._runtime.transaction(write=True) as conn:
             if conn.execute(_CLAIM, params).rowcount != 1:
                 return None
-            summary, through = conn.execute(_SUMMARY, params).one()
+            summary, through, created_at = conn.execute(_SUMMARY, params).one()
             params["through"] = through
             rows = conn.execute(_PENDING, params).all()
             if not rows:
@@ -91,9 +97,14 @@ class SQLSummaries:
             through=int(through),
             dropped=[by_seq[seq] for seq in sorted(by_seq)],
             last_seq=max(by_seq),
+            incarnation=created_at,
         )
 
     def give_up(self, session_id: str) -> None:
         """Give back the claim; the pending rows wait for the next prune."""
         with self._runtime.transaction(single=True) as conn:
             conn.execute(_GIVE_UP, {"sid": session_id})
+
+    def incarnation(self, ctx: SessionContext) -> object:
+        """The ``created_at`` of the session row ``ctx`` was read from (as ``claim`` reads it)."""
+        return incarnation_of(ctx)

@@ -95,6 +95,8 @@ class PendingSummary:
     """The messages pruned since, oldest first."""
     last_seq: int
     """The seq of the newest of them: what the new summary covers up to."""
+    incarnation: object = None
+    """Which session of that id it was read from (see :meth:`SummaryRows.incarnation`)."""
 
 
 class SummaryRows(Protocol):
@@ -109,6 +111,13 @@ class SummaryRows(Protocol):
     def give_up(self, session_id: str) -> None:
         """Give back a claim without a new summary (the messages wait for the next prune)."""
 
+    def incarnation(self, ctx: SessionContext) -> object:
+        """What tells ``ctx``'s session from a later one of the same id, as ``claim`` reads it.
+
+        A session deleted (or erased) and created anew while its summary was
+        being made must not get the summary of the one that was deleted.
+        """
+
 
 async def _cancel_others() -> None:
     """Cancel every other task of the running loop and wait until each has ended."""
@@ -117,6 +126,22 @@ async def _cancel_others() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    """The summaries' thread: run ``loop`` until stopped, let what is left end, close it.
+
+    What is left: the cancellation ``close`` asked for, when a summarizer
+    blocked the thread past ``close``'s wait (it runs once unblocked), and
+    what cancelled work started (giving a claim or a lease back).
+    """
+    try:
+        loop.run_forever()
+        left = asyncio.all_tasks(loop)
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    finally:
+        loop.close()
 
 
 class Summaries:
@@ -198,8 +223,12 @@ class Summaries:
         with contextlib.suppress(Exception):  # (the grace running out too) stop all the same
             stopping.result(CLOSE_GRACE_SECONDS)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+        thread.join(CLOSE_GRACE_SECONDS if stopping.done() else 0.0)
+        if thread.is_alive():  # a summarizer blocks the loop's thread (blocking code in it)
+            logger.warning(
+                "close: a summarizer blocks the summaries' thread; it is left to end on its "
+                "own (its claim lapses); keep blocking calls out of the summarizer"
+            )
 
     def _started(self) -> asyncio.AbstractEventLoop:
         """The summaries thread's event loop, started on first use (under ``_mutex``)."""
@@ -208,7 +237,7 @@ class Summaries:
             if self._on_loop is not None:
                 self._on_loop(loop)
             thread = threading.Thread(
-                target=loop.run_forever, name="chatflow-summaries", daemon=True
+                target=_run, args=(loop,), name="chatflow-summaries", daemon=True
             )
             thread.start()
             self._loop, self._thread = loop, thread
@@ -247,13 +276,9 @@ class Summaries:
         with telemetry.operation("summary", self._system) as op:
             op.set("chatflow.messages", len(pending.dropped))
             try:
-                called = self._summarizer(pending.previous, list(pending.dropped))
-                if not inspect.isawaitable(called):
-                    raise TypeError(
-                        f"the summarizer returned {type(called).__name__}, not an awaitable: "
-                        "make it an async function (async def ...)"
-                    )
-                summary = await asyncio.wait_for(called, SUMMARY_TIMEOUT_SECONDS)
+                summary = await asyncio.wait_for(
+                    self._call(pending.previous, list(pending.dropped)), SUMMARY_TIMEOUT_SECONDS
+                )
                 if not isinstance(summary, str):
                     raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
                 check_storable_text(summary, "summary")
@@ -271,18 +296,41 @@ class Summaries:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 return False
 
+    async def _call(self, previous: str | None, dropped: list[Message]) -> object:
+        """The summarizer's answer; whatever else it raises but a cancellation is an Exception.
+
+        KeyboardInterrupt or SystemExit raised in a task stop the event loop
+        it runs in (this thread's: every later summary), and another
+        BaseException would skip the failure's handling (the claim stays held).
+        """
+        called = self._summarizer(previous, dropped)
+        if not inspect.isawaitable(called):
+            raise TypeError(
+                f"the summarizer returned {type(called).__name__}, not an awaitable: "
+                "make it an async function (async def ...)"
+            )
+        try:
+            return await called
+        except (asyncio.CancelledError, Exception):
+            raise
+        except BaseException as exc:
+            raise RuntimeError(f"the summarizer raised {type(exc).__name__}: {exc}") from exc
+
     async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> bool:
         """Store ``summary`` as a turn of ``ctx``, over the summary it was made from.
 
-        ``ctx`` is the context the summary was claimed with: if its session
-        was deleted since (``SessionDeletedError``), the summary is dropped.
+        Only to the session it was made from: ``ctx`` was taken before the
+        claim, and its session must be the one the claim read (not a new one
+        under the id of one deleted meanwhile).
         """
         session_id = ctx.session_id
-        try:
-            applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
-        except SessionDeletedError:
-            return False
+        applied = False
+        if self._rows.incarnation(ctx) == pending.incarnation:
+            with contextlib.suppress(SessionDeletedError):  # deleted meanwhile
+                applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
         if not applied:
+            # A claim that went with its session's row is gone already; giving back
+            # another worker's at worst lets a summary be made twice, never applied twice.
             await asyncio.to_thread(self._rows.give_up, session_id)
         else:
             telemetry.count("chatflow.summaries.written", 1, self._system)

@@ -375,7 +375,10 @@ class SessionWriter:
         if cleared:
             ctx._history, ctx._seqs, ctx._cleared = [], [], True
             ctx._reindex()
-            ctx._set_summary(None, ctx._next_seq - 1)  # the clear drops the other's summary too
+            if our_summary is None:  # a replaced history (history = ...) keeps the summary
+                ctx._set_summary(ctx.summary, ctx.summary_through)
+            else:  # clear_history forgot it: the other's summary goes too
+                ctx._set_summary(None, ctx._next_seq - 1)
         elif our_summary is not None and stored.summary_through == durable.summary_through:
             ctx._set_summary(*our_summary)  # else another summary was written first: it stands
         for message in pending if carried is None else [carried, *pending]:
