@@ -1075,7 +1075,7 @@ class RewindTests:
         _turn(second.get(sid), "next")
         assert _users(second.get(sid).history) == ["t0", "t1", "t2", "next"]
 
-    @requires(Capability.PERSISTENT)
+    @requires(Capability.PERSISTENT, Capability.CROSS_PROCESS)  # stores writing at once
     def test_rewind_waits_for_another_stores_turn(self, harness: StoreHarness) -> None:
         first: Any = harness.open()
         second: Any = harness.open()
