@@ -269,6 +269,9 @@ class Summaries:
         finally:
             with self._mutex:
                 self._running.pop(session_id, None)
+                again = session_id in self._again  # a prune came after the last look
+            if again:
+                self.due(session_id)
 
     async def _fold(self, ctx: SessionContext, pending: PendingSummary) -> bool:
         """Make one summary of ``ctx``'s session and apply it; False if that failed."""
