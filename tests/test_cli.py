@@ -800,7 +800,11 @@ def _check_export(lines: list[str], db: Path) -> None:
     records = [json.loads(line) for line in lines]
     assert [r["session_id"] for r in records] == [SESSION, OTHER]
     for record in records:
-        assert set(record) == {"session_id", "active_agent_name", "metadata", "messages"}
+        assert set(record) == {"session_id", "active_agent_name", "metadata", "summary",
+                               "forked_from", "forked_at_turn", "messages"}
+        assert (record["summary"], record["forked_from"], record["forked_at_turn"]) == (
+            None, None, None,
+        ), "no summary was made and no session is a fork"
         history = stored_history(db, record["session_id"])
         assert [Message.model_validate(m) for m in record["messages"]] == history
         assert record["messages"] == [m.model_dump(mode="json") for m in history]

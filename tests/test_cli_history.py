@@ -223,3 +223,118 @@ def test_keys_rotate_seals_a_plaintext_summary(
             stored = conn.execute(text("SELECT summary FROM chatflow_sessions")).scalar_one()
         assert stored.startswith("cfenc:1:k1:")
         assert store.get("s").summary == "plain words"
+
+
+_HANG_GUARD = 60.0  # seconds: only a hang guard for the background summaries
+
+
+async def _summarize(previous: str | None, dropped: list[Message]) -> str:
+    """Joins what pruning dropped: the summary names every turn it stands for."""
+    return "\n".join([*([previous] if previous else []), *(str(m.content) for m in dropped)])
+
+
+def _summarized(url: str, **options: object) -> None:
+    """Session ``src`` of user ``ann``: four turns, the first two pruned into its summary.
+
+    Then ``dst``, a fork of ``src`` at turn 1 (it carries the summary too).
+    """
+    with open_store(url, summarizer=_summarize, default_max_turns=2, **options) as store:
+        ctx = store.get_or_create("src", _agent(), {"tier": "gold"}, user_id="ann")
+        for n in range(4):
+            ctx.add_message(Message(role=Role.USER, content=f"u{n}"))
+            ctx.add_message(Message(role=Role.MODEL, content=f"m{n}"))
+        assert store.wait_for_summaries(_HANG_GUARD)
+        assert ctx.summary == "u0\nm0\nu1\nm1"
+        store.fork("src", "dst", at_turn=1)
+
+
+def _export_lines(out: str) -> dict[str, dict[str, object]]:
+    rows = [json.loads(line) for line in out.splitlines()]
+    return {row["session_id"]: row for row in rows}
+
+
+def test_show_prints_the_summary_and_where_a_fork_came_from(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _summarized(url)
+    code, out, err = run(capsys, "sessions", "show", "src", "--url", url)
+    assert (code, err) == (0, "")
+    assert "summary:\n  u0\n  m0\n  u1\n  m1\n" in out
+    assert "forked from" not in out
+    code, out, _ = run(capsys, "sessions", "show", "dst", "--url", url)
+    assert code == 0
+    assert "forked from: src at turn 1\n" in out and "summary:\n  u0\n" in out
+    code, out, _ = run(capsys, "sessions", "show", "dst", "--json", "--url", url)
+    assert code == 0
+    shown = json.loads(out)
+    assert (shown["summary"], shown["forked_from"], shown["forked_at_turn"]) == (
+        "u0\nm0\nu1\nm1", "src", 1,
+    )
+    assert (shown["summary_corrupt"], shown["summary_locked"]) == (None, None)
+    code, out, _ = run(capsys, "sessions", "show", "src", "--json", "--url", url)
+    assert code == 0
+    assert (json.loads(out)["forked_from"], json.loads(out)["forked_at_turn"]) == (None, None)
+
+
+def test_show_on_a_terminal_prints_the_summary_lines_and_the_fork(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'rich.db'}"
+    _summarized(url)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # the Rich layout, as on a terminal
+    code, out, err = run(capsys, "sessions", "show", "dst", "--url", url)
+    assert (code, err) == (0, "")
+    assert "forked from" in out and "src at turn 1" in out
+    assert all(part in out for part in ("summary", "u0", "m0", "u1", "m1"))
+
+
+def test_export_keeps_the_summary_and_the_fork_as_users_export_does(
+    url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    _summarized(url)
+    code, out, err = run(capsys, "sessions", "export", "--url", url)
+    assert (code, err) == (0, "")
+    exported = _export_lines(out)
+    code, out, _ = run(capsys, "users", "export", "ann", "--url", url)
+    assert code == 0
+    by_user = {row["session_id"]: row for row in json.loads(out)["sessions"]}
+    keys = ("summary", "forked_from", "forked_at_turn")
+    for sid in ("src", "dst"):
+        assert {k: exported[sid][k] for k in keys} == {k: by_user[sid][k] for k in keys}
+    assert exported["src"]["summary"] == "u0\nm0\nu1\nm1"
+    assert (exported["dst"]["forked_from"], exported["dst"]["forked_at_turn"]) == ("src", 1)
+    target = tmp_path / "backup.jsonl"
+    code, out, _ = run(capsys, "sessions", "export", "-o", str(target), "--json", "--url", url)
+    assert code == 0 and json.loads(out)["exported"] == 2
+    assert _export_lines(target.read_text()) == exported
+
+
+def test_an_encrypted_summary_needs_its_key_and_is_never_corrupt(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = os.urandom(32)
+    _summarized(url, cipher=AESGCMCipher({"k1": key}, "k1"))
+    code, out, err = run(capsys, "sessions", "show", "src", "--url", url)
+    assert code == 1
+    assert "summary: (encrypted with key 'k1', not in CHATFLOW_KEYS)\n" in out
+    assert "corrupt" not in (out + err).lower()
+    # metadata, summary and the four window rows: each part counted once
+    assert "6 part(s) encrypted with key 'k1'" in err
+    code, out, _ = run(capsys, "sessions", "show", "src", "--json", "--url", url)
+    assert code == 1
+    shown = json.loads(out)
+    assert (shown["summary"], shown["summary_locked"], shown["summary_corrupt"]) == (
+        None, {"key_id": "k1"}, None,
+    )
+    code, out, err = run(capsys, "sessions", "export", "--skip-corrupt", "--url", url)
+    assert (code, out) == (0, "")
+    assert "skipped: session 'src': summary is encrypted with key 'k1', not in CHATFLOW_KEYS" in err
+    monkeypatch.setenv("CHATFLOW_KEYS", f"k1:{base64.b64encode(key).decode()}")
+    code, out, err = run(capsys, "sessions", "show", "dst", "--url", url)
+    assert (code, err) == (0, "")
+    assert "summary:\n  u0\n  m0\n  u1\n  m1\n" in out and "forked from: src at turn 1\n" in out
+    code, out, _ = run(capsys, "sessions", "show", "src", "--json", "--url", url)
+    assert code == 0 and json.loads(out)["summary"] == "u0\nm0\nu1\nm1"
+    code, out, err = run(capsys, "sessions", "export", "--url", url)
+    assert (code, err) == (0, "")
+    assert _export_lines(out)["src"]["summary"] == "u0\nm0\nu1\nm1"

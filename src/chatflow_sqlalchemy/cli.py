@@ -777,9 +777,11 @@ class _MessageRow:
 
 @dataclass
 class _SessionRecord:
-    """One session as stored: its row, its metadata (or why it is unreadable), its messages.
+    """One session as stored: its row, its metadata and summary (or why each is unreadable).
 
     ``rows``: the window (for ``show --all``, the transcript); ``archived``: for ``export``.
+    The summary is kept beside the messages because, without an archive, it is the
+    only record of the turns pruning dropped; an export must not lose it.
     """
 
     session_id: str
@@ -792,11 +794,19 @@ class _SessionRecord:
     metadata_locked_by: str | None = None
     rows: list[_MessageRow] = field(default_factory=list)
     archived: list[_MessageRow] = field(default_factory=list)
+    summary: str | None = None
+    summary_error: str | None = None
+    summary_raw: str | None = None
+    summary_locked_by: str | None = None
+    """The key id of a sealed summary whose key is not in ``$CHATFLOW_KEYS``."""
+    forked_from: str | None = None
+    forked_at_turn: int | None = None
 
     def locked(self) -> list[tuple[str, str]]:
         """(key id, what) per part encrypted with a key not in ``$CHATFLOW_KEYS``."""
         sid = clean(repr(self.session_id))
-        found = [(self.metadata_locked_by, f"session {sid}: metadata_json")]
+        found = [(self.metadata_locked_by, f"session {sid}: metadata_json"),
+                 (self.summary_locked_by, f"session {sid}: summary")]
         found += [
             (row.locked_by, f"session {sid}: {row.table} row id {row.row_id}")
             for row in [*self.rows, *self.archived]
@@ -810,7 +820,8 @@ class _SessionRecord:
     def problems(self) -> list[str]:
         """One line per corrupt part, naming the session, the table and the row id."""
         sid = clean(repr(self.session_id))
-        found = [(f"session {sid}: metadata_json in chatflow_sessions", self.metadata_error)]
+        found = [(f"session {sid}: metadata_json in chatflow_sessions", self.metadata_error),
+                 (f"session {sid}: summary in chatflow_sessions", self.summary_error)]
         found += [
             (f"session {sid}: {row.table} row id {row.row_id}", row.error)
             for row in [*self.rows, *self.archived]
@@ -846,6 +857,7 @@ def _session_query(session_ids: Sequence[str] | None = None) -> Any:
     query = select(
         c.session_id, c.active_agent_name, c.created_at, c.updated_at,
         cast(c.metadata_json, Text).label("metadata_text"),
+        c.summary, c.forked_from, c.forked_at_turn,
     ).order_by(c.updated_at.desc(), c.session_id)
     return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
@@ -889,8 +901,10 @@ def _record(
         elif failure is not None:
             metadata, error = None, failure.reason
     record = _SessionRecord(
-        sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by
+        sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by,
+        forked_from=row.forked_from, forked_at_turn=row.forked_at_turn,
     )
+    _open_summary(record, row.summary)
 
     def decode(msg: Any, table: str) -> _MessageRow:
         text, failure = open_row(sid, msg.message_json)
@@ -918,6 +932,27 @@ def _record(
     if archived:
         record.archived.extend(decode(msg, archive_table) for msg in _messages(conn, sid, True))
     return record
+
+
+def _open_summary(record: _SessionRecord, stored: str | None) -> None:
+    """Set ``record``'s summary from its stored text, or why it does not open (never raises).
+
+    A summary is sealed like the metadata, so it is read with the same keys and
+    told apart the same way: a key missing from ``$CHATFLOW_KEYS`` is not corruption.
+    """
+    from chatflow_sqlalchemy.crypto import MissingKeyError, is_encrypted
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    if stored is None or not is_encrypted(stored):
+        record.summary = stored
+        return
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
+    try:
+        record.summary = sealer.open_summary(record.session_id, stored)
+    except MissingKeyError as exc:
+        record.summary_locked_by = exc.key_id
+    except CorruptRowError as exc:
+        record.summary_error, record.summary_raw = exc.reason, stored
 
 
 def _checked(check: Callable[[str], Any], value: str) -> None:
@@ -1130,19 +1165,42 @@ def _header(record: _SessionRecord, turns: int) -> list[tuple[str, str, str]]:
     else:
         metadata = clean(_format_content(record.metadata)) if record.metadata else None
     bad = "bold red" if record.metadata_error or record.metadata_locked_by else ""
+    fork: list[tuple[str, str, str]] = []
+    if record.forked_from is not None:
+        fork = [("forked from",
+                 f"{clean(record.forked_from)} at turn {record.forked_at_turn}", "")]
     return [
         ("session", clean(record.session_id), ""),
         ("active agent", clean(record.agent), "bold"),
         ("created", _format_time(record.created_at), ""),
         ("updated", _format_time(record.updated_at), ""),
+        *fork,
         *([] if metadata is None else [("metadata", metadata, bad)]),
+        *_summary_line(record),
         ("messages", f"{len(record.rows)} in {turns} turn(s)", ""),
     ]
 
 
+def _summary_line(record: _SessionRecord) -> list[tuple[str, str, str]]:
+    """The summary header line (none without a summary); a readable one keeps its newlines."""
+    if record.summary_locked_by is not None:
+        return [("summary", f"({_locked(record.summary_locked_by)})", "bold red")]
+    if record.summary_error is not None:
+        text = clean(f"CORRUPT ({record.summary_error}): {record.summary_raw!r}")
+        return [("summary", text, "bold red")]
+    if record.summary is None:
+        return []
+    return [("summary", clean(record.summary, newlines=True), "")]
+
+
 def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
     for name, value, _style in _header(record, turns):
-        click.echo(f"{name}: {value}")
+        if name == "summary" and record.summary is not None:  # a block: it may span lines
+            click.echo("summary:")
+            for line in value.split("\n"):
+                click.echo(f"  {line}")
+        else:
+            click.echo(f"{name}: {value}")
     for title, entries in groups:
         click.echo("")
         click.echo(title)
@@ -1219,12 +1277,18 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
     if as_json:
         corrupt = {"reason": record.metadata_error, "raw": record.metadata_raw}
         key = record.metadata_locked_by
+        summary_corrupt = {"reason": record.summary_error, "raw": record.summary_raw}
+        summary_key = record.summary_locked_by
         _emit(True, {
             "session_id": record.session_id, "active_agent_name": record.agent,
             "created_at": _iso(record.created_at), "updated_at": _iso(record.updated_at),
             "metadata": record.metadata,
             "metadata_corrupt": None if record.metadata_error is None else corrupt,
             "metadata_locked": None if key is None else {"key_id": key},
+            "summary": record.summary,
+            "summary_corrupt": None if record.summary_error is None else summary_corrupt,
+            "summary_locked": None if summary_key is None else {"key_id": summary_key},
+            "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
             "turns": turns, "messages": [_message_json(row) for row in record.rows],
         })
     else:
@@ -1420,7 +1484,9 @@ def _export_record(record: _SessionRecord) -> dict[str, Any]:
         return [row.message.model_dump(mode="json") for row in rows if row.message is not None]
 
     exported = {"session_id": record.session_id, "active_agent_name": record.agent,
-                "metadata": record.metadata, "messages": dump(record.rows)}
+                "metadata": record.metadata, "summary": record.summary,
+                "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
+                "messages": dump(record.rows)}
     if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
         exported["archived_messages"] = dump(record.archived)
     return exported
@@ -1509,11 +1575,12 @@ def sessions_export(
 ) -> None:
     """Export sessions as JSON lines (read-only).
 
-    Each line: {"session_id", "active_agent_name", "metadata", "messages"}
-    (+ "archived_messages" for a session with an archive). A session with a
-    corrupt row (in the window or the archive) stops the export (FILE is then
-    left as it was) unless --skip-corrupt, which names each bad row (session,
-    table, row id) on stderr and exports the other sessions. With --json,
+    Each line: {"session_id", "active_agent_name", "metadata", "summary",
+    "forked_from", "forked_at_turn", "messages"} (+ "archived_messages" for a
+    session with an archive). A session with a corrupt row (in the window or
+    the archive, or a corrupt summary) stops the export (FILE is then left as
+    it was) unless --skip-corrupt, which names each bad row (session, table,
+    row id) on stderr and exports the other sessions. With --json,
     the summary after writing FILE is a JSON document.
     """
     target = None if output in (None, "-") else Path(output)
