@@ -36,6 +36,7 @@ import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ from chatflow_sqlalchemy.testing import (
     UnreachableHarness,
     database_problem,
 )
+
+from .stores import SQL_KINDS, Opener, open_on
 
 POSTGRES_ENV = "CHATFLOW_TEST_POSTGRES_URL"
 POSTGRES_IMAGE = "postgres:16-alpine"
@@ -511,3 +514,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.line(line)
     for reason, n in sorted(others.items(), key=lambda item: (-item[1], item[0])):
         terminalreporter.line(f"{n} x {reason}")
+
+
+@pytest.fixture(params=SQL_KINDS)
+def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Opens SQL stores (given options) on one database per test (see ``tests/stores.py``)."""
+    with ExitStack() as stack:
+        yield open_on(request.param, stack, tmp_path)
+
+
+@pytest.fixture(params=[*SQL_KINDS, "memory"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Like ``sql_store``, the in-memory store too (one store for the whole test)."""
+    with ExitStack() as stack:
+        yield open_on(request.param, stack, tmp_path)

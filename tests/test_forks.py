@@ -12,69 +12,20 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Message, Role
 from sqlalchemy import text
 
-from chatflow_sqlalchemy import SessionStore, open_store
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 
-from . import pg_util
-from .test_bad_input import _mariadb_database
+from .stores import Opener
 
 _HANG_GUARD = 60.0
 _K1, _K2 = os.urandom(32), os.urandom(32)
 
-_SQL = [
-    "sqlite",
-    pytest.param("postgresql", marks=pytest.mark.postgres),
-    pytest.param("mariadb", marks=pytest.mark.mariadb),
-]
-
-Opener = Callable[..., Any]
-
-
-def _opener(kind: str, stack: ExitStack, tmp_path: Path) -> Opener:
-    """Opens stores with the given options, all on this test's one database of ``kind``."""
-    if kind == "memory":
-        memory: dict[str, Any] = {}
-
-        def open_memory(**options: Any) -> Any:
-            if "store" not in memory:
-                memory["store"] = stack.enter_context(SessionStore(**options))
-            return memory["store"]
-
-        return open_memory
-    if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / 'forks.db'}"
-        return lambda **options: stack.enter_context(open_store(url, **options))
-    if kind == "mariadb":
-        pytest.importorskip("chatflow_sqlalchemy_mariadb")
-        url = _mariadb_database(stack)
-        return lambda **options: stack.enter_context(open_store(url, **options))
-    pg = pg_util.postgres_url()
-    schema = stack.enter_context(pg_util.fresh_schema(pg))
-    return lambda **options: stack.enter_context(pg_util.schema_store(pg, schema, **options))
-
-
-@pytest.fixture(params=_SQL)
-def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens SQL stores on one database per test."""
-    with ExitStack() as stack:
-        yield _opener(request.param, stack, tmp_path)
-
-
-@pytest.fixture(params=[*_SQL, "memory"])
-def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Like ``sql_store``, the in-memory store too (one store for the whole test)."""
-    with ExitStack() as stack:
-        yield _opener(request.param, stack, tmp_path)
 
 
 def _agent() -> Agent:

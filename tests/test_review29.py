@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -18,57 +17,12 @@ import pytest
 from chatflow_agent import Agent, Message, Role
 from sqlalchemy import text
 
-from chatflow_sqlalchemy import SessionStore, open_store
+from chatflow_sqlalchemy import SessionStore
 
-from . import pg_util
-from .test_bad_input import _mariadb_database
+from .stores import SQL_KINDS, Opener, open_on
 
 _HANG_GUARD = 60.0
 
-_SQL = [
-    "sqlite",
-    pytest.param("postgresql", marks=pytest.mark.postgres),
-    pytest.param("mariadb", marks=pytest.mark.mariadb),
-]
-
-Opener = Callable[..., Any]
-
-
-def _opener(kind: str, stack: ExitStack, tmp_path: Path) -> Opener:
-    """Opens stores with the given options, all on this test's one database of ``kind``."""
-    if kind == "memory":
-        memory: dict[str, Any] = {}
-
-        def open_memory(**options: Any) -> Any:
-            if "store" not in memory:
-                memory["store"] = stack.enter_context(SessionStore(**options))
-            return memory["store"]
-
-        return open_memory
-    if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / 'review29.db'}"
-        return lambda **options: stack.enter_context(open_store(url, **options))
-    if kind == "mariadb":
-        pytest.importorskip("chatflow_sqlalchemy_mariadb")
-        url = _mariadb_database(stack)
-        return lambda **options: stack.enter_context(open_store(url, **options))
-    pg = pg_util.postgres_url()
-    schema = stack.enter_context(pg_util.fresh_schema(pg))
-    return lambda **options: stack.enter_context(pg_util.schema_store(pg, schema, **options))
-
-
-@pytest.fixture(params=_SQL)
-def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens SQL stores on one database per test."""
-    with ExitStack() as stack:
-        yield _opener(request.param, stack, tmp_path)
-
-
-@pytest.fixture(params=[*_SQL, "memory"])
-def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Like ``sql_store``, the in-memory store too (one store for the whole test)."""
-    with ExitStack() as stack:
-        yield _opener(request.param, stack, tmp_path)
 
 
 def _agent() -> Agent:
@@ -229,7 +183,7 @@ def _script(store: Any) -> None:
     assert store.wait_for_summaries(_HANG_GUARD)
 
 
-@pytest.mark.parametrize("kind", [*_SQL])
+@pytest.mark.parametrize("kind", [*SQL_KINDS])
 def test_memory_and_sql_stores_agree_on_history_summary_and_transcript(
     kind: str, tmp_path: Path
 ) -> None:
@@ -237,7 +191,7 @@ def test_memory_and_sql_stores_agree_on_history_summary_and_transcript(
     options = {"default_max_turns": 2, "summarizer": _summarize, "archive_pruned": True}
     outcomes = []
     with ExitStack() as stack:
-        for opener in (_opener("memory", stack, tmp_path), _opener(kind, stack, tmp_path)):
+        for opener in (open_on("memory", stack, tmp_path), open_on(kind, stack, tmp_path)):
             _script(opener(**options))
             shown = opener(**options)  # on SQL a fresh store: what a restart reloads
             outcomes.append({
