@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.pg import create_schema, drop_schema, libpq_url, schema_connect_args
-from benchmarks.runner import Env, median, percentile
+from benchmarks.runner import Env, median, percentile, run_alone
 
 __all__ = ["QUICK", "InboxConfig", "render_inbox", "run_inbox"]
 
@@ -463,17 +463,7 @@ def render_inbox(throughput: dict[str, list[float]],
 
 def main() -> None:
     """``python -m benchmarks.inbox [--quick]``: this suite alone."""
-    import sys
-
-    from benchmarks.pg import pg_available, pg_url_from_env
-
-    url = pg_url_from_env()
-    environment = Env.create(url if pg_available(url) is None else None)
-    try:
-        cfg = QUICK if "--quick" in sys.argv[1:] else None
-        print(run_inbox(environment, lambda m: print(m, file=sys.stderr, flush=True), cfg))
-    finally:
-        environment.cleanup()
+    run_alone(run_inbox, QUICK)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,3 +247,20 @@ def _run_case_once(store: str, mode: str, workers: int, sessions: int, turns: in
 def median(values: Sequence[float]) -> float:
     """Median, 0.0 for none."""
     return statistics.median(values) if values else 0.0
+
+
+def run_alone(suite: Callable[[Env, Callable[[str], None], Any], str], quick: Any) -> None:
+    """``python -m benchmarks.<suite> [--quick]``: one suite alone, its table on stdout.
+
+    ``suite(env, log, cfg)`` is the suite's run function; ``quick`` its ``--quick`` config.
+    PostgreSQL cases run when ``$CHATFLOW_TEST_POSTGRES_URL`` reaches a server.
+    """
+    from benchmarks.pg import pg_available, pg_url_from_env
+
+    url = pg_url_from_env()
+    environment = Env.create(url if pg_available(url) is None else None)
+    try:
+        cfg = quick if "--quick" in sys.argv[1:] else None
+        print(suite(environment, lambda m: print(m, file=sys.stderr, flush=True), cfg))
+    finally:
+        environment.cleanup()

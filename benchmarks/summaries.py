@@ -36,7 +36,7 @@ from chatflow_agent import Message
 from sqlalchemy import event
 
 from benchmarks.pg import create_schema, drop_schema, schema_connect_args
-from benchmarks.runner import Env, median, percentile
+from benchmarks.runner import Env, median, percentile, run_alone
 
 __all__ = ["QUICK", "SummaryConfig", "render_summaries", "run_summaries"]
 
@@ -273,17 +273,7 @@ def render_summaries(series: dict[tuple[str, str], list[dict[str, float]]],
 
 def main() -> None:
     """``python -m benchmarks.summaries [--quick]``: this suite alone."""
-    import sys
-
-    from benchmarks.pg import pg_available, pg_url_from_env
-
-    url = pg_url_from_env()
-    environment = Env.create(url if pg_available(url) is None else None)
-    try:
-        cfg = QUICK if "--quick" in sys.argv[1:] else None
-        print(run_summaries(environment, lambda m: print(m, file=sys.stderr, flush=True), cfg))
-    finally:
-        environment.cleanup()
+    run_alone(run_summaries, QUICK)
 
 
 if __name__ == "__main__":
