@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.iopool import IOPool
     from chatflow_sqlalchemy.migrate import MigrationChain
     from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
+    from chatflow_sqlalchemy.options import StoreOptions
+    from chatflow_sqlalchemy.server_store import ServerSessionStore
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
     from chatflow_sqlalchemy.summaries import Summarizer
     from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
@@ -52,6 +54,8 @@ _SOURCES: dict[str, str] = {
     "CLAIM_TICKETS": "chatflow_sqlalchemy.models",
     "NAMING_CONVENTION": "chatflow_sqlalchemy.models",
     "UTCDateTime": "chatflow_sqlalchemy.models",
+    "StoreOptions": "chatflow_sqlalchemy.options",
+    "ServerSessionStore": "chatflow_sqlalchemy.server_store",
     "CLAIM_CUTOFF": "chatflow_sqlalchemy.clock",
     "CLAIM_HORIZON": "chatflow_sqlalchemy.clock",
     "CLAIM_LEASE": "chatflow_sqlalchemy.clock",
@@ -79,6 +83,8 @@ __all__ = [
     "IOPool",
     "MigrationChain",
     "SQLAlchemySessionStore",
+    "ServerSessionStore",
+    "StoreOptions",
     "Summarizer",
     "UTCDateTime",
 ]

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatflow_agent import Agent, Message
 
@@ -28,7 +28,6 @@ from chatflow_sqlalchemy.claims import (
     WebhookClaim,
     active_fence,
     reply_of,
-    validate_dedup_ttl,
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
@@ -38,7 +37,6 @@ from chatflow_sqlalchemy.context import (
     check_metadata,
     dump_metadata,
     validate_agent,
-    validate_max_turns,
     validate_session_id,
 )
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError
@@ -54,24 +52,19 @@ from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     matches_metadata,
     pruned_seqs,
-    validate_archive_pruned,
-    validate_session_ttl,
     validate_sweep_limit,
     validate_user_id,
 )
 from chatflow_sqlalchemy.memory_inbox import MemoryInbox
+from chatflow_sqlalchemy.options import OptionsOwner, StoreKeywords, StoreOptions
 from chatflow_sqlalchemy.summaries import (
     PendingSummary,
     Summaries,
-    Summarizer,
-    validate_summarizer,
 )
-from chatflow_sqlalchemy.values import (
-    CLAIM_ACQUIRED,
-    DEFAULT_TURN_LEASE_SECONDS,
-    utcnow,
-    validate_turn_lease_seconds,
-)
+from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, utcnow
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["SessionStore"]
 
@@ -137,22 +130,20 @@ class _MemorySummaryRows:
             self._claimed.discard(session_id)
 
 
-class SessionStore(AsyncStoreAPI):
+class SessionStore(OptionsOwner, AsyncStoreAPI):
     """In-memory session registry; nothing survives the process.
 
     Args:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window for
-            ``transcript()`` instead of forgetting them.
-        turn_lease_seconds: Accepted as every store accepts it; turns of one
-            in-memory store exclude each other within the process, where a
-            turn cannot outlive its holder.
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        **options: The other store options, by keyword (see
+            :class:`~chatflow_sqlalchemy.options.StoreOptions`):
+            ``session_ttl_hours``, ``archive_pruned`` (kept for
+            ``transcript()``), ``turn_lease_seconds`` (turns of one in-memory
+            store exclude each other within the process, where a turn cannot
+            outlive its holder) and ``summarizer``. The options of what is at
+            rest (``cipher``, ``require_encryption``, ``auto_migrate``) are a
+            ``TypeError`` here.
 
     Like the SQL stores it is a context manager (``with`` and ``async with``)
     that closes on exit; a closed store drops what it held and refuses further
@@ -167,20 +158,12 @@ class SessionStore(AsyncStoreAPI):
         self,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
-        *,
-        session_ttl_hours: float | None = None,
-        archive_pruned: bool = False,
-        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
-        summarizer: Summarizer | None = None,
+        **options: Unpack[StoreKeywords],
     ) -> None:
-        self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
-        self.summarizer = validate_summarizer(summarizer)
-        self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
-        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
-        self.archive_pruned = validate_archive_pruned(archive_pruned)
+        given = {"default_max_turns": default_max_turns, "dedup_ttl_hours": dedup_ttl_hours}
+        self.options = StoreOptions.of(type(self).__name__, {**given, **options}, sql=False)
         self._archive: dict[str, dict[int, Message]] = {}
         self._window_seen: dict[str, dict[int, Message]] = {}
-        self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
         self._updated: dict[str, float] = {}

@@ -68,22 +68,11 @@ class Sealer:
         cipher: The cipher, or None (plaintext rows).
         require_encryption: Refuse a plaintext row with ``CorruptRowError``.
 
-    Raises:
-        ValueError: ``require_encryption`` without a cipher, or a cipher of the wrong type.
+    Both come checked (:class:`~chatflow_sqlalchemy.options.StoreOptions`).
 
     """
 
     def __init__(self, cipher: AESGCMCipher | None, require_encryption: bool) -> None:
-        if cipher is not None and not isinstance(cipher, AESGCMCipher):
-            raise ValueError(
-                f"cipher must be a chatflow_sqlalchemy.crypto.AESGCMCipher, got {cipher!r}"
-            )
-        if not isinstance(require_encryption, bool):
-            raise ValueError(
-                f"require_encryption must be True or False, got {require_encryption!r}"
-            )
-        if require_encryption and cipher is None:
-            raise ValueError("require_encryption=True needs a cipher= to read and write with")
         self.cipher = cipher
         self.require = require_encryption
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from contextlib import suppress
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from chatflow_agent import Agent, Message
 from sqlalchemy import URL, Engine, delete, select, update
@@ -44,18 +44,15 @@ from chatflow_sqlalchemy.claims import (
     ClaimFence,
     WebhookClaim,
     claimed_session_version,
-    validate_dedup_ttl,
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
     SessionContext,
     check_metadata,
     validate_agent,
-    validate_max_turns,
     validate_session_id,
 )
 from chatflow_sqlalchemy.contexts import AgentResolver, ContextCache
-from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import (
     ChatflowStoreError,
@@ -69,8 +66,6 @@ from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     SWEEP_BATCH,
     ListFilters,
-    validate_archive_pruned,
-    validate_session_ttl,
     validate_sweep_limit,
     validate_user_id,
 )
@@ -80,6 +75,7 @@ from chatflow_sqlalchemy.migrate import (
     require_existing_database,
 )
 from chatflow_sqlalchemy.models import utcnow
+from chatflow_sqlalchemy.options import OptionsOwner, SQLStoreKeywords, StoreOptions
 from chatflow_sqlalchemy.reconcile import (
     has_changes,
     holds_newer_than,
@@ -122,16 +118,14 @@ from chatflow_sqlalchemy.sql_lifecycle import (
     user_session_ids,
 )
 from chatflow_sqlalchemy.sql_summaries import SQLSummaries
-from chatflow_sqlalchemy.summaries import Summaries, Summarizer, validate_summarizer
+from chatflow_sqlalchemy.summaries import Summaries
 from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.urls import parse_database_url, require_backend
-from chatflow_sqlalchemy.values import (
-    DEFAULT_TURN_LEASE_SECONDS,
-    UNBORN_AGENT,
-    Lease,
-    validate_turn_lease_seconds,
-)
+from chatflow_sqlalchemy.values import UNBORN_AGENT, Lease
 from chatflow_sqlalchemy.writer import SessionWriter
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
@@ -157,7 +151,7 @@ def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
     return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
 
 
-class SQLAlchemySessionStore(AsyncStoreAPI):
+class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     """Session store on any database with a chatflow-sqlalchemy backend.
 
     Args:
@@ -166,29 +160,16 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         engine: An existing engine to use (the store does not dispose it).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window in the
-            archive table (read back by ``transcript()``) instead of deleting them.
-        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
-            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
-        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
-        turn_lease_seconds: How long a turn's lease on its session lasts
-            without renewal (it is renewed while the turn runs): a worker
-            that dies mid-turn frees its session after this long.
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
-        auto_migrate: Create or upgrade the schema on open (True), or refuse
-            a missing or old schema with
-            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
-            nothing (False). None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
-            (``0/false/no/off`` turn it off; unset means on).
         engine_options: Keyword arguments for ``create_engine`` over the
             dialect's defaults (pool sizes, ``pool_recycle``, ``echo``...;
             ``connect_args`` key by key) when the store creates its engine from
             ``url``, for its AsyncEngine too on a native-async URL; an
             ``engine`` you pass is used as it is (a ``ValueError`` with both).
+        **options: The other store options, by keyword: ``session_ttl_hours``,
+            ``archive_pruned``, ``turn_lease_seconds``, ``summarizer``,
+            ``auto_migrate``, ``cipher``, ``require_encryption`` (each
+            described at :class:`~chatflow_sqlalchemy.options.StoreOptions`).
+            Any other keyword is a ``TypeError`` naming them.
 
     The schema is created or upgraded on open (under a cross-process lock); a
     database migrated by a newer version raises
@@ -216,24 +197,31 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         engine: Engine | None = None,
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
-        auto_migrate: bool | None = None,
-        session_ttl_hours: float | None = None,
-        archive_pruned: bool = False,
-        cipher: AESGCMCipher | None = None,
-        require_encryption: bool = False,
         engine_options: Mapping[str, Any] | None = None,
-        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
-        summarizer: Summarizer | None = None,
+        **options: Unpack[SQLStoreKeywords],
     ) -> None:
-        self.turn_lease_seconds = validate_turn_lease_seconds(turn_lease_seconds)
-        self.summarizer = validate_summarizer(summarizer)
-        self.auto_migrate = auto_migrate_enabled(auto_migrate)
-        self.default_max_turns = validate_max_turns(default_max_turns, "default_max_turns")
-        self.dedup_ttl_hours = validate_dedup_ttl(dedup_ttl_hours)
-        self._dedup_ttl = timedelta(hours=self.dedup_ttl_hours)
-        self.session_ttl_hours = validate_session_ttl(session_ttl_hours)
-        self.archive_pruned = validate_archive_pruned(archive_pruned)
-        self._sealer = Sealer(cipher, require_encryption)
+        given = {"default_max_turns": default_max_turns, "dedup_ttl_hours": dedup_ttl_hours}
+        chosen = StoreOptions.of(
+            type(self).__name__, {**given, **options}, fix="engine options go in engine_options="
+        )
+        self._start(chosen, url, engine, engine_options)
+
+    def _start(
+        self,
+        options: StoreOptions,
+        url: str | URL | None,
+        engine: Engine | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Open the store with ``options`` on ``engine``, or on an engine made from ``url``.
+
+        What every constructor ends with, once it has built its options (a
+        backend's store class calls it with its URL instead of ``__init__``).
+        """
+        self.options = options
+        self.auto_migrate = auto_migrate_enabled(options.auto_migrate)
+        self._dedup_ttl = options.dedup_ttl
+        self._sealer = Sealer(options.cipher, options.require_encryption)
         self._agents = AgentResolver()
         self._contexts = ContextCache(self._context_cache_size)
         self._last_purge = utcnow()
@@ -241,15 +229,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
 
         extra_options = dict(engine_options or {})
         if engine is None:
-            self.url = parse_database_url(url)
-            self.support = self._support_for(self.url.get_backend_name())
-            if type(self).dialect_support is not None:
-                require_backend(self.url, self.support.name, type(self).__name__)
-            sync_url = self.support.sync_url(self.url)
-            options = merged(self.support.engine_options(sync_url), extra_options)
-            # A backend's own class picked the driver; the generic one takes the URL's.
-            hint = self.support.install_hint if type(self).dialect_support is not None else ""
-            engine = create_store_engine(sync_url, options, hint)
+            engine = self._create_engine(url, extra_options)
             owns_engine = True
         else:
             if engine_options:
@@ -266,6 +246,18 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
             if owns_engine:
                 engine.dispose()
             raise
+
+    def _create_engine(self, url: str | URL | None, engine_options: Mapping[str, Any]) -> Engine:
+        """The store's own engine for ``url``: the dialect's options under the caller's."""
+        self.url = parse_database_url(url)
+        self.support = self._support_for(self.url.get_backend_name())
+        if type(self).dialect_support is not None:
+            require_backend(self.url, self.support.name, type(self).__name__)
+        sync_url = self.support.sync_url(self.url)
+        options = merged(self.support.engine_options(sync_url), engine_options)
+        # A backend's own class picked the driver; the generic one takes the URL's.
+        hint = self.support.install_hint if type(self).dialect_support is not None else ""
+        return create_store_engine(sync_url, options, hint)
 
     def _open_on(self, engine: Engine, owns_engine: bool, options: dict[str, Any]) -> None:
         """Assemble the store on ``engine`` (its own or the caller's) and open the schema."""

@@ -24,7 +24,6 @@ from sqlalchemy.sql.schema import Table
 
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.backends import postgresql_write
-from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     AcquiredClaim,
@@ -35,10 +34,8 @@ from chatflow_sqlalchemy.dialect import (
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
 from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
-from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
-from chatflow_sqlalchemy.summaries import Summarizer
+from chatflow_sqlalchemy.server_store import ServerSessionStore
 from chatflow_sqlalchemy.urls import psycopg_url
-from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     import psycopg
@@ -313,31 +310,19 @@ async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
         return await awaitable
 
 
-class PostgresSessionStore(SQLAlchemySessionStore):
+class PostgresSessionStore(ServerSessionStore):
     """Session store on PostgreSQL (psycopg 3), for many workers sharing conversations.
 
     Args:
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window in the
-            archive table (read back by ``transcript()``) instead of deleting them.
-        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
-            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
-        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
-        auto_migrate: False refuses a missing or old schema instead of creating
-            or upgrading it; None (the default) reads ``CHATFLOW_AUTO_MIGRATE``.
-        engine_options: Passed to ``sqlalchemy.create_engine`` (pool size,
-            echo, ...), also as keyword arguments of their own.
-        turn_lease_seconds: How long a turn's lease lasts without renewal
-            (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`).
-            ``connect_args`` are added to the backend's defaults (a connect
-            timeout and TCP keepalives, see :func:`default_connect_args`).
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        **options: Store options by keyword (see
+            :class:`~chatflow_sqlalchemy.options.StoreOptions`); any other
+            keyword, and ``engine_options=``, goes to ``create_engine`` (pool
+            size, echo, ...). ``connect_args`` are added to the backend's
+            defaults (a connect timeout and TCP keepalives, see
+            :func:`default_connect_args`).
 
     Hangs are bounded: opening a connection by libpq's ``connect_timeout``
     (:data:`CONNECT_TIMEOUT_SECONDS` unless the URL or ``connect_args`` say
@@ -360,41 +345,18 @@ class PostgresSessionStore(SQLAlchemySessionStore):
     about 10 s more for the server before closing the connection).
     """
 
-    def __init__(
-        self,
-        url: str | URL,
-        default_max_turns: int = 40,
-        dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
-        *,
-        auto_migrate: bool | None = None,
-        session_ttl_hours: float | None = None,
-        archive_pruned: bool = False,
-        cipher: AESGCMCipher | None = None,
-        require_encryption: bool = False,
-        engine_options: Mapping[str, Any] | None = None,
-        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
-        summarizer: Summarizer | None = None,
-        **more_engine_options: Any,
-    ) -> None:
+    @classmethod
+    def store_url(cls, url: str | URL) -> URL:
+        """``url`` on psycopg 3 (``postgresql://`` → ``postgresql+psycopg://``).
+
+        Raises:
+            BackendImportError: psycopg is not installed (names the extra).
+            DatabaseURLError: Not a PostgreSQL URL, or one naming another driver.
+
+        """
         if psycopg is None:
             raise BackendImportError(INSTALL_HINT)
-        parsed = psycopg_url(url)
-        given = {**(engine_options or {}), **more_engine_options}
-        options = {**self.dialect_support.engine_options(parsed), **given}
-        options["connect_args"] = default_connect_args(parsed, given.get("connect_args"))
-        super().__init__(
-            parsed,
-            engine_options=options,
-            default_max_turns=default_max_turns,
-            dedup_ttl_hours=dedup_ttl_hours,
-            auto_migrate=auto_migrate,
-            session_ttl_hours=session_ttl_hours,
-            archive_pruned=archive_pruned,
-            cipher=cipher,
-            require_encryption=require_encryption,
-            turn_lease_seconds=turn_lease_seconds,
-            summarizer=summarizer,
-        )
+        return psycopg_url(url)
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:
         """Run database work as the generic store does, bounded by :attr:`operation_timeout`.
@@ -412,8 +374,3 @@ class PostgresSessionStore(SQLAlchemySessionStore):
                 f"no answer from {describe(self.url)} within {self.operation_timeout:g} s "
                 "(PostgresSessionStore.operation_timeout); the operation was cancelled"
             ) from exc
-
-    @classmethod
-    def from_url(cls, url: str | URL, **kwargs: Any) -> PostgresSessionStore:
-        """Open ``url`` (what ``open_store`` calls)."""
-        return cls(url, **kwargs)

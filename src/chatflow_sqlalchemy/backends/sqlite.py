@@ -15,7 +15,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from sqlalchemy import URL, Connection, Engine, event, make_url
@@ -24,7 +24,6 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.dialect import (
     RECLAIMED_AS_DONE,
     DialectSupport,
@@ -33,10 +32,12 @@ from chatflow_sqlalchemy.dialect import (
 )
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
 from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+from chatflow_sqlalchemy.options import SQLStoreKeywords, StoreOptions
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
-from chatflow_sqlalchemy.summaries import Summarizer
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
-from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
@@ -300,22 +301,12 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window in the
-            archive table (read back by ``transcript()``) instead of deleting them.
-        cipher: An :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`: message
-            content and metadata are encrypted at rest (see :mod:`~chatflow_sqlalchemy.sealing`).
-        require_encryption: Refuse plaintext rows with ``CorruptRowError``.
-        auto_migrate: False refuses a missing or old schema instead of creating
-            or upgrading it, and then creates no file or directory; None (the
-            default) reads ``CHATFLOW_AUTO_MIGRATE``.
-        turn_lease_seconds: How long a turn's lease lasts without renewal
-            (see :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`):
-            turns of one session exclude each other across processes too.
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        **options: The other store options, by keyword (see
+            :class:`~chatflow_sqlalchemy.options.StoreOptions`):
+            ``session_ttl_hours``, ``archive_pruned``, ``turn_lease_seconds``,
+            ``summarizer``, ``cipher``, ``require_encryption`` and
+            ``auto_migrate`` (False also creates no file or directory). Turns
+            of one session exclude each other across processes too.
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
     deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
@@ -335,34 +326,18 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         db_path: str | Path = "chatflow.db",
         default_max_turns: int = 40,
         dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS,
-        *,
-        auto_migrate: bool | None = None,
-        session_ttl_hours: float | None = None,
-        archive_pruned: bool = False,
-        cipher: AESGCMCipher | None = None,
-        require_encryption: bool = False,
-        turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS,
-        summarizer: Summarizer | None = None,
+        **options: Unpack[SQLStoreKeywords],
     ) -> None:
+        given = {"default_max_turns": default_max_turns, "dedup_ttl_hours": dedup_ttl_hours}
+        chosen = StoreOptions.of(type(self).__name__, {**given, **options})
         self.db_path = _refuse_url(db_path)
         url = sqlite_url(self.db_path)
         path = database_file(url)
-        if path is not None and auto_migrate_enabled(auto_migrate):
+        if path is not None and auto_migrate_enabled(chosen.auto_migrate):
             # Only a store that may create the schema creates the folder; a refusing
             # one leaves the file system as it found it.
             _make_folder_of(path)
-        super().__init__(
-            url,
-            default_max_turns=default_max_turns,
-            dedup_ttl_hours=dedup_ttl_hours,
-            auto_migrate=auto_migrate,
-            session_ttl_hours=session_ttl_hours,
-            archive_pruned=archive_pruned,
-            cipher=cipher,
-            require_encryption=require_encryption,
-            turn_lease_seconds=turn_lease_seconds,
-            summarizer=summarizer,
-        )
+        self._start(chosen, url)
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:

@@ -1,0 +1,200 @@
+"""The options every store takes, declared and validated once: :class:`StoreOptions`.
+
+Every store constructor (SQLite, PostgreSQL, the generic SQL store, the
+in-memory store, a plugin's) takes the same keywords. Each builds one
+:class:`StoreOptions` from them with :meth:`StoreOptions.of` and passes that
+on, so an option is declared here, once: a field of :class:`StoreOptions`
+(with its check in ``__post_init__``) and its keyword in
+:class:`StoreKeywords` or :class:`SQLStoreKeywords` (for type checkers;
+``tests/test_store_options.py`` checks the two agree). A store shows its
+options as ``store.options`` and each one as an attribute of its own name
+(:class:`OptionsOwner`).
+
+This module imports no SQLAlchemy: the in-memory store runs without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, TypedDict
+
+from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS, validate_dedup_ttl
+from chatflow_sqlalchemy.context import validate_max_turns
+from chatflow_sqlalchemy.crypto import AESGCMCipher
+from chatflow_sqlalchemy.lifecycle import validate_archive_pruned, validate_session_ttl
+from chatflow_sqlalchemy.summaries import Summarizer, validate_summarizer
+from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
+
+__all__ = [
+    "SQL_ONLY",
+    "OptionsOwner",
+    "SQLStoreKeywords",
+    "StoreKeywords",
+    "StoreOptions",
+]
+
+SQL_ONLY = frozenset({"auto_migrate", "cipher", "require_encryption"})
+"""Options of the SQL stores only (the in-memory store keeps nothing at rest)."""
+
+
+class StoreKeywords(TypedDict, total=False):
+    """The keyword-only options every store takes (besides the two positional ones)."""
+
+    session_ttl_hours: float | None
+    archive_pruned: bool
+    turn_lease_seconds: float
+    summarizer: Summarizer | None
+
+
+class SQLStoreKeywords(StoreKeywords, total=False):
+    """The keyword-only options of the SQL stores: every store's, and what is at rest."""
+
+    auto_migrate: bool | None
+    cipher: AESGCMCipher | None
+    require_encryption: bool
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """A store's options, checked when they are made (a bad value never reaches a store).
+
+    Attributes:
+        default_max_turns: History window of new contexts, in complete turns.
+        dedup_ttl_hours: How long a processed webhook id stays claimed.
+        session_ttl_hours: A session not updated for this many hours is expired
+            and removed by ``sweep()``; None (the default) keeps sessions forever.
+        archive_pruned: Keep the messages pruning drops from the window in the
+            archive table (read back by ``transcript()``) instead of deleting them.
+        turn_lease_seconds: How long a turn's lease on its session lasts
+            without renewal (it is renewed while the turn runs): a worker
+            that dies mid-turn frees its session after this long.
+        summarizer: An async callable ``(previous_summary, dropped) -> str``
+            that summarizes the turns pruning drops (see
+            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        auto_migrate: SQL stores: create or upgrade the schema on open (True),
+            or refuse a missing or old schema with
+            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
+            nothing (False); None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
+            (``0/false/no/off`` turn it off; unset means on).
+        cipher: SQL stores: an :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`
+            that encrypts message content and metadata at rest.
+        require_encryption: SQL stores: refuse plaintext rows with ``CorruptRowError``.
+
+    Raises:
+        ValueError: A value out of its range or of the wrong kind.
+        TypeError: ``auto_migrate`` is neither a bool nor None.
+
+    """
+
+    default_max_turns: int = 40
+    dedup_ttl_hours: float = DEFAULT_DEDUP_TTL_HOURS
+    session_ttl_hours: float | None = None
+    archive_pruned: bool = False
+    turn_lease_seconds: float = DEFAULT_TURN_LEASE_SECONDS
+    summarizer: Summarizer | None = None
+    auto_migrate: bool | None = None
+    cipher: AESGCMCipher | None = None
+    require_encryption: bool = False
+
+    def __post_init__(self) -> None:
+        checked = {
+            "default_max_turns": validate_max_turns(self.default_max_turns, "default_max_turns"),
+            "dedup_ttl_hours": validate_dedup_ttl(self.dedup_ttl_hours),
+            "session_ttl_hours": validate_session_ttl(self.session_ttl_hours),
+            "archive_pruned": validate_archive_pruned(self.archive_pruned),
+            "turn_lease_seconds": validate_turn_lease_seconds(self.turn_lease_seconds),
+            "summarizer": validate_summarizer(self.summarizer),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        self._check_at_rest()
+
+    def _check_at_rest(self) -> None:
+        if self.auto_migrate is not None and not isinstance(self.auto_migrate, bool):
+            raise TypeError(f"auto_migrate must be True, False or None, not {self.auto_migrate!r}")
+        if self.cipher is not None and not isinstance(self.cipher, AESGCMCipher):
+            raise ValueError(
+                f"cipher must be a chatflow_sqlalchemy.crypto.AESGCMCipher, got {self.cipher!r}"
+            )
+        if not isinstance(self.require_encryption, bool):
+            raise ValueError(
+                f"require_encryption must be True or False, got {self.require_encryption!r}"
+            )
+        if self.require_encryption and self.cipher is None:
+            raise ValueError("require_encryption=True needs a cipher= to read and write with")
+
+    @property
+    def dedup_ttl(self) -> timedelta:
+        """``dedup_ttl_hours`` as a duration."""
+        return timedelta(hours=self.dedup_ttl_hours)
+
+    @classmethod
+    def of(
+        cls, store: str, keywords: Mapping[str, Any], *, sql: bool = True, fix: str = ""
+    ) -> StoreOptions:
+        """The options a constructor of ``store`` was called with.
+
+        Args:
+            store: The class name, for the error message.
+            keywords: Its keyword arguments, the positional options included.
+            sql: It is a SQL store (which also takes :data:`SQL_ONLY`).
+            fix: What to do instead, added to the error of an unknown keyword.
+
+        Raises:
+            TypeError: A keyword that is no option of ``store``, naming the ones there are.
+
+        """
+        known = {f.name for f in fields(cls)} - (set() if sql else SQL_ONLY)
+        unknown = sorted(set(keywords) - known)
+        if unknown:
+            raise TypeError(cls._unknown(store, unknown[0], known) + (f"; {fix}" if fix else ""))
+        return cls(**keywords)
+
+    @staticmethod
+    def _unknown(store: str, name: str, known: set[str]) -> str:
+        why = "" if name not in SQL_ONLY else (
+            f": {name} is an option of the SQL stores, which keep data at rest"
+        )
+        return (
+            f"{store}() got an unexpected keyword argument {name!r}{why}; its options are "
+            f"{', '.join(sorted(known))} (chatflow_sqlalchemy.options.StoreOptions)"
+        )
+
+
+class OptionsOwner:
+    """A store's options, as ``store.options`` and one attribute per shared option."""
+
+    options: StoreOptions
+    """What the store was opened with, validated."""
+
+    @property
+    def default_max_turns(self) -> int:
+        """History window of new contexts, in complete turns."""
+        return self.options.default_max_turns
+
+    @property
+    def dedup_ttl_hours(self) -> float:
+        """How long a processed webhook id stays claimed."""
+        return self.options.dedup_ttl_hours
+
+    @property
+    def session_ttl_hours(self) -> float | None:
+        """After how long without an update a session is expired (None: never)."""
+        return self.options.session_ttl_hours
+
+    @property
+    def archive_pruned(self) -> bool:
+        """Whether pruned messages are archived rather than deleted."""
+        return self.options.archive_pruned
+
+    @property
+    def turn_lease_seconds(self) -> float:
+        """How long a turn's lease lasts without renewal."""
+        return self.options.turn_lease_seconds
+
+    @property
+    def summarizer(self) -> Summarizer | None:
+        """What summarizes pruned turns, if anything."""
+        return self.options.summarizer
