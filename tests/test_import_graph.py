@@ -101,3 +101,26 @@ def test_the_registry_imports_no_store_and_no_migrations() -> None:
 def test_a_cycle_is_found() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+PUBLIC_SQLALCHEMY = {
+    "sqlalchemy", "sqlalchemy.dialects", "sqlalchemy.dialects.mysql",
+    "sqlalchemy.dialects.postgresql", "sqlalchemy.dialects.sqlite", "sqlalchemy.engine",
+    "sqlalchemy.exc", "sqlalchemy.ext.asyncio", "sqlalchemy.ext.compiler", "sqlalchemy.orm",
+    "sqlalchemy.pool", "sqlalchemy.sql.compiler", "sqlalchemy.sql.dml",
+    "sqlalchemy.sql.functions", "sqlalchemy.sql.schema", "sqlalchemy.types",
+}
+"""SQLAlchemy modules whose names its documentation gives (not ``sqlalchemy.util``)."""
+
+
+def test_only_documented_sqlalchemy_modules_are_imported() -> None:
+    """Issue 26: no undocumented SQLAlchemy API (the async path used ``util.greenlet_spawn``)."""
+    plugin = ROOT.parents[1] / "plugins/chatflow-sqlalchemy-mariadb/src"
+    used: dict[str, str] = {}
+    for path in [*ROOT.rglob("*.py"), *plugin.rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            )
+            used.update({n: path.name for n in names if n.partition(".")[0] == "sqlalchemy"})
+    assert {n: p for n, p in used.items() if n not in PUBLIC_SQLALCHEMY} == {}

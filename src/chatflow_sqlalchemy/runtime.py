@@ -8,14 +8,13 @@ async API runs the very same sync code through :meth:`StoreRuntime.run_blocking`
 * on-disk databases without an async driver: a private pool of threads;
 * in-memory SQLite: directly on the loop (one shared connection, serialised);
 * native async (PostgreSQL, ``sqlite+aiosqlite``): in greenlets on an
-  ``AsyncEngine``, whose sync facade runs the same statements on the async
-  driver without a thread hop.
+  ``AsyncEngine`` (``AsyncSession.run_sync``), whose sync facade runs the
+  same statements on the async driver without a thread hop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 import threading
 import weakref
@@ -23,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL, Connection, Engine, create_engine
 from sqlalchemy import exc as sa_exc
@@ -247,8 +246,9 @@ class StoreRuntime:
         """
         if self.ephemeral:
             return fn(*args)
-        if self.native_async and await self._async_engine_for_loop() is not None:
-            return cast(_T, await _greenlet_spawn()(_on_async_facade, fn, *args))
+        engine = await self._async_engine_for_loop() if self.native_async else None
+        if engine is not None:
+            return await _in_greenlet(engine, fn, *args)
         return await self._io_pool().run(fn, *args)
 
     def _make_async_engine(self) -> AsyncEngine:
@@ -345,28 +345,27 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task.add_done_callback(_BACKGROUND.discard)
 
 
-def _on_async_facade(fn: Callable[..., _T], *args: Any) -> _T:
+async def _in_greenlet(engine: AsyncEngine, fn: Callable[..., _T], *args: Any) -> _T:
+    """Run ``fn`` in a greenlet on ``engine``'s sync facade, by SQLAlchemy's documented way.
+
+    ``AsyncSession.run_sync`` runs a sync callable in SQLAlchemy's greenlet,
+    where sync statements on the AsyncEngine's facade await the async
+    driver. The session itself is never used: it connects only when used,
+    so it holds no connection while ``fn`` checks out its own (unlike
+    ``AsyncConnection.run_sync``, which holds one for the whole call).
+    """
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    return await AsyncSession(engine).run_sync(_on_async_facade, fn, *args)
+
+
+def _on_async_facade(_session: Any, fn: Callable[..., _T], *args: Any) -> _T:
     """Run ``fn`` marked as running on the AsyncEngine's sync facade (in a greenlet)."""
     token = _IN_ASYNC_FACADE.set(True)
     try:
         return fn(*args)
     finally:
         _IN_ASYNC_FACADE.reset(token)
-
-
-@functools.cache
-def _greenlet_spawn() -> Callable[..., Any]:
-    """SQLAlchemy's ``greenlet_spawn``, imported on first native-async use.
-
-    It is the one name used from outside SQLAlchemy's documented API: the
-    documented ``AsyncConnection.run_sync`` is built on it but holds a pooled
-    connection for the whole call, while the store checks out its own
-    connections inside. ``sqlalchemy.util.greenlet_spawn`` has kept its name
-    and signature from 1.4 to 2.1.
-    """
-    from sqlalchemy.util import greenlet_spawn
-
-    return cast(Callable[..., Any], greenlet_spawn)
 
 
 def merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
