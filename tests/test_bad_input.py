@@ -36,9 +36,9 @@ def _mariadb_database(stack: ExitStack) -> str:
     raw = os.environ.get(MARIADB_ENV)
     if not raw:
         pytest.skip(f"MariaDB tests skipped: set {MARIADB_ENV} to run them")
-    from chatflow_sqlalchemy_mariadb.dialect import with_driver
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
 
-    url = with_driver(make_url(raw))
+    url = MariaDBDialectSupport().sync_url(make_url(raw))
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     stack.callback(admin.dispose)
     name = f"t_{uuid.uuid4().hex}"

@@ -147,6 +147,8 @@ class DialectSupport:
             which takes everything it needs of the database from this
             support; a backend names its own class only for what that class
             adds (a URL with its driver, extra methods).
+        default_driver: The DBAPI a URL that names none runs on (``"pymysql"``:
+            ``mysql://`` is ``mysql+pymysql://``); None keeps SQLAlchemy's default.
         expires_processed_whole: True when :meth:`drop_expired_processed`
             removes expired dedup rows in bulk (PostgreSQL's day partitions):
             the store's own periodic purge then leaves every row to it, and
@@ -161,6 +163,7 @@ class DialectSupport:
     """What to install when the dialect's driver is missing; a store that creates its
     engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
     (empty: the driver's ``ImportError`` propagates as it is)."""
+    default_driver: str | None = None
     expires_processed_whole: bool = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
@@ -189,7 +192,9 @@ class DialectSupport:
         return None
 
     def sync_url(self, url: URL) -> URL:
-        """The URL for the store's sync engine (e.g. an async driver mapped to a sync one)."""
+        """The URL for the store's sync engine: :attr:`default_driver` where it names none."""
+        if self.default_driver and "+" not in url.drivername:
+            return url.set(drivername=f"{url.drivername}+{self.default_driver}")
         return url
 
     def async_url(self, url: URL) -> URL | None:
@@ -247,9 +252,12 @@ class DialectSupport:
     def claim_acquired(self, result: CursorResult[Any]) -> tuple[bool, int | None]:
         """Interpret :meth:`acquire_claim`: ``(acquired, ticket or None if unknown)``.
 
-        The default reads the ``RETURNING ticket`` row; a backend that cannot
-        return it answers None and the store reads the ticket afterwards.
+        The default reads the ``RETURNING ticket`` row. A statement that
+        returns no rows (MySQL's upserts cannot) is judged by :meth:`claimed`,
+        and the store reads the ticket afterwards.
         """
+        if not result.returns_rows:
+            return self.claimed(result), None
         row = result.first()
         return (False, None) if row is None else (True, row[0])
 
@@ -284,17 +292,17 @@ class DialectSupport:
     def purge_processed(self, table: Table, batch_size: int) -> Delete:
         """Delete at most ``batch_size`` expired dedup rows (bind parameter ``cutoff``).
 
-        The portable form deletes the primary keys of a ``LIMIT``-ed subquery;
-        dialects that reject it (MySQL cannot ``LIMIT`` an ``IN`` subquery of
-        the table it deletes from) return their own bounded ``DELETE``.
+        The ids come from a ``LIMIT``-ed derived table, which every dialect
+        takes (MySQL refuses a ``LIMIT`` in an ``IN`` subquery itself, and
+        accepts it one level down).
         """
         expired = (
             select(table.c.message_id)
             .where(table.c.processed_at < bindparam("cutoff"))
             .limit(batch_size)
-            .scalar_subquery()
+            .subquery("expired")
         )
-        return delete(table).where(table.c.message_id.in_(expired))
+        return delete(table).where(table.c.message_id.in_(select(expired.c.message_id)))
 
     def drop_expired_processed(
         self, connection: Connection, cutoff: datetime, now: datetime

@@ -64,9 +64,9 @@ def mariadb_url() -> URL:
             f"MariaDB tests skipped: {MARIADB_ENV} is unset; "
             f"set {MARIADB_ENV}=mysql+pymysql://user@host:3306/db to run them"
         )
-    from chatflow_sqlalchemy_mariadb.dialect import with_driver
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
 
-    url = with_driver(make_url(raw))
+    url = MariaDBDialectSupport().sync_url(make_url(raw))
     problem = database_problem(url)
     if problem:
         raise MariaDBUnreachable(

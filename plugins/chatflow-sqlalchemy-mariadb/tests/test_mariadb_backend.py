@@ -7,6 +7,7 @@ Each test that needs the server gets an empty database of its own
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,7 +32,6 @@ from chatflow_sqlalchemy.testing.suite import ScriptedEngine
 from sqlalchemy import URL, create_engine, event, inspect, select, text
 
 from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
-from chatflow_sqlalchemy_mariadb.dialect import lock_name
 from chatflow_sqlalchemy_mariadb.schema import INFO_TABLE, VERSION_TABLE
 
 pytestmark = pytest.mark.mariadb
@@ -78,16 +79,6 @@ def test_unreachable_server_is_one_clear_error() -> None:
     assert "sekret-pw" not in str(info.value)
 
 
-def test_purge_statement_is_a_bounded_delete() -> None:
-    from sqlalchemy.dialects import mysql
-
-    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
-
-    table: Any = ChatflowProcessedMessage.__table__
-    sql = str(MariaDBDialectSupport().purge_processed(table, 1000).compile(dialect=mysql.dialect()))
-    assert "LIMIT 1000" in sql and " IN " not in sql
-
-
 @pytest.mark.parametrize(
     ("mariadb", "version", "skips"),
     [
@@ -105,18 +96,15 @@ def test_batch_jobs_skip_locked_rows_only_where_the_server_can(
 ) -> None:
     from sqlalchemy.dialects import mysql
 
-    from chatflow_sqlalchemy_mariadb.dialect import skips_locked_rows
+    from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
 
     dialect: Any = mysql.dialect()
     dialect.is_mariadb = mariadb
     dialect.server_version_info = version
-    assert skips_locked_rows(dialect) is skips
     sessions: Any = ChatflowSessionTable
-    sql = str(
-        select(sessions.c.session_id)
-        .with_for_update(skip_locked=skips_locked_rows(dialect))
-        .compile(dialect=dialect)
-    )
+    connection: Any = SimpleNamespace(dialect=dialect)
+    locked = MariaDBDialectSupport().lock_batch(select(sessions.c.session_id), connection)
+    sql = str(locked.compile(dialect=dialect))
     assert sql.endswith("FOR UPDATE SKIP LOCKED") is skips and sql.endswith(("UPDATE", "LOCKED"))
 
 
@@ -411,10 +399,16 @@ def test_lease_statements_are_seen_by_the_store_engines_events(mariadb_database:
         assert len(taken) == 1 and len(given_back) == 1, (hook, seen)
 
 
+def _migration_lock_name(database: str | None) -> str:
+    """The named lock every version of the plugin takes to migrate ``database``."""
+    digest = hashlib.blake2b(f"{database or ''}\0".encode(), digest_size=16, person=b"chatflow")
+    return f"chatflow:migrate:{digest.hexdigest()}"
+
+
 def test_the_migration_lock_is_released_through_the_connection(mariadb_database: URL) -> None:
     from chatflow_sqlalchemy_mariadb.dialect import MariaDBDialectSupport
 
-    name = lock_name("migrate", mariadb_database.database)
+    name = _migration_lock_name(mariadb_database.database)
     engine = migrate.open_engine(mariadb_database)
     statements: list[str] = []
     event.listen(
@@ -431,7 +425,7 @@ def test_the_migration_lock_is_released_through_the_connection(mariadb_database:
 
 
 def test_migrations_wait_for_the_migration_lock(mariadb_database: URL) -> None:
-    name = lock_name("migrate", mariadb_database.database)
+    name = _migration_lock_name(mariadb_database.database)
     blocker = create_engine(mariadb_database)
     opened: list[Any] = []
     try:

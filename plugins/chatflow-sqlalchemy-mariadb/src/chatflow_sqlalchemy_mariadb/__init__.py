@@ -1,17 +1,8 @@
-"""MariaDB / MySQL backend for chatflow-sqlalchemy.
+"""MariaDB / MySQL backend for chatflow-sqlalchemy (see its README).
 
-Installing this distribution is all it takes::
-
-    pip install chatflow-sqlalchemy-mariadb
-
-    from chatflow_sqlalchemy import open_store
-    store = open_store("mysql+pymysql://bot:secret@db.internal/chat")
-
-It registers the backend names ``mysql`` and ``mariadb`` in the entry-point
-group ``chatflow_sqlalchemy.backends``, and its own migration chain (the
-``chatflow_mariadb_info`` table) in ``chatflow_sqlalchemy.migrations``.
-Names are imported lazily, so ``import chatflow_sqlalchemy_mariadb`` does not
-import the driver.
+Installed, it serves ``open_store("mysql+pymysql://...")`` (entry points
+``mysql`` and ``mariadb``) and runs its migration chain with the core's.
+Names are imported lazily: importing the package imports no driver.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""What MariaDB and MySQL need that the generic store cannot express portably.
+"""What MariaDB and MySQL need that the core's portable SQL cannot express.
 
-* **Driver**: ``mysql://`` and ``mariadb://`` URLs without a driver use PyMySQL.
-* **Sessions**: ``READ COMMITTED`` (as PostgreSQL), UTC session time zone,
-  ``utf8mb4``; the ``CLIENT_FOUND_ROWS`` flag that SQLAlchemy turns on is
-  turned off, so ``ON DUPLICATE KEY UPDATE`` reports 1 (inserted), 2 (updated)
-  or 0 (left as it was) affected rows: that is how the dedup claim is decided,
-  since MySQL has no ``RETURNING`` for it.
-* **Upserts**: ``INSERT ... ON DUPLICATE KEY UPDATE`` (never ``INSERT IGNORE``,
-  which also swallows data errors).
-* **Purge**: ``DELETE ... WHERE processed_at < :cutoff LIMIT n`` (MySQL cannot
-  ``LIMIT`` an ``IN`` subquery on the table it deletes from).
-* **Keys**: tables are ``utf8mb4`` with a binary, no-pad collation, so
-  ``"Wamid.A"``, ``"wamid.a"`` and ``"wamid.a "`` are three ids, as on every
-  other backend (MySQL's default collations would make them one).
-* **Migrations**: DDL is not transactional, so concurrent starts are
-  serialised with a named lock (``GET_LOCK``) held for the whole run.
+PyMySQL by default; ``READ COMMITTED``, UTC, ``utf8mb4`` connections;
+``INSERT ... ON DUPLICATE KEY UPDATE`` upserts whose affected-row counts
+decide claims (MySQL has no ``RETURNING`` there); ``SKIP LOCKED`` only where
+the server has it; migrations serialised by a named lock, since MySQL's DDL
+is not transactional. Ids are ``utf8mb4`` with a binary, no-pad collation
+(revision 0001 of the core), so they compare exactly as on other backends.
 """
 
 from __future__ import annotations
@@ -34,14 +25,12 @@ from chatflow_sqlalchemy.backend import (
 from sqlalchemy import (
     URL,
     Connection,
-    Dialect,
     Engine,
     Select,
     Table,
     and_,
     bindparam,
     case,
-    delete,
     event,
     func,
     or_,
@@ -49,23 +38,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.sql.dml import Delete, Insert
+from sqlalchemy.sql.dml import Insert
 
-__all__ = [
-    "DEFAULT_DRIVER",
-    "INSTALL_HINT",
-    "MIGRATION_LOCK_TIMEOUT",
-    "MariaDBDialectSupport",
-    "lock_name",
-    "skips_locked_rows",
-    "with_driver",
-]
-
-DEFAULT_DRIVER = "pymysql"
-"""The DBAPI used when a URL names none (``mysql://`` → ``mysql+pymysql://``)."""
-
-INSTALL_HINT = "MariaDB/MySQL needs a driver: pip install PyMySQL"
-"""What to install when the driver is missing."""
+__all__ = ["MIGRATION_LOCK_TIMEOUT", "MariaDBDialectSupport"]
 
 MIGRATION_LOCK_TIMEOUT = 300
 """Seconds a process waits for another one's migrations before giving up."""
@@ -73,40 +48,12 @@ MIGRATION_LOCK_TIMEOUT = 300
 _CLIENT_FOUND_ROWS = 2
 """``CLIENT.FOUND_ROWS`` (same value in PyMySQL and mysqlclient)."""
 
-_INIT_COMMAND = "SET time_zone = '+00:00'"
 
-
-def with_driver(url: URL) -> URL:
-    """``mysql://`` / ``mariadb://`` without a driver → the PyMySQL driver."""
-    if url.drivername in ("mysql", "mariadb"):
-        return url.set(drivername=f"{url.drivername}+{DEFAULT_DRIVER}")
-    return url
-
-
-def lock_name(kind: str, database: str | None, key: str = "") -> str:
-    """A server-wide lock name for ``kind`` in ``database`` (<= 64 characters).
-
-    Named locks are global to the server, so the database is part of the name:
-    two applications on one server never wait for each other.
-    """
-    digest = hashlib.blake2b(
-        f"{database or ''}\0{key}".encode(), digest_size=16, person=b"chatflow"
-    ).hexdigest()
-    return f"chatflow:{kind}:{digest}"
-
-
-def skips_locked_rows(dialect: Dialect) -> bool:
-    """True if the connected server understands ``FOR UPDATE SKIP LOCKED``.
-
-    MariaDB 10.6+, MySQL 8.0.1+. An unconnected dialect (no version known)
-    is assumed recent.
-    """
-    version = tuple(getattr(dialect, "server_version_info", None) or ())
-    if not version:
-        return True
-    if getattr(dialect, "is_mariadb", False):
-        return version >= (10, 6)
-    return version >= (8, 0, 1)
+def _migration_lock(connection: Connection) -> str:
+    """The server-wide named lock of this database's migrations (<= 64 characters)."""
+    database = connection.engine.url.database or ""
+    digest = hashlib.blake2b(f"{database}\0".encode(), digest_size=16, person=b"chatflow")
+    return f"chatflow:migrate:{digest.hexdigest()}"
 
 
 class MariaDBDialectSupport(DialectSupport):
@@ -118,7 +65,8 @@ class MariaDBDialectSupport(DialectSupport):
 
     name = "mysql"
     store_class = "chatflow_sqlalchemy_mariadb.store:MariaDBSessionStore"
-    install_hint = INSTALL_HINT
+    install_hint = "MariaDB/MySQL needs a driver: pip install PyMySQL"
+    default_driver = "pymysql"
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pre-pinged, recycled pool on READ COMMITTED, UTC, utf8mb4 connections."""
@@ -128,12 +76,8 @@ class MariaDBDialectSupport(DialectSupport):
             "pool_size": 10,
             "max_overflow": 10,
             "isolation_level": "READ COMMITTED",
-            "connect_args": {"charset": "utf8mb4", "init_command": _INIT_COMMAND},
+            "connect_args": {"charset": "utf8mb4", "init_command": "SET time_zone = '+00:00'"},
         }
-
-    def sync_url(self, url: URL) -> URL:
-        """Name the PyMySQL driver when the URL names none."""
-        return with_driver(url)
 
     def prepare_engine(self, engine: Engine) -> None:
         """Turn ``CLIENT_FOUND_ROWS`` off: affected-row counts decide dedup claims."""
@@ -174,7 +118,7 @@ class MariaDBDialectSupport(DialectSupport):
         )
 
     def claimed(self, result: CursorResult[Any]) -> bool:
-        """1 (inserted) or 2 (expired claim refreshed) affected rows: the claim is ours."""
+        """1 (inserted) or 2 (taken over) affected rows: the claim (or ``store.claim``) is ours."""
         return result.rowcount in (1, 2)
 
     def acquire_claim(self, table: Table) -> Insert:
@@ -224,10 +168,6 @@ class MariaDBDialectSupport(DialectSupport):
             ]
         )
 
-    def claim_acquired(self, result: CursorResult[Any]) -> tuple[bool, int | None]:
-        """1 (inserted) or 2 (taken over) affected rows; the store reads the ticket after."""
-        return result.rowcount in (1, 2), None
-
     def claim_ticket(self, table: Table) -> Any:
         """``nextval(chatflow_claim_ticket_seq)`` (MariaDB 10.3+ sequences; revision 0003)."""
         return CLAIM_TICKETS.next_value()
@@ -237,26 +177,19 @@ class MariaDBDialectSupport(DialectSupport):
         stmt = mysql_insert(table)
         return stmt.on_duplicate_key_update(processed_at=stmt.inserted.processed_at)
 
-    def purge_processed(self, table: Table, batch_size: int) -> Delete:
-        """``DELETE ... WHERE processed_at < :cutoff LIMIT batch_size``."""
-        return (
-            delete(table)
-            .where(table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()))
-            .with_dialect_options(mysql_limit=batch_size)
-        )
-
     def lock_batch(self, select: Select[Any], connection: Connection) -> Select[Any]:
-        """``FOR UPDATE SKIP LOCKED`` where the server has it, else ``FOR UPDATE``.
+        """``FOR UPDATE SKIP LOCKED`` from MariaDB 10.6 / MySQL 8.0.1, else ``FOR UPDATE``.
 
-        MariaDB has ``SKIP LOCKED`` from 10.6, MySQL from 8.0.1; on older
-        servers concurrent sweeps and key rotations wait for one another
-        instead of taking disjoint batches.
+        On older servers concurrent sweeps and key rotations wait for one another.
         """
-        return select.with_for_update(skip_locked=skips_locked_rows(connection.dialect))
+        dialect = connection.dialect
+        version = tuple(dialect.server_version_info or ())
+        newer = (10, 6) if getattr(dialect, "is_mariadb", False) else (8, 0, 1)
+        return select.with_for_update(skip_locked=not version or version >= newer)
 
     def lock_migrations(self, connection: Connection) -> None:
         """Wait (up to :data:`MIGRATION_LOCK_TIMEOUT`) for the migration lock of this database."""
-        name = lock_name("migrate", connection.engine.url.database)
+        name = _migration_lock(connection)
         got = connection.execute(
             text("SELECT GET_LOCK(:name, :timeout)"),
             {"name": name, "timeout": MIGRATION_LOCK_TIMEOUT},
@@ -276,7 +209,7 @@ class MariaDBDialectSupport(DialectSupport):
         """
         if connection.invalidated:  # a lost connection has released the lock already
             return
-        name = lock_name("migrate", connection.engine.url.database)
+        name = _migration_lock(connection)
         try:
             began = not connection.in_transaction()
             connection.exec_driver_sql("SELECT RELEASE_LOCK(%s)", (name,)).all()
