@@ -47,7 +47,7 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
-from chatflow_sqlalchemy.models import BACKEND_SHAPED
+from chatflow_sqlalchemy.models import BACKEND_SHAPED, ChatflowSession, metadata
 from chatflow_sqlalchemy.registry import support_for
 from chatflow_sqlalchemy.urls import psycopg_url
 
@@ -331,8 +331,6 @@ def configure_context(
 @functools.cache
 def core_chain() -> MigrationChain:
     """chatflow-sqlalchemy's own chain (revisions 0001, 0002, ...)."""
-    from chatflow_sqlalchemy.models import metadata
-
     return MigrationChain(
         script_location=script_location(),
         version_table=VERSION_TABLE,
@@ -622,8 +620,6 @@ def describe_revision(
         return revision
     if chain is not None and not chain.is_core:
         return "none"
-    from chatflow_sqlalchemy.models import ChatflowSession
-
     return UPSTREAM_TABLES if inspect(conn).has_table(ChatflowSession.__tablename__) else (
         EMPTY_DATABASE
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from sqlalchemy import URL, Connection, Engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, bindparam, event, make_url
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.dml import Insert
@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.dialect import (
 )
 from chatflow_sqlalchemy.exceptions import DatabaseUnavailableError, DatabaseURLError
 from chatflow_sqlalchemy.migrate import auto_migrate_enabled
+from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.options import SQLStoreKeywords, StoreOptions
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.urls import parse_database_url, quoted_url, require_backend
@@ -286,10 +287,6 @@ def _raw(connection: Connection) -> Any:
 
 
 def _cutoff() -> Any:
-    from sqlalchemy import bindparam
-
-    from chatflow_sqlalchemy.models import UTCDateTime
-
     return bindparam("cutoff", type_=UTCDateTime())
 
 
