@@ -45,7 +45,6 @@ __all__ = [
     "METADATA_MAX_DEPTH",
     "SUMMARY_SEQ",
     "Checkpoint",
-    "ForkedPart",
     "PendingWrite",
     "SessionContext",
     "StoredSession",
@@ -315,40 +314,30 @@ class StoredSession:
 class PendingWrite:
     """What a context changed since the database last saw it: one write's worth.
 
-    Taken by :meth:`SessionContext.writing` (or :meth:`SessionContext.rebase`),
-    executed by the store as one transaction, then handed back to
-    :meth:`SessionContext.applied` once it committed.
+    From :meth:`SessionContext.writing` (or ``rebase``), run by the store as one
+    transaction, handed back to :meth:`SessionContext.applied` once committed.
+    ``version`` and ``incarnation`` are what the write expects of the session
+    row; ``metadata``, ``metadata_json`` and ``summary`` (text, seq it runs
+    through) are None when unchanged; ``gone`` are the rows to delete (also
+    hidden ones no result can follow any more), ``pruned`` those of them
+    pruning dropped; ``tail`` is the window's last message if the write adds it.
     """
 
     session_id: str
     version: int
-    """The session's version the write expects (its compare-and-swap)."""
     incarnation: object
-    """The ``created_at`` of the session row the write expects (None: not known)."""
     agent_name: str
     metadata: dict[str, Any] | None
-    """The new metadata (a copy), None if it is unchanged."""
     metadata_json: str | None
-    """``metadata`` as canonical JSON, None if it is unchanged."""
     messages: tuple[tuple[int, Message], ...]
-    """The messages to insert, with their seqs, in order."""
     gone: frozenset[int]
-    """The seqs of the rows to delete (they left the window, or are hidden rows no
-    result can follow any more)."""
     pruned: tuple[int, ...]
-    """Of ``gone``, those pruning dropped (the oldest turns), in order."""
     hidden: frozenset[int]
-    """The rows held back from memory (never archived)."""
     cleared: bool
-    """The history was cleared or replaced: what the database held before is no more."""
     empty: bool
-    """The window holds nothing at all any more."""
     summary: tuple[str | None, int] | None
-    """The new summary and the seq it runs through, None if it is unchanged."""
     tail: Message | None
-    """The window's last message if this write adds it (a turn's answer), else None."""
     changed: bool
-    """False if the database holds all of it already (nothing to write)."""
 
 
 def repair_window(
@@ -365,12 +354,7 @@ def repair_window(
       only when a later message makes the result impossible.
     """
     end = len(messages)
-    while (
-        end > 0
-        and messages[end - 1].role == Role.MODEL
-        and messages[end - 1].tool_calls
-        and seqs[end - 1] not in shown
-    ):
+    while end > 0 and _is_call(messages[end - 1]) and seqs[end - 1] not in shown:
         end -= 1
     hidden = set(seqs[end:])
     first = 0
@@ -388,17 +372,9 @@ def repair_window(
     )
 
 
-class ForkedPart(Protocol):
-    """What a fork takes of its source's window (see :meth:`SessionContext.copy_for_fork`)."""
-
-    @property
-    def messages(self) -> list[Message]: ...
-
-    @property
-    def seqs(self) -> list[int]: ...
-
-    @property
-    def turns(self) -> int: ...
+def _is_call(message: Message | None) -> bool:
+    """True for a model message that calls tools (its results follow it)."""
+    return message is not None and message.role == Role.MODEL and bool(message.tool_calls)
 
 
 class _TrackedDict(dict[str, Any]):
@@ -945,34 +921,23 @@ class SessionContext(_UpstreamSessionContext):
     def window(self) -> list[tuple[int, Message]]:
         """The window's messages with their seqs, in order, without the summary's message.
 
-        Read without the context's mutex: a store calls it under its own lock,
-        which a write of the context takes after the mutex.
+        Read without the mutex: a store calls it under its own lock (taken after the mutex).
         """
         pairs = zip(self._seqs, self._history, strict=True)
         return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
 
     def is_current(self, version: int) -> bool:
-        """True if the session's ``version`` is the one this context last read or wrote.
-
-        False also for a stale context (a write failed): it reloads.
-        """
+        """True if ``version`` is the one this context last read or wrote, and it is not stale."""
         durable = self._durable
         return durable is not None and durable.version == version and not self._stale
-
-    def install(self, stored: StoredSession, agent: Agent) -> None:
-        """Take ``stored`` (the session as read) as the whole state, with ``agent`` active."""
-        with self._mutex:
-            self._install(stored, agent, frozenset())
 
     def catch_up(self, stored: StoredSession | None, agents: AgentLookup) -> bool:
         """Take what the database holds (``stored``), keeping what memory holds that is newer.
 
-        Nothing changes while a turn is open, while a write is pending or
-        running, or once this context wrote ``stored``'s version (or a later
-        one) itself: those changes stay, and their write rebases them. A
-        trailing tool call not written yet (or one another writer deleted)
-        is kept after the rows, to be written with its result. ``agents``
-        maps the stored agent name to an Agent.
+        Nothing changes during a turn or a write, or once this context wrote
+        ``stored``'s version (or a later one) itself: its write rebases them.
+        An unsaved trailing tool call (or one another writer deleted) stays,
+        after the rows, to be written with its result.
 
         Returns:
             False if the session is gone: ``stored`` is None, or is a later
@@ -984,20 +949,18 @@ class SessionContext(_UpstreamSessionContext):
                 return False
             if self._holds_newer_than(stored):
                 return True
-            agent = agents(stored.agent_name, self.active_agent)
-            carried = self._orphaned_tool_call(stored) or self._unsaved_tail_call()
-            self._install(stored, agent, set(self._seqs))
+            tail = self._unsaved_tail()
+            carried = self._orphaned_tool_call(stored) or (tail if _is_call(tail) else None)
+            self._install(stored, agents(stored.agent_name, self.active_agent), set(self._seqs))
             if carried is not None:
                 self._append(carried)  # unsaved again: written with its result
             return True
 
     @contextmanager
     def writing(self) -> Iterator[PendingWrite | None]:
-        """Hold the context for one write; yield what it changed, None if nothing.
+        """Hold the context (its mutex) for one write; yield what it changed, None if nothing.
 
-        The context's mutex is held throughout, and a write is marked in
-        progress: a catch-up meanwhile (on a native-async store, the loop's
-        thread re-enters the mutex) leaves memory alone.
+        A catch-up meanwhile (a native-async one re-enters the mutex) leaves memory alone.
 
         Raises:
             SessionDeletedError: If the session was deleted.
@@ -1023,28 +986,21 @@ class SessionContext(_UpstreamSessionContext):
             assert durable is not None
             seqs = durable.seqs - write.gone
             seqs.update(seq for seq, _ in write.messages)
+            metadata_json = write.metadata_json or durable.metadata_json  # None: unchanged
             self._durable = DurableState(
-                version=durable.version + 1,
-                seqs=seqs,
-                agent_name=self.active_agent.name,
-                metadata_json=(
-                    durable.metadata_json if write.metadata_json is None else write.metadata_json
-                ),
-                incarnation=durable.incarnation,
-                hidden=durable.hidden.difference(write.gone),
-                summary=self._summary,
-                summary_through=self._summary_through,
+                durable.version + 1, seqs, self.active_agent.name, metadata_json,
+                durable.incarnation, durable.hidden.difference(write.gone),
+                self._summary, self._summary_through,
             )
             self._cleared = False
 
     def rebase(self, stored: StoredSession | None, agents: AgentLookup) -> PendingWrite:
         """Another writer moved the session: take its rows, replay the unsaved changes on them.
 
-        New messages go after the other writer's rows as whole turns, never
-        interleaved; an unsaved clear (or a replaced history) also drops what
-        the other writer added before it; this context's agent, metadata and
-        summary win where it changed them (a summary only over the one it was
-        made from). ``agents`` maps the stored agent name to an Agent.
+        New messages go after its rows as whole turns; an unsaved clear (or a
+        replaced history) drops what it added too; this context's agent,
+        metadata and summary win where it changed them (a summary only over
+        the one it was made from).
 
         Returns:
             What to write now.
@@ -1121,18 +1077,17 @@ class SessionContext(_UpstreamSessionContext):
     def copy_for_fork(
         self,
         session_id: str,
-        cut: Callable[[list[Message], list[int]], ForkedPart],
+        cut: Callable[[list[Message], list[int]], tuple[list[Message], list[int], int]],
         *,
         max_turns: int,
     ) -> SessionContext:
         """A new context, not attached to a store, that starts as a fork of this one.
 
-        It takes what this context holds outside a turn (a turn still running
-        is not in it, as a SQL store copies what is committed): the messages
-        ``cut`` takes of the window (given its messages and seqs in order,
-        without the summary's), the summary, active agent and metadata.
-        ``forked_from`` and ``forked_at_turn`` say where it came from; new
-        messages take seqs above the source's.
+        It takes what this context holds outside a turn (as a SQL store copies
+        what is committed): what ``cut`` takes of the window's messages and
+        seqs (the summary's left out; it returns them and how many turns they
+        hold), the summary, agent and metadata. New messages take seqs above
+        the source's.
 
         Raises:
             SessionDeletedError: If the session was deleted.
@@ -1147,16 +1102,16 @@ class SessionContext(_UpstreamSessionContext):
             next_seq = self._next_seq
         pairs = [(m, seq) for m, seq in zip(state.history, state.seqs, strict=True)
                  if seq != SUMMARY_SEQ]
-        part = cut([m for m, _ in pairs], [seq for _, seq in pairs])
+        messages, seqs, turns = cut([m for m, _ in pairs], [seq for _, seq in pairs])
         ctx = SessionContext(session_id, state.agent, max_turns=max_turns, metadata=metadata)
         with ctx._mutex:
             ctx._restore(Checkpoint(
-                [m.model_copy(deep=True) for m in part.messages], list(part.seqs),
+                [m.model_copy(deep=True) for m in messages], list(seqs),
                 state.agent, False, state.summary, state.summary_through,
             ))
             ctx._place_summary()
             ctx._next_seq = next_seq
-        ctx.forked_from, ctx.forked_at_turn = self.session_id, part.turns
+        ctx.forked_from, ctx.forked_at_turn = self.session_id, turns
         return ctx
 
     # ------------------------------------------------------------------ turns
@@ -1445,19 +1400,11 @@ class SessionContext(_UpstreamSessionContext):
         agent_name = self.active_agent.name
         changed = agent_name != durable.agent_name or bool(gone or messages) or self._cleared
         return PendingWrite(
-            session_id=self.session_id,
-            version=durable.version,
-            incarnation=durable.incarnation,
-            agent_name=agent_name,
-            metadata=metadata,
-            metadata_json=metadata_json,
-            messages=messages,
-            gone=frozenset(gone),
-            pruned=tuple(self._pruned(gone)),
-            hidden=durable.hidden,
-            cleared=self._cleared,
-            empty=not self._seqs,
-            summary=summary,
+            session_id=self.session_id, version=durable.version,
+            incarnation=durable.incarnation, agent_name=agent_name,
+            metadata=metadata, metadata_json=metadata_json, messages=messages,
+            gone=frozenset(gone), pruned=tuple(self._pruned(gone)), hidden=durable.hidden,
+            cleared=self._cleared, empty=not self._seqs, summary=summary,
             tail=self._unsaved_tail(),
             changed=changed or summary is not None or metadata is not None,
         )
@@ -1481,13 +1428,6 @@ class SessionContext(_UpstreamSessionContext):
             return None
         return self._history[-1]
 
-    def _unsaved_tail_call(self) -> Message | None:
-        """The last message if it is a tool call not written yet (carried by a catch-up)."""
-        message = self._unsaved_tail()
-        if message is None or message.role != Role.MODEL or not message.tool_calls:
-            return None
-        return message
-
     def _orphaned_tool_call(self, stored: StoredSession) -> Message | None:
         """The stored trailing tool call whose row another writer deleted, if any.
 
@@ -1506,9 +1446,7 @@ class SessionContext(_UpstreamSessionContext):
         if index < 0:
             return None
         message = self._history[index]
-        if message.role != Role.MODEL or not message.tool_calls:
-            return None
-        return None if self._seqs[index] in stored.seqs else message
+        return message if _is_call(message) and self._seqs[index] not in stored.seqs else None
 
     def _other_incarnation(self, stored: StoredSession) -> bool:
         """True if ``stored`` is a later session under this id (deleted and created anew).
@@ -1522,13 +1460,10 @@ class SessionContext(_UpstreamSessionContext):
     def _holds_newer_than(self, stored: StoredSession) -> bool:
         """True if installing ``stored`` would throw away what a turn or a write holds.
 
-        Another thread may look a context up (and so refresh it) while a turn
-        is open on it, between the end of a turn and its write, or (native
-        async, where a greenlet on the loop thread re-enters the mutex) while
-        a write is in progress: the unsaved messages must stay, and the write
-        rebases them onto whatever the database holds by then. A context that
-        wrote meanwhile is newer than what was read before that write. A
-        stale context holds nothing worth keeping.
+        The unsaved messages of an open turn, or of a write pending or running
+        (a native-async refresh re-enters the mutex), stay: their write rebases
+        them. A context that wrote meanwhile is newer than what was read
+        before. A stale context holds nothing worth keeping.
         """
         durable = self._durable
         if durable is None or self._stale:

@@ -341,7 +341,7 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
     ) -> SessionContext:
         agent = self._agents(stored.agent_name, default_agent)
         ctx = SessionContext(session_id, agent, max_turns=self.default_max_turns)
-        ctx.install(stored, agent)
+        ctx.catch_up(stored, lambda _name, _default: agent)
         ctx.attach(self)
         return ctx
 

@@ -116,7 +116,11 @@ class SessionWriter:
             ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
 
         """
-        reply = None if fence is None else self._reply(pending)
+        # A claim's reply, also refused before the turn is written if it cannot be
+        # stored; an encrypting store keeps only what the block itself stores there.
+        reply = None if fence is None else reply_of(pending.tail)
+        if self._sealer.active:
+            reply = None
         written = None
         to_summarize = False
         kept = lease is not None and lease.kept
@@ -145,17 +149,6 @@ class SessionWriter:
         elif lease is not None:
             lease.version = written.version + 1  # the batch's next turn need not read it
         return len(written.gone)
-
-    def _reply(self, pending: PendingWrite) -> str | None:
-        """What a claimed turn stores as its claim's reply (see :func:`reply_of`).
-
-        The model answer this turn added, if it is the window's last message.
-        None on a store that encrypts: the claim's reply column holds only
-        what the block itself stores there (an answer it could not store is
-        refused all the same, before the turn is written).
-        """
-        reply = reply_of(pending.tail)
-        return None if self._sealer.active else reply
 
     def _write_at_once(
         self,
