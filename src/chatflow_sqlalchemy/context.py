@@ -309,7 +309,6 @@ class StoredSession:
     """The highest seq of its archived rows (0: none): new messages take seqs above it."""
 
 
-
 @dataclass(frozen=True)
 class PendingWrite:
     """What a context changed since the database last saw it: one write's worth.
@@ -365,11 +364,7 @@ def repair_window(
         start += 1
     if start == first and end == len(messages):
         return messages, seqs, hidden
-    return (
-        messages[:first] + messages[start:end],
-        seqs[:first] + seqs[start:end],
-        hidden,
-    )
+    return messages[:first] + messages[start:end], seqs[:first] + seqs[start:end], hidden
 
 
 def _is_call(message: Message | None) -> bool:
@@ -932,17 +927,13 @@ class SessionContext(_UpstreamSessionContext):
         return durable is not None and durable.version == version and not self._stale
 
     def catch_up(self, stored: StoredSession | None, agents: AgentLookup) -> bool:
-        """Take what the database holds (``stored``), keeping what memory holds that is newer.
+        """Take what the database holds (``stored``); False if that session is gone.
 
-        Nothing changes during a turn or a write, or once this context wrote
-        ``stored``'s version (or a later one) itself: its write rebases them.
-        An unsaved trailing tool call (or one another writer deleted) stays,
-        after the rows, to be written with its result.
-
-        Returns:
-            False if the session is gone: ``stored`` is None, or is a later
-            session under the same id.
-
+        Gone: ``stored`` is None, or is a later session under the same id.
+        Memory that is newer stays: during a turn or a write, or once this
+        context wrote ``stored``'s version (or a later one) itself; its write
+        rebases it. An unsaved trailing tool call (or one another writer
+        deleted) stays too, after the rows, to be written with its result.
         """
         with self._mutex:
             if stored is None or self._other_incarnation(stored):

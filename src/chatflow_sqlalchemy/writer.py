@@ -121,16 +121,11 @@ class SessionWriter:
         reply = None if fence is None else reply_of(pending.tail)
         if self._sealer.active:
             reply = None
-        written = None
-        to_summarize = False
         kept = lease is not None and lease.kept
-        if (
-            self._writes_at_once and not kept and not pending.empty and pending.summary is None
-            and not self._archives_now(pending)
-            and self._write_at_once(pending, fence, reply, lease)
-        ):
-            written = pending
-        if written is None:
+        written, to_summarize = pending, False
+        at_once = self._writes_at_once and not kept and not pending.empty
+        at_once = at_once and pending.summary is None and not self._archives_now(pending)
+        if not (at_once and self._write_at_once(pending, fence, reply, lease)):
             answer = None if batch is None else (batch, reply_of(pending.tail))
             keep = self._leases.until_params() if kept else None
             with self._runtime.transaction(write=True) as conn:
@@ -222,11 +217,7 @@ class SessionWriter:
         return pending, to_summarize
 
     def _archives_now(self, pending: PendingWrite) -> bool:
-        """True if this write archives rows (it then takes the step-by-step path).
-
-        Hidden rows do not count: only a write that archives a row memory
-        shows needs the step-by-step path.
-        """
+        """True if this write archives rows memory showed (it then takes the step-by-step path)."""
         if not self._archive_pruned and self._summaries is None:
             return False
         parts = self._to_archive(pending)
