@@ -26,7 +26,8 @@ import json
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -43,11 +44,15 @@ from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, check_storable_tex
 __all__ = [
     "METADATA_MAX_DEPTH",
     "SUMMARY_SEQ",
+    "Checkpoint",
+    "PendingWrite",
     "SessionContext",
+    "StoredSession",
     "TurnLock",
     "check_metadata",
     "dump_message",
     "dump_metadata",
+    "repair_window",
     "validate_agent",
     "validate_id",
     "validate_max_turns",
@@ -226,6 +231,10 @@ def _rewind_count(turns: object) -> int:
     return turns
 
 
+AgentLookup = Callable[[str, Agent | None], Agent]
+"""Maps a stored agent name to an Agent, given the one to fall back on (the store's resolver)."""
+
+
 class ContextOwner(Protocol):
     """What an attached context needs from its store (implemented by the SQL store)."""
 
@@ -241,7 +250,9 @@ class ContextOwner(Protocol):
 
 
 @dataclass
-class _Snapshot:
+class Checkpoint:
+    """A context's state at one moment (:meth:`SessionContext.checkpoint`), to go back to."""
+
     history: list[Message]
     seqs: list[int]
     agent: Agent
@@ -254,7 +265,7 @@ class _Snapshot:
 class _TurnSnapshot:
     """Everything a turn may change, as it was when the turn began (restored if discarded)."""
 
-    state: _Snapshot
+    state: Checkpoint
     metadata_json: str
     durable: DurableState | None
 
@@ -277,6 +288,88 @@ class DurableState:
     summary: str | None = None
     summary_through: int = 0
     """The highest seq folded into ``summary`` (0: none)."""
+
+
+@dataclass
+class StoredSession:
+    """A session as read from the database (the rows of its window)."""
+
+    version: int
+    agent_name: str
+    metadata: dict[str, Any]
+    messages: list[Message]
+    seqs: list[int]
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    summary: str | None = None
+    summary_through: int = 0
+    forked_from: str | None = None
+    forked_at_turn: int | None = None
+    archived_through: int = 0
+    """The highest seq of its archived rows (0: none): new messages take seqs above it."""
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """What a context changed since the database last saw it: one write's worth.
+
+    From :meth:`SessionContext.writing` (or ``rebase``), run by the store as one
+    transaction, handed back to :meth:`SessionContext.applied` once committed.
+    ``version`` and ``incarnation`` are what the write expects of the session
+    row; ``metadata``, ``metadata_json`` and ``summary`` (text, seq it runs
+    through) are None when unchanged; ``gone`` are the rows to delete (also
+    hidden ones no result can follow any more), ``pruned`` those of them
+    pruning dropped; ``tail`` is the window's last message if the write adds it.
+    """
+
+    session_id: str
+    version: int
+    incarnation: object
+    agent_name: str
+    metadata: dict[str, Any] | None
+    metadata_json: str | None
+    messages: tuple[tuple[int, Message], ...]
+    gone: frozenset[int]
+    pruned: tuple[int, ...]
+    hidden: frozenset[int]
+    cleared: bool
+    empty: bool
+    summary: tuple[str | None, int] | None
+    tail: Message | None
+    changed: bool
+
+
+def repair_window(
+    messages: list[Message], seqs: list[int], shown: frozenset[int] | set[int] = frozenset()
+) -> tuple[list[Message], list[int], set[int]]:
+    """The window memory shows of the stored rows, and the seqs of the rows it hides.
+
+    * Leading non-USER messages (only a file written by upstream holds them)
+      are dropped; their rows are deleted by the next write.
+    * A trailing tool call without its result is hidden (returned as hidden):
+      it was written outside a turn by a writer that died or is still running
+      the tool. The context that wrote it (``shown``: the seqs a context shows
+      already) keeps it, so its result lands after it; the rows are deleted
+      only when a later message makes the result impossible.
+    """
+    end = len(messages)
+    while end > 0 and _is_call(messages[end - 1]) and seqs[end - 1] not in shown:
+        end -= 1
+    hidden = set(seqs[end:])
+    first = 0
+    while first < end and messages[first].role == Role.SYSTEM:
+        first += 1
+    start = first
+    while start < end and messages[start].role != Role.USER:
+        start += 1
+    if start == first and end == len(messages):
+        return messages, seqs, hidden
+    return messages[:first] + messages[start:end], seqs[:first] + seqs[start:end], hidden
+
+
+def _is_call(message: Message | None) -> bool:
+    """True for a model message that calls tools (its results follow it)."""
+    return message is not None and message.role == Role.MODEL and bool(message.tool_calls)
 
 
 class _TrackedDict(dict[str, Any]):
@@ -514,8 +607,8 @@ class SessionContext(_UpstreamSessionContext):
         self._n_system = 0
         self._turns: deque[int] = deque()
         self._next_seq = 1
-        self._journal: list[tuple[int, _Snapshot]] = []
-        self._turn_snapshot: _Snapshot | None = None
+        self._journal: list[tuple[int, Checkpoint]] = []
+        self._turn_snapshot: Checkpoint | None = None
         self._turn_start: _TurnSnapshot | None = None
         self._cleared = False
         self._in_turn = False
@@ -793,6 +886,225 @@ class SessionContext(_UpstreamSessionContext):
         async with self._async_writer:
             await self._owner._run_blocking(fn, *args)
 
+    # ------------------------------------------------------------ persistence
+    # The interface a store persists the context through: a store reads and
+    # changes the context's state only by these methods.
+
+    def attach(self, owner: ContextOwner) -> None:
+        """Have ``owner`` (the store that hands this context out) persist its changes."""
+        self._owner = owner
+
+    def mark_deleted(self) -> None:
+        """The session is gone: every later use of this context raises SessionDeletedError."""
+        self._deleted = True
+
+    def mark_stale(self) -> None:
+        """Memory may hold what the database refused: the next catch-up reloads it."""
+        self._stale = True
+
+    @property
+    def in_turn(self) -> bool:
+        """True while a turn (``session.lock``) is open on this context."""
+        return self._in_turn
+
+    @property
+    def incarnation(self) -> object:
+        """The ``created_at`` of the session row this context last read or wrote (None: none)."""
+        durable = self._durable
+        return None if durable is None else durable.incarnation
+
+    def window(self) -> list[tuple[int, Message]]:
+        """The window's messages with their seqs, in order, without the summary's message.
+
+        Read without the mutex: a store calls it under its own lock (taken after the mutex).
+        """
+        pairs = zip(self._seqs, self._history, strict=True)
+        return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
+
+    def is_current(self, version: int) -> bool:
+        """True if ``version`` is the one this context last read or wrote, and it is not stale."""
+        durable = self._durable
+        return durable is not None and durable.version == version and not self._stale
+
+    def catch_up(self, stored: StoredSession | None, agents: AgentLookup) -> bool:
+        """Take what the database holds (``stored``); False if that session is gone.
+
+        Gone: ``stored`` is None, or is a later session under the same id.
+        Memory that is newer stays: during a turn or a write, or once this
+        context wrote ``stored``'s version (or a later one) itself; its write
+        rebases it. An unsaved trailing tool call (or one another writer
+        deleted) stays too, after the rows, to be written with its result.
+        """
+        with self._mutex:
+            if stored is None or self._other_incarnation(stored):
+                return False
+            if self._holds_newer_than(stored):
+                return True
+            tail = self._unsaved_tail()
+            carried = self._orphaned_tool_call(stored) or (tail if _is_call(tail) else None)
+            self._install(stored, agents(stored.agent_name, self.active_agent), set(self._seqs))
+            if carried is not None:
+                self._append(carried)  # unsaved again: written with its result
+            return True
+
+    @contextmanager
+    def writing(self) -> Iterator[PendingWrite | None]:
+        """Hold the context (its mutex) for one write; yield what it changed, None if nothing.
+
+        A catch-up meanwhile (a native-async one re-enters the mutex) leaves memory alone.
+
+        Raises:
+            SessionDeletedError: If the session was deleted.
+
+        """
+        with self._mutex:
+            self._check_alive()
+            self._ensure_indexed()
+            pending = None if self._durable is None else self._pending()
+            if pending is None or not pending.changed:
+                yield None
+                return
+            self._writing += 1
+            try:
+                yield pending
+            finally:
+                self._writing -= 1
+
+    def applied(self, write: PendingWrite) -> None:
+        """``write`` committed: what it wrote is what the database holds now, one version up."""
+        with self._mutex:
+            durable = self._durable
+            assert durable is not None
+            seqs = durable.seqs - write.gone
+            seqs.update(seq for seq, _ in write.messages)
+            metadata_json = write.metadata_json or durable.metadata_json  # None: unchanged
+            self._durable = DurableState(
+                durable.version + 1, seqs, self.active_agent.name, metadata_json,
+                durable.incarnation, durable.hidden.difference(write.gone),
+                self._summary, self._summary_through,
+            )
+            self._cleared = False
+
+    def rebase(self, stored: StoredSession | None, agents: AgentLookup) -> PendingWrite:
+        """Another writer moved the session: take its rows, replay the unsaved changes on them.
+
+        New messages go after its rows as whole turns; an unsaved clear (or a
+        replaced history) drops what it added too; this context's agent,
+        metadata and summary win where it changed them (a summary only over
+        the one it was made from).
+
+        Returns:
+            What to write now.
+
+        Raises:
+            SessionDeletedError: ``stored`` is None, or is a later session under
+                the same id: nothing of this context goes into another conversation.
+
+        """
+        with self._mutex:
+            durable = self._durable
+            assert durable is not None
+            if stored is None or self._other_incarnation(stored):
+                raise SessionDeletedError(self.session_id)
+            unsaved = [message for _, message in self._pending_messages()]
+            cleared = self._cleared
+            agent = self.active_agent  # ours wins if we switched
+            if agent.name == durable.agent_name:
+                agent = agents(stored.agent_name, agent)
+            metadata = dict(self._metadata)
+            metadata_changed = dump_metadata(metadata) != durable.metadata_json
+            summary = (self._summary, self._summary_through) if self._summary_changed() else None
+            carried = None if cleared else self._orphaned_tool_call(stored)
+            self._install(stored, agent, set(self._seqs))
+            if metadata_changed:
+                self._replace_metadata(metadata)
+            if cleared:
+                self._history, self._seqs, self._cleared = [], [], True
+                self._reindex()
+                if summary is None:  # a replaced history (history = ...) keeps the summary
+                    self._set_summary(self._summary, self._summary_through)
+                else:  # clear_history forgot it: the other's summary goes too
+                    self._set_summary(None, self._next_seq - 1)
+            elif summary is not None and stored.summary_through == durable.summary_through:
+                self._set_summary(*summary)  # else another summary was written first: it stands
+            for message in unsaved if carried is None else [carried, *unsaved]:
+                self._append(message)
+            return self._pending()
+
+    def checkpoint(self) -> Checkpoint:
+        """The state now (history, active agent, summary), to go back to with :meth:`restore`."""
+        with self._mutex:
+            return self._snapshot()
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Go back to ``checkpoint`` in memory (a store undoing a turn it refused)."""
+        with self._mutex:
+            self._restore(checkpoint)
+
+    def changed_since(self, checkpoint: Checkpoint) -> bool:
+        """True unless the history and the active agent are the very ones of ``checkpoint``."""
+        same = len(self._history) == len(checkpoint.history) and all(
+            now is then for now, then in zip(self._history, checkpoint.history, strict=True)
+        )
+        return not same or self.active_agent is not checkpoint.agent
+
+    def added_since(self, checkpoint: Checkpoint) -> Message | None:
+        """The window's last message if ``checkpoint`` did not hold it (a turn's answer)."""
+        last = self._history[-1] if self._history else None
+        if last is None or any(message is last for message in checkpoint.history):
+            return None
+        return last
+
+    def settle_window(self, gone: Iterable[int]) -> tuple[list[int], bool]:
+        """For a store that keeps the window itself: what left it, seen once.
+
+        ``gone``: the seqs that left the window since the store last looked.
+        Returns those pruning dropped (see :meth:`_pruned`), and whether the
+        history was cleared since; the clear is then taken as seen.
+        """
+        cleared, self._cleared = self._cleared, False
+        return self._pruned(gone), cleared
+
+    def copy_for_fork(
+        self,
+        session_id: str,
+        cut: Callable[[list[Message], list[int]], tuple[list[Message], list[int], int]],
+        *,
+        max_turns: int,
+    ) -> SessionContext:
+        """A new context, not attached to a store, that starts as a fork of this one.
+
+        It takes what this context holds outside a turn (as a SQL store copies
+        what is committed): what ``cut`` takes of the window's messages and
+        seqs (the summary's left out; it returns them and how many turns they
+        hold), the summary, agent and metadata. New messages take seqs above
+        the source's.
+
+        Raises:
+            SessionDeletedError: If the session was deleted.
+
+        """
+        with self._mutex:
+            self._check_alive()
+            self._ensure_indexed()
+            start = self._turn_snapshot if self._in_turn else None
+            state = start if start is not None else self._snapshot()
+            metadata = json.loads(dump_metadata(self._metadata))
+            next_seq = self._next_seq
+        pairs = [(m, seq) for m, seq in zip(state.history, state.seqs, strict=True)
+                 if seq != SUMMARY_SEQ]
+        messages, seqs, turns = cut([m for m, _ in pairs], [seq for _, seq in pairs])
+        ctx = SessionContext(session_id, state.agent, max_turns=max_turns, metadata=metadata)
+        with ctx._mutex:
+            ctx._restore(Checkpoint(
+                [m.model_copy(deep=True) for m in messages], list(seqs),
+                state.agent, False, state.summary, state.summary_through,
+            ))
+            ctx._place_summary()
+            ctx._next_seq = next_seq
+        ctx.forked_from, ctx.forked_at_turn = self.session_id, turns
+        return ctx
+
     # ------------------------------------------------------------------ turns
 
     async def _abegin_turn(self) -> None:
@@ -866,7 +1178,7 @@ class SessionContext(_UpstreamSessionContext):
         if self._deleted:
             raise SessionDeletedError(self.session_id)
 
-    def _changed(self, undo: _Snapshot | None = None) -> None:
+    def _changed(self, undo: Checkpoint | None = None) -> None:
         """Persist now, or leave it for the end of the turn.
 
         If writing fails, the change is undone in memory (``undo`` is the state
@@ -895,20 +1207,20 @@ class SessionContext(_UpstreamSessionContext):
             self._check_alive()
             self._changed()
 
-    def _snapshot(self) -> _Snapshot:
-        return _Snapshot(
+    def _snapshot(self) -> Checkpoint:
+        return Checkpoint(
             list(self._history), list(self._seqs), self.active_agent, self._cleared,
             self._summary, self._summary_through,
         )
 
-    def _push_undo(self) -> _Snapshot:
+    def _push_undo(self) -> Checkpoint:
         snapshot = self._snapshot()
         self._journal.append((len(self._history), snapshot))
         if len(self._journal) > _JOURNAL_LIMIT:
             del self._journal[0]
         return snapshot
 
-    def _find_snapshot(self, checkpoint_len: int) -> _Snapshot | None:
+    def _find_snapshot(self, checkpoint_len: int) -> Checkpoint | None:
         turn = self._turn_snapshot
         if turn is not None and len(turn.history) == checkpoint_len:
             self._journal.clear()
@@ -920,7 +1232,7 @@ class SessionContext(_UpstreamSessionContext):
                 return snapshot
         return None
 
-    def _restore(self, snapshot: _Snapshot) -> None:
+    def _restore(self, snapshot: Checkpoint) -> None:
         self._history = list(snapshot.history)
         self._seqs = list(snapshot.seqs)
         self.active_agent = snapshot.agent
@@ -1011,23 +1323,36 @@ class SessionContext(_UpstreamSessionContext):
         if self._n_system + sum(self._turns) != len(self._history):
             self._regroup()
 
-    def _load(
-        self,
-        messages: list[Message],
-        seqs: list[int],
-        agent: Agent,
-        metadata: dict[str, Any],
-        durable: DurableState,
+    def _install(
+        self, stored: StoredSession, agent: Agent, shown: frozenset[int] | set[int]
     ) -> None:
-        """Replace the whole state with what the store read (caller holds the mutex)."""
-        self._history = messages
+        """Replace the whole state with ``stored`` (caller holds the mutex).
+
+        ``shown``: the seqs this context shows already (see :func:`repair_window`).
+        """
+        window, seqs, hidden = repair_window(stored.messages, stored.seqs, shown)
+        durable = DurableState(
+            version=stored.version,
+            seqs=set(stored.seqs).difference(hidden),
+            agent_name=stored.agent_name,
+            metadata_json=dump_metadata(stored.metadata),
+            incarnation=stored.created_at,
+            hidden=frozenset(hidden),
+            summary=stored.summary,
+            summary_through=stored.summary_through,
+        )
+        self._history = window
         self._seqs = seqs
         self.active_agent = agent
-        self._replace_metadata(metadata)
+        self._replace_metadata(stored.metadata)
+        # A seq names one message in the transcript (archive and window merged by
+        # seq): never reuse an archived one (a rewound turn's, or one a fork copied
+        # to wait for its summary) for a new message.
         self._next_seq = max(
             self._next_seq,
             max(durable.seqs | durable.hidden, default=0) + 1,
             durable.summary_through + 1,
+            stored.archived_through + 1,
         )
         self._journal.clear()
         self._durable = durable
@@ -1037,6 +1362,7 @@ class SessionContext(_UpstreamSessionContext):
         self._summary_through = durable.summary_through
         self._reindex()
         self._place_summary()
+        self.forked_from, self.forked_at_turn = stored.forked_from, stored.forked_at_turn
 
     def _replace_metadata(self, metadata: dict[str, Any]) -> None:
         self._metadata = _TrackedDict(self, metadata)
@@ -1044,10 +1370,102 @@ class SessionContext(_UpstreamSessionContext):
     def _pending_messages(self) -> list[tuple[int, Message]]:
         """Messages in memory that the database does not hold yet, with their seqs."""
         durable = self._durable.seqs if self._durable is not None else set()
-        pairs = zip(self._seqs, self._history, strict=True)
-        return [
-            (seq, message) for seq, message in pairs if seq not in durable and seq != SUMMARY_SEQ
-        ]
+        return [(seq, message) for seq, message in self.window() if seq not in durable]
+
+    def _pending(self) -> PendingWrite:
+        """What this context changed since it was last read or written (caller holds the mutex)."""
+        durable = self._durable
+        assert durable is not None
+        messages = tuple(self._pending_messages())
+        gone = durable.seqs.difference(self._seqs)
+        if durable.hidden and (messages or self._cleared):
+            gone.update(durable.hidden)  # a call no result can follow any more
+        metadata_json: str | None = dump_metadata(self._metadata)
+        metadata = None
+        if metadata_json == durable.metadata_json:
+            metadata_json = None
+        else:  # a nested change made in place is checked here
+            check_metadata(self._metadata, stored_json=durable.metadata_json)
+            metadata = dict(self._metadata)
+        summary = (self._summary, self._summary_through) if self._summary_changed() else None
+        agent_name = self.active_agent.name
+        changed = agent_name != durable.agent_name or bool(gone or messages) or self._cleared
+        return PendingWrite(
+            session_id=self.session_id, version=durable.version,
+            incarnation=durable.incarnation, agent_name=agent_name,
+            metadata=metadata, metadata_json=metadata_json, messages=messages,
+            gone=frozenset(gone), pruned=tuple(self._pruned(gone)), hidden=durable.hidden,
+            cleared=self._cleared, empty=not self._seqs, summary=summary,
+            tail=self._unsaved_tail(),
+            changed=changed or summary is not None or metadata is not None,
+        )
+
+    def _pruned(self, gone: Iterable[int]) -> list[int]:
+        """Of the rows leaving the window (``gone``), those pruning dropped, in order.
+
+        Pruning drops the oldest turns, so a pruned row's seq is below every
+        kept non-SYSTEM row's; rows removed by a rollback (newer than what is
+        kept) or by ``clear_history`` (nothing kept) are not pruned.
+        """
+        if len(self._seqs) <= self._n_system:
+            return []
+        oldest_kept = self._seqs[self._n_system]
+        return sorted(seq for seq in gone if seq < oldest_kept)
+
+    def _unsaved_tail(self) -> Message | None:
+        """The window's last message if the database does not hold it yet."""
+        durable = self._durable
+        if durable is None or not self._seqs or self._seqs[-1] in durable.seqs:
+            return None
+        return self._history[-1]
+
+    def _orphaned_tool_call(self, stored: StoredSession) -> Message | None:
+        """The stored trailing tool call whose row another writer deleted, if any.
+
+        A process that wrote a tool call outside a turn and is running the tool
+        still holds the call; another process that loaded the session meanwhile
+        hid the unanswered call and, when it appended a message, deleted it. The
+        call then goes after the other writer's rows again, so the result that
+        follows it is never stored without its call.
+        """
+        durable = self._durable
+        if durable is None:
+            return None
+        index = len(self._seqs) - 1
+        while index >= 0 and self._seqs[index] not in durable.seqs:
+            index -= 1  # skip the unsaved messages after it
+        if index < 0:
+            return None
+        message = self._history[index]
+        return message if _is_call(message) and self._seqs[index] not in stored.seqs else None
+
+    def _other_incarnation(self, stored: StoredSession) -> bool:
+        """True if ``stored`` is a later session under this id (deleted and created anew).
+
+        Versions cannot tell: a new session starts at a random version. The
+        row's ``created_at`` can, and is read only when the version has moved.
+        """
+        known = self.incarnation
+        return known is not None and stored.created_at is not None and stored.created_at != known
+
+    def _holds_newer_than(self, stored: StoredSession) -> bool:
+        """True if installing ``stored`` would throw away what a turn or a write holds.
+
+        The unsaved messages of an open turn, or of a write pending or running
+        (a native-async refresh re-enters the mutex), stay: their write rebases
+        them. A context that wrote meanwhile is newer than what was read
+        before. A stale context holds nothing worth keeping.
+        """
+        durable = self._durable
+        if durable is None or self._stale:
+            return False
+        return self._in_turn or self._writing > 0 or durable.version >= stored.version
+
+    def _summary_changed(self) -> bool:
+        """True if the summary is not the one the database last held (read or written)."""
+        durable = self._durable
+        assert durable is not None
+        return (self._summary, self._summary_through) != (durable.summary, durable.summary_through)
 
     # -------------------------------------------------------------- summary
 
@@ -1086,7 +1504,7 @@ class SessionContext(_UpstreamSessionContext):
             self._summary_through = through
             self._place_summary()
 
-    async def _aapply_summary(self, summary: str, based_on: int, through: int) -> bool:
+    async def aapply_summary(self, summary: str, based_on: int, through: int) -> bool:
         """Take ``summary`` (of the turns up to seq ``through``) as a turn of its own.
 
         Only over the summary it was made from (``based_on``, what

@@ -71,12 +71,12 @@ class ContextCache:
         with self._lock:
             ctx = self._live.get(session_id)
             if only is not None and ctx is not only:
-                only._deleted = True
+                only.mark_deleted()
                 return
             self._live.pop(session_id, None)
             self._recent.pop(session_id, None)
         if ctx is not None:
-            ctx._deleted = True
+            ctx.mark_deleted()
 
     def forget_all(self) -> None:
         """Drop every context, each marked deleted."""
@@ -90,7 +90,7 @@ class ContextCache:
         with self._lock:
             return {
                 sid for sid in session_ids
-                if (ctx := self._live.get(sid)) is not None and ctx._in_turn
+                if (ctx := self._live.get(sid)) is not None and ctx.in_turn
             }
 
 

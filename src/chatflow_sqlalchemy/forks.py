@@ -11,7 +11,7 @@ came from; the SQL one in :meth:`~chatflow_sqlalchemy.store.SQLAlchemySessionSto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from chatflow_agent import Message, Role
 
@@ -26,8 +26,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ForkedWindow:
+class ForkedWindow(NamedTuple):
     """The messages a fork starts with, their seqs, and how many turns they hold."""
 
     messages: list[Message]

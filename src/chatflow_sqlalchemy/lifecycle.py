@@ -10,7 +10,7 @@ same rules. Nothing here imports SQLAlchemy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -25,7 +25,6 @@ __all__ = [
     "ListFilters",
     "json_equal",
     "matches_metadata",
-    "pruned_seqs",
     "validate_archive_pruned",
     "validate_session_ttl",
     "validate_sweep_limit",
@@ -177,18 +176,3 @@ def validate_sweep_limit(limit: object) -> int | None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None (no limit), got {limit!r}")
     return limit
-
-
-# ---------------------------------------------------------------- transcript archive
-
-def pruned_seqs(gone: Iterable[int], kept_seqs: list[int], n_system: int) -> list[int]:
-    """Of the rows leaving the window (``gone``), those pruning dropped, to archive.
-
-    Pruning drops the oldest turns, so a pruned row's seq is below every kept
-    non-SYSTEM row's; rows removed by a rollback (newer than what is kept)
-    or by ``clear_history`` (nothing kept) are not pruned and are not archived.
-    """
-    if len(kept_seqs) <= n_system:
-        return []
-    oldest_kept = kept_seqs[n_system]
-    return sorted(seq for seq in gone if seq < oldest_kept)

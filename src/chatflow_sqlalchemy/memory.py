@@ -31,15 +31,14 @@ from chatflow_sqlalchemy.claims import (
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
-    SUMMARY_SEQ,
+    Checkpoint,
     SessionContext,
-    _Snapshot,
     check_metadata,
     dump_metadata,
     validate_agent,
     validate_session_id,
 )
-from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError
+from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.forks import (
     fork_window,
     no_such_session,
@@ -51,7 +50,6 @@ from chatflow_sqlalchemy.lifecycle import (
     EXPORT_FORMAT,
     ListFilters,
     matches_metadata,
-    pruned_seqs,
     validate_sweep_limit,
     validate_user_id,
 )
@@ -71,13 +69,6 @@ __all__ = ["SessionStore"]
 _T = TypeVar("_T")
 
 
-def _turn_changed(ctx: SessionContext, start: _Snapshot) -> bool:
-    same = len(ctx._history) == len(start.history) and all(
-        now is then for now, then in zip(ctx._history, start.history, strict=True)
-    )
-    return not same or ctx.active_agent is not start.agent
-
-
 class _MemorySummaryRows:
     """The in-memory store's :class:`~chatflow_sqlalchemy.summaries.SummaryRows`."""
 
@@ -92,7 +83,7 @@ class _MemorySummaryRows:
             ctx = self._store._sessions.get(session_id)
             if ctx is None or session_id in self._claimed:
                 return None
-            through, shown = ctx.summary_through, set(ctx._seqs)
+            through, shown = ctx.summary_through, {seq for seq, _ in ctx.window()}
             dropped = sorted(  # not what is back in the window (a rollback undid the prune)
                 (seq, m) for seq, m in self.waiting.get(session_id, {}).items()
                 if seq > through and seq not in shown
@@ -179,7 +170,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, self._summary_rows, self.get, "memory"
         )
-        self._turn_starts: dict[int, _Snapshot] = {}
+        self._turn_starts: dict[int, Checkpoint] = {}
         self._inbox_rows = MemoryInbox(self.turn_lease_seconds)
         self.inbox = Inbox(
             self._inbox_rows,
@@ -232,7 +223,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                     session_id, default_agent, max_turns=self.default_max_turns,
                     metadata=dict(metadata or {}),
                 )
-                ctx._owner = self
+                ctx.attach(self)
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
             if user_id is not None:
@@ -252,22 +243,20 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         ``archive_pruned`` the others are archived too, except what a clear
         removed. Called under ``_lock``.
         """
-        window = dict(zip(ctx._seqs, ctx._history, strict=True))
-        window.pop(SUMMARY_SEQ, None)
+        window = dict(ctx.window())
         before = self._window_seen.get(ctx.session_id, {})
         gone = before.keys() - window.keys()
-        pruned = pruned_seqs(gone, ctx._seqs, ctx._n_system)
+        pruned, cleared = ctx.settle_window(gone)
         if self.archive_pruned:
             kept = self._archive.setdefault(ctx.session_id, {})
-            for seq in pruned if ctx._cleared else gone:
+            for seq in pruned if cleared else gone:
                 kept[seq] = before[seq]
-        if self._summaries is not None and pruned and not ctx._cleared:
+        if self._summaries is not None and pruned and not cleared:
             waiting = self._summary_rows.waiting.setdefault(ctx.session_id, {})
             waiting.update((seq, before[seq]) for seq in pruned)
             self._summaries.due(ctx.session_id)
         self._summary_rows.settle(ctx.session_id, ctx.summary_through)
         self._window_seen[ctx.session_id] = window
-        ctx._cleared = False
 
     def transcript(self, session_id: str) -> list[Message]:
         """Archived messages, then the window, in order ([] for an unknown session).
@@ -282,8 +271,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             if ctx is None:
                 return []
             merged = dict(self._archive.get(session_id, {}))
-            merged.update(zip(ctx._seqs, ctx._history, strict=True))
-            merged.pop(SUMMARY_SEQ, None)
+            merged.update(ctx.window())
             return [merged[seq] for seq in sorted(merged)]
 
     def _archived(self, session_id: str) -> dict[int, Message]:
@@ -322,15 +310,15 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
 
     async def _abegin_turn(self, ctx: SessionContext) -> None:
         self._check_open()
-        ctx._check_alive()
         fenced = active_fence(ctx.session_id) or active_batch(ctx.session_id)
         if fenced is not None:  # kept to discard a fenced-out turn
-            self._turn_starts[id(ctx)] = ctx._snapshot()
+            self._turn_starts[id(ctx)] = ctx.checkpoint()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
-        ctx._check_alive()  # a turn of a session deleted meanwhile is not kept
+        if ctx.deleted:  # a turn of a session deleted meanwhile is not kept
+            raise SessionDeletedError(ctx.session_id)
         start = self._turn_starts.pop(id(ctx), None)
-        changed = start is not None and _turn_changed(ctx, start)
+        changed = start is not None and ctx.changed_since(start)
         fence = active_fence(ctx.session_id)
         if fence is not None and start is not None and changed:
             self._commit_claim(ctx, fence, start)
@@ -346,25 +334,19 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
 
-    def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: _Snapshot) -> None:
+    def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: Checkpoint) -> None:
         """As the SQL stores: a turn that changed something commits its claim, or is undone."""
-        last = ctx._history[-1] if ctx._history else None
-        added = last is not None and not any(message is last for message in start.history)
-        fence.reply = reply_of(last if added else None)
+        fence.reply = reply_of(ctx.added_since(start))
         if not self._claim_rows.commit_turn(fence):
-            with ctx._mutex:
-                ctx._restore(start)
+            ctx.restore(start)
             raise ClaimLostError(fence.message_id)
 
-    def _answer_batch(self, ctx: SessionContext, batch: BatchFence, start: _Snapshot) -> None:
+    def _answer_batch(self, ctx: SessionContext, batch: BatchFence, start: Checkpoint) -> None:
         """As the SQL stores: a turn of an inbox batch records its reply, or is undone."""
-        last = ctx._history[-1] if ctx._history else None
-        added = last is not None and not any(message is last for message in start.history)
         try:
-            self._inbox_rows.answer(batch, reply_of(last if added else None))
+            self._inbox_rows.answer(batch, reply_of(ctx.added_since(start)))
         except LeaseLostError:
-            with ctx._mutex:
-                ctx._restore(start)
+            ctx.restore(start)
             raise
 
     def get(self, session_id: str) -> SessionContext | None:
@@ -382,7 +364,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             ctx = self._drop(session_id)
         if ctx is None:
             return False
-        ctx._deleted = True
+        ctx.mark_deleted()
         return True
 
     def list_sessions(
@@ -441,14 +423,20 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         source = self.get(session_id)
         if source is None:
             raise no_such_session(session_id)
-        ctx = self._forked_context(source, new_session_id, at_turn)
+        # Read under the source's mutex, never under the store's lock (a
+        # context's write takes its mutex, then the store's lock).
+        ctx = source.copy_for_fork(
+            new_session_id,
+            lambda messages, seqs: fork_window(session_id, messages, seqs, at_turn),
+            max_turns=self.default_max_turns,
+        )
         with self._lock:
             self._check_open()
             if self._sessions.get(session_id) is not source:
                 raise no_such_session(session_id)  # deleted meanwhile
             if new_session_id in self._sessions:
                 raise session_exists(new_session_id)
-            ctx._owner = self
+            ctx.attach(self)
             self._sessions[new_session_id] = ctx
             owner = self._users.get(session_id)
             if owner is not None:
@@ -459,39 +447,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._summary_rows.waiting[new_session_id] = dict(waiting)
         if waiting and self._summaries is not None:
             self._summaries.due(new_session_id)
-        return ctx
-
-    def _forked_context(
-        self, source: SessionContext, new_session_id: str, at_turn: int | None
-    ) -> SessionContext:
-        """A context holding what a fork of ``source`` takes (not registered yet).
-
-        Read under the source's mutex, never under the store's lock (a
-        context's write takes its mutex, then the store's lock).
-        """
-        with source._mutex:
-            source._check_alive()
-            source._ensure_indexed()
-            start = source._turn_snapshot if source._in_turn else None
-            state = start if start is not None else source._snapshot()
-            metadata = json.loads(dump_metadata(source.metadata))
-            next_seq = source._next_seq
-        pairs = [(m, seq) for m, seq in zip(state.history, state.seqs, strict=True)
-                 if seq != SUMMARY_SEQ]
-        forked = fork_window(
-            source.session_id, [m for m, _ in pairs], [seq for _, seq in pairs], at_turn
-        )
-        ctx = SessionContext(
-            new_session_id, state.agent, max_turns=self.default_max_turns, metadata=metadata
-        )
-        with ctx._mutex:
-            ctx._restore(_Snapshot(
-                [m.model_copy(deep=True) for m in forked.messages], list(forked.seqs),
-                state.agent, False, state.summary, state.summary_through,
-            ))
-            ctx._place_summary()
-            ctx._next_seq = next_seq
-        ctx.forked_from, ctx.forked_at_turn = source.session_id, forked.turns
         return ctx
 
     def erase_user(self, user_id: str) -> int:
@@ -508,7 +463,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._inbox_rows.forget_sessions(set(ids))
         for ctx in contexts:
             if ctx is not None:
-                ctx._deleted = True
+                ctx.mark_deleted()
         return len(ids)
 
     def sweep(self, limit: int | None = None) -> int:
@@ -529,7 +484,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             }
             expired = sorted(
                 (stamp, sid) for sid, stamp in self._updated_at.items()
-                if stamp < cutoff and sid not in held and not self._sessions[sid]._in_turn
+                if stamp < cutoff and sid not in held and not self._sessions[sid].in_turn
             )[:limit]
             ids = {sid for _, sid in expired}
             contexts = [self._drop(sid) for sid in ids]
@@ -540,7 +495,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._inbox_rows.forget_sessions(set(ids))
         for ctx in contexts:
             if ctx is not None:
-                ctx._deleted = True
+                ctx.mark_deleted()
         return len(ids)
 
     def export_user(self, user_id: str) -> dict[str, Any]:
@@ -574,10 +529,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             "summary": ctx.summary,
             "forked_from": ctx.forked_from,
             "forked_at_turn": ctx.forked_at_turn,
-            "messages": [
-                m.model_dump(mode="json")
-                for m, seq in zip(ctx.history, ctx._seqs, strict=True) if seq != SUMMARY_SEQ
-            ],
+            "messages": [m.model_dump(mode="json") for _, m in ctx.window()],
             "archived_messages": [
                 message.model_dump(mode="json")
                 for _, message in sorted(self._archived(session_id).items())
@@ -606,7 +558,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._archive.clear()
             self._window_seen.clear()
         for ctx in contexts:
-            ctx._deleted = True
+            ctx.mark_deleted()
 
     def is_message_processed(self, message_id: str) -> bool:
         """True if ``message_id`` was claimed within the TTL."""

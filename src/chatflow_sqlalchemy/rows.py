@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -28,7 +27,7 @@ from sqlalchemy import (
     update,
 )
 
-from chatflow_sqlalchemy.context import dump_message
+from chatflow_sqlalchemy.context import StoredSession, dump_message
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.models import (
@@ -127,25 +126,6 @@ IS_PROCESSED = select(processed.c.message_id).where(
     processed.c.message_id == bindparam("message_id"),
     processed.c.processed_at >= bindparam("cutoff"),
 )
-
-
-@dataclass
-class StoredSession:
-    """A session as read from the database (the rows of its window)."""
-
-    version: int
-    agent_name: str
-    metadata: dict[str, Any]
-    messages: list[Message]
-    seqs: list[int]
-    created_at: datetime | None = None
-    updated_at: datetime | None = None
-    summary: str | None = None
-    summary_through: int = 0
-    forked_from: str | None = None
-    forked_at_turn: int | None = None
-    archived_through: int = 0
-    """The highest seq of its archived rows (0: none): new messages take seqs above it."""
 
 
 def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSession | None:

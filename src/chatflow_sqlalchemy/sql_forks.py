@@ -17,10 +17,10 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, bindparam, insert, select
 
+from chatflow_sqlalchemy.context import repair_window
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.forks import ForkedWindow, fork_window, no_such_session, session_exists
 from chatflow_sqlalchemy.models import ChatflowMessageArchive
-from chatflow_sqlalchemy.reconcile import repair_window
 from chatflow_sqlalchemy.rows import (
     INSERT_MESSAGES,
     StoredSession,

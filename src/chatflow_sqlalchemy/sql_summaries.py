@@ -22,7 +22,6 @@ from chatflow_sqlalchemy.models import (
     UTCDateTime,
     utcnow,
 )
-from chatflow_sqlalchemy.reconcile import incarnation_of
 from chatflow_sqlalchemy.rows import messages as _m
 from chatflow_sqlalchemy.rows import parse_message
 from chatflow_sqlalchemy.runtime import StoreRuntime
@@ -107,4 +106,4 @@ class SQLSummaries:
 
     def incarnation(self, ctx: SessionContext) -> object:
         """The ``created_at`` of the session row ``ctx`` was read from (as ``claim`` reads it)."""
-        return incarnation_of(ctx)
+        return ctx.incarnation

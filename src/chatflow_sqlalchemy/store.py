@@ -8,7 +8,8 @@ is assembled from rooms with one job each:
   async API runs the same sync code (threads, the loop, or greenlets);
 * :mod:`~chatflow_sqlalchemy.rows`: the session and message statements and codecs;
 * :mod:`~chatflow_sqlalchemy.contexts`: one live context per session, agents by name;
-* :mod:`~chatflow_sqlalchemy.reconcile`: what a context shows of the stored rows;
+* :mod:`~chatflow_sqlalchemy.context`: the session itself, and what it has pending
+  (the store reads and changes it only through its persistence interface);
 * :mod:`~chatflow_sqlalchemy.writer`: the one write algorithm (compare-and-swap, rebase);
 * :mod:`~chatflow_sqlalchemy.turns`: the start and end of a turn (the session's lease);
 * :mod:`~chatflow_sqlalchemy.sql_claims` and :mod:`~chatflow_sqlalchemy.sql_lifecycle`:
@@ -76,14 +77,6 @@ from chatflow_sqlalchemy.migrate import (
 )
 from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.options import OptionsOwner, SQLStoreKeywords, StoreOptions
-from chatflow_sqlalchemy.reconcile import (
-    has_changes,
-    holds_newer_than,
-    install,
-    orphaned_tool_call,
-    other_incarnation,
-    unsaved_tail_call,
-)
 from chatflow_sqlalchemy.registry import support_for
 from chatflow_sqlalchemy.rows import (
     IS_PROCESSED,
@@ -340,8 +333,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext:
         agent = self._agents(stored.agent_name, default_agent)
         ctx = SessionContext(session_id, agent, max_turns=self.default_max_turns)
-        install(ctx, stored, agent)
-        ctx._owner = self
+        ctx.catch_up(stored, lambda _name, _default: agent)
+        ctx.attach(self)
         return ctx
 
     def _refresh(
@@ -355,24 +348,11 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         read, version = claimed
         if not read:
             version = self._read_version(ctx.session_id)
-        if version is None:
-            self._forget(ctx.session_id, ctx)
-            return False
-        durable = ctx._durable
-        if durable is not None and durable.version == version and not ctx._stale:
+        if version is not None and ctx.is_current(version):
             return True
-        stored = self._load(ctx.session_id)
-        if stored is None or other_incarnation(ctx, stored):
+        if version is None or not ctx.catch_up(self._load(ctx.session_id), self._agents):
             self._forget(ctx.session_id, ctx)
             return False
-        with ctx._mutex:
-            if holds_newer_than(ctx, stored):
-                return True
-            agent = self._agents(stored.agent_name, ctx.active_agent)
-            carried = orphaned_tool_call(ctx, stored) or unsaved_tail_call(ctx)
-            install(ctx, stored, agent, set(ctx._seqs))
-            if carried is not None:
-                ctx._append(carried)  # unsaved again: written with its result
         return True
 
     def _read_version(self, session_id: str) -> int | None:
@@ -530,7 +510,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> tuple[SessionContext | None, StoredSession | None]:
         """The live cached context (checked against the database), else the stored rows."""
         ctx = self._contexts.get(session_id)
-        if ctx is not None and (ctx._in_turn or self._refresh(ctx, claimed)):
+        if ctx is not None and (ctx.in_turn or self._refresh(ctx, claimed)):
             return ctx, None
         return None, self._load(session_id)
 
@@ -924,26 +904,21 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         transaction, which keeps the lease.
         """
         self._claimed_version(ctx.session_id)  # stale once written: no later call may use it
-        with ctx._mutex:
-            ctx._check_alive()
-            ctx._ensure_indexed()
-            if ctx._durable is None or not has_changes(ctx):
+        with ctx.writing() as pending:
+            if pending is None:
                 return
-            ctx._writing += 1
             try:
                 with telemetry.operation("turn.commit", self.runtime.system):
-                    deleted = self._writer.write(ctx, fence, lease, batch)
+                    deleted = self._writer.write(ctx, pending, fence, lease, batch)
                 telemetry.count("chatflow.messages.pruned", deleted, self.runtime.system)
             except SessionDeletedError:
                 self._forget(ctx.session_id, ctx)
                 raise
             except LeaseLostError:
-                ctx._stale = True  # memory must not keep what the database refused
+                ctx.mark_stale()  # memory must not keep what the database refused
                 with suppress(Exception):
                     self._refresh(ctx)
                 raise
-            finally:
-                ctx._writing -= 1
             if fence is not None:
                 fence.committed = True
 

@@ -330,7 +330,7 @@ class Summaries:
         applied = False
         if self._rows.incarnation(ctx) == pending.incarnation:
             with contextlib.suppress(SessionDeletedError):  # deleted meanwhile
-                applied = await ctx._aapply_summary(summary, pending.through, pending.last_seq)
+                applied = await ctx.aapply_summary(summary, pending.through, pending.last_seq)
         if not applied:
             # A claim that went with its session's row is gone already; giving back
             # another worker's at worst lets a summary be made twice, never applied twice.

@@ -25,25 +25,13 @@ from sqlalchemy import Connection, Executable
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, reply_of
-from chatflow_sqlalchemy.context import (
-    DurableState,
-    SessionContext,
-    check_metadata,
-    dump_metadata,
-)
+from chatflow_sqlalchemy.context import PendingWrite, SessionContext
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence
 from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
-from chatflow_sqlalchemy.lifecycle import pruned_seqs
 from chatflow_sqlalchemy.models import utcnow
-from chatflow_sqlalchemy.reconcile import (
-    install,
-    orphaned_tool_call,
-    other_incarnation,
-    summary_changed,
-)
 from chatflow_sqlalchemy.rows import (
     BUMP_SESSION,
     BUMP_SESSION_AND_METADATA,
@@ -109,14 +97,15 @@ class SessionWriter:
     def write(
         self,
         ctx: SessionContext,
+        pending: PendingWrite,
         fence: ClaimFence | None = None,
         lease: Lease | None = None,
         batch: BatchFence | None = None,
     ) -> int:
-        """Write ``ctx``'s changes; return how many message rows it deleted (pruned or cleared).
+        """Write ``pending`` (what ``ctx`` changed); return how many message rows it deleted.
 
-        Call it under ``ctx._mutex``, with changes to write. ``lease``: the
-        turn's lease, checked and given back by the same transaction.
+        Call it inside ``ctx.writing()``, which gave ``pending``. ``lease``:
+        the turn's lease, checked and given back by the same transaction.
         ``batch``: the inbox batch the turn runs for; the transaction records
         its reply. A lease an inbox batch holds (``lease.kept``) is checked and
         kept, not given back.
@@ -127,138 +116,114 @@ class SessionWriter:
             ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
 
         """
-        reply = None if fence is None else self._reply(ctx)
-        deleted = None
-        to_summarize = False
+        # A claim's reply, also refused before the turn is written if it cannot be
+        # stored; an encrypting store keeps only what the block itself stores there.
+        reply = None if fence is None else reply_of(pending.tail)
+        if self._sealer.active:
+            reply = None
         kept = lease is not None and lease.kept
-        if (
-            self._writes_at_once and not kept and ctx._seqs and not self._archives_now(ctx)
-            and not summary_changed(ctx)
-        ):
-            deleted = self._write_at_once(ctx, fence, reply, lease)
-        if deleted is None:
-            answer = None if batch is None else (batch, self._answer(ctx))
-            keep = self._leases.until_params() if lease is not None and lease.kept else None
+        written, to_summarize = pending, False
+        at_once = self._writes_at_once and not kept and not pending.empty
+        at_once = at_once and pending.summary is None and not self._archives_now(pending)
+        if not (at_once and self._write_at_once(pending, fence, reply, lease)):
+            answer = None if batch is None else (batch, reply_of(pending.tail))
+            keep = self._leases.until_params() if kept else None
             with self._runtime.transaction(write=True) as conn:
                 if lease is not None:
-                    incarnation = ctx._durable.incarnation if ctx._durable else None
-                    give_back(conn, lease, incarnation, keep=keep)
-                deleted, to_summarize = self._write_changes(conn, ctx, fence, reply, answer)
+                    give_back(conn, lease, pending.incarnation, keep=keep)
+                written, to_summarize = self._write_changes(
+                    conn, ctx, pending, fence, reply, answer
+                )
+        ctx.applied(written)
         if fence is not None:
             fence.reply = reply
         if to_summarize and self._summaries is not None:
             self._summaries.due(ctx.session_id)
         if lease is not None and not lease.kept:
             lease.released = True
-        elif lease is not None and ctx._durable is not None:
-            lease.version = ctx._durable.version  # the batch's next turn need not read it
-        return deleted
-
-    def _reply(self, ctx: SessionContext) -> str | None:
-        """What a claimed turn stores as its claim's reply (see :func:`reply_of`).
-
-        The model answer this turn added, if it is the window's last message.
-        None on a store that encrypts: the claim's reply column holds only
-        what the block itself stores there (an answer it could not store is
-        refused all the same, before the turn is written).
-        """
-        reply = self._answer(ctx)
-        return None if self._sealer.active else reply
-
-    def _answer(self, ctx: SessionContext) -> str | None:
-        """The model answer this turn added, if it is the window's last message."""
-        durable = ctx._durable
-        if durable is None or not ctx._seqs or ctx._seqs[-1] in durable.seqs:
-            return None
-        return reply_of(ctx._history[-1])
+        elif lease is not None:
+            lease.version = written.version + 1  # the batch's next turn need not read it
+        return len(written.gone)
 
     def _write_at_once(
         self,
-        ctx: SessionContext,
+        pending: PendingWrite,
         fence: ClaimFence | None,
         reply: str | None,
         lease: Lease | None,
-    ) -> int | None:
-        """:meth:`DialectSupport.write_at_once` in autocommit; None if it changed nothing.
+    ) -> bool:
+        """:meth:`DialectSupport.write_at_once` in autocommit; False if it changed nothing.
 
         Nothing is written when the swap missed: the session moved or is
         gone, or the lease or the claim was lost, which the step-by-step
         write then tells apart (it raises what applies, or rebases).
         """
+        if pending.gone.intersection(seq for seq, _ in pending.messages):
+            return False  # one statement cannot delete a row and insert its seq again
         now = utcnow()
-        gone, new_rows = self._message_diff(ctx, now)
-        if gone.intersection(row["seq"] for row in new_rows):
-            return None  # one statement cannot delete a row and insert its seq again
-        metadata_json, swap = self._bump_params(ctx, now)
         write = SessionWrite(
-            swap=swap,
-            gone=sorted(gone),
-            rows=new_rows,
+            swap=self._bump_params(pending, now),
+            gone=sorted(pending.gone),
+            rows=self._rows(pending, now),
             fence=None if fence is None else fence.params(now, reply),
             lease=None if lease is None else lease_params(lease),
         )
         with self._runtime.transaction(single=True) as conn:
             outcome = self._support.write_at_once(conn, write)
-        if outcome is None or not outcome[0]:
-            return None
-        _mark_written(ctx, gone, new_rows, metadata_json)
-        return len(gone)
+        return outcome is not None and outcome[0]
 
     def _write_changes(
         self,
         conn: Connection,
         ctx: SessionContext,
+        pending: PendingWrite,
         fence: ClaimFence | None,
         reply: str | None,
         answer: tuple[BatchFence, str | None] | None = None,
-    ) -> tuple[int, bool]:
+    ) -> tuple[PendingWrite, bool]:
         """Compare-and-swap the session's version, then write the message diff.
 
         The conditional UPDATE both detects concurrent writers and takes the
         row's write lock; only when it misses does the writer read the row
         (locked) to tell a deleted session from a moved one and rebase.
-        Returns how many rows left the window, and whether some of them
-        wait for a summary.
+        Returns what was written (rebased or not), and whether some of the
+        rows that left the window wait for a summary.
         """
-        session_id = ctx.session_id
+        session_id = pending.session_id
         now = utcnow()
-        bumped, metadata_json = self._bump_version(conn, ctx, now)
-        if not bumped:
+        if not self._bump_version(conn, pending, now):
             version = conn.execute(self._lock_version, {"session_id": session_id}).scalar()
             if version is None:
                 raise SessionDeletedError(session_id)
-            self._rebase(conn, ctx)
-            bumped, metadata_json = self._bump_version(conn, ctx, now)
-            if not bumped:
+            pending = self._rebase(conn, ctx)
+            if not self._bump_version(conn, pending, now):
                 raise RuntimeError(f"session {session_id!r} changed while its row was locked")
-        gone, new_rows = self._message_diff(ctx, now)
-        to_summarize = bool(gone) and self._archive(conn, ctx, gone, now)
-        if summary_changed(ctx):
-            self._write_summary(conn, ctx)
-        if gone and not ctx._seqs:
+        gone = pending.gone
+        to_summarize = bool(gone) and self._archive(conn, pending, now)
+        if pending.summary is not None:
+            self._write_summary(conn, session_id, *pending.summary)
+        if gone and pending.empty:
             conn.execute(DELETE_ALL_MESSAGES, {"session_id": session_id})
         elif gone:
             conn.execute(DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
-        if new_rows:
-            conn.execute(INSERT_MESSAGES, new_rows)
+        if pending.messages:
+            conn.execute(INSERT_MESSAGES, self._rows(pending, now))
         if fence is not None:
             claim = fence.params(now, reply)
             if conn.execute(FENCE_CLAIM, claim).rowcount != 1:
                 raise ClaimLostError(fence.message_id)
         if answer is not None:
             answer_batch(conn, answer[0], answer[1], self._sealer)
-        _mark_written(ctx, gone, new_rows, metadata_json)
-        return len(gone), to_summarize
+        return pending, to_summarize
 
-    def _archives_now(self, ctx: SessionContext) -> bool:
-        """True if this write archives rows (it then takes the step-by-step path)."""
+    def _archives_now(self, pending: PendingWrite) -> bool:
+        """True if this write archives rows memory showed (it then takes the step-by-step path)."""
         if not self._archive_pruned and self._summaries is None:
             return False
-        durable = ctx._durable
-        assert durable is not None
-        return any(self._to_archive(ctx, durable.seqs.difference(ctx._seqs)))
+        parts = self._to_archive(pending)
+        return any(seq not in pending.hidden for part in parts for seq in part)
 
-    def _to_archive(self, ctx: SessionContext, gone: set[int]) -> tuple[list[int], list[int]]:
+    def _to_archive(self, pending: PendingWrite) -> tuple[list[int], list[int]]:
         """Of the rows leaving the window: (those archived as they are, those pending a summary).
 
         Pruned rows wait for the summary on a store with a summarizer (also
@@ -267,127 +232,74 @@ class SessionWriter:
         back), except what a clear removes and hidden rows (a tool call no
         result can follow).
         """
-        durable = ctx._durable
-        assert durable is not None
-        pruned = pruned_seqs(gone, ctx._seqs, ctx._n_system)
-        pending = pruned if self._summaries is not None and not ctx._cleared else []
+        pruned = list(pending.pruned)
+        waiting = pruned if self._summaries is not None and not pending.cleared else []
         if not self._archive_pruned:
-            return [], pending
-        if ctx._cleared:
+            return [], waiting
+        if pending.cleared:
             return pruned, []
-        pending_set = set(pending)
-        others = gone.difference(pending_set, durable.hidden)
-        return sorted(others), pending
+        others = pending.gone.difference(waiting, pending.hidden)
+        return sorted(others), waiting
 
-    def _archive(
-        self, conn: Connection, ctx: SessionContext, gone: set[int], now: datetime
-    ) -> bool:
+    def _archive(self, conn: Connection, pending: PendingWrite, now: datetime) -> bool:
         """Archive what leaves the window; True if some of it waits for a summary."""
-        kept, pending = self._to_archive(ctx, gone)
+        kept, waiting = self._to_archive(pending)
         if kept:
-            archive_rows(conn, ctx.session_id, kept, now)
-        if pending:
-            archive_rows(conn, ctx.session_id, pending, now, pending=True)
-        return bool(pending)
+            archive_rows(conn, pending.session_id, kept, now)
+        if waiting:
+            archive_rows(conn, pending.session_id, waiting, now, pending=True)
+        return bool(waiting)
 
-    def _write_summary(self, conn: Connection, ctx: SessionContext) -> None:
-        """Store ``ctx``'s new summary; the archived rows it covers no longer wait for one."""
-        summary = ctx.summary
+    def _write_summary(
+        self, conn: Connection, session_id: str, summary: str | None, through: int
+    ) -> None:
+        """Store the session's new summary; the archived rows it covers no longer wait for one."""
         conn.execute(SET_SUMMARY, {
-            "sid": ctx.session_id,
-            "summary": None if summary is None else self._sealer.seal_text(ctx.session_id, summary),
-            "through": ctx.summary_through,
+            "sid": session_id,
+            "summary": None if summary is None else self._sealer.seal_text(session_id, summary),
+            "through": through,
         })
-        settle_summarized(conn, ctx.session_id, ctx.summary_through, keep=self._archive_pruned)
+        settle_summarized(conn, session_id, through, keep=self._archive_pruned)
 
-    def _message_diff(
-        self, ctx: SessionContext, now: datetime
-    ) -> tuple[set[int], list[dict[str, Any]]]:
-        """The seqs of rows to delete and the rows to insert since ``ctx`` was last written."""
-        durable = ctx._durable
-        assert durable is not None
-        gone = durable.seqs.difference(ctx._seqs)
-        pending = ctx._pending_messages()
-        if durable.hidden and (pending or ctx._cleared):
-            gone.update(durable.hidden)  # a call no result can follow any more
-        session_id = ctx.session_id
-        return gone, [
-            message_row(self._sealer, session_id, seq, message, now) for seq, message in pending
+    def _rows(self, pending: PendingWrite, now: datetime) -> list[dict[str, Any]]:
+        """The message rows ``pending`` inserts."""
+        return [
+            message_row(self._sealer, pending.session_id, seq, message, now)
+            for seq, message in pending.messages
         ]
 
-    def _bump_version(
-        self, conn: Connection, ctx: SessionContext, now: datetime
-    ) -> tuple[bool, str | None]:
-        """UPDATE the session row if its version is still the one ``ctx`` knows.
+    def _bump_version(self, conn: Connection, pending: PendingWrite, now: datetime) -> bool:
+        """UPDATE the session row if its version is still the one ``pending`` expects."""
+        statement = BUMP_SESSION if pending.metadata is None else BUMP_SESSION_AND_METADATA
+        return conn.execute(statement, self._bump_params(pending, now)).rowcount == 1
 
-        Returns whether it did, and the metadata JSON it wrote (None: unchanged).
-        """
-        metadata_json, params = self._bump_params(ctx, now)
-        statement = BUMP_SESSION if metadata_json is None else BUMP_SESSION_AND_METADATA
-        return conn.execute(statement, params).rowcount == 1, metadata_json
-
-    def _bump_params(
-        self, ctx: SessionContext, now: datetime
-    ) -> tuple[str | None, dict[str, Any]]:
-        """Parameters of the compare-and-swap UPDATE, after the metadata's JSON if it changed."""
-        durable = ctx._durable
-        assert durable is not None
+    def _bump_params(self, pending: PendingWrite, now: datetime) -> dict[str, Any]:
+        """Parameters of the compare-and-swap UPDATE (with the metadata if it changed)."""
         params: dict[str, Any] = {
-            "sid": ctx.session_id,
-            "expected": durable.version,
-            "new_version": durable.version + 1,
-            "agent_name": ctx.active_agent.name,
+            "sid": pending.session_id,
+            "expected": pending.version,
+            "new_version": pending.version + 1,
+            "agent_name": pending.agent_name,
             "now": now,
         }
-        metadata_json = dump_metadata(ctx._metadata)
-        if metadata_json == durable.metadata_json:
-            return None, params
-        # A nested change made in place is checked here.
-        check_metadata(ctx._metadata, stored_json=durable.metadata_json)
-        params["metadata"] = self._sealer.seal_metadata(ctx.session_id, dict(ctx._metadata))
-        return metadata_json, params
+        if pending.metadata is not None:
+            params["metadata"] = self._sealer.seal_metadata(pending.session_id, pending.metadata)
+        return params
 
-    def _rebase(self, conn: Connection, ctx: SessionContext) -> None:
+    def _rebase(self, conn: Connection, ctx: SessionContext) -> PendingWrite:
         """Another writer moved the session: replay our unsaved changes on its rows.
 
-        A session deleted meanwhile, or deleted and created anew under the same
-        id, raises :class:`SessionDeletedError`: nothing of ``ctx`` is written
-        into another conversation. An unsaved clear (or a replaced history)
-        also drops what the other writer added before it.
+        See :meth:`SessionContext.rebase`; it raises :class:`SessionDeletedError`
+        for a session deleted meanwhile (or deleted and created anew).
         """
-        durable = ctx._durable
-        assert durable is not None
-        pending = [message for _, message in ctx._pending_messages()]
-        cleared = ctx._cleared
-        our_agent = ctx.active_agent if ctx.active_agent.name != durable.agent_name else None
-        our_metadata = dict(ctx._metadata)
-        metadata_changed = dump_metadata(our_metadata) != durable.metadata_json
-        our_summary = (ctx.summary, ctx.summary_through) if summary_changed(ctx) else None
-        stored = read_session(conn, self._sealer, ctx.session_id)
-        if stored is None or other_incarnation(ctx, stored):
-            raise SessionDeletedError(ctx.session_id)
+        pending = ctx.rebase(read_session(conn, self._sealer, ctx.session_id), self._agents)
         telemetry.count("chatflow.version_conflicts", 1, self._runtime.system)
-        carried = None if cleared else orphaned_tool_call(ctx, stored)
-        agent = our_agent or self._agents(stored.agent_name, ctx.active_agent)
-        install(ctx, stored, agent, set(ctx._seqs))
-        if metadata_changed:
-            ctx._replace_metadata(our_metadata)
-        if cleared:
-            ctx._history, ctx._seqs, ctx._cleared = [], [], True
-            ctx._reindex()
-            if our_summary is None:  # a replaced history (history = ...) keeps the summary
-                ctx._set_summary(ctx.summary, ctx.summary_through)
-            else:  # clear_history forgot it: the other's summary goes too
-                ctx._set_summary(None, ctx._next_seq - 1)
-        elif our_summary is not None and stored.summary_through == durable.summary_through:
-            ctx._set_summary(*our_summary)  # else another summary was written first: it stands
-        for message in pending if carried is None else [carried, *pending]:
-            ctx._append(message)
         logger.info(
             "session %r changed in another process; %d new message(s) appended after its rows",
             ctx.session_id,
-            len(pending),
+            len(pending.messages),
         )
+        return pending
 
 
 def give_back(
@@ -416,31 +328,4 @@ def give_back(
     if created is None or (incarnation is not None and created[0] != incarnation):
         raise SessionDeletedError(lease.session_id)
     raise LeaseLostError(lease.session_id)
-
-
-def _mark_written(
-    ctx: SessionContext,
-    gone: set[int],
-    new_rows: list[dict[str, Any]],
-    metadata_json: str | None,
-) -> None:
-    """Record what the database now holds: ``ctx`` as it is, one version up.
-
-    ``metadata_json`` is the metadata just written, None if it was unchanged.
-    """
-    durable = ctx._durable
-    assert durable is not None
-    seqs = durable.seqs - gone
-    seqs.update(row["seq"] for row in new_rows)
-    ctx._durable = DurableState(
-        version=durable.version + 1,
-        seqs=seqs,
-        agent_name=ctx.active_agent.name,
-        metadata_json=durable.metadata_json if metadata_json is None else metadata_json,
-        incarnation=durable.incarnation,
-        hidden=durable.hidden.difference(gone),
-        summary=ctx.summary,
-        summary_through=ctx.summary_through,
-    )
-    ctx._cleared = False
 
