@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
     from chatflow_sqlalchemy.iopool import IOPool
     from chatflow_sqlalchemy.migrate import MigrationChain
-    from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
     from chatflow_sqlalchemy.summaries import Summarizer
+    from chatflow_sqlalchemy.tables import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
     from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
@@ -49,9 +49,9 @@ _SOURCES: dict[str, str] = {
     "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
     "IOPool": "chatflow_sqlalchemy.iopool",
     "MigrationChain": "chatflow_sqlalchemy.migrate",
-    "CLAIM_TICKETS": "chatflow_sqlalchemy.models",
-    "NAMING_CONVENTION": "chatflow_sqlalchemy.models",
-    "UTCDateTime": "chatflow_sqlalchemy.models",
+    "CLAIM_TICKETS": "chatflow_sqlalchemy.tables",
+    "NAMING_CONVENTION": "chatflow_sqlalchemy.tables",
+    "UTCDateTime": "chatflow_sqlalchemy.tables",
     "CLAIM_CUTOFF": "chatflow_sqlalchemy.clock",
     "CLAIM_HORIZON": "chatflow_sqlalchemy.clock",
     "CLAIM_LEASE": "chatflow_sqlalchemy.clock",

@@ -79,7 +79,6 @@ from chatflow_sqlalchemy.migrate import (
     ensure_schema,
     require_existing_database,
 )
-from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import (
     has_changes,
     holds_newer_than,
@@ -129,6 +128,7 @@ from chatflow_sqlalchemy.values import (
     DEFAULT_TURN_LEASE_SECONDS,
     UNBORN_AGENT,
     Lease,
+    utcnow,
     validate_turn_lease_seconds,
 )
 from chatflow_sqlalchemy.writer import SessionWriter

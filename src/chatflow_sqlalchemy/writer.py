@@ -37,7 +37,6 @@ from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, Sessi
 from chatflow_sqlalchemy.inbox import BatchFence
 from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
 from chatflow_sqlalchemy.lifecycle import pruned_seqs
-from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.reconcile import (
     install,
     orphaned_tool_call,
@@ -62,7 +61,7 @@ from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
 from chatflow_sqlalchemy.sql_inbox import answer_batch
 from chatflow_sqlalchemy.sql_lifecycle import archive_rows, settle_summarized
 from chatflow_sqlalchemy.summaries import Summaries
-from chatflow_sqlalchemy.values import Lease
+from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["SessionWriter"]
 

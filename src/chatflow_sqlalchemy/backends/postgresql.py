@@ -33,10 +33,10 @@ from chatflow_sqlalchemy.dialect import (
     ping_when_idle,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
-from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.store import DEFAULT_DEDUP_TTL_HOURS, SQLAlchemySessionStore
 from chatflow_sqlalchemy.summaries import Summarizer
+from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.urls import psycopg_url
 from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
 
