@@ -31,6 +31,9 @@ READ_COMMANDS = (
     ["db", "current", "--json"],
     ["dedup", "count"],
     ["dedup", "count", "--json"],
+    ["sessions", "show", "wa:1"],
+    ["sessions", "show", "wa:1", "--all", "--json"],
+    ["sessions", "export"],
 )
 
 _PROBE = (

@@ -18,7 +18,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
     from chatflow_sqlalchemy.clock import (
         CLAIM_CUTOFF,
         CLAIM_HORIZON,
@@ -37,10 +36,10 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
     from chatflow_sqlalchemy.summaries import Summarizer
     from chatflow_sqlalchemy.tables import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
-    from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
+    from chatflow_sqlalchemy.values import DEFAULT_DEDUP_TTL_HOURS, DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
-    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
+    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.values",
     "DEFAULT_TURN_LEASE_SECONDS": "chatflow_sqlalchemy.values",
     "AESGCMCipher": "chatflow_sqlalchemy.crypto",
     "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",

@@ -770,6 +770,34 @@ def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | No
 # --------------------------------------------------------------------------- reading sessions
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """A stored message as printed: ``document`` for JSON, ``values`` for text.
+
+    They are pydantic's ``model_dump(mode="json")`` and ``model_dump()`` (with the
+    role as its text) of the message; for a row in the stores' form both are the
+    plain JSON document, read without chatflow-agent.
+    """
+
+    document: dict[str, Any]
+    values: dict[str, Any]
+
+
+def _decode_message(text: str) -> _Decoded:
+    """The stored ``text`` as a message; ValueError (pydantic's message) if it is not one."""
+    from chatflow_sqlalchemy.message_json import plain_message
+
+    plain = plain_message(text)
+    if plain is not None:
+        return _Decoded(plain, plain)
+    from chatflow_agent import Message  # a row not in the stores' form: pydantic decides
+
+    message = Message.model_validate_json(text)
+    values = message.model_dump()
+    values["role"] = message.role.value
+    return _Decoded(message.model_dump(mode="json"), values)
+
+
 @dataclass
 class _MessageRow:
     """One stored message row, decoded if it can be."""
@@ -778,7 +806,7 @@ class _MessageRow:
     role: str
     created_at: datetime | None
     raw: str
-    message: Message | None = None
+    message: _Decoded | None = None
     error: str | None = None
     table: str = "chatflow_messages"
     locked_by: str | None = None
@@ -874,13 +902,12 @@ def _session_query(session_ids: Sequence[str] | None = None) -> Any:
 
 def _messages(conn: Connection, session_id: str, archive: bool = False) -> list[Any]:
     """A session's message rows: the window (SYSTEM first, then by seq) or the archive."""
-    from chatflow_agent import Role
     from sqlalchemy import case, select
 
     from chatflow_sqlalchemy import tables
 
     c = (tables.message_archive if archive else tables.messages).c
-    order = (c.seq, c.id) if archive else (case((c.role == Role.SYSTEM.value, 0), else_=1), c.seq)
+    order = (c.seq, c.id) if archive else (case((c.role == "system", 0), else_=1), c.seq)
     query = select(c.id, c.seq, c.role, c.created_at, c.message_json)
     return list(conn.execute(query.where(c.session_id == session_id).order_by(*order)))
 
@@ -893,10 +920,7 @@ def _record(
     ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
     ``archived``: the archive is also read into ``archived`` (for export).
     """
-    from chatflow_agent import Message
-
     from chatflow_sqlalchemy import tables
-    from chatflow_sqlalchemy.crypto import MissingKeyError
 
     window_table = tables.messages.name
     archive_table = tables.message_archive.name
@@ -906,10 +930,9 @@ def _record(
     locked_by = None
     if metadata is not None:
         metadata, failure = open_row(sid, metadata)
-        if isinstance(failure, MissingKeyError):
-            metadata, locked_by = None, failure.key_id
-        elif failure is not None:
-            metadata, error = None, failure.reason
+        if failure is not None:
+            metadata = None
+            locked_by, error = _why_closed(failure)
     record = _SessionRecord(
         sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by,
         forked_from=row.forked_from, forked_at_turn=row.forked_at_turn,
@@ -919,13 +942,11 @@ def _record(
     def decode(msg: Any, table: str) -> _MessageRow:
         text, failure = open_row(sid, msg.message_json)
         decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table)
-        if isinstance(failure, MissingKeyError):
-            decoded.locked_by = failure.key_id
-        elif failure is not None:
-            decoded.error = failure.reason
+        if failure is not None:
+            decoded.locked_by, decoded.error = _why_closed(failure)
         else:
             try:
-                decoded.message = Message.model_validate_json(decoded.raw)
+                decoded.message = _decode_message(decoded.raw)
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
                 decoded.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return decoded
@@ -944,18 +965,29 @@ def _record(
     return record
 
 
+def _why_closed(failure: CorruptRowError) -> tuple[str | None, str | None]:
+    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why)."""
+    from chatflow_sqlalchemy.crypto import MissingKeyError
+
+    if isinstance(failure, MissingKeyError):
+        return failure.key_id, None
+    return None, failure.reason
+
+
 def _open_summary(record: _SessionRecord, stored: str | None) -> None:
     """Set ``record``'s summary from its stored text, or why it does not open (never raises).
 
     A summary is sealed like the metadata, so it is read with the same keys and
     told apart the same way: a key missing from ``$CHATFLOW_KEYS`` is not corruption.
     """
-    from chatflow_sqlalchemy.crypto import MissingKeyError, is_encrypted
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.values import is_encrypted
 
     if stored is None or not is_encrypted(stored):
         record.summary = stored
         return
+    from chatflow_sqlalchemy.crypto import MissingKeyError
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
         record.summary = sealer.open_summary(record.session_id, stored)
@@ -1121,23 +1153,24 @@ class _Line:
     corrupt: bool = False
 
 
-def _message_parts(message: Message) -> list[_Line]:
-    role = message.role.value
+def _message_parts(message: dict[str, Any]) -> list[_Line]:
+    """The printable parts of a message (the ``values`` of :class:`_Decoded`)."""
+    role = message["role"]
     parts: list[_Line] = []
-    if message.content:
-        parts.append(_Line(role, clean(message.content, newlines=True)))
-    for call in message.tool_calls or []:
-        args = json.dumps(call.args, ensure_ascii=False, sort_keys=True, default=str)
-        parts.append(_Line(role, clean(f"tool call {call.name} {args} (id {call.id})")))
-    for result in message.tool_results or []:
-        text = f"tool result {result.name} is_error={result.is_error}: "
-        parts.append(_Line(role, clean(text + _format_content(result.content), newlines=True)))
+    if message["content"]:
+        parts.append(_Line(role, clean(message["content"], newlines=True)))
+    for call in message["tool_calls"] or []:
+        args = json.dumps(call["args"], ensure_ascii=False, sort_keys=True, default=str)
+        parts.append(_Line(role, clean(f"tool call {call['name']} {args} (id {call['id']})")))
+    for result in message["tool_results"] or []:
+        text = f"tool result {result['name']} is_error={result['is_error']}: "
+        parts.append(_Line(role, clean(text + _format_content(result["content"]), newlines=True)))
     return parts or [_Line(role, "(empty)")]
 
 
 def _row_parts(row: _MessageRow) -> list[_Line]:
     if row.message is not None:
-        return _message_parts(row.message)
+        return _message_parts(row.message.values)
     if row.locked_by is not None:
         text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
     else:
@@ -1256,7 +1289,7 @@ def _message_json(row: _MessageRow) -> Any:
         "table": row.table,
         "role": row.role,
         "created_at": _iso(row.created_at),
-        "message": None if row.message is None else row.message.model_dump(mode="json"),
+        "message": None if row.message is None else row.message.document,
         "corrupt": None if row.error is None else {"reason": row.error, "raw": row.raw},
         "locked": None if row.locked_by is None else {"key_id": row.locked_by},
     }
@@ -1491,7 +1524,7 @@ def sessions_fork(
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
     def dump(rows: list[_MessageRow]) -> list[Any]:
-        return [row.message.model_dump(mode="json") for row in rows if row.message is not None]
+        return [row.message.document for row in rows if row.message is not None]
 
     exported = {"session_id": record.session_id, "active_agent_name": record.agent,
                 "metadata": record.metadata, "summary": record.summary,
@@ -2105,12 +2138,13 @@ def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]
     Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
     ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
     """
-    from chatflow_sqlalchemy.crypto import is_encrypted
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.values import is_encrypted
 
     sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
     if not is_encrypted(stored["_enc"] if sealed_dict else stored):
         return stored, None
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
         if sealed_dict:

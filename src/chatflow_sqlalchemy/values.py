@@ -23,12 +23,14 @@ __all__ = [
     "MAX_PAGE_LIMIT",
     "METADATA_MAX_DEPTH",
     "SESSION_ID_MAX_LENGTH",
+    "TOKEN_PREFIX",
     "TURN_LEASE_BOUNDS",
     "UNBORN_AGENT",
     "Lease",
     "check_metadata",
     "check_storable_text",
     "dump_metadata",
+    "is_encrypted",
     "utcnow",
     "validate_id",
     "validate_page_limit",
@@ -95,6 +97,15 @@ def validate_page_limit(limit: object, name: str = "limit") -> int | None:
 
 DEFAULT_DEDUP_TTL_HOURS = 192
 """Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+TOKEN_PREFIX = "cfenc:1:"
+"""Every encrypted value starts with it (then the key id, a colon and the payload)."""
+
+
+def is_encrypted(text: object) -> bool:
+    """True if ``text`` is a token written by :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`."""
+    return isinstance(text, str) and text.startswith(TOKEN_PREFIX)
+
 
 UNBORN_AGENT = ""
 """The agent name of a session the inbox created for its lease before any turn: the first
