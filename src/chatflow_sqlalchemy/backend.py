@@ -18,7 +18,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
     from chatflow_sqlalchemy.clock import (
         CLAIM_CUTOFF,
         CLAIM_HORIZON,
@@ -34,15 +33,15 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
     from chatflow_sqlalchemy.iopool import IOPool
     from chatflow_sqlalchemy.migrate import MigrationChain
-    from chatflow_sqlalchemy.models import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
     from chatflow_sqlalchemy.options import StoreOptions
     from chatflow_sqlalchemy.server_store import ServerSessionStore
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
     from chatflow_sqlalchemy.summaries import Summarizer
-    from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS
+    from chatflow_sqlalchemy.tables import CLAIM_TICKETS, NAMING_CONVENTION, UTCDateTime
+    from chatflow_sqlalchemy.values import DEFAULT_DEDUP_TTL_HOURS, DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
-    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
+    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.values",
     "DEFAULT_TURN_LEASE_SECONDS": "chatflow_sqlalchemy.values",
     "AESGCMCipher": "chatflow_sqlalchemy.crypto",
     "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",
@@ -51,9 +50,9 @@ _SOURCES: dict[str, str] = {
     "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
     "IOPool": "chatflow_sqlalchemy.iopool",
     "MigrationChain": "chatflow_sqlalchemy.migrate",
-    "CLAIM_TICKETS": "chatflow_sqlalchemy.models",
-    "NAMING_CONVENTION": "chatflow_sqlalchemy.models",
-    "UTCDateTime": "chatflow_sqlalchemy.models",
+    "CLAIM_TICKETS": "chatflow_sqlalchemy.tables",
+    "NAMING_CONVENTION": "chatflow_sqlalchemy.tables",
+    "UTCDateTime": "chatflow_sqlalchemy.tables",
     "StoreOptions": "chatflow_sqlalchemy.options",
     "ServerSessionStore": "chatflow_sqlalchemy.server_store",
     "CLAIM_CUTOFF": "chatflow_sqlalchemy.clock",

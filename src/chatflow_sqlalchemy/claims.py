@@ -72,6 +72,7 @@ from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
     CLAIM_DONE,
     CLAIM_RELEASED,
+    DEFAULT_DEDUP_TTL_HOURS,
     SESSION_ID_MAX_LENGTH,
     check_storable_text,
     utcnow,
@@ -105,9 +106,6 @@ __all__ = [
 _T = TypeVar("_T")
 
 logger = logging.getLogger("chatflow_sqlalchemy")
-
-DEFAULT_DEDUP_TTL_HOURS = 192
-"""Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
 
 MAX_DEDUP_TTL_HOURS = 876_000
 """Longest accepted dedup window: 100 years. Every database can store a cutoff that

@@ -173,7 +173,6 @@ _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "
 
 def _resolve_url(given: str | None) -> URL:
     """``--url`` (after the command, else before it), env, default file; read as the stores do."""
-    from chatflow_sqlalchemy.exceptions import DatabaseURLError
     from chatflow_sqlalchemy.urls import parse_database_url
 
     if given is None:
@@ -181,8 +180,12 @@ def _resolve_url(given: str | None) -> URL:
         given = ctx.find_root().params.get("url") if ctx is not None else None
     try:
         return parse_database_url(given)
-    except DatabaseURLError as exc:
-        raise CliError(str(exc)) from None
+    except Exception as exc:
+        from chatflow_sqlalchemy.exceptions import DatabaseURLError  # only now: it is heavy
+
+        if isinstance(exc, DatabaseURLError):
+            raise CliError(str(exc)) from None
+        raise
 
 
 def _safe_url(url: URL) -> str:
@@ -240,7 +243,7 @@ def _sqlite_file(url: URL) -> Path | None:
     """The file a SQLite URL names; None for in-memory databases and other backends."""
     if url.get_backend_name() != "sqlite":
         return None
-    from chatflow_sqlalchemy.backends.sqlite import is_ephemeral_sqlite
+    from chatflow_sqlalchemy.backends.sqlite_files import is_ephemeral_sqlite
 
     if is_ephemeral_sqlite(url):
         return None
@@ -264,7 +267,7 @@ def _read_only_sqlite(url: URL, path: Path) -> Engine:
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
-    from chatflow_sqlalchemy.backends.sqlite import BUSY_TIMEOUT_MS
+    from chatflow_sqlalchemy.backends.sqlite_files import BUSY_TIMEOUT_MS
 
     uri = f"file:{quote(str(path.resolve()))}?mode=rw"
 
@@ -279,17 +282,24 @@ def _read_only_sqlite(url: URL, path: Path) -> Engine:
 
 @contextmanager
 def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
-    """An engine on the database as it is (never migrated; connected once up front)."""
-    from chatflow_sqlalchemy import migrate
+    """An engine on the database as it is (never migrated; connected once up front).
 
-    _dialect_support(url)
+    A SQLite file opened to read needs no backend: only the sqlite3 module.
+    """
     path = _sqlite_file(url)
+    if not (read_only and path):
+        _dialect_support(url)
     if path is not None and not path.is_file():  # SQLite would create it on connect
         raise CliError(
             f"no SQLite database at {clean(str(path))!r} (nothing was created); "
             f"check the URL, or create it with: {PROG} db upgrade"
         )
-    engine = _read_only_sqlite(url, path) if read_only and path else migrate.open_engine(url)
+    if read_only and path:
+        engine = _read_only_sqlite(url, path)
+    else:
+        from chatflow_sqlalchemy import migrate
+
+        engine = migrate.open_engine(url)
     try:
         with _database_errors(url, "cannot reach"), engine.connect():
             pass
@@ -302,9 +312,9 @@ def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
 def _has_upstream_tables(engine: Engine) -> bool:
     from sqlalchemy import inspect
 
-    from chatflow_sqlalchemy.models import ChatflowSession
+    from chatflow_sqlalchemy import tables
 
-    return inspect(engine).has_table(ChatflowSession.__tablename__)
+    return inspect(engine).has_table(tables.sessions.name)
 
 
 def _label(
@@ -760,6 +770,34 @@ def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | No
 # --------------------------------------------------------------------------- reading sessions
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """A stored message as printed: ``document`` for JSON, ``values`` for text.
+
+    They are pydantic's ``model_dump(mode="json")`` and ``model_dump()`` (with the
+    role as its text) of the message; for a row in the stores' form both are the
+    plain JSON document, read without chatflow-agent.
+    """
+
+    document: dict[str, Any]
+    values: dict[str, Any]
+
+
+def _decode_message(text: str) -> _Decoded:
+    """The stored ``text`` as a message; ValueError (pydantic's message) if it is not one."""
+    from chatflow_sqlalchemy.message_json import plain_message
+
+    plain = plain_message(text)
+    if plain is not None:
+        return _Decoded(plain, plain)
+    from chatflow_agent import Message  # a row not in the stores' form: pydantic decides
+
+    message = Message.model_validate_json(text)
+    values = message.model_dump()
+    values["role"] = message.role.value
+    return _Decoded(message.model_dump(mode="json"), values)
+
+
 @dataclass
 class _MessageRow:
     """One stored message row, decoded if it can be."""
@@ -768,7 +806,7 @@ class _MessageRow:
     role: str
     created_at: datetime | None
     raw: str
-    message: Message | None = None
+    message: _Decoded | None = None
     error: str | None = None
     table: str = "chatflow_messages"
     locked_by: str | None = None
@@ -851,9 +889,9 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
     from sqlalchemy import Text, cast, select
 
-    from chatflow_sqlalchemy.models import ChatflowSession
+    from chatflow_sqlalchemy import tables
 
-    c = ChatflowSession.__table__.c
+    c = tables.sessions.c
     query = select(
         c.session_id, c.active_agent_name, c.created_at, c.updated_at,
         cast(c.metadata_json, Text).label("metadata_text"),
@@ -864,13 +902,12 @@ def _session_query(session_ids: Sequence[str] | None = None) -> Any:
 
 def _messages(conn: Connection, session_id: str, archive: bool = False) -> list[Any]:
     """A session's message rows: the window (SYSTEM first, then by seq) or the archive."""
-    from chatflow_agent import Role
     from sqlalchemy import case, select
 
-    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
+    from chatflow_sqlalchemy import tables
 
-    c = (ChatflowMessageArchive if archive else ChatflowMessage).__table__.c
-    order = (c.seq, c.id) if archive else (case((c.role == Role.SYSTEM.value, 0), else_=1), c.seq)
+    c = (tables.message_archive if archive else tables.messages).c
+    order = (c.seq, c.id) if archive else (case((c.role == "system", 0), else_=1), c.seq)
     query = select(c.id, c.seq, c.role, c.created_at, c.message_json)
     return list(conn.execute(query.where(c.session_id == session_id).order_by(*order)))
 
@@ -883,23 +920,19 @@ def _record(
     ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
     ``archived``: the archive is also read into ``archived`` (for export).
     """
-    from chatflow_agent import Message
+    from chatflow_sqlalchemy import tables
 
-    from chatflow_sqlalchemy.crypto import MissingKeyError
-    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive
-
-    window_table = ChatflowMessage.__tablename__
-    archive_table = ChatflowMessageArchive.__tablename__
+    window_table = tables.messages.name
+    archive_table = tables.message_archive.name
 
     sid = row.session_id
     metadata, raw, error = _decode_metadata(row.metadata_text)
     locked_by = None
     if metadata is not None:
         metadata, failure = open_row(sid, metadata)
-        if isinstance(failure, MissingKeyError):
-            metadata, locked_by = None, failure.key_id
-        elif failure is not None:
-            metadata, error = None, failure.reason
+        if failure is not None:
+            metadata = None
+            locked_by, error = _why_closed(failure)
     record = _SessionRecord(
         sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by,
         forked_from=row.forked_from, forked_at_turn=row.forked_at_turn,
@@ -909,13 +942,11 @@ def _record(
     def decode(msg: Any, table: str) -> _MessageRow:
         text, failure = open_row(sid, msg.message_json)
         decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table)
-        if isinstance(failure, MissingKeyError):
-            decoded.locked_by = failure.key_id
-        elif failure is not None:
-            decoded.error = failure.reason
+        if failure is not None:
+            decoded.locked_by, decoded.error = _why_closed(failure)
         else:
             try:
-                decoded.message = Message.model_validate_json(decoded.raw)
+                decoded.message = _decode_message(decoded.raw)
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
                 decoded.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return decoded
@@ -934,18 +965,29 @@ def _record(
     return record
 
 
+def _why_closed(failure: CorruptRowError) -> tuple[str | None, str | None]:
+    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why)."""
+    from chatflow_sqlalchemy.crypto import MissingKeyError
+
+    if isinstance(failure, MissingKeyError):
+        return failure.key_id, None
+    return None, failure.reason
+
+
 def _open_summary(record: _SessionRecord, stored: str | None) -> None:
     """Set ``record``'s summary from its stored text, or why it does not open (never raises).
 
     A summary is sealed like the metadata, so it is read with the same keys and
     told apart the same way: a key missing from ``$CHATFLOW_KEYS`` is not corruption.
     """
-    from chatflow_sqlalchemy.crypto import MissingKeyError, is_encrypted
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.values import is_encrypted
 
     if stored is None or not is_encrypted(stored):
         record.summary = stored
         return
+    from chatflow_sqlalchemy.crypto import MissingKeyError
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
         record.summary = sealer.open_summary(record.session_id, stored)
@@ -964,7 +1006,7 @@ def _checked(check: Callable[[str], Any], value: str) -> None:
 
 
 def _validate_session_id(session_id: str) -> None:
-    from chatflow_sqlalchemy.context import validate_session_id
+    from chatflow_sqlalchemy.values import validate_session_id
 
     _checked(validate_session_id, session_id)
 
@@ -979,11 +1021,11 @@ def _no_session(session_id: str, url: URL) -> CliError:
 def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[Any]:
     from sqlalchemy import func, select
 
-    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowSession
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
-    sessions_t: Any = ChatflowSession.__table__
-    s, m = sessions_t.c, ChatflowMessage.__table__.c
+    sessions_t = tables.sessions
+    s, m = sessions_t.c, tables.messages.c
     # Counted per listed session (an index range each), not over the whole table.
     count = select(func.count()).where(m.session_id == s.session_id).correlate(sessions_t)
     query = (
@@ -1111,23 +1153,24 @@ class _Line:
     corrupt: bool = False
 
 
-def _message_parts(message: Message) -> list[_Line]:
-    role = message.role.value
+def _message_parts(message: dict[str, Any]) -> list[_Line]:
+    """The printable parts of a message (the ``values`` of :class:`_Decoded`)."""
+    role = message["role"]
     parts: list[_Line] = []
-    if message.content:
-        parts.append(_Line(role, clean(message.content, newlines=True)))
-    for call in message.tool_calls or []:
-        args = json.dumps(call.args, ensure_ascii=False, sort_keys=True, default=str)
-        parts.append(_Line(role, clean(f"tool call {call.name} {args} (id {call.id})")))
-    for result in message.tool_results or []:
-        text = f"tool result {result.name} is_error={result.is_error}: "
-        parts.append(_Line(role, clean(text + _format_content(result.content), newlines=True)))
+    if message["content"]:
+        parts.append(_Line(role, clean(message["content"], newlines=True)))
+    for call in message["tool_calls"] or []:
+        args = json.dumps(call["args"], ensure_ascii=False, sort_keys=True, default=str)
+        parts.append(_Line(role, clean(f"tool call {call['name']} {args} (id {call['id']})")))
+    for result in message["tool_results"] or []:
+        text = f"tool result {result['name']} is_error={result['is_error']}: "
+        parts.append(_Line(role, clean(text + _format_content(result["content"]), newlines=True)))
     return parts or [_Line(role, "(empty)")]
 
 
 def _row_parts(row: _MessageRow) -> list[_Line]:
     if row.message is not None:
-        return _message_parts(row.message)
+        return _message_parts(row.message.values)
     if row.locked_by is not None:
         text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
     else:
@@ -1246,7 +1289,7 @@ def _message_json(row: _MessageRow) -> Any:
         "table": row.table,
         "role": row.role,
         "created_at": _iso(row.created_at),
-        "message": None if row.message is None else row.message.model_dump(mode="json"),
+        "message": None if row.message is None else row.message.document,
         "corrupt": None if row.error is None else {"reason": row.error, "raw": row.raw},
         "locked": None if row.locked_by is None else {"key_id": row.locked_by},
     }
@@ -1330,10 +1373,10 @@ def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) 
     """
     from sqlalchemy import delete, select
 
-    from chatflow_sqlalchemy.models import ChatflowSession
+    from chatflow_sqlalchemy import tables
 
     _validate_session_id(session_id)
-    table: Any = ChatflowSession.__table__
+    table = tables.sessions
     where = table.c.session_id == session_id
     with _database(url, write=True) as (parsed, engine):
         with _read_conn(engine) as conn:
@@ -1356,10 +1399,10 @@ def _session_exists(engine: Engine, session_id: str) -> bool:
     """True if the session exists (one the inbox made before its first turn does not yet)."""
     from sqlalchemy import select
 
-    from chatflow_sqlalchemy.models import ChatflowSession
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
-    s: Any = ChatflowSession.__table__.c
+    s = tables.sessions.c
     query = select(s.session_id).where(
         s.session_id == session_id, s.active_agent_name != UNBORN_AGENT
     )
@@ -1481,7 +1524,7 @@ def sessions_fork(
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
     def dump(rows: list[_MessageRow]) -> list[Any]:
-        return [row.message.model_dump(mode="json") for row in rows if row.message is not None]
+        return [row.message.document for row in rows if row.message is not None]
 
     exported = {"session_id": record.session_id, "active_agent_name": record.agent,
                 "metadata": record.metadata, "summary": record.summary,
@@ -1602,7 +1645,7 @@ def sessions_export(
 
 def _ttl(hours: float | None) -> float:
     """The dedup TTL in hours: ``--ttl-hours``, else the store's default window."""
-    from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
+    from chatflow_sqlalchemy.values import DEFAULT_DEDUP_TTL_HOURS
 
     if hours is None:
         return float(DEFAULT_DEDUP_TTL_HOURS)
@@ -1618,13 +1661,13 @@ _ttl_option = click.option(
 
 
 def _processed_table() -> Any:
-    from chatflow_sqlalchemy.models import ChatflowProcessedMessage
+    from chatflow_sqlalchemy import tables
 
-    return ChatflowProcessedMessage.__table__
+    return tables.processed_messages
 
 
 def _cutoff(ttl_hours: float) -> datetime:
-    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.values import utcnow
 
     return utcnow() - timedelta(hours=ttl_hours)
 
@@ -1733,7 +1776,7 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
     """
     from sqlalchemy import delete
 
-    from chatflow_sqlalchemy.models import utcnow
+    from chatflow_sqlalchemy.values import utcnow
 
     ttl = _ttl(ttl_hours)
     default_ttl = _ttl(None)
@@ -1786,9 +1829,9 @@ def _inbox(
 
 
 def _inbox_table() -> Any:
-    from chatflow_sqlalchemy.models import ChatflowInboxItem
+    from chatflow_sqlalchemy import tables
 
-    return ChatflowInboxItem.__table__
+    return tables.inbox
 
 
 def _age(seconds: float) -> str:
@@ -2095,12 +2138,13 @@ def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]
     Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
     ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
     """
-    from chatflow_sqlalchemy.crypto import is_encrypted
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
+    from chatflow_sqlalchemy.values import is_encrypted
 
     sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
     if not is_encrypted(stored["_enc"] if sealed_dict else stored):
         return stored, None
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
         if sealed_dict:
@@ -2127,9 +2171,9 @@ def _sealer_from_env(keys: str) -> Sealer:
 def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
     from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
-    from chatflow_sqlalchemy.models import utcnow
     from chatflow_sqlalchemy.rows import parse_message
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
+    from chatflow_sqlalchemy.values import utcnow
 
     _validated(user_id)
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
@@ -2166,9 +2210,9 @@ def sessions_sweep(
     workers run and while other sweepers run.
     """
     from chatflow_sqlalchemy.lifecycle import validate_session_ttl
-    from chatflow_sqlalchemy.models import utcnow
     from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.sql_lifecycle import count_expired
+    from chatflow_sqlalchemy.values import utcnow
 
     try:
         hours = validate_session_ttl(ttl_hours)
@@ -2241,15 +2285,15 @@ def _holds_plaintext(engine: Any) -> bool:
     """True if a message, archived message, session metadata or summary is stored unencrypted."""
     from sqlalchemy import Text, cast, not_, select
 
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
-    from chatflow_sqlalchemy.models import ChatflowMessage, ChatflowMessageArchive, ChatflowSession
 
-    s = ChatflowSession.__table__.c
+    s = tables.sessions.c
     queries = [
         select(table.c.id).where(
             not_(table.c.message_json.startswith(TOKEN_PREFIX, autoescape=True))
         )
-        for table in (ChatflowMessage.__table__, ChatflowMessageArchive.__table__)
+        for table in (tables.messages, tables.message_archive)
     ]
     queries.append(select(s.session_id).where(
         not_(cast(s.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))

@@ -15,7 +15,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-from chatflow_sqlalchemy.models import UTCDateTime
+from chatflow_sqlalchemy.tables import UTCDateTime
 
 __all__ = ["CLAIM_CUTOFF", "CLAIM_HORIZON", "CLAIM_LEASE", "CLAIM_NOW", "DatabaseNow"]
 

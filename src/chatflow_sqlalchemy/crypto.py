@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError, CorruptRowError
+from chatflow_sqlalchemy.values import TOKEN_PREFIX, is_encrypted
 
 __all__ = [
     "CRYPTO_INSTALL_HINT",
@@ -42,8 +43,6 @@ __all__ = [
 
 CRYPTO_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[crypto]'"
 KEYS_ENV_VAR = "CHATFLOW_KEYS"
-TOKEN_PREFIX = "cfenc:1:"
-"""Every encrypted value starts with it (then the key id, a colon and the payload)."""
 
 _KEY_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,32}$")
 _NONCE_BYTES = 12
@@ -74,11 +73,6 @@ class MissingKeyError(CorruptRowError):
             f"('{key_id}:<base64 key>', after the primary) and open the store with "
             "cipher=AESGCMCipher.from_env()",
         )
-
-
-def is_encrypted(text: object) -> bool:
-    """True if ``text`` is a token written by :class:`AESGCMCipher`."""
-    return isinstance(text, str) and text.startswith(TOKEN_PREFIX)
 
 
 def token_key_id(text: str) -> str | None:

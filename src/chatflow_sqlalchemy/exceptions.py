@@ -21,6 +21,7 @@ __all__ = [
     "DatabaseUnavailableError",
     "DuplicateBackendError",
     "LeaseLostError",
+    "MigrationPluginError",
     "SchemaAheadError",
     "SchemaError",
     "SessionDeletedError",
@@ -160,3 +161,12 @@ class ClaimLostError(LeaseLostError):
         )
         self.message_id = message_id
         self.session_id = None
+
+
+class MigrationPluginError(ChatflowStoreError):
+    """A plugin's migration chain cannot be used; the message names the plugin.
+
+    Raised when its entry point cannot be loaded, does not describe a chain,
+    or declares a table or version table that the core (or another plugin)
+    owns. Nothing is migrated when it is raised.
+    """

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from chatflow_agent import Message, Role
 
-from chatflow_sqlalchemy.context import validate_id, validate_session_id
+from chatflow_sqlalchemy.values import validate_id, validate_session_id
 
 __all__ = [
     "ForkedWindow",

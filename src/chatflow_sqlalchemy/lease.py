@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import ColumnElement, Float, Table, bindparam, null, or_, select, update
+from sqlalchemy import ColumnElement, Float, bindparam, null, or_, select, update
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.models import ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
-from chatflow_sqlalchemy.values import Lease
+from chatflow_sqlalchemy.tables import UTCDateTime
+from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = [
     "KEEP_HELD",
@@ -42,7 +43,7 @@ __all__ = [
     "lease_params",
 ]
 
-_s = cast(Table, ChatflowSession.__table__)
+_s = tables.sessions
 _SECONDS = bindparam("turn_lease_seconds", type_=Float())
 _NOW = DatabaseNow(bindparam("lease_now", type_=UTCDateTime()))
 _UNTIL = DatabaseNow(bindparam("lease_until", type_=UTCDateTime()), _SECONDS)

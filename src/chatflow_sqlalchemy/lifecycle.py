@@ -15,8 +15,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from chatflow_sqlalchemy.context import check_metadata, validate_id, validate_session_id
-from chatflow_sqlalchemy.values import validate_page_limit
+from chatflow_sqlalchemy.values import (
+    check_metadata,
+    validate_id,
+    validate_page_limit,
+    validate_session_id,
+)
 
 __all__ = [
     "EXPORT_FORMAT",

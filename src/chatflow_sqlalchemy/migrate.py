@@ -32,24 +32,33 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     URL,
     Connection,
     Engine,
     MetaData,
+    String,
+    column,
     create_engine,
     inspect,
     make_url,
+    select,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import table as table_named
 
 from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.exceptions import ChatflowStoreError, SchemaAheadError, SchemaError
-from chatflow_sqlalchemy.models import BACKEND_SHAPED, ChatflowSession, metadata
-from chatflow_sqlalchemy.registry import support_for
+from chatflow_sqlalchemy.tables import BACKEND_SHAPED
 from chatflow_sqlalchemy.urls import psycopg_url
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from chatflow_sqlalchemy.exceptions import MigrationPluginError
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -90,14 +99,6 @@ def alembic_chatter_at_debug() -> Iterator[None]:
         _ALEMBIC_QUIET.reset(token)
 
 
-with alembic_chatter_at_debug():  # importing autogenerate logs "setup plugin ..." at INFO
-    from alembic import command
-    from alembic.autogenerate import compare_metadata
-    from alembic.config import Config
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-    from alembic.util.exc import CommandError
-
 __all__ = [
     "AUTO_MIGRATE_ENV",
     "BASELINE_REVISION",
@@ -136,6 +137,15 @@ __all__ = [
 
 VERSION_TABLE = "chatflow_alembic_version"
 BASELINE_REVISION = "0001"
+CORE_REVISIONS = (
+    "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
+)
+"""The core chain's revisions, oldest first; the last is its head.
+
+Written out so that reading where a database stands (the CLI's read commands,
+a store's open) needs neither Alembic nor the scripts; a test checks it
+against the scripts, so a new migration fails the suite until it is added here.
+"""
 """The revision that describes chatflow-agent 0.3.4's own SQLite schema."""
 
 CORE_CHAIN = "core"
@@ -151,6 +161,26 @@ UPSTREAM_TABLES = "chatflow-agent 0.3.4 tables (unversioned)"
 
 EMPTY_DATABASE = "empty database"
 """How a database without chatflow tables is described."""
+
+def _errors() -> ModuleType:
+    """The error classes, imported when one is raised (they load chatflow-agent)."""
+    from chatflow_sqlalchemy import exceptions
+
+    return exceptions
+
+
+def _support_for(dialect_name: str) -> DialectSupport:
+    from chatflow_sqlalchemy.registry import support_for
+
+    return support_for(dialect_name)
+
+
+def __getattr__(name: str) -> Any:
+    """``MigrationPluginError`` lives in :mod:`chatflow_sqlalchemy.exceptions` (loaded lazily)."""
+    if name == "MigrationPluginError":
+        return _errors().MigrationPluginError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
     """Whether a store may create or upgrade the schema when it opens.
@@ -179,15 +209,6 @@ def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
         f"{AUTO_MIGRATE_ENV}={raw!r} is not understood; set it to 0, false, no or off to "
         "make stores refuse an old schema, or to 1, true, yes or on (the default)"
     )
-
-
-class MigrationPluginError(ChatflowStoreError):
-    """A plugin's migration chain cannot be used; the message names the plugin.
-
-    Raised when its entry point cannot be loaded, does not describe a chain,
-    or declares a table or version table that the core (or another plugin)
-    owns. Nothing is migrated when it is raised.
-    """
 
 
 @dataclass(frozen=True)
@@ -331,6 +352,8 @@ def configure_context(
 @functools.cache
 def core_chain() -> MigrationChain:
     """chatflow-sqlalchemy's own chain (revisions 0001, 0002, ...)."""
+    from chatflow_sqlalchemy.tables import metadata
+
     return MigrationChain(
         script_location=script_location(),
         version_table=VERSION_TABLE,
@@ -372,13 +395,13 @@ def _discover() -> Iterator[MigrationChain]:
             if callable(obj) and not isinstance(obj, MigrationChain):
                 obj = obj()
         except Exception as exc:
-            raise MigrationPluginError(
+            raise _errors().MigrationPluginError(
                 f"{where} cannot be loaded: {type(exc).__name__}: {exc}; nothing was migrated. "
                 f"Reinstall it (pip install --force-reinstall '{dist.name if dist else ep.name}') "
                 "or uninstall it"
             ) from exc
         if not isinstance(obj, MigrationChain):
-            raise MigrationPluginError(
+            raise _errors().MigrationPluginError(
                 f"{where} is a {type(obj).__name__}, not a "
                 "chatflow_sqlalchemy.migrate.MigrationChain; nothing was migrated"
             )
@@ -393,13 +416,15 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
     owners["alembic_version"] = "Alembic's default version table (your application's)"
     for chain in chains:
         if chain.name == CORE_CHAIN:
-            raise MigrationPluginError(
+            raise _errors().MigrationPluginError(
                 f"{chain.label} uses the reserved name {CORE_CHAIN!r}; rename its entry point"
             )
         if not isinstance(chain.target_metadata, MetaData):
-            raise MigrationPluginError(f"{chain.label} declares no target_metadata (a MetaData)")
+            raise _errors().MigrationPluginError(
+                f"{chain.label} declares no target_metadata (a MetaData)"
+            )
         if chain.version_table in chain.target_metadata.tables:
-            raise MigrationPluginError(
+            raise _errors().MigrationPluginError(
                 f"{chain.label} uses its own table {chain.version_table!r} as its version "
                 "table; give the chain a version table of its own. Nothing was migrated"
             )
@@ -407,7 +432,7 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
             owner = owners.get(table)
             if owner is not None:
                 kind = "version table" if table == chain.version_table else "table"
-                raise MigrationPluginError(
+                raise _errors().MigrationPluginError(
                     f"{chain.label} declares the {kind} {table!r}, which is {owner}; a plugin "
                     "may only create tables of its own (rename it, e.g. with the plugin's name "
                     "as prefix). Nothing was migrated; uninstall or fix the plugin"
@@ -415,7 +440,7 @@ def _validate(chains: Iterable[MigrationChain]) -> None:
             owners[table] = f"a table of {chain.label}"
         directory = Path(chain.directory())
         if not (directory / "versions").is_dir():
-            raise MigrationPluginError(
+            raise _errors().MigrationPluginError(
                 f"{chain.label}: script_location {chain.script_location!r} resolves to "
                 f"{directory}, which has no versions/ folder"
             )
@@ -440,16 +465,21 @@ def find_chain(name: str, dialect_name: str | None = None) -> MigrationChain:
     for chain in installed:
         if chain.name == name:
             if dialect_name is not None and not chain.applies_to(dialect_name):
-                raise MigrationPluginError(
+                raise _errors().MigrationPluginError(
                     f"{chain.label} does not apply to {dialect_name} databases "
                     f"(only {', '.join(sorted(chain.dialects or ()))})"
                 )
             return chain
     names = ", ".join([CORE_CHAIN, *(c.name for c in installed)])
-    raise MigrationPluginError(f"no migration chain named {name!r} (installed: {names})")
+    raise _errors().MigrationPluginError(f"no migration chain named {name!r} (installed: {names})")
 
 
-_scripts_at = functools.lru_cache(maxsize=64)(ScriptDirectory)
+@functools.lru_cache(maxsize=64)
+def _scripts_at(directory: str) -> ScriptDirectory:
+    with alembic_chatter_at_debug():  # importing Alembic logs "setup plugin ..." at INFO
+        from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(directory)
 
 
 def _script(chain: MigrationChain | None = None) -> ScriptDirectory:
@@ -490,7 +520,7 @@ def _check_foreign_keys(conn: Connection) -> None:
         if table in existing:
             problems += conn.exec_driver_sql(f'PRAGMA foreign_key_check("{table}")').fetchall()
     if problems:
-        raise SchemaError(
+        raise _errors().SchemaError(
             f"migration left rows whose parent row does not exist: {problems[:5]}; rolled back",
             found=None,
             expected=head_revision(),
@@ -505,7 +535,7 @@ def open_engine(url: str | URL) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() in ("postgresql", "postgres"):
         parsed = psycopg_url(parsed)
-    support = support_for(parsed.get_backend_name())
+    support = _support_for(parsed.get_backend_name())
     parsed = support.sync_url(parsed)
     engine = create_engine(parsed, **support.engine_options(parsed))
     support.prepare_engine(engine)
@@ -515,9 +545,11 @@ def open_engine(url: str | URL) -> Engine:
 def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
     """Open ``url`` like a store would, and run ``fn`` under the migration lock."""
     if not url:
-        raise SchemaError("no database URL: set CHATFLOW_DATABASE_URL", found=None, expected="")
+        raise _errors().SchemaError(
+            "no database URL: set CHATFLOW_DATABASE_URL", found=None, expected=""
+        )
     engine = open_engine(url)
-    support = support_for(engine.dialect.name)
+    support = _support_for(engine.dialect.name)
     try:
         with locked_connection(engine, support) as conn:
             fn(conn)
@@ -525,11 +557,16 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
         engine.dispose()
 
 
-_COMMANDS: dict[str, tuple[Callable[[Config, str], None], str]] = {
-    "upgrade": (command.upgrade, "upgraded"),
-    "downgrade": (command.downgrade, "downgraded"),
-    "stamp": (command.stamp, "stamped"),
-}
+_VERBS = {"upgrade": "upgraded", "downgrade": "downgraded", "stamp": "stamped"}
+
+
+def _alembic_command(action: str) -> Callable[[Config, str], None]:
+    """Alembic's ``upgrade``, ``downgrade`` or ``stamp`` command (Alembic is imported here)."""
+    with alembic_chatter_at_debug():
+        from alembic import command
+
+    return {"upgrade": command.upgrade, "downgrade": command.downgrade,
+            "stamp": command.stamp}[action]
 
 
 def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
@@ -540,6 +577,8 @@ def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
     ``versions/`` folder is its only version location, so a plugin ships
     revision files and nothing else.
     """
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", script_location().replace("%", "%%"))
     config.attributes.update(connection=connection, chatflow_chain=chain)
@@ -554,6 +593,8 @@ def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
 
 def head_revision(chain: MigrationChain | None = None) -> str:
     """The revision the code expects (of the core chain, or of ``chain``)."""
+    if chain is None or chain.is_core:
+        return CORE_REVISIONS[-1]
     head = _script(chain).get_current_head()
     assert head is not None
     return head
@@ -561,9 +602,17 @@ def head_revision(chain: MigrationChain | None = None) -> str:
 
 def current_revision(conn: Connection, chain: MigrationChain | None = None) -> str | None:
     """The database's revision of the core chain (or ``chain``); None if never migrated."""
-    table = (chain or core_chain()).version_table
-    with alembic_chatter_at_debug():  # configure() logs the context impl at INFO
-        context = MigrationContext.configure(conn, opts={"version_table": table})
+    name = (chain or core_chain()).version_table
+    if not inspect(conn).has_table(name):
+        return None
+    version = column("version_num", String)
+    found = list(conn.execute(select(version).select_from(table_named(name))).scalars())
+    if len(found) <= 1:
+        return found[0] if found else None
+    with alembic_chatter_at_debug():  # Alembic refuses several heads in its own words
+        from alembic.runtime.migration import MigrationContext
+
+        context = MigrationContext.configure(conn, opts={"version_table": name})
         return context.get_current_revision()
 
 
@@ -588,6 +637,10 @@ def check_not_ahead(found: str | None, chain: MigrationChain | None = None) -> N
     if found is None:
         return
     chain = chain or core_chain()
+    if chain.is_core and found in CORE_REVISIONS:
+        return
+    from alembic.util.exc import CommandError
+
     expected = head_revision(chain)
     try:
         known = _script(chain).get_revision(found)
@@ -599,7 +652,7 @@ def check_not_ahead(found: str | None, chain: MigrationChain | None = None) -> N
         else:
             what = f"the database schema of {chain.label}"
             package = chain.distribution.split()[0] if chain.distribution else chain.name
-        raise SchemaAheadError(
+        raise _errors().SchemaAheadError(
             f"{what} is at revision {found}, newer than this installation knows "
             f"(expected {expected}); upgrade the package: pip install -U {package}",
             found=found,
@@ -620,7 +673,9 @@ def describe_revision(
         return revision
     if chain is not None and not chain.is_core:
         return "none"
-    return UPSTREAM_TABLES if inspect(conn).has_table(ChatflowSession.__tablename__) else (
+    from chatflow_sqlalchemy.tables import sessions
+
+    return UPSTREAM_TABLES if inspect(conn).has_table(sessions.name) else (
         EMPTY_DATABASE
     )
 
@@ -685,7 +740,7 @@ def _refuse(engine: Engine, status: ChainStatus) -> None:
     what = "the schema" if status.chain.is_core else f"the schema of {status.chain.label}"
     if status.current is not None:
         found = f"revision {found}"
-    raise SchemaError(
+    raise _errors().SchemaError(
         f"{_database(engine)}: {what} is behind (found: {found}; this code needs revision "
         f"{status.head}) and auto-migration is off (auto_migrate=False or "
         "CHATFLOW_AUTO_MIGRATE), so nothing was changed; run: chatflow-sqlalchemy db upgrade",
@@ -711,7 +766,7 @@ def require_existing_database(engine: Engine) -> None:
     if database in ("", ":memory:") or database.startswith("file:"):
         return
     if not Path(database).exists():
-        raise SchemaError(
+        raise _errors().SchemaError(
             f"the SQLite database {database} does not exist and auto-migration is off "
             "(auto_migrate=False or CHATFLOW_AUTO_MIGRATE), so it was not created; create it "
             f"with: CHATFLOW_DATABASE_URL={_database(engine)} chatflow-sqlalchemy db upgrade",
@@ -727,12 +782,12 @@ def _run(
 ) -> None:
     """Run ``steps`` in one locked transaction; log each chain that moved once committed."""
     moved: list[tuple[MigrationChain, str, str, str, float]] = []
-    support = support or support_for(engine.dialect.name)
+    support = support or _support_for(engine.dialect.name)
     with alembic_chatter_at_debug(), locked_connection(engine, support) as conn:
         for chain, action, revision in steps:
             started = time.perf_counter()
             before = describe_revision(conn, current_revision(conn, chain), chain)
-            _COMMANDS[action][0](_chain_config(conn, chain), revision)
+            _alembic_command(action)(_chain_config(conn, chain), revision)
             after = describe_revision(conn, current_revision(conn, chain), chain)
             if after != before:
                 moved.append((chain, action, before, after, time.perf_counter() - started))
@@ -741,7 +796,7 @@ def _run(
         head = " (head)" if after == head_revision(chain) else ""
         logger.info(
             "%s %s%s from %s to %s%s in %.2f s",
-            _COMMANDS[action][1], _database(engine), where, before, after, head, seconds,
+            _VERBS[action], _database(engine), where, before, after, head, seconds,
         )
 
 
@@ -830,6 +885,10 @@ def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
     Without ``chain``: the core chain and every plugin chain that applies
     (plugin differences are prefixed with the plugin's name).
     """
+    with alembic_chatter_at_debug():
+        from alembic.autogenerate import compare_metadata
+        from alembic.runtime.migration import MigrationContext
+
     chains = [chain] if chain is not None else chains_for(engine.dialect.name)
     found: list[str] = []
     with alembic_chatter_at_debug(), engine.connect() as conn:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import secrets
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 from chatflow_agent import Message, Role
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 from sqlalchemy import (
     Connection,
-    Table,
     bindparam,
     case,
     delete,
@@ -27,15 +26,10 @@ from sqlalchemy import (
     update,
 )
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.context import StoredSession, dump_message
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.exceptions import CorruptRowError
-from chatflow_sqlalchemy.models import (
-    ChatflowMessage,
-    ChatflowMessageArchive,
-    ChatflowProcessedMessage,
-    ChatflowSession,
-)
 from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
@@ -63,10 +57,10 @@ __all__ = [
 FIRST_VERSION_BITS = 52
 """New sessions start at a random version below 2**52 (still exact as a float in JSON)."""
 
-sessions = cast(Table, ChatflowSession.__table__)
-messages = cast(Table, ChatflowMessage.__table__)
-processed = cast(Table, ChatflowProcessedMessage.__table__)
-_archive = cast(Table, ChatflowMessageArchive.__table__)
+sessions = tables.sessions
+messages = tables.messages
+processed = tables.processed_messages
+_archive = tables.message_archive
 
 SELECT_VERSION = select(sessions.c.version).where(sessions.c.session_id == bindparam("session_id"))
 SELECT_CREATED = select(sessions.c.created_at).where(

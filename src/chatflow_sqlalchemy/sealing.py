@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from chatflow_agent import Message
-from sqlalchemy import Connection, Select, Table, and_, not_, or_, select, update
+from sqlalchemy import Connection, Select, and_, not_, or_, select, update
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.crypto import (
     TOKEN_PREFIX,
     AESGCMCipher,
@@ -37,12 +38,6 @@ from chatflow_sqlalchemy.crypto import (
     token_key_id,
 )
 from chatflow_sqlalchemy.exceptions import CorruptRowError
-from chatflow_sqlalchemy.models import (
-    ChatflowInboxItem,
-    ChatflowMessage,
-    ChatflowMessageArchive,
-    ChatflowSession,
-)
 
 __all__ = [
     "ROTATE_BATCH",
@@ -55,10 +50,10 @@ ROTATE_BATCH = 200
 
 _SEALED_KEY = "_enc"
 
-_sessions = cast(Table, ChatflowSession.__table__)
-_messages = cast(Table, ChatflowMessage.__table__)
-_archive = cast(Table, ChatflowMessageArchive.__table__)
-_inbox = cast(Table, ChatflowInboxItem.__table__)
+_sessions = tables.sessions
+_messages = tables.messages
+_archive = tables.message_archive
+_inbox = tables.inbox
 
 
 class Sealer:

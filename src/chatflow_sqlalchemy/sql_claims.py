@@ -20,11 +20,10 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import (
     Connection,
-    Table,
     Text,
     bindparam,
     literal_column,
@@ -33,13 +32,13 @@ from sqlalchemy import (
     update,
 )
 
-from chatflow_sqlalchemy import telemetry
+from chatflow_sqlalchemy import tables, telemetry
 from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
 from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.lease import SessionLeases
-from chatflow_sqlalchemy.models import ChatflowProcessedMessage, UTCDateTime
 from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, Lease, utcnow
 
 logger = logging.getLogger("chatflow_sqlalchemy")
@@ -84,7 +83,7 @@ class _Store(Protocol):
     def _purge_now_and_then(self, now: datetime) -> None: ...
 
 
-_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_processed = tables.processed_messages
 _c = _processed.c
 CLAIM_IS_MINE = (_c.message_id == bindparam("claim_id")) & (_c.token == bindparam("claim_token"))
 """The claim row of ``claim_id`` while it still holds this holder's ``claim_token``."""

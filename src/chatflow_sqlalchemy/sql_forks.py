@@ -13,14 +13,14 @@ data, so a copied token would not open there).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, insert, select
+from sqlalchemy import Connection, bindparam, insert, select
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.context import repair_window
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.forks import ForkedWindow, fork_window, no_such_session, session_exists
-from chatflow_sqlalchemy.models import ChatflowMessageArchive
 from chatflow_sqlalchemy.rows import (
     INSERT_MESSAGES,
     StoredSession,
@@ -41,7 +41,7 @@ _LOCK_SOURCE = (
 )
 _EXISTS = select(sessions.c.session_id).where(sessions.c.session_id == bindparam("session_id"))
 _INSERT_SESSION = insert(sessions)
-_archive = cast(Table, ChatflowMessageArchive.__table__)
+_archive = tables.message_archive
 _WAITING = select(
     _archive.c.id, _archive.c.seq, _archive.c.role, _archive.c.content,
     _archive.c.message_json, _archive.c.created_at,

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import (
     Connection,
     Float,
     Integer,
-    Table,
     and_,
     bindparam,
     case,
@@ -33,6 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy import exc as sa_exc
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import CorruptRowError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BATCH_LIMIT as _BATCH_LIMIT
@@ -53,17 +53,17 @@ from chatflow_sqlalchemy.inbox import (
     resumed_token,
 )
 from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
-from chatflow_sqlalchemy.models import ChatflowInboxItem, ChatflowSession, UTCDateTime, utcnow
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
-from chatflow_sqlalchemy.values import Lease
+from chatflow_sqlalchemy.tables import UTCDateTime
+from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["ANSWER_BATCH", "SQLInbox", "answer_batch"]
 
 _T = TypeVar("_T")
 
-_i = cast(Table, ChatflowInboxItem.__table__)
-_s = cast(Table, ChatflowSession.__table__)
+_i = tables.inbox
+_s = tables.sessions
 _TABLE = _i.name
 _NOW = DatabaseNow(bindparam("now", type_=UTCDateTime()))
 _COALESCED = DatabaseNow(

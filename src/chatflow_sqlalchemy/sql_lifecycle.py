@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from chatflow_agent import Role
 from sqlalchemy import (
@@ -58,6 +58,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.lease import free_at
@@ -65,16 +66,8 @@ from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     matches_metadata,
 )
-from chatflow_sqlalchemy.models import (
-    CLAIM_ACQUIRED,
-    ChatflowInboxItem,
-    ChatflowMessage,
-    ChatflowMessageArchive,
-    ChatflowProcessedMessage,
-    ChatflowSession,
-    UTCDateTime,
-)
-from chatflow_sqlalchemy.values import UNBORN_AGENT
+from chatflow_sqlalchemy.tables import UTCDateTime
+from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, UNBORN_AGENT
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
@@ -104,17 +97,17 @@ _SIMPLE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
 """Metadata keys whose JSON path every dialect quotes alike (others are checked in Python)."""
 
 
-_sessions = cast(Table, ChatflowSession.__table__)
+_sessions = tables.sessions
 
 
-_messages = cast(Table, ChatflowMessage.__table__)
+_messages = tables.messages
 
 
-_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_processed = tables.processed_messages
 
 
-_archive = cast(Table, ChatflowMessageArchive.__table__)
-_inbox = cast(Table, ChatflowInboxItem.__table__)
+_archive = tables.message_archive
+_inbox = tables.inbox
 
 
 def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnElement[bool]]:

@@ -8,31 +8,26 @@ claim's deadline is set and compared by the database's clock.
 
 from __future__ import annotations
 
-from typing import cast
-
 from chatflow_agent import Message
-from sqlalchemy import Float, Table, bindparam, exists, or_, select, update
+from sqlalchemy import Float, bindparam, exists, or_, select, update
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.crypto import is_encrypted
-from chatflow_sqlalchemy.models import (
-    ChatflowMessageArchive,
-    ChatflowSession,
-    UTCDateTime,
-    utcnow,
-)
 from chatflow_sqlalchemy.rows import messages as _m
 from chatflow_sqlalchemy.rows import parse_message
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.sql_lifecycle import parser_for
 from chatflow_sqlalchemy.summaries import CLAIM_SECONDS, PendingSummary
+from chatflow_sqlalchemy.tables import UTCDateTime
+from chatflow_sqlalchemy.values import utcnow
 
 __all__ = ["SQLSummaries"]
 
-_s = cast(Table, ChatflowSession.__table__)
-_a = cast(Table, ChatflowMessageArchive.__table__)
+_s = tables.sessions
+_a = tables.message_archive
 _NOW = DatabaseNow(bindparam("now", type_=UTCDateTime()))
 _UNTIL = DatabaseNow(bindparam("until", type_=UTCDateTime()), bindparam("seconds", type_=Float()))
 _OF_SESSION = _s.c.session_id == bindparam("sid")

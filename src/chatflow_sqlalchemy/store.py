@@ -75,7 +75,6 @@ from chatflow_sqlalchemy.migrate import (
     ensure_schema,
     require_existing_database,
 )
-from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.options import OptionsOwner, SQLStoreKeywords, StoreOptions
 from chatflow_sqlalchemy.registry import support_for
 from chatflow_sqlalchemy.rows import (
@@ -114,7 +113,7 @@ from chatflow_sqlalchemy.sql_summaries import SQLSummaries
 from chatflow_sqlalchemy.summaries import Summaries
 from chatflow_sqlalchemy.turns import Turns
 from chatflow_sqlalchemy.urls import parse_database_url, require_backend
-from chatflow_sqlalchemy.values import UNBORN_AGENT, Lease
+from chatflow_sqlalchemy.values import UNBORN_AGENT, Lease, utcnow
 from chatflow_sqlalchemy.writer import SessionWriter
 
 if TYPE_CHECKING:

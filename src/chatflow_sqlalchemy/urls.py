@@ -18,8 +18,6 @@ import os
 from sqlalchemy import URL, make_url
 from sqlalchemy import exc as sa_exc
 
-from chatflow_sqlalchemy.exceptions import DatabaseURLError
-
 __all__ = [
     "ALIASES",
     "DEFAULT_DATABASE_URL",
@@ -53,7 +51,7 @@ def parse_database_url(url: str | URL | None = None) -> URL:
     """
     raw = url or os.environ.get("CHATFLOW_DATABASE_URL") or DEFAULT_DATABASE_URL
     if isinstance(raw, str) and "://" not in raw:
-        raise DatabaseURLError(
+        raise _url_error(
             f"{raw!r} is not a database URL; for a SQLite file write 'sqlite:///{raw}' "
             f"(or open SQLiteSessionStore({raw!r})); URLs look like: {URL_EXAMPLES}"
         )
@@ -61,7 +59,7 @@ def parse_database_url(url: str | URL | None = None) -> URL:
         parsed = make_url(raw)
     except (sa_exc.ArgumentError, ValueError) as exc:
         reason = "the port is not a number" if "int()" in str(exc) else str(exc)
-        raise DatabaseURLError(
+        raise _url_error(
             f"cannot read the database URL {quoted_url(raw)}: {reason}; "
             f"URLs look like: {URL_EXAMPLES}"
         ) from None
@@ -79,7 +77,7 @@ def require_backend(url: URL, backend: str, store: str) -> None:
     """
     name = url.get_backend_name()
     if ALIASES.get(name, name) != backend:
-        raise DatabaseURLError(
+        raise _url_error(
             f"{store} opens {backend} databases, not {quoted_url(url)}; open any URL with "
             f"chatflow_sqlalchemy.open_store(url), which picks the store for its database"
         )
@@ -100,7 +98,7 @@ def psycopg_url(url: str | URL) -> URL:
         return parsed.set(drivername="postgresql+psycopg")
     if parsed.drivername != "postgresql+psycopg":
         driver = parsed.drivername.partition("+")[2]
-        raise DatabaseURLError(
+        raise _url_error(
             f"the PostgreSQL store runs on psycopg 3, not {driver}: write the URL as "
             f"{parsed.set(drivername='postgresql+psycopg').render_as_string()!r}"
         )
@@ -111,7 +109,7 @@ def _refuse_sqlite_host(url: URL) -> None:
     if not (url.host or url.port or url.username):
         return
     name = url.host or ""
-    raise DatabaseURLError(
+    raise _url_error(
         f"{quoted_url(url)} has two slashes, so SQLite would open an in-memory database and "
         f"keep nothing; write 'sqlite:///{name}' for a file beside the program, "
         f"'sqlite:////path/to/{name or 'chat.db'}' for an absolute path, or 'sqlite://' "
@@ -126,3 +124,14 @@ def quoted_url(url: str | URL) -> str:
     except (sa_exc.ArgumentError, ValueError):
         text = "<unreadable URL>" if "@" in str(url) else str(url)
     return repr(text)
+
+
+def _url_error(message: str) -> Exception:
+    """A :class:`~chatflow_sqlalchemy.exceptions.DatabaseURLError`.
+
+    Imported when a URL is refused: the error classes derive from chatflow-agent's,
+    which a good URL (the CLI's read commands) never needs to load.
+    """
+    from chatflow_sqlalchemy.exceptions import DatabaseURLError
+
+    return DatabaseURLError(message)

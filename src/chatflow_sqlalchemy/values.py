@@ -1,13 +1,16 @@
 """Values the tables hold that code outside SQL needs too, without SQLAlchemy.
 
-The id length limit, the claim states, the UTC clock and the rules for text
-and page sizes every backend can store are shared by the SQL stores
+The id length limit, the claim states, the UTC clock and the rules for ids,
+metadata, text and page sizes every backend can store are shared by the SQL stores
 (``models.py`` builds the tables with them) and the in-memory store, which
 must run without importing SQLAlchemy.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -15,15 +18,23 @@ __all__ = [
     "CLAIM_ACQUIRED",
     "CLAIM_DONE",
     "CLAIM_RELEASED",
+    "DEFAULT_DEDUP_TTL_HOURS",
     "DEFAULT_TURN_LEASE_SECONDS",
     "MAX_PAGE_LIMIT",
+    "METADATA_MAX_DEPTH",
     "SESSION_ID_MAX_LENGTH",
+    "TOKEN_PREFIX",
     "TURN_LEASE_BOUNDS",
     "UNBORN_AGENT",
     "Lease",
+    "check_metadata",
     "check_storable_text",
+    "dump_metadata",
+    "is_encrypted",
     "utcnow",
+    "validate_id",
     "validate_page_limit",
+    "validate_session_id",
     "validate_turn_lease_seconds",
 ]
 
@@ -84,6 +95,18 @@ def validate_page_limit(limit: object, name: str = "limit") -> int | None:
     return min(limit, MAX_PAGE_LIMIT)
 
 
+DEFAULT_DEDUP_TTL_HOURS = 192
+"""Dedup window: 8 days, beyond WhatsApp's 7-day webhook retry window."""
+
+TOKEN_PREFIX = "cfenc:1:"
+"""Every encrypted value starts with it (then the key id, a colon and the payload)."""
+
+
+def is_encrypted(text: object) -> bool:
+    """True if ``text`` is a token written by :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`."""
+    return isinstance(text, str) and text.startswith(TOKEN_PREFIX)
+
+
 UNBORN_AGENT = ""
 """The agent name of a session the inbox created for its lease before any turn: the first
 ``get_or_create`` gives it the caller's agent; until then ``get`` and ``list_sessions``
@@ -131,3 +154,116 @@ class Lease:
     version: int
     released: bool = False
     kept: bool = False
+
+
+def validate_id(value: object, name: str) -> str:
+    """Return ``value`` if it is a usable id, else raise ``ValueError`` naming ``name``.
+
+    One rule for every id the store keys rows by (sessions, users) and for
+    agent names: a non-empty str of at most ``SESSION_ID_MAX_LENGTH``
+    characters that every backend can store (no NUL, no lone surrogate; see
+    :func:`~chatflow_sqlalchemy.values.check_storable_text`).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    if len(value) > SESSION_ID_MAX_LENGTH:
+        raise ValueError(f"{name} is {len(value)} characters; the limit is {SESSION_ID_MAX_LENGTH}")
+    check_storable_text(value, name)
+    return value
+
+
+def validate_session_id(session_id: object) -> str:
+    """Return ``session_id`` if it is a usable id, else raise ``ValueError`` naming it."""
+    return validate_id(session_id, "session_id")
+
+
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+"""An escaped NUL in JSON text (not an escaped backslash followed by ``u0000``)."""
+
+
+METADATA_MAX_DEPTH = 31
+"""Deepest nesting of dicts and lists accepted in metadata (the deepest MariaDB's JSON
+type takes; deeper is refused on every backend alike, as is a container that holds
+itself: much deeper nesting would exhaust Python's recursion limit too)."""
+
+
+def _check_shape(value: object, max_depth: int, depth: int = 1) -> None:
+    """Refuse non-str dict keys (JSON would turn them into strings) and over-deep nesting."""
+    if isinstance(value, dict):
+        children: Iterable[object] = value.values()
+        for key in value:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"metadata keys must be str, got {key!r} ({type(key).__name__}): JSON "
+                    f"would read it back as a str; use str keys (e.g. str({key!r}))"
+                )
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return
+    if depth > max_depth:
+        raise ValueError(
+            f"metadata is nested more than {max_depth} dicts/lists deep (or holds "
+            "itself): flatten it, or store the deep part as a JSON string"
+        )
+    for child in children:
+        _check_shape(child, max_depth, depth + 1)
+
+
+def _depth(value: object) -> int:
+    """How many dicts/lists deep decoded JSON ``value`` is nested."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 0
+    return 1 + max((_depth(child) for child in value), default=0)
+
+
+def check_metadata(metadata: object, *, stored_json: str | None = None) -> str:
+    """:func:`dump_metadata` of new metadata, refusing also what JSON would not keep.
+
+    Metadata given by the caller (and metadata a write changed) is checked
+    with this: nesting deeper than ``METADATA_MAX_DEPTH`` (``ValueError``)
+    and dict keys that are not str (``TypeError``) are refused before
+    anything is written. Stored metadata is never refused: a change to
+    metadata that was already stored deeper (``stored_json``, written before
+    the limit) may keep that depth.
+    """
+    try:
+        _check_shape(metadata, METADATA_MAX_DEPTH)
+    except ValueError:
+        stored_depth = _depth(json.loads(stored_json)) if stored_json else 0
+        if stored_depth <= METADATA_MAX_DEPTH:
+            raise
+        _check_shape(metadata, stored_depth)
+    return dump_metadata(metadata)
+
+
+def dump_metadata(metadata: object) -> str:
+    """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``.
+
+    Refused, so that what is accepted reads back the same on every backend:
+    NaN and infinities (JSON has no such numbers), the NUL character and
+    lone surrogates anywhere in a key or string (PostgreSQL's ``jsonb``
+    cannot hold them).
+    """
+    try:
+        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
+    if "\\ud" in text:  # a surrogate escape: fine in a pair, not alone (not UTF-8 text)
+        try:
+            json.dumps(metadata, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "metadata must not contain a lone surrogate ('\\ud800'-'\\udfff') in a key "
+                "or string value (it is not UTF-8 text): decode the bytes it came from properly"
+            ) from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
+        raise ValueError(
+            "metadata must not contain the NUL character ('\\x00') in a key or string value "
+            "(PostgreSQL cannot store it in JSON): remove it or encode the value first"
+        )
+    return text

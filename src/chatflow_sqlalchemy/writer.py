@@ -31,7 +31,6 @@ from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence
 from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
-from chatflow_sqlalchemy.models import utcnow
 from chatflow_sqlalchemy.rows import (
     BUMP_SESSION,
     BUMP_SESSION_AND_METADATA,
@@ -50,7 +49,7 @@ from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
 from chatflow_sqlalchemy.sql_inbox import answer_batch
 from chatflow_sqlalchemy.sql_lifecycle import archive_rows, settle_summarized
 from chatflow_sqlalchemy.summaries import Summaries
-from chatflow_sqlalchemy.values import Lease
+from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["SessionWriter"]
 

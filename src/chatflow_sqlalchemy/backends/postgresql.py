@@ -32,9 +32,9 @@ from chatflow_sqlalchemy.dialect import (
     ping_when_idle,
 )
 from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
-from chatflow_sqlalchemy.models import UTCDateTime
 from chatflow_sqlalchemy.runtime import describe
 from chatflow_sqlalchemy.server_store import ServerSessionStore
+from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.urls import psycopg_url
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used

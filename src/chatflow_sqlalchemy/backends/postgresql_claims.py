@@ -70,7 +70,7 @@ from chatflow_sqlalchemy import rows
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON
 from chatflow_sqlalchemy.dialect import on_conflict_acquire
 from chatflow_sqlalchemy.lease import LEASE_FREE, TAKE_VALUES
-from chatflow_sqlalchemy.models import UTCDateTime
+from chatflow_sqlalchemy.tables import UTCDateTime
 
 __all__ = [
     "CLAIM_LOCK_CLASS",

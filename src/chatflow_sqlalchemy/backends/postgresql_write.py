@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
     Connection,
     Date,
     Select,
-    Table,
     Text,
     any_,
     bindparam,
@@ -48,22 +47,18 @@ from sqlalchemy import (
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import ARRAY, JSON
 
+from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.backends.postgresql_claims import utc_day
 from chatflow_sqlalchemy.dialect import SessionWrite
 from chatflow_sqlalchemy.lease import LEASE_HELD
-from chatflow_sqlalchemy.models import (
-    ChatflowMessage,
-    ChatflowProcessedMessage,
-    ChatflowSession,
-    UTCDateTime,
-)
 from chatflow_sqlalchemy.sql_claims import CLAIM_IS_MINE, FENCE_CLAIM
+from chatflow_sqlalchemy.tables import UTCDateTime
 
 __all__ = ["write_at_once"]
 
-_sessions = cast(Table, ChatflowSession.__table__)
-_messages = cast(Table, ChatflowMessage.__table__)
-_processed = cast(Table, ChatflowProcessedMessage.__table__)
+_sessions = tables.sessions
+_messages = tables.messages
+_processed = tables.processed_messages
 _NOW = bindparam("now", type_=UTCDateTime())
 
 
