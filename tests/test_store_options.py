@@ -111,3 +111,22 @@ def test_a_server_store_splits_store_and_engine_options(pg_url: str) -> None:
         assert store.url.drivername == "postgresql+psycopg"
     finally:
         store.close()
+
+
+def test_default_max_turns_stays_assignable_as_upstream_s(tmp_path: Path) -> None:
+    """Upstream's stores keep it as a plain attribute; code that sets it keeps working."""
+    from chatflow_agent import Agent, Message, Role
+
+    with SQLiteSessionStore(str(tmp_path / "a.db"), default_max_turns=5) as store:
+        store.default_max_turns = 2
+        assert store.options.default_max_turns == 2
+        with pytest.raises(ValueError, match="default_max_turns"):
+            store.default_max_turns = 0
+        ctx = store.get_or_create("s", Agent(name="a", instructions="i"))
+        assert ctx.max_turns == 2
+        for n in range(4):
+            ctx.add_message(Message(role=Role.USER, content=f"u{n}"))
+        assert [m.content for m in ctx.history] == ["u2", "u3"]
+    memory = SessionStore()
+    memory.default_max_turns = 3
+    assert memory.get_or_create("s", Agent(name="a", instructions="i")).max_turns == 3

@@ -16,7 +16,7 @@ This module imports no SQLAlchemy: the in-memory store runs without it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, TypedDict
 
@@ -171,8 +171,16 @@ class OptionsOwner:
 
     @property
     def default_max_turns(self) -> int:
-        """History window of new contexts, in complete turns."""
+        """History window of new contexts, in complete turns.
+
+        Assignable, as on upstream's stores: the new value is checked and
+        applies to contexts made from then on.
+        """
         return self.options.default_max_turns
+
+    @default_max_turns.setter
+    def default_max_turns(self, value: int) -> None:
+        self.options = replace(self.options, default_max_turns=value)
 
     @property
     def dedup_ttl_hours(self) -> float:
