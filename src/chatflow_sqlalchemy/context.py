@@ -531,10 +531,10 @@ class SessionContext(_UpstreamSessionContext):
         self._summary: str | None = None
         self._summary_through = 0
         self._summary_message: Message | None = None
-        self.forked_from: str | None = None
-        """The session this one was forked from (``store.fork``), None if it is no fork."""
-        self.forked_at_turn: int | None = None
-        """How many of ``forked_from``'s turns the fork took when it was made."""
+        self._forked_from: str | None = None
+        self._forked_at_turn: int | None = None
+        self._deferred_load: Callable[[], object] | None = None
+        self._deferred_catch_up = False
         super().__init__(
             session_id=session_id,
             initial_agent=initial_agent,
@@ -543,6 +543,36 @@ class SessionContext(_UpstreamSessionContext):
         )
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def active_agent(self) -> Agent:
+        """The agent handling the session (switched by :meth:`set_active_agent`)."""
+        self.ensure_loaded()
+        return self._active_agent
+
+    @active_agent.setter
+    def active_agent(self, agent: Agent) -> None:
+        self._active_agent = agent
+
+    @property
+    def forked_from(self) -> str | None:
+        """The session this one was forked from (``store.fork``), None if it is no fork."""
+        self.ensure_loaded()
+        return self._forked_from
+
+    @forked_from.setter
+    def forked_from(self, session_id: str | None) -> None:
+        self._forked_from = session_id
+
+    @property
+    def forked_at_turn(self) -> int | None:
+        """How many of ``forked_from``'s turns the fork took when it was made."""
+        self.ensure_loaded()
+        return self._forked_at_turn
+
+    @forked_at_turn.setter
+    def forked_at_turn(self, turns: int | None) -> None:
+        self._forked_at_turn = turns
 
     @property
     def max_turns(self) -> int:
@@ -612,12 +642,72 @@ class SessionContext(_UpstreamSessionContext):
         The model sees it as one SYSTEM message after the session's own
         SYSTEM messages, at the head of ``history``.
         """
+        self.ensure_loaded()
         return self._summary
 
     @property
     def summary_through(self) -> int:
         """The position (seq) of the last message folded into ``summary`` (0: none yet)."""
+        self.ensure_loaded()
         return self._summary_through
+
+    # ------------------------------------------------------- deferred loading
+
+    def defer_load(self, load: Callable[[], object]) -> None:
+        """Hand this context out before its session is read: ``load`` fills it on first use.
+
+        For a store asked for a context on a thread whose event loop is
+        running (the Runner's sync ``get_or_create``), where waiting on the
+        database would block the loop. The turn's start runs ``load`` off the
+        loop (:meth:`TurnLock.acquire`); any other first use (reading
+        ``history``, ``metadata``, ``active_agent``..., or a change) runs it
+        where it is. ``load`` reads or creates the session and installs it
+        here; until it succeeded, every use tries it again.
+        """
+        with self._mutex:
+            self._deferred_load = load
+            self._deferred_catch_up = False
+
+    def defer_catch_up(self, catch_up: Callable[[], object]) -> None:
+        """Catch up with the database on first use (``catch_up``), as :meth:`defer_load` loads.
+
+        A turn's start catches up by itself, so a turn drops it instead of
+        running it. Ignored while a turn is open (the turn shows its own
+        state) or a first load is pending (it reads everything anyway).
+        """
+        with self._mutex:
+            if self._in_turn or self._deferred_load is not None:
+                return
+            self._deferred_load = catch_up
+            self._deferred_catch_up = True
+
+    def _drop_catch_up(self) -> None:
+        """A turn starts: it catches up itself, a deferred catch-up is not needed."""
+        with self._mutex:
+            if self._deferred_catch_up:
+                self._deferred_load = None
+                self._deferred_catch_up = False
+
+    @property
+    def loaded(self) -> bool:
+        """False while the context waits for its deferred first load (:meth:`defer_load`)."""
+        return self._deferred_load is None
+
+    def ensure_loaded(self) -> None:
+        """Run the deferred first load now, if there is one (see :meth:`defer_load`)."""
+        if self._deferred_load is None:
+            return
+        with self._mutex:
+            load = self._deferred_load
+            if load is None:
+                return
+            catch_up, self._deferred_catch_up = self._deferred_catch_up, False
+            self._deferred_load = None  # reads made while it installs see what it installs
+            try:
+                load()
+            except BaseException:
+                self._deferred_load, self._deferred_catch_up = load, catch_up
+                raise
 
     # -------------------------------------------------------------- mutation
 
@@ -797,9 +887,12 @@ class SessionContext(_UpstreamSessionContext):
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
-            with self._mutex:
-                self._check_alive()
             async with self._async_writer:
+                self._drop_catch_up()
+                if self._deferred_load is not None:  # read off the loop, never on it
+                    await self._owner._run_blocking(self.ensure_loaded)
+                with self._mutex:
+                    self._check_alive()
                 await self._owner._abegin_turn(self)
         try:
             self._open_turn()
@@ -810,6 +903,7 @@ class SessionContext(_UpstreamSessionContext):
 
     def _open_turn(self) -> None:
         with self._mutex:
+            self._drop_catch_up()  # set after the turn's own catch-up: nothing to add to it
             self._check_alive()
             self._ensure_indexed()
             self._in_turn = True
@@ -863,6 +957,8 @@ class SessionContext(_UpstreamSessionContext):
     # -------------------------------------------------------------- internals
 
     def _check_alive(self) -> None:
+        """Raise if the session was deleted; first load a context handed out unread."""
+        self.ensure_loaded()
         if self._deleted:
             raise SessionDeletedError(self.session_id)
 
@@ -1105,6 +1201,6 @@ class SessionContext(_UpstreamSessionContext):
 
     def __repr__(self) -> str:
         return (
-            f"<SessionContext id={self.session_id!r} active_agent={self.active_agent.name!r} "
+            f"<SessionContext id={self.session_id!r} active_agent={self._active_agent.name!r} "
             f"messages={len(self._history)} turns={len(self._turns)}>"
         )
