@@ -188,3 +188,20 @@ def test_aget_or_create_reads_before_it_returns(sql_store: Opener) -> None:
     session = asyncio.run(scenario())
     assert session.loaded
     assert sql_store().get("s") is not None
+
+
+def test_a_user_id_given_while_the_first_read_is_pending_is_recorded_with_it(
+    sql_store: Opener,
+) -> None:
+    store = sql_store()
+
+    async def scenario() -> None:
+        session = store.get_or_create("new", BOT, {"k": 1})
+        assert store.get_or_create("new", BOT, user_id="carol") is session
+        async with session.lock:
+            session.add_message(Message(role=Role.USER, content="hi"))
+
+    asyncio.run(scenario())
+    assert sql_store().list_sessions(user_id="carol") == ["new"]
+    stored = sql_store().get("new")
+    assert stored is not None and stored.metadata == {"k": 1}

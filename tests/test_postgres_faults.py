@@ -524,11 +524,19 @@ def test_a_runner_turn_on_a_frozen_network_never_blocks_the_loop(
         with pytest.raises(DatabaseUnavailableError) as caught:
             _within(lambda: asyncio.run(scenario()))
         assert repr(make_url(fault_url).database) in str(caught.value)
+        with pg_util.schema_store(fault_url, fault_schema) as direct:
+            assert "frozen" not in _contents(direct, "s")
+            assert direct.get("new") is None
+        proxy.cut_all()
+        proxy.set_mode(Mode.PASS)
+        # The network is back: the same store (and context) serves the next turn.
+        again = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+        _within(lambda: asyncio.run(again.run_async(session_id, "thawed")))
     finally:
         proxy.cut_all()
         proxy.set_mode(Mode.PASS)
         store.close()
     with pg_util.schema_store(fault_url, fault_schema) as direct:
-        assert _contents(direct, "s")[:1] == ["before the freeze"]
-        assert "frozen" not in _contents(direct, "s")
-        assert direct.get("new") is None
+        assert _contents(direct, "s")[:2] == ["before the freeze", "Bot re: before the freeze"]
+        assert _contents(direct, session_id)[-2:] == ["thawed", "Bot re: thawed"]
+        assert "frozen" not in _contents(direct, session_id)

@@ -408,6 +408,16 @@ class _AnyLoopLock:
         self.release()
 
 
+def _in_order(first: Callable[[], object], then: Callable[[], object]) -> Callable[[], None]:
+    """One call that calls ``first``, then ``then``."""
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
 def _hand_over(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():  # a cancelled waiter passes the lock on itself
         waiter.set_result(None)
@@ -533,8 +543,11 @@ class SessionContext(_UpstreamSessionContext):
         self._summary_message: Message | None = None
         self._forked_from: str | None = None
         self._forked_at_turn: int | None = None
+        # What the first use must read (defer_load): guarded by a lock of its own that
+        # is never held across I/O, so that a loop's thread never waits for a read.
         self._deferred_load: Callable[[], object] | None = None
         self._deferred_catch_up = False
+        self._defer_lock = threading.Lock()
         super().__init__(
             session_id=session_id,
             initial_agent=initial_agent,
@@ -662,10 +675,12 @@ class SessionContext(_UpstreamSessionContext):
         loop (:meth:`TurnLock.acquire`); any other first use (reading
         ``history``, ``metadata``, ``active_agent``..., or a change) runs it
         where it is. ``load`` reads or creates the session and installs it
-        here; until it succeeded, every use tries it again.
+        here; until it succeeded, every use tries it again. A load already
+        pending (not a mere catch-up) runs first.
         """
-        with self._mutex:
-            self._deferred_load = load
+        with self._defer_lock:
+            pending = None if self._deferred_catch_up else self._deferred_load
+            self._deferred_load = load if pending is None else _in_order(pending, load)
             self._deferred_catch_up = False
 
     def defer_catch_up(self, catch_up: Callable[[], object]) -> None:
@@ -675,7 +690,7 @@ class SessionContext(_UpstreamSessionContext):
         running it. Ignored while a turn is open (the turn shows its own
         state) or a first load is pending (it reads everything anyway).
         """
-        with self._mutex:
+        with self._defer_lock:
             if self._in_turn or self._deferred_load is not None:
                 return
             self._deferred_load = catch_up
@@ -683,7 +698,7 @@ class SessionContext(_UpstreamSessionContext):
 
     def _drop_catch_up(self) -> None:
         """A turn starts: it catches up itself, a deferred catch-up is not needed."""
-        with self._mutex:
+        with self._defer_lock:
             if self._deferred_catch_up:
                 self._deferred_load = None
                 self._deferred_catch_up = False
@@ -697,16 +712,19 @@ class SessionContext(_UpstreamSessionContext):
         """Run the deferred first load now, if there is one (see :meth:`defer_load`)."""
         if self._deferred_load is None:
             return
-        with self._mutex:
-            load = self._deferred_load
+        with self._mutex:  # one load at a time, and no other use of the state meanwhile
+            with self._defer_lock:
+                load, catch_up = self._deferred_load, self._deferred_catch_up
+                # Reads made while it installs (by the load itself) see what it installs.
+                self._deferred_load, self._deferred_catch_up = None, False
             if load is None:
                 return
-            catch_up, self._deferred_catch_up = self._deferred_catch_up, False
-            self._deferred_load = None  # reads made while it installs see what it installs
             try:
                 load()
             except BaseException:
-                self._deferred_load, self._deferred_catch_up = load, catch_up
+                with self._defer_lock:
+                    if self._deferred_load is None:
+                        self._deferred_load, self._deferred_catch_up = load, catch_up
                 raise
 
     # -------------------------------------------------------------- mutation
