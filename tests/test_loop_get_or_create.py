@@ -205,3 +205,36 @@ def test_a_user_id_given_while_the_first_read_is_pending_is_recorded_with_it(
     assert sql_store().list_sessions(user_id="carol") == ["new"]
     stored = sql_store().get("new")
     assert stored is not None and stored.metadata == {"k": 1}
+
+
+def test_a_runner_turn_on_a_session_deleted_elsewhere_starts_it_anew(sql_store: Opener) -> None:
+    """The live context of a session another process deleted: the turn (which caught up
+    through its lease, not through get_or_create) creates the session anew, as
+    get_or_create off the loop does."""
+    store = sql_store()
+    other = sql_store()
+    runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+    runner.run("s", "before")
+    assert other.delete("s")
+    assert runner.run("s", "after").content == "Bot re: after"
+    stored = other.get("s")
+    assert stored is not None
+    assert _contents(stored) == ["after", "Bot re: after"]
+
+
+def test_a_live_context_of_a_session_deleted_elsewhere_is_new_on_first_use(
+    sql_store: Opener,
+) -> None:
+    store = sql_store()
+    other = sql_store()
+    store.get_or_create("s", BOT).add_message(Message(role=Role.USER, content="gone"))
+    assert other.delete("s")
+
+    async def scenario() -> Any:
+        return store.get_or_create("s", BOT, {"fresh": True})
+
+    session = asyncio.run(scenario())
+    assert _contents(session) == [] and session.metadata == {"fresh": True}
+    session.add_message(Message(role=Role.USER, content="anew"))
+    stored = other.get("s")
+    assert stored is not None and _contents(stored) == ["anew"]

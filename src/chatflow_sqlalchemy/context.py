@@ -547,6 +547,7 @@ class SessionContext(_UpstreamSessionContext):
         # is never held across I/O, so that a loop's thread never waits for a read.
         self._deferred_load: Callable[[], object] | None = None
         self._deferred_catch_up = False
+        self._recreate: Callable[[], object] | None = None
         self._defer_lock = threading.Lock()
         super().__init__(
             session_id=session_id,
@@ -683,25 +684,32 @@ class SessionContext(_UpstreamSessionContext):
             self._deferred_load = load if pending is None else _in_order(pending, load)
             self._deferred_catch_up = False
 
-    def defer_catch_up(self, catch_up: Callable[[], object]) -> None:
+    def defer_catch_up(
+        self, catch_up: Callable[[], object], recreate: Callable[[], object]
+    ) -> None:
         """Catch up with the database on first use (``catch_up``), as :meth:`defer_load` loads.
 
         A turn's start catches up by itself, so a turn drops it instead of
-        running it. Ignored while a turn is open (the turn shows its own
-        state) or a first load is pending (it reads everything anyway).
+        running it; should the turn find the session deleted meanwhile (by
+        another process), it runs ``recreate`` (off the loop), which creates
+        the session anew in this context, and starts again. Ignored while a
+        turn is open (the turn shows its own state) or a first load is
+        pending (it reads everything anyway).
         """
         with self._defer_lock:
             if self._in_turn or self._deferred_load is not None:
                 return
-            self._deferred_load = catch_up
-            self._deferred_catch_up = True
+            self._deferred_load, self._deferred_catch_up = catch_up, True
+            self._recreate = recreate
 
-    def _drop_catch_up(self) -> None:
-        """A turn starts: it catches up itself, a deferred catch-up is not needed."""
+    def _drop_catch_up(self) -> Callable[[], object] | None:
+        """A turn starts: it catches up itself. The dropped catch-up's ``recreate``, if any."""
         with self._defer_lock:
-            if self._deferred_catch_up:
-                self._deferred_load = None
-                self._deferred_catch_up = False
+            recreate, self._recreate = self._recreate, None
+            if not self._deferred_catch_up:
+                return None
+            self._deferred_load, self._deferred_catch_up = None, False
+            return recreate
 
     @property
     def loaded(self) -> bool:
@@ -906,12 +914,18 @@ class SessionContext(_UpstreamSessionContext):
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
             async with self._async_writer:
-                self._drop_catch_up()
+                recreate = self._drop_catch_up()
                 if self._deferred_load is not None:  # read off the loop, never on it
                     await self._owner._run_blocking(self.ensure_loaded)
                 with self._mutex:
                     self._check_alive()
-                await self._owner._abegin_turn(self)
+                try:
+                    await self._owner._abegin_turn(self)
+                except SessionDeletedError:
+                    if recreate is None or self._deleted:
+                        raise
+                    await self._owner._run_blocking(recreate)  # as get_or_create would have
+                    await self._owner._abegin_turn(self)
         try:
             self._open_turn()
         except BaseException:

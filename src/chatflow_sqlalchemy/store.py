@@ -466,22 +466,26 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         """:meth:`get_or_create` without I/O: the context reads on first use.
 
         A live context is returned as it is, to catch up on first use (a
-        turn's start catches up anyway); a ``user_id`` is checked on first
-        use too. Otherwise a new context, published at once so that every
-        caller gets this one, whose first use reads or creates the session.
+        turn's start catches up anyway), or to be created anew in it if its
+        session was deleted meanwhile; a ``user_id`` is checked on first use
+        too. Otherwise a new context, published at once so that every caller
+        gets this one, whose first use reads or creates the session.
         """
-        self._claimed_version(session_id)  # taken once: the turn's lease reads the version
+        # The version a claim or inbox batch read: a catch-up at it reads nothing more.
+        claimed = self._claimed_version(session_id)
         ctx = self._contexts.get(session_id)
-        if ctx is not None and user_id is not None:
-            ctx.defer_load(functools.partial(self._catch_up_owned, ctx, user_id))
-        elif ctx is not None:
-            ctx.defer_catch_up(functools.partial(self._refresh, ctx))
-        else:
+        if ctx is None:
             ctx = self._new_context(session_id, default_agent)
             ctx.defer_load(
                 functools.partial(self._load_into, ctx, default_agent, metadata, user_id)
             )
-            ctx = self._contexts.publish(ctx)
+            return self._contexts.publish(ctx)
+        catch_up = functools.partial(self._catch_up, ctx, claimed, default_agent, metadata)
+        if user_id is None:
+            recreate = functools.partial(self._load_into, ctx, default_agent, metadata, None)
+            ctx.defer_catch_up(catch_up, recreate)
+        else:
+            ctx.defer_load(functools.partial(self._catch_up_owned, catch_up, ctx, user_id))
         return ctx
 
     def _load_into(
@@ -497,9 +501,31 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if user_id is not None:
             self._owned_by(ctx, user_id)
 
-    def _catch_up_owned(self, ctx: SessionContext, user_id: str) -> None:
+    def _catch_up(
+        self,
+        ctx: SessionContext,
+        claimed: tuple[bool, int | None],
+        default_agent: Agent,
+        metadata: dict[str, Any],
+    ) -> None:
+        """The deferred catch-up of a live context; a session deleted meanwhile is made anew.
+
+        What :meth:`get_or_create` does at once for a caller off the loop.
+        """
+        read, version = claimed
+        if not read:
+            version = self._read_version(ctx.session_id)
+        if version is None:
+            self._load_into(ctx, default_agent, metadata, None)
+        else:
+            self._refresh(ctx, (True, version))
+
+    def _catch_up_owned(
+        self, catch_up: Callable[[], None], ctx: SessionContext, user_id: str
+    ) -> None:
         """The deferred use of a live context with a ``user_id``: catch up, check the owner."""
-        if self._refresh(ctx):
+        catch_up()
+        if not ctx.deleted:
             self._owned_by(ctx, user_id)
 
     def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
