@@ -21,8 +21,10 @@ import pytest
 from chatflow_agent import Agent, Message, Role, Runner
 from sqlalchemy import event
 
+from chatflow_sqlalchemy import DatabaseUnavailableError
 from chatflow_sqlalchemy.testing import ScriptedEngine
 
+from . import pg_util
 from .stores import Opener
 
 BOT = Agent(name="Bot", instructions="")
@@ -238,3 +240,18 @@ def test_a_live_context_of_a_session_deleted_elsewhere_is_new_on_first_use(
     session.add_message(Message(role=Role.USER, content="anew"))
     stored = other.get("s")
     assert stored is not None and _contents(stored) == ["anew"]
+
+
+
+@pytest.mark.postgres
+def test_a_pool_with_no_connection_coming_free_is_database_unavailable() -> None:
+    """Every pooled connection busy (each waiting on a database that stopped answering,
+    here simply held): the pool's bounded wait is a DatabaseUnavailableError too."""
+    url = pg_util.postgres_url()
+    options = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 0.2}
+    with pg_util.fresh_schema(url) as schema, pg_util.schema_store(
+        url, schema, engine_options=options
+    ) as store:
+        with store.engine.connect(), pytest.raises(DatabaseUnavailableError, match="pool_timeout"):
+            store.get("s")
+        assert store.get("s") is None  # the connection is back: the store works on
