@@ -195,6 +195,7 @@ def test_aget_or_create_reads_before_it_returns(sql_store: Opener) -> None:
 def test_a_user_id_given_while_the_first_read_is_pending_is_recorded_with_it(
     sql_store: Opener,
 ) -> None:
+    """The owner of a live context (shared) is checked at the call, after its first read."""
     store = sql_store()
 
     async def scenario() -> None:
@@ -255,3 +256,20 @@ def test_a_pool_with_no_connection_coming_free_is_database_unavailable() -> None
         with store.engine.connect(), pytest.raises(DatabaseUnavailableError, match="pool_timeout"):
             store.get("s")
         assert store.get("s") is None  # the connection is back: the store works on
+
+
+def test_another_users_failed_check_leaves_the_live_context_usable(sql_store: Opener) -> None:
+    store = sql_store()
+
+    async def scenario() -> None:
+        mine = store.get_or_create("s", BOT, user_id="alice")
+        async with mine.lock:
+            mine.add_message(Message(role=Role.USER, content="one"))
+        with pytest.raises(ValueError, match="another user_id"):
+            store.get_or_create("s", BOT, user_id="bob")
+        async with mine.lock:
+            mine.add_message(Message(role=Role.USER, content="two"))
+
+    asyncio.run(scenario())
+    stored = sql_store().get("s")
+    assert stored is not None and _contents(stored) == ["one", "two"]

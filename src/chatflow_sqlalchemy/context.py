@@ -408,16 +408,6 @@ class _AnyLoopLock:
         self.release()
 
 
-def _in_order(first: Callable[[], object], then: Callable[[], object]) -> Callable[[], None]:
-    """One call that calls ``first``, then ``then``."""
-
-    def both() -> None:
-        first()
-        then()
-
-    return both
-
-
 def _hand_over(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():  # a cancelled waiter passes the lock on itself
         waiter.set_result(None)
@@ -676,13 +666,10 @@ class SessionContext(_UpstreamSessionContext):
         loop (:meth:`TurnLock.acquire`); any other first use (reading
         ``history``, ``metadata``, ``active_agent``..., or a change) runs it
         where it is. ``load`` reads or creates the session and installs it
-        here; until it succeeded, every use tries it again. A load already
-        pending (not a mere catch-up) runs first.
+        here; until it succeeded, every use tries it again.
         """
         with self._defer_lock:
-            pending = None if self._deferred_catch_up else self._deferred_load
-            self._deferred_load = load if pending is None else _in_order(pending, load)
-            self._deferred_catch_up = False
+            self._deferred_load, self._deferred_catch_up = load, False
 
     def defer_catch_up(
         self, catch_up: Callable[[], object], recreate: Callable[[], object]
@@ -924,7 +911,7 @@ class SessionContext(_UpstreamSessionContext):
                 except SessionDeletedError:
                     if recreate is None or self._deleted:
                         raise
-                    await self._owner._run_blocking(recreate)  # as get_or_create would have
+                    await self._owner._run_blocking(self._locked, recreate)  # as get_or_create
                     await self._owner._abegin_turn(self)
         try:
             self._open_turn()
@@ -932,6 +919,11 @@ class SessionContext(_UpstreamSessionContext):
             if self._owner is not None:  # what the store took for the turn goes back
                 await self._owner._adiscard_turn(self)
             raise
+
+    def _locked(self, fn: Callable[[], object]) -> None:
+        """``fn()`` holding the mutex: a load into this context, which nothing may use meanwhile."""
+        with self._mutex:
+            fn()
 
     def _open_turn(self) -> None:
         with self._mutex:

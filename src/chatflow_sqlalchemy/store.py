@@ -419,8 +419,10 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         owner checked) or caught up when first used, by the turn's start off
         the loop (``async with session.lock``), or in place by any other use.
         Errors of that read (``DatabaseUnavailableError``, a ``user_id``
-        other than the session's own) are raised there. ``aget_or_create``
-        reads before it returns, off the loop.
+        other than the session's own) are raised there. Only a ``user_id``
+        for a session whose context is live (shared, so its owner is checked
+        at the call) still reads on the loop; the Runner passes none.
+        ``aget_or_create`` reads before it returns, off the loop.
 
         Raises:
             ValueError: For an invalid ``session_id``, ``user_id``, agent name or
@@ -436,10 +438,12 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         if metadata:
             check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
         if self._on_a_running_loop():
-            return self._get_or_create_later(session_id, default_agent, metadata, user_id)
+            ctx = self._get_or_create_later(session_id, default_agent, metadata, user_id)
+            if ctx is not None:
+                return ctx
         ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
         if user_id is not None:
-            self._owned_by(ctx, user_id)
+            self._record_owner(session_id, user_id)
         return ctx
 
     def _on_a_running_loop(self) -> bool:
@@ -462,17 +466,17 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         default_agent: Agent,
         metadata: dict[str, Any],
         user_id: str | None,
-    ) -> SessionContext:
+    ) -> SessionContext | None:
         """:meth:`get_or_create` without I/O: the context reads on first use.
 
         A live context is returned as it is, to catch up on first use (a
         turn's start catches up anyway), or to be created anew in it if its
-        session was deleted meanwhile; a ``user_id`` is checked on first use
-        too. Otherwise a new context, published at once so that every caller
-        gets this one, whose first use reads or creates the session.
+        session was deleted meanwhile. Otherwise a new context, published at
+        once so that every caller gets this one, whose first use reads or
+        creates the session and checks ``user_id``. None for a live context
+        and a ``user_id``: the owner of a context others share is checked
+        at the call (a failed check must not fail their next use).
         """
-        # The version a claim or inbox batch read: a catch-up at it reads nothing more.
-        claimed = self._claimed_version(session_id)
         ctx = self._contexts.get(session_id)
         if ctx is None:
             ctx = self._new_context(session_id, default_agent)
@@ -480,12 +484,13 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
                 functools.partial(self._load_into, ctx, default_agent, metadata, user_id)
             )
             return self._contexts.publish(ctx)
+        if user_id is not None:
+            return None
+        # The version a claim or inbox batch read: a catch-up at it reads nothing more.
+        claimed = self._claimed_version(session_id)
         catch_up = functools.partial(self._catch_up, ctx, claimed, default_agent, metadata)
-        if user_id is None:
-            recreate = functools.partial(self._load_into, ctx, default_agent, metadata, None)
-            ctx.defer_catch_up(catch_up, recreate)
-        else:
-            ctx.defer_load(functools.partial(self._catch_up_owned, catch_up, ctx, user_id))
+        recreate = functools.partial(self._load_into, ctx, default_agent, metadata, None)
+        ctx.defer_catch_up(catch_up, recreate)
         return ctx
 
     def _load_into(
@@ -520,16 +525,8 @@ class SQLAlchemySessionStore(AsyncStoreAPI):
         else:
             self._refresh(ctx, (True, version))
 
-    def _catch_up_owned(
-        self, catch_up: Callable[[], None], ctx: SessionContext, user_id: str
-    ) -> None:
-        """The deferred use of a live context with a ``user_id``: catch up, check the owner."""
-        catch_up()
-        if not ctx.deleted:
-            self._owned_by(ctx, user_id)
-
     def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
-        """:meth:`_record_owner`; a context of another user's session is not kept."""
+        """:meth:`_record_owner` for a new context; one of another user's session is not kept."""
         try:
             self._record_owner(ctx.session_id, user_id)
         except ValueError:
