@@ -273,3 +273,25 @@ def test_another_users_failed_check_leaves_the_live_context_usable(sql_store: Op
     asyncio.run(scenario())
     stored = sql_store().get("s")
     assert stored is not None and _contents(stored) == ["one", "two"]
+
+
+def test_a_session_deleted_and_created_anew_elsewhere_fails_one_runner_turn(
+    sql_store: Opener,
+) -> None:
+    """The old context's first use finds another conversation under its id: it raises
+    SessionDeletedError (an old turn never lands in the new conversation), and the next
+    call gets the new context (docs/guarantees.md, "A deleted session stays deleted")."""
+    from chatflow_sqlalchemy import SessionDeletedError
+
+    store = sql_store()
+    other = sql_store()
+    runner = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+    runner.run("s", "old")
+    assert other.delete("s")
+    other.get_or_create("s", BOT).add_message(Message(role=Role.USER, content="new"))
+    with pytest.raises(SessionDeletedError):
+        runner.run("s", "lost")
+    runner.run("s", "next")
+    stored = other.get("s")
+    assert stored is not None
+    assert _contents(stored) == ["new", "next", "Bot re: next"]
