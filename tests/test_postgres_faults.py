@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import pytest
-from chatflow_agent import Agent, Message, Role
+from chatflow_agent import Agent, Message, Role, Runner
 from sqlalchemy import make_url
 
 from chatflow_sqlalchemy import (
@@ -22,6 +22,7 @@ from chatflow_sqlalchemy import (
     dialect,
     open_store,
 )
+from chatflow_sqlalchemy.testing import ScriptedEngine
 
 from . import pg_util
 from .faultproxy import FaultProxy, Mode
@@ -451,3 +452,91 @@ def test_lost_commit_acknowledgement_of_a_claimed_turn_is_not_run_twice(
         store.close()
     with pg_util.schema_store(fault_url, fault_schema) as direct:
         assert _contents(direct, "s") == ["where is my order?", "on its way"]
+
+
+# ============================================ never block the loop (issue 26, outcome 6)
+
+
+class _FreezeAtModel(ScriptedEngine):
+    """Answers as :class:`ScriptedEngine`, freezing the proxy first: the turn's write and
+    the release of its lease then meet a network that stops relaying."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        super().__init__()
+        self.proxy = proxy
+
+    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
+        self.proxy.set_mode(Mode.BLACK_HOLE)
+        return await super().generate_turn_async(agent, history)
+
+
+@pytest.mark.parametrize(
+    "frozen", ["cached session", "new session", "stored, not cached", "at the write"]
+)
+def test_a_runner_turn_on_a_frozen_network_never_blocks_the_loop(
+    fault_url: str,
+    fault_schema: str,
+    proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    frozen: str,
+) -> None:
+    """Issue 26 outcome 6: ``Runner.run_async`` calls the sync ``get_or_create`` on the
+    loop. With the network frozen (the proxy stops relaying and closes nothing), a
+    heartbeat task on the same loop keeps ticking while the turn waits, and the turn
+    fails with DatabaseUnavailableError (operation_timeout) instead of hanging. Before
+    the fix the sync call sat in libpq with the loop blocked: the guard fails."""
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
+    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    freezing = _FreezeAtModel(proxy) if frozen == "at the write" else ScriptedEngine()
+    runner = Runner(starting_agent=BOT, session_store=store, engine=freezing)
+    session_id = "new" if frozen == "new session" else "s"
+
+    async def scenario() -> int:
+        await Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine()).run_async(
+            "s", "before the freeze"
+        )
+        if frozen == "stored, not cached":
+            store._forget("s")
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        beating = asyncio.get_running_loop().create_task(heartbeat())
+        if frozen != "at the write":
+            proxy.set_mode(Mode.BLACK_HOLE)
+        turn = asyncio.get_running_loop().create_task(runner.run_async(session_id, "frozen"))
+        start = ticks
+        while ticks - start < 20 and not turn.done():
+            await asyncio.sleep(0.005)
+        assert not turn.done(), "the turn ended before the loop ran: it held the loop"
+        waited = ticks - start
+        try:
+            await turn
+        finally:
+            beating.cancel()
+        return waited
+
+    try:
+        with pytest.raises(DatabaseUnavailableError) as caught:
+            _within(lambda: asyncio.run(scenario()))
+        assert repr(make_url(fault_url).database) in str(caught.value)
+        with pg_util.schema_store(fault_url, fault_schema) as direct:
+            assert "frozen" not in _contents(direct, "s")
+            assert direct.get("new") is None
+        proxy.cut_all()
+        proxy.set_mode(Mode.PASS)
+        # The network is back: the same store (and context) serves the next turn.
+        again = Runner(starting_agent=BOT, session_store=store, engine=ScriptedEngine())
+        _within(lambda: asyncio.run(again.run_async(session_id, "thawed")))
+    finally:
+        proxy.cut_all()
+        proxy.set_mode(Mode.PASS)
+        store.close()
+    with pg_util.schema_store(fault_url, fault_schema) as direct:
+        assert _contents(direct, "s")[:2] == ["before the freeze", "Bot re: before the freeze"]
+        assert _contents(direct, session_id)[-2:] == ["thawed", "Bot re: thawed"]
+        assert "frozen" not in _contents(direct, session_id)

@@ -516,10 +516,14 @@ class SessionContext(_UpstreamSessionContext):
         self._summary: str | None = None
         self._summary_through = 0
         self._summary_message: Message | None = None
-        self.forked_from: str | None = None
-        """The session this one was forked from (``store.fork``), None if it is no fork."""
-        self.forked_at_turn: int | None = None
-        """How many of ``forked_from``'s turns the fork took when it was made."""
+        self._forked_from: str | None = None
+        self._forked_at_turn: int | None = None
+        # What the first use must read (defer_load): guarded by a lock of its own that
+        # is never held across I/O, so that a loop's thread never waits for a read.
+        self._deferred_load: Callable[[], object] | None = None
+        self._deferred_catch_up = False
+        self._recreate: Callable[[], object] | None = None
+        self._defer_lock = threading.Lock()
         super().__init__(
             session_id=session_id,
             initial_agent=initial_agent,
@@ -528,6 +532,36 @@ class SessionContext(_UpstreamSessionContext):
         )
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def active_agent(self) -> Agent:
+        """The agent handling the session (switched by :meth:`set_active_agent`)."""
+        self.ensure_loaded()
+        return self._active_agent
+
+    @active_agent.setter
+    def active_agent(self, agent: Agent) -> None:
+        self._active_agent = agent
+
+    @property
+    def forked_from(self) -> str | None:
+        """The session this one was forked from (``store.fork``), None if it is no fork."""
+        self.ensure_loaded()
+        return self._forked_from
+
+    @forked_from.setter
+    def forked_from(self, session_id: str | None) -> None:
+        self._forked_from = session_id
+
+    @property
+    def forked_at_turn(self) -> int | None:
+        """How many of ``forked_from``'s turns the fork took when it was made."""
+        self.ensure_loaded()
+        return self._forked_at_turn
+
+    @forked_at_turn.setter
+    def forked_at_turn(self, turns: int | None) -> None:
+        self._forked_at_turn = turns
 
     @property
     def max_turns(self) -> int:
@@ -597,12 +631,81 @@ class SessionContext(_UpstreamSessionContext):
         The model sees it as one SYSTEM message after the session's own
         SYSTEM messages, at the head of ``history``.
         """
+        self.ensure_loaded()
         return self._summary
 
     @property
     def summary_through(self) -> int:
         """The position (seq) of the last message folded into ``summary`` (0: none yet)."""
+        self.ensure_loaded()
         return self._summary_through
+
+    # ------------------------------------------------------- deferred loading
+
+    def defer_load(self, load: Callable[[], object]) -> None:
+        """Hand this context out before its session is read: ``load`` fills it on first use.
+
+        For a store asked for a context on a thread whose event loop is
+        running (the Runner's sync ``get_or_create``), where waiting on the
+        database would block the loop. The turn's start runs ``load`` off the
+        loop (:meth:`TurnLock.acquire`); any other first use (reading
+        ``history``, ``metadata``, ``active_agent``..., or a change) runs it
+        where it is. ``load`` reads or creates the session and installs it
+        here; until it succeeded, every use tries it again.
+        """
+        with self._defer_lock:
+            self._deferred_load, self._deferred_catch_up = load, False
+
+    def defer_catch_up(
+        self, catch_up: Callable[[], object], recreate: Callable[[], object]
+    ) -> None:
+        """Catch up with the database on first use (``catch_up``), as :meth:`defer_load` loads.
+
+        A turn's start catches up by itself, so a turn drops it instead of
+        running it; should the turn find the session deleted meanwhile (by
+        another process), it runs ``recreate`` (off the loop), which creates
+        the session anew in this context, and starts again. Ignored while a
+        turn is open (the turn shows its own state) or a first load is
+        pending (it reads everything anyway).
+        """
+        with self._defer_lock:
+            if self._in_turn or self._deferred_load is not None:
+                return
+            self._deferred_load, self._deferred_catch_up = catch_up, True
+            self._recreate = recreate
+
+    def _drop_catch_up(self) -> Callable[[], object] | None:
+        """A turn starts: it catches up itself. The dropped catch-up's ``recreate``, if any."""
+        with self._defer_lock:
+            recreate, self._recreate = self._recreate, None
+            if not self._deferred_catch_up:
+                return None
+            self._deferred_load, self._deferred_catch_up = None, False
+            return recreate
+
+    @property
+    def loaded(self) -> bool:
+        """False while the context waits for its deferred first load (:meth:`defer_load`)."""
+        return self._deferred_load is None
+
+    def ensure_loaded(self) -> None:
+        """Run the deferred first load now, if there is one (see :meth:`defer_load`)."""
+        if self._deferred_load is None:
+            return
+        with self._mutex:  # one load at a time, and no other use of the state meanwhile
+            with self._defer_lock:
+                load, catch_up = self._deferred_load, self._deferred_catch_up
+                # Reads made while it installs (by the load itself) see what it installs.
+                self._deferred_load, self._deferred_catch_up = None, False
+            if load is None:
+                return
+            try:
+                load()
+            except BaseException:
+                with self._defer_lock:
+                    if self._deferred_load is None:
+                        self._deferred_load, self._deferred_catch_up = load, catch_up
+                raise
 
     # -------------------------------------------------------------- mutation
 
@@ -818,6 +921,15 @@ class SessionContext(_UpstreamSessionContext):
         durable = self._durable
         return durable is not None and durable.version == version and not self._stale
 
+    def load(self, stored: StoredSession, agent: Agent) -> None:
+        """Take ``stored`` whole, memory or not: a first read, or the session made anew.
+
+        Unlike :meth:`catch_up`, a later session under the same id is taken too
+        (a context whose session another process deleted and created again).
+        """
+        with self._mutex:
+            self._install(stored, agent, frozenset())
+
     def catch_up(self, stored: StoredSession | None, agents: AgentLookup) -> bool:
         """Take what the database holds (``stored``); False if that session is gone.
 
@@ -1001,10 +1113,19 @@ class SessionContext(_UpstreamSessionContext):
 
     async def _abegin_turn(self) -> None:
         if self._owner is not None:
-            with self._mutex:
-                self._check_alive()
             async with self._async_writer:
-                await self._owner._abegin_turn(self)
+                recreate = self._drop_catch_up()
+                if self._deferred_load is not None:  # read off the loop, never on it
+                    await self._owner._run_blocking(self.ensure_loaded)
+                with self._mutex:
+                    self._check_alive()
+                try:
+                    await self._owner._abegin_turn(self)
+                except SessionDeletedError:
+                    if recreate is None or self._deleted:
+                        raise
+                    await self._owner._run_blocking(self._locked, recreate)  # as get_or_create
+                    await self._owner._abegin_turn(self)
         try:
             self._open_turn()
         except BaseException:
@@ -1012,8 +1133,14 @@ class SessionContext(_UpstreamSessionContext):
                 await self._owner._adiscard_turn(self)
             raise
 
+    def _locked(self, fn: Callable[[], object]) -> None:
+        """``fn()`` holding the mutex: a load into this context, which nothing may use meanwhile."""
+        with self._mutex:
+            fn()
+
     def _open_turn(self) -> None:
         with self._mutex:
+            self._drop_catch_up()  # set after the turn's own catch-up: nothing to add to it
             self._check_alive()
             self._ensure_indexed()
             self._in_turn = True
@@ -1067,6 +1194,8 @@ class SessionContext(_UpstreamSessionContext):
     # -------------------------------------------------------------- internals
 
     def _check_alive(self) -> None:
+        """Raise if the session was deleted; first load a context handed out unread."""
+        self.ensure_loaded()
         if self._deleted:
             raise SessionDeletedError(self.session_id)
 
@@ -1415,6 +1544,6 @@ class SessionContext(_UpstreamSessionContext):
 
     def __repr__(self) -> str:
         return (
-            f"<SessionContext id={self.session_id!r} active_agent={self.active_agent.name!r} "
+            f"<SessionContext id={self.session_id!r} active_agent={self._active_agent.name!r} "
             f"messages={len(self._history)} turns={len(self._turns)}>"
         )

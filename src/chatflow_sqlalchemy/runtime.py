@@ -205,14 +205,21 @@ class StoreRuntime:
             DatabaseUnavailableError: No connection could be opened (the
                 driver's ``OperationalError`` or ``InterfaceError``: refused,
                 unreachable, unknown database, bad credentials; the message
-                names host and database, never the password). Other errors
-                (a file that is not a database, say) are SQLAlchemy's own.
+                names host and database, never the password), or none of the
+                pool's came free within its ``pool_timeout`` (each one waits
+                on a database that stopped answering). Other errors (a file
+                that is not a database, say) are SQLAlchemy's own.
 
         """
         try:
             return (engine or self.engine).connect()
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
             raise _unavailable(self.url, exc) from exc
+        except sa_exc.TimeoutError as exc:
+            raise DatabaseUnavailableError(
+                f"no connection to {describe(self.url)} came free within the pool's "
+                f"pool_timeout: every one is still waiting on the database ({exc})"
+            ) from exc
 
     @contextmanager
     def transaction(self, *, write: bool = False, single: bool = False) -> Iterator[Connection]:

@@ -24,6 +24,7 @@ released.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -331,8 +332,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         self, stored: StoredSession, session_id: str, default_agent: Agent | None
     ) -> SessionContext:
         agent = self._agents(stored.agent_name, default_agent)
+        ctx = self._new_context(session_id, agent)
+        ctx.load(stored, agent)
+        return ctx
+
+    def _new_context(self, session_id: str, agent: Agent) -> SessionContext:
+        """An empty context of this store's (``load`` fills it)."""
         ctx = SessionContext(session_id, agent, max_turns=self.default_max_turns)
-        ctx.catch_up(stored, lambda _name, _default: agent)
         ctx.attach(self)
         return ctx
 
@@ -378,6 +384,17 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         none yet). The same context object is returned for a session while
         anyone holds it, so its ``lock`` serialises turns within the process.
 
+        Called on a thread whose event loop is running (``Runner.run_async``
+        calls it so), it never waits on the database, which would block the
+        loop: the context it returns is read (the session created, the
+        owner checked) or caught up when first used, by the turn's start off
+        the loop (``async with session.lock``), or in place by any other use.
+        Errors of that read (``DatabaseUnavailableError``, a ``user_id``
+        other than the session's own) are raised there. Only a ``user_id``
+        for a session whose context is live (shared, so its owner is checked
+        at the call) still reads on the loop; the Runner passes none.
+        ``aget_or_create`` reads before it returns, off the loop.
+
         Raises:
             ValueError: For an invalid ``session_id``, ``user_id``, agent name or
                 ``metadata``, or a ``user_id`` other than the session's own.
@@ -388,10 +405,104 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         validate_agent(default_agent)
         if user_id is not None:
             validate_user_id(user_id)
-            ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+        metadata = dict(metadata or {})
+        if metadata:
+            check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
+        if self._on_a_running_loop():
+            ctx = self._get_or_create_later(session_id, default_agent, metadata, user_id)
+            if ctx is not None:
+                return ctx
+        ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+        if user_id is not None:
             self._record_owner(session_id, user_id)
-            return ctx
-        return self._get_or_create(session_id, default_agent, metadata, None)
+        return ctx
+
+    def _on_a_running_loop(self) -> bool:
+        """Called on an event loop's own thread (not in the store's greenlets off it).
+
+        In-memory SQLite is exempt: its statements run on the loop anyway
+        (:meth:`StoreRuntime.run_blocking`), and wait on no I/O.
+        """
+        if self.runtime.ephemeral or self.runtime.in_async_facade():
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def _get_or_create_later(
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any],
+        user_id: str | None,
+    ) -> SessionContext | None:
+        """:meth:`get_or_create` without I/O: the context reads on first use.
+
+        A live context is returned as it is, to catch up on first use (a
+        turn's start catches up anyway), or to be created anew in it if its
+        session was deleted meanwhile. Otherwise a new context, published at
+        once so that every caller gets this one, whose first use reads or
+        creates the session and checks ``user_id``. None for a live context
+        and a ``user_id``: the owner of a context others share is checked
+        at the call (a failed check must not fail their next use).
+        """
+        ctx = self._contexts.get(session_id)
+        if ctx is None:
+            ctx = self._new_context(session_id, default_agent)
+            ctx.defer_load(
+                functools.partial(self._load_into, ctx, default_agent, metadata, user_id)
+            )
+            return self._contexts.publish(ctx)
+        if user_id is not None:
+            return None
+        # The version a claim or inbox batch read: a catch-up at it reads nothing more.
+        claimed = self._claimed_version(session_id)
+        catch_up = functools.partial(self._catch_up, ctx, claimed, default_agent, metadata)
+        recreate = functools.partial(self._load_into, ctx, default_agent, metadata, None)
+        ctx.defer_catch_up(catch_up, recreate)
+        return ctx
+
+    def _load_into(
+        self,
+        ctx: SessionContext,
+        default_agent: Agent,
+        metadata: dict[str, Any],
+        user_id: str | None,
+    ) -> None:
+        """The deferred first load of a context :meth:`_get_or_create_later` made."""
+        stored = self._stored_or_created(ctx.session_id, default_agent, metadata, user_id)
+        ctx.load(stored, self._agents(stored.agent_name, default_agent))
+        if user_id is not None:
+            self._owned_by(ctx, user_id)
+
+    def _catch_up(
+        self,
+        ctx: SessionContext,
+        claimed: tuple[bool, int | None],
+        default_agent: Agent,
+        metadata: dict[str, Any],
+    ) -> None:
+        """The deferred catch-up of a live context; a session deleted meanwhile is made anew.
+
+        What :meth:`get_or_create` does at once for a caller off the loop.
+        """
+        read, version = claimed
+        if not read:
+            version = self._read_version(ctx.session_id)
+        if version is None:
+            self._load_into(ctx, default_agent, metadata, None)
+        else:
+            self._refresh(ctx, (True, version))
+
+    def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
+        """:meth:`_record_owner` for a new context; one of another user's session is not kept."""
+        try:
+            self._record_owner(ctx.session_id, user_id)
+        except ValueError:
+            self._forget(ctx.session_id, ctx)
+            raise
 
     def _record_owner(self, session_id: str, user_id: str) -> None:
         """Make ``user_id`` the session's owner, unless it already has another one."""
@@ -419,15 +530,29 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         self,
         session_id: str,
         default_agent: Agent,
-        metadata: dict[str, Any] | None,
+        metadata: dict[str, Any],
         user_id: str | None,
     ) -> SessionContext:
-        metadata = dict(metadata or {})
-        if metadata:
-            check_metadata(metadata)  # bad metadata fails now, whether or not it gets stored
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx
+        stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
+        return self._contexts.publish(self._build_context(stored, session_id, default_agent))
+
+    def _stored_or_created(
+        self,
+        session_id: str,
+        default_agent: Agent,
+        metadata: dict[str, Any],
+        user_id: str | None,
+        stored: StoredSession | None = None,
+    ) -> StoredSession:
+        """The session as stored (``stored``, else read now), created if it does not exist.
+
+        A session the inbox created (no agent yet) takes ``default_agent``
+        and ``metadata``, as if created here; one created here, ``user_id``.
+        """
+        stored = stored or self._load(session_id)
         if stored is None:
             now = utcnow()
             with self.runtime.transaction(write=True) as conn:
@@ -447,7 +572,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             assert stored is not None
         elif stored.agent_name == UNBORN_AGENT:
             stored = self._adopt(session_id, default_agent, metadata)
-        return self._contexts.publish(self._build_context(stored, session_id, default_agent))
+        return stored
 
     def _create_empty_session(self, session_id: str) -> None:
         """A session for the inbox to lease before its first turn (no agent chosen yet).
@@ -509,7 +634,11 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> tuple[SessionContext | None, StoredSession | None]:
         """The live cached context (checked against the database), else the stored rows."""
         ctx = self._contexts.get(session_id)
-        if ctx is not None and (ctx.in_turn or self._refresh(ctx, claimed)):
+        if ctx is not None and not ctx.loaded:  # handed out on a loop's thread, unread
+            ctx.ensure_loaded()
+            if not ctx.deleted:
+                return ctx, None
+        elif ctx is not None and (ctx.in_turn or self._refresh(ctx, claimed)):
             return ctx, None
         return None, self._load(session_id)
 

@@ -262,8 +262,10 @@ def test_a_turn_holds_its_sessions_lease_for_the_whole_turn(mariadb_database: UR
     probe = create_engine(mariadb_database)
 
     async def scenario(store: Any, other: Any) -> None:
-        ctx = store.get_or_create("locked", BOT)
-        store.get_or_create("unlocked", BOT)
+        # On the loop get_or_create reads and creates nothing until first use: the rows
+        # must exist before the other store's takes.
+        ctx = await store.aget_or_create("locked", BOT)
+        await store.aget_or_create("unlocked", BOT)
         leases = other.turns.leases
         async with ctx.lock:
             assert _lease_owner(probe, "locked") is not None, "the turn holds the lease"
@@ -295,7 +297,7 @@ def test_a_turn_cancelled_while_taking_its_lease_never_leaves_it_held(
     probe = create_engine(mariadb_database)
 
     async def scenario(store: Any) -> None:
-        ctx = store.get_or_create("cancelled", BOT)
+        ctx = await store.aget_or_create("cancelled", BOT)  # the row exists before it is locked
         sessions: Any = ChatflowSessionTable
         with probe.connect() as blocker:
             blocker.execute(select(sessions.c.version)
