@@ -18,7 +18,7 @@ from sqlalchemy import URL
 from chatflow_sqlalchemy.claims import DEFAULT_DEDUP_TTL_HOURS
 from chatflow_sqlalchemy.options import StoreOptions
 from chatflow_sqlalchemy.store import SQLAlchemySessionStore
-from chatflow_sqlalchemy.urls import parse_database_url
+from chatflow_sqlalchemy.urls import parse_database_url, require_backend
 
 __all__ = ["ServerSessionStore"]
 
@@ -63,7 +63,14 @@ class ServerSessionStore(SQLAlchemySessionStore):
 
     @classmethod
     def store_url(cls, url: str | URL) -> URL:
-        """``url`` with the driver the backend runs on (its support's ``sync_url``)."""
+        """``url`` with the driver the backend runs on (its support's ``sync_url``).
+
+        Another backend's URL is refused as the caller wrote it, before a
+        default driver is added to it (``postgresql+pymysql`` would mislead).
+        """
         support = cls.dialect_support
         parsed = parse_database_url(url)
-        return parsed if support is None else support.sync_url(parsed)
+        if support is None:
+            return parsed
+        require_backend(parsed, support.name, cls.__name__)
+        return support.sync_url(parsed)
