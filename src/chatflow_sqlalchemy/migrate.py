@@ -137,6 +137,7 @@ __all__ = [
 
 VERSION_TABLE = "chatflow_alembic_version"
 BASELINE_REVISION = "0001"
+"""The revision that describes chatflow-agent 0.3.4's own SQLite schema."""
 CORE_REVISIONS = (
     "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
 )
@@ -146,7 +147,6 @@ Written out so that reading where a database stands (the CLI's read commands,
 a store's open) needs neither Alembic nor the scripts; a test checks it
 against the scripts, so a new migration fails the suite until it is added here.
 """
-"""The revision that describes chatflow-agent 0.3.4's own SQLite schema."""
 
 CORE_CHAIN = "core"
 """Name of chatflow-sqlalchemy's own chain (plugin chains are named by their entry point)."""
