@@ -34,6 +34,8 @@ READ_COMMANDS = (
     ["sessions", "show", "wa:1"],
     ["sessions", "show", "wa:1", "--all", "--json"],
     ["sessions", "export"],
+    ["backends"],
+    ["backends", "--json"],
 )
 
 _PROBE = (

@@ -14,7 +14,12 @@ and it imports nothing at run time.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = "chatflow_sqlalchemy"
 ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
@@ -124,3 +129,35 @@ def test_only_documented_sqlalchemy_modules_are_imported() -> None:
             )
             used.update({n: path.name for n in names if n.partition(".")[0] == "sqlalchemy"})
     assert {n: p for n, p in used.items() if n not in PUBLIC_SQLALCHEMY} == {}
+
+
+LIGHT_SUPPORT_PROBE = (
+    "import json, sys\n"
+    "from chatflow_sqlalchemy.registry import load_backend\n"
+    "support = load_backend(sys.argv[1])\n"
+    "heavy = ('chatflow_sqlalchemy.store', 'chatflow_agent', 'psycopg')\n"
+    "loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') "
+    "for h in heavy))\n"
+    "print(json.dumps({'support': f'{support.__module__}.{support.__qualname__}', "
+    "'loaded': loaded}))\n"
+)
+"""Loads one backend's support class by its registered name in a fresh interpreter."""
+
+
+@pytest.mark.parametrize("name", ["sqlite", "postgresql"])
+def test_a_builtin_support_loads_without_its_store(name: str) -> None:
+    """Issue 26: the registry's target is a light module; the store is imported by its string.
+
+    Loading ``sqlite`` used to import ``backends.sqlite``, which imports the
+    store, which looks ``sqlite`` up in the registry: a cycle only importlib
+    strings hid, and ``chatflow-sqlalchemy backends`` loaded chatflow-agent
+    and psycopg to print a class path.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", LIGHT_SUPPORT_PROBE, name],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["support"].rpartition(".")[2].endswith("DialectSupport")
+    assert report["loaded"] == []

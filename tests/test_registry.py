@@ -366,7 +366,9 @@ def test_cli_backends_json_names_the_store_class(capsys: pytest.CaptureFixture[s
     assert rows["sqlite"]["store_class"] == (
         "chatflow_sqlalchemy.backends.sqlite.SQLiteSessionStore"
     )
-    assert rows["sqlite"]["detail"] == "chatflow_sqlalchemy.backends.sqlite.SQLiteDialectSupport"
+    assert rows["sqlite"]["detail"] == (
+        "chatflow_sqlalchemy.backends.sqlite_dialect.SQLiteDialectSupport"
+    )
     assert rows["sqlite"]["from"] == "built-in" and rows["sqlite"]["available"] is True
 
 

@@ -49,11 +49,6 @@ from sqlalchemy import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.exceptions import (
-    BackendImportError,
-    BackendNotFoundError,
-    DuplicateBackendError,
-)
 from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES
 
 __all__ = [
@@ -76,8 +71,11 @@ ENTRY_POINT_GROUP = "chatflow_sqlalchemy.backends"
 CORE_DISTRIBUTION = "chatflow-sqlalchemy"
 
 _BUILTINS: dict[str, tuple[str, str | None]] = {
-    "sqlite": ("chatflow_sqlalchemy.backends.sqlite:SQLiteDialectSupport", None),
-    "postgresql": ("chatflow_sqlalchemy.backends.postgresql:PostgresDialectSupport", "postgres"),
+    "sqlite": ("chatflow_sqlalchemy.backends.sqlite_dialect:SQLiteDialectSupport", None),
+    "postgresql": (
+        "chatflow_sqlalchemy.backends.postgresql_dialect:PostgresDialectSupport",
+        "postgres",
+    ),
 }
 """name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver)."""
 
@@ -195,6 +193,8 @@ def _warn_shadowed(name: str, claims: list[EntryPoint]) -> None:
 def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
     if len(claims) > 1:
         listing = " and ".join(f"{_dist_label(ep)} ({ep.value})" for ep in claims)
+        from chatflow_sqlalchemy.exceptions import DuplicateBackendError
+
         raise DuplicateBackendError(
             f"backend {name!r} is registered by {len(claims)} distributions: {listing}; "
             f"uninstall all but one of them, or choose one with "
@@ -206,6 +206,17 @@ def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
 # --------------------------------------------------------------------------- importing
 
 
+def _import_error(message: str) -> Exception:
+    """A :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with ``message``.
+
+    The exceptions module derives from chatflow-agent's error class, so it is
+    imported only when one is raised: listing backends stays light.
+    """
+    from chatflow_sqlalchemy.exceptions import BackendImportError
+
+    return BackendImportError(message)
+
+
 def _import(name: str, target: str, hint: str) -> Any:
     """The object ``"module:attr"`` names; any failure is a :class:`BackendImportError`."""
     module_name, _, attr = target.partition(":")
@@ -214,7 +225,7 @@ def _import(name: str, target: str, hint: str) -> Any:
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
     except Exception as exc:  # any import-time failure of a plugin is reported the same way
-        raise BackendImportError(
+        raise _import_error(
             f"backend {name!r} ({target}) cannot be imported: "
             f"{type(exc).__name__}: {exc}; {hint}"
         ) from exc
@@ -238,7 +249,7 @@ def _as_support(name: str, obj: Any, target: str, hint: str) -> type[DialectSupp
             stacklevel=2,
         )
         return _support_of_store(obj)
-    raise BackendImportError(
+    raise _import_error(
         f"backend {name!r} ({target}) is not a DialectSupport subclass; {hint}"
     )
 
@@ -282,7 +293,7 @@ def _require_driver(name: str, driver: str | None, extra: str | None) -> None:
     except (ImportError, ValueError):  # a module blocked in sys.modules
         found = False
     if not found:
-        raise BackendImportError(
+        raise _import_error(
             f"backend {name!r} needs the {driver} driver, which is not installed; "
             f"{_builtin_hint(extra)}"
         )
@@ -332,6 +343,8 @@ def load_backend(name: str) -> type[DialectSupport]:
     if backend is None and name in ALIASES:
         backend = _lookup(ALIASES[name])
     if backend is None:
+        from chatflow_sqlalchemy.exceptions import BackendNotFoundError
+
         raise BackendNotFoundError(name, installed=_names(), fix=_not_found_fix(name))
     return backend
 
@@ -365,7 +378,7 @@ def store_class_for(name: str) -> type[Any]:
     hint = f"fix store_class of {backend.__module__}.{backend.__qualname__}"
     store = _import(name, target, hint) if isinstance(target, str) else target
     if not _is_store_class(store):
-        raise BackendImportError(
+        raise _import_error(
             f"backend {name!r}: {_target_text(target)} is not a session store class "
             f"(it has no from_url); {hint}"
         )
