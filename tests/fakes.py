@@ -18,7 +18,7 @@ from chatflow_agent.core.engines import EngineTurnResult
 
 from chatflow_sqlalchemy.testing import ScriptedEngine
 
-__all__ = ["FailsFirst", "Playback", "Recording", "ToolThenAnswer", "calls", "say"]
+__all__ = ["Playback", "Recording", "ToolThenAnswer", "calls", "say"]
 
 
 def calls(*specs: tuple[str, str, dict[str, object]]) -> EngineTurnResult:
@@ -80,24 +80,3 @@ class Recording(ScriptedEngine):
         self.seen.append([m.content for m in history])
         return await super().generate_turn_async(agent, history)
 
-
-
-class FailsFirst(ScriptedEngine):
-    """:class:`ScriptedEngine` whose first ``failures`` model calls raise ``RuntimeError``.
-
-    Args:
-        failures: How many calls fail before it answers.
-        delay: Seconds to wait before each call, failing or not.
-
-    """
-
-    def __init__(self, failures: int = 1, delay: float = 0.0) -> None:
-        super().__init__(delay)
-        self.failures = failures
-
-    async def generate_turn_async(self, agent: Agent, history: list[Message]) -> EngineTurnResult:
-        if self.failures > 0:
-            self.failures -= 1
-            await asyncio.sleep(self.delay)
-            raise RuntimeError("the model is down")
-        return await super().generate_turn_async(agent, history)

@@ -1116,9 +1116,6 @@ class SessionContext(_UpstreamSessionContext):
             async with self._async_writer:
                 recreate = self._drop_catch_up()
                 if self._deferred_load is not None:  # read off the loop, never on it
-                    # Read it again if its session is gone by the lease: a failed
-                    # first turn elsewhere deletes the session it created.
-                    recreate = recreate or self._deferred_load
                     await self._owner._run_blocking(self.ensure_loaded)
                 with self._mutex:
                     self._check_alive()

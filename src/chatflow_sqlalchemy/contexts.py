@@ -78,17 +78,6 @@ class ContextCache:
         if ctx is not None:
             ctx.mark_deleted()
 
-    def drop(self, ctx: SessionContext) -> None:
-        """Stop handing out ``ctx`` (if it is the one cached), without marking it deleted.
-
-        For a context whose session is gone but that its holders may still
-        use: its next use creates the session anew.
-        """
-        with self._lock:
-            if self._live.get(ctx.session_id) is ctx:
-                self._live.pop(ctx.session_id, None)
-                self._recent.pop(ctx.session_id, None)
-
     def forget_all(self) -> None:
         """Drop every context, each marked deleted."""
         with self._lock:

@@ -22,7 +22,7 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, bindparam, delete, null, or_, select, update
+from sqlalchemy import ColumnElement, Float, bindparam, null, or_, select, update
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
@@ -82,7 +82,6 @@ KEEP_HELD = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
 the write of a turn run by an inbox batch, which keeps the lease for its reply."""
 RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
-_REMOVE_UNBORN = delete(_s).where(_MINE, _s.c.version == bindparam("unborn_version"))
 RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
 
@@ -150,21 +149,6 @@ class SessionLeases:
         with self._runtime.transaction(single=True) as conn:
             conn.execute(RELEASE, lease_params(lease))
         lease.released = True
-
-    def remove_unborn(self, lease: Lease, version: int) -> bool:
-        """Delete the session ``lease`` holds if it is still at ``version``, its first.
-
-        For a session a turn's start created whose turn then failed: nothing
-        of it was ever written, so nothing is left behind. False (and the
-        lease is given back instead) once anything was written, by anyone.
-        """
-        params = {**lease_params(lease), "unborn_version": version}
-        with self._runtime.transaction(write=True) as conn:
-            removed = conn.execute(_REMOVE_UNBORN, params).rowcount == 1
-        if not removed:
-            self.release(lease)
-        lease.released = True
-        return removed
 
     def _exists(self, session_id: str) -> bool:
         with self._runtime.transaction(single=True) as conn:

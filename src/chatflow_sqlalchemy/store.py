@@ -27,7 +27,6 @@ import asyncio
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from datetime import datetime, timedelta
@@ -218,9 +217,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         self._sealer = Sealer(options.cipher, options.require_encryption)
         self._agents = AgentResolver()
         self._contexts = ContextCache(self._context_cache_size)
-        # Contexts whose deferred load created their session: version made at, and the load.
-        self._unborn: weakref.WeakKeyDictionary[SessionContext, tuple[int, Callable[[], None]]]
-        self._unborn = weakref.WeakKeyDictionary()
         self._last_purge = utcnow()
         self._claims_backend: SQLClaims | None = None
 
@@ -475,18 +471,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         metadata: dict[str, Any],
         user_id: str | None,
     ) -> None:
-        """The deferred first load of a context :meth:`_get_or_create_later` made.
-
-        A session it creates is deleted again if the first turn on it fails
-        (:meth:`_adiscard_turn`): a failed first turn leaves nothing behind.
-        """
-        stored, created = self._stored_or_created(
-            ctx.session_id, default_agent, metadata, user_id, self._load(ctx.session_id)
-        )
-        if created:
-            load = functools.partial(self._load_into, ctx, default_agent, metadata, user_id)
-            self._unborn[ctx] = (stored.version, load)
-            self._contexts.publish(ctx)  # again, after a failed first turn dropped it
+        """The deferred first load of a context :meth:`_get_or_create_later` made."""
+        stored = self._stored_or_created(ctx.session_id, default_agent, metadata, user_id)
         ctx.load(stored, self._agents(stored.agent_name, default_agent))
         if user_id is not None:
             self._owned_by(ctx, user_id)
@@ -550,7 +536,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
             return ctx
-        stored, _ = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
+        stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
         return self._contexts.publish(self._build_context(stored, session_id, default_agent))
 
     def _stored_or_created(
@@ -559,15 +545,14 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         default_agent: Agent,
         metadata: dict[str, Any],
         user_id: str | None,
-        stored: StoredSession | None,
-    ) -> tuple[StoredSession, bool]:
-        """The session as stored (``stored``, just read), created if it does not exist.
+        stored: StoredSession | None = None,
+    ) -> StoredSession:
+        """The session as stored (``stored``, else read now), created if it does not exist.
 
         A session the inbox created (no agent yet) takes ``default_agent``
         and ``metadata``, as if created here; one created here, ``user_id``.
-        Also whether this call created it (not another writer meanwhile).
         """
-        created = False
+        stored = stored or self._load(session_id)
         if stored is None:
             now = utcnow()
             with self.runtime.transaction(write=True) as conn:
@@ -585,11 +570,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                 )
                 stored = read_session(conn, self._sealer, session_id)
             assert stored is not None
-            # Ours, not another writer's meanwhile (an INSERT's rowcount is not portable).
-            created = stored.created_at == now
         elif stored.agent_name == UNBORN_AGENT:
             stored = self._adopt(session_id, default_agent, metadata)
-        return stored, created
+        return stored
 
     def _create_empty_session(self, session_id: str) -> None:
         """A session for the inbox to lease before its first turn (no agent chosen yet).
@@ -1071,19 +1054,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         await self.turns.begin(ctx)
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
-        self._unborn.pop(ctx, None)
         await self.turns.end(ctx)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
-        unborn = self._unborn.pop(ctx, None)
-        if unborn is None:
-            await self.turns.discard(ctx)
-            return
-        version, load = unborn
-        if await self.turns.discard(ctx, version):
-            # Gone again: a get() finds nothing, and the context's next use creates it anew.
-            self._contexts.drop(ctx)
-            ctx.defer_load(load)
+        await self.turns.discard(ctx)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -184,22 +184,15 @@ class Turns:
             if held.ours:
                 await self._give_back(held.lease)
 
-    async def discard(self, ctx: SessionContext, unborn: int | None = None) -> bool:
-        """After a turn ended by an exception: write nothing, give the lease back.
-
-        ``unborn``: the version at which the turn's start created the session;
-        the session is then deleted again if it is still there (True).
-        """
+    async def discard(self, ctx: SessionContext) -> None:
+        """After a turn ended by an exception: write nothing, give the lease back."""
         held = self._held.pop(id(ctx), None)
-        if held is None:
-            return False
-        try:
-            await held.stop_renewing()
-        finally:
-            removed = False
-            if held.ours:
-                removed = await self._give_back(held.lease, unborn)
-        return removed
+        if held is not None:
+            try:
+                await held.stop_renewing()
+            finally:
+                if held.ours:
+                    await self._give_back(held.lease)
 
     async def _offered_lease(self, session_id: str) -> Lease | None:
         """The lease a webhook claim took for this session, renewed first if one is due.
@@ -267,25 +260,21 @@ class Turns:
                                lease.session_id)
                 return
 
-    async def _give_back(self, lease: Lease, unborn: int | None = None) -> bool:
+    async def _give_back(self, lease: Lease) -> None:
         """Release ``lease``, even if the caller is cancelled meanwhile.
 
         The release runs as a task of its own, so a cancellation (a second
         one, at shutdown) does not stop it. A failure only delays the next
-        turn until the lease expires. ``unborn``: see :meth:`discard`; True
-        if the session was deleted.
+        turn until the lease expires.
         """
-        release = asyncio.ensure_future(self._release(lease, unborn))
+        release = asyncio.ensure_future(self._release(lease))
         self._orphans.add(release)
         release.add_done_callback(self._orphans.discard)
-        return await asyncio.shield(release)
+        await asyncio.shield(release)
 
-    async def _release(self, lease: Lease, unborn: int | None = None) -> bool:
+    async def _release(self, lease: Lease) -> None:
         try:
-            if unborn is not None:
-                return await self._store._run_blocking(self.leases.remove_unborn, lease, unborn)
             await self._store._run_blocking(self.leases.release, lease)
         except Exception as exc:
             logger.warning("could not give back the lease of session %r (it expires on its "
                            "own): %s", lease.session_id, exc)
-        return False
