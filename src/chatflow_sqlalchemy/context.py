@@ -523,6 +523,7 @@ class SessionContext(_UpstreamSessionContext):
         self._deferred_load: Callable[[], object] | None = None
         self._deferred_catch_up = False
         self._recreate: Callable[[], object] | None = None
+        self._loading = False  # a deferred load runs (holding the mutex)
         self._defer_lock = threading.Lock()
         super().__init__(
             session_id=session_id,
@@ -669,7 +670,7 @@ class SessionContext(_UpstreamSessionContext):
         pending (it reads everything anyway).
         """
         with self._defer_lock:
-            if self._in_turn or self._deferred_load is not None:
+            if self._in_turn or self._loading or self._deferred_load is not None:
                 return
             self._deferred_load, self._deferred_catch_up = catch_up, True
             self._recreate = recreate
@@ -689,16 +690,22 @@ class SessionContext(_UpstreamSessionContext):
         return self._deferred_load is None
 
     def ensure_loaded(self) -> None:
-        """Run the deferred first load now, if there is one (see :meth:`defer_load`)."""
-        if self._deferred_load is None:
+        """Run the deferred first load now, if there is one (see :meth:`defer_load`).
+
+        While another thread runs it, wait for it: what this context holds
+        before its load ends is not the session's.
+        """
+        if self._deferred_load is None and not self._loading:
             return
         with self._mutex:  # one load at a time, and no other use of the state meanwhile
             with self._defer_lock:
                 load, catch_up = self._deferred_load, self._deferred_catch_up
+                if load is None:  # loaded meanwhile, or by this thread (the mutex re-enters)
+                    return
+                # Set before the load is taken: a reader seeing no load sees this.
+                self._loading = True
                 # Reads made while it installs (by the load itself) see what it installs.
                 self._deferred_load, self._deferred_catch_up = None, False
-            if load is None:
-                return
             try:
                 load()
             except BaseException:
@@ -706,6 +713,8 @@ class SessionContext(_UpstreamSessionContext):
                     if self._deferred_load is None:
                         self._deferred_load, self._deferred_catch_up = load, catch_up
                 raise
+            finally:
+                self._loading = False
 
     # -------------------------------------------------------------- mutation
 
