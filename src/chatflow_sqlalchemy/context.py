@@ -709,8 +709,8 @@ class SessionContext(_UpstreamSessionContext):
             try:
                 load()
             except BaseException:
-                with self._defer_lock:
-                    if self._deferred_load is None:
+                with self._defer_lock:  # tried again at the next use, unless deleted meanwhile
+                    if self._deferred_load is None and not self._deleted:
                         self._deferred_load, self._deferred_catch_up = load, catch_up
                 raise
             finally:
@@ -899,8 +899,14 @@ class SessionContext(_UpstreamSessionContext):
         self._owner = owner
 
     def mark_deleted(self) -> None:
-        """The session is gone: every later use of this context raises SessionDeletedError."""
-        self._deleted = True
+        """The session is gone: every later use of this context raises SessionDeletedError.
+
+        A deferred load still pending is dropped: run later, it would create
+        the deleted session again.
+        """
+        with self._defer_lock:
+            self._deleted = True
+            self._deferred_load, self._deferred_catch_up, self._recreate = None, False, None
 
     def mark_stale(self) -> None:
         """Memory may hold what the database refused: the next catch-up reloads it."""
