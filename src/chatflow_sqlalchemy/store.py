@@ -472,7 +472,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         user_id: str | None,
     ) -> None:
         """The deferred first load of a context :meth:`_get_or_create_later` made."""
-        stored = self._stored_or_created(ctx.session_id, default_agent, metadata, user_id)
+        stored = self._stored_or_created(
+            ctx.session_id, default_agent, metadata, user_id, self._load(ctx.session_id)
+        )
         ctx.load(stored, self._agents(stored.agent_name, default_agent))
         if user_id is not None:
             self._owned_by(ctx, user_id)
@@ -545,14 +547,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         default_agent: Agent,
         metadata: dict[str, Any],
         user_id: str | None,
-        stored: StoredSession | None = None,
+        stored: StoredSession | None,
     ) -> StoredSession:
-        """The session as stored (``stored``, else read now), created if it does not exist.
+        """The session as stored (``stored``, just read), created if it does not exist.
 
         A session the inbox created (no agent yet) takes ``default_agent``
         and ``metadata``, as if created here; one created here, ``user_id``.
         """
-        stored = stored or self._load(session_id)
         if stored is None:
             now = utcnow()
             with self.runtime.transaction(write=True) as conn:
