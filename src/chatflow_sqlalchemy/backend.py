@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.dialect import (
         RECLAIMED_AS_DONE,
         DialectSupport,
+        SessionWrite,
+        WriteStep,
     )
     from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailableError
     from chatflow_sqlalchemy.iopool import IOPool
@@ -46,6 +48,8 @@ _SOURCES: dict[str, str] = {
     "AESGCMCipher": "chatflow_sqlalchemy.crypto",
     "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",
     "DialectSupport": "chatflow_sqlalchemy.dialect",
+    "SessionWrite": "chatflow_sqlalchemy.dialect",
+    "WriteStep": "chatflow_sqlalchemy.dialect",
     "BackendImportError": "chatflow_sqlalchemy.exceptions",
     "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
     "IOPool": "chatflow_sqlalchemy.iopool",
@@ -83,9 +87,11 @@ __all__ = [
     "MigrationChain",
     "SQLAlchemySessionStore",
     "ServerSessionStore",
+    "SessionWrite",
     "StoreOptions",
     "Summarizer",
     "UTCDateTime",
+    "WriteStep",
 ]
 
 

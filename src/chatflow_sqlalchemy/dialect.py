@@ -51,6 +51,7 @@ __all__ = [
     "AcquiredClaim",
     "DialectSupport",
     "SessionWrite",
+    "WriteStep",
     "first_time_on",
     "on_conflict_acquire",
     "ping_when_idle",
@@ -109,22 +110,57 @@ class AcquiredClaim:
 
 
 @dataclass(frozen=True)
+class WriteStep:
+    """One portable statement of a session write (:attr:`SessionWrite.steps`).
+
+    Attributes:
+        statement: The statement.
+        params: Its parameters (a list of them: one execution for each).
+        rows: How many rows it must change for the write to stand (None: any).
+
+    """
+
+    statement: Executable
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
 class SessionWrite:
-    """What one write of a session sends, for :meth:`DialectSupport.write_at_once`.
+    """One write of a session, for :meth:`DialectSupport.execute_write`.
+
+    The store builds it once from what a context changed; a backend runs
+    it all or nothing. Values are sealed already where the store encrypts.
 
     Attributes:
         swap: Parameters of the session row's compare-and-swap: ``sid``,
             ``expected`` (the version the writer read), ``new_version``,
             ``agent_name``, ``now`` and, only when it changed, ``metadata``.
-        gone: Seqs of the message rows to delete (none of them is in ``rows``).
+        gone: Seqs of the message rows to delete; a seq also in ``rows`` is
+            replaced (a rewound turn written again).
+        clear: Delete every message row of the session (``clear_history``).
         rows: Message rows to insert: ``session_id``, ``seq``, ``role``,
             ``content``, ``message_json``, ``created_at``.
+        archived: Seqs of rows to copy into the archive before they are deleted.
+        waiting: Seqs of rows to archive as waiting for the session's summary.
+        summary: The session's new summary (``summary``, ``through``: the
+            seq it runs through), None when unchanged. Archived rows waiting
+            for it up to ``through`` stop waiting; with ``keep`` False they
+            are deleted. ``archived`` and ``waiting`` already account for it.
         fence: Parameters of the turn's claim fence (``claim_id``,
             ``claim_token``, ``claim_now``, ``claim_reply``: the reply stored
             with the claim), None for a turn without a claim.
-        lease: Parameters of the turn's lease check and release
-            (:func:`chatflow_sqlalchemy.lease.lease_params`: ``holder_token``,
-            ``holder_fence``, ``lease_now``), None for a write outside a turn.
+        lease: Parameters of the turn's lease check
+            (:func:`chatflow_sqlalchemy.lease.lease_params`: ``sid``,
+            ``holder_token``, ``holder_fence``, ``lease_now``; with
+            ``keep_lease`` also ``lease_until`` and ``turn_lease_seconds``),
+            None for a write outside a turn.
+        keep_lease: The lease is moved on rather than given back (the turn of
+            an inbox batch keeps it for the batch's reply).
+        batch: The inbox batch the turn answers (``token``, ``reply``, ``now``,
+            ``size``: how many in-flight items hold the token), or None.
+        steps: The same write as portable statements, in order: what
+            :meth:`DialectSupport.execute_write` runs by default.
 
     """
 
@@ -133,6 +169,13 @@ class SessionWrite:
     rows: Sequence[Mapping[str, Any]]
     fence: Mapping[str, Any] | None
     lease: Mapping[str, Any] | None = None
+    keep_lease: bool = False
+    clear: bool = False
+    archived: Sequence[int] = ()
+    waiting: Sequence[int] = ()
+    summary: Mapping[str, Any] | None = None
+    batch: Mapping[str, Any] | None = None
+    steps: Sequence[WriteStep] = ()
 
 
 class DialectSupport:
@@ -154,6 +197,9 @@ class DialectSupport:
             the store's own periodic purge then leaves every row to it, and
             only an explicit ``purge_processed_messages()`` deletes the rest
             (the cutoff's own day) row by row.
+        one_statement_write: True when :meth:`execute_write` sends each write
+            as one atomic statement: the store runs it in autocommit, without
+            ``BEGIN`` and ``COMMIT`` round trips.
 
     """
 
@@ -165,6 +211,7 @@ class DialectSupport:
     (empty: the driver's ``ImportError`` propagates as it is)."""
     default_driver: str | None = None
     expires_processed_whole: bool = False
+    one_statement_write: bool = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """Keyword arguments for ``create_engine`` (pool, connect args)."""
@@ -174,22 +221,26 @@ class DialectSupport:
         """Execution options under which one statement runs without BEGIN/COMMIT."""
         return {"isolation_level": "AUTOCOMMIT"}
 
-    def write_at_once(
-        self, connection: Connection, write: SessionWrite
-    ) -> tuple[bool, bool] | None:
-        """Send a whole session write as one atomic statement, if the backend can.
+    def execute_write(self, connection: Connection, write: SessionWrite) -> bool:
+        """Run one session write, all of it or (returning False) nothing of it.
 
-        The store calls it outside a transaction (autocommit), for a write
-        that only appends and prunes. The statement must change nothing
-        unless the compare-and-swap matched, the turn's lease (if any) is
-        still the writer's and unexpired, and so is the claim (if any); it
-        gives the lease back (``lease_owner`` and ``lease_expires_at`` set
-        to NULL). Returns ``(swapped, fenced)`` (``fenced`` is True
-        without a claim). The default returns None: the store then runs its
-        statements one by one in a write transaction, as it does after a
-        missed swap.
+        The store calls it for every write, in a write transaction (in
+        autocommit where :attr:`one_statement_write` is True), and rolls the
+        transaction back when it returns False. The write must stand only if
+        the compare-and-swap matches, the turn's lease (if any) is still the
+        writer's and unexpired, the claim (if any) is still held and the
+        inbox batch (if any) still in flight. The default runs
+        :attr:`SessionWrite.steps` in order (the swap first) and returns
+        False as soon as one changes other than the rows it must; a backend
+        may send the same write its own way (PostgreSQL: one statement).
+        The store then tells why with one read, raises or rebases, and
+        calls this again.
         """
-        return None
+        for step in write.steps:
+            result = connection.execute(step.statement, step.params)
+            if step.rows is not None and result.rowcount != step.rows:
+                return False
+        return True
 
     def sync_url(self, url: URL) -> URL:
         """The URL for the store's sync engine: :attr:`default_driver` where it names none."""

@@ -34,14 +34,11 @@ from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
     "BUMP_SESSION",
-    "BUMP_SESSION_AND_METADATA",
     "DELETE_ALL_MESSAGES",
     "DELETE_SOME_MESSAGES",
     "INSERT_MESSAGES",
     "IS_PROCESSED",
-    "SELECT_CREATED",
     "SELECT_VERSION",
-    "SET_SUMMARY",
     "StoredSession",
     "content_column",
     "dump_message_json",
@@ -63,9 +60,6 @@ processed = tables.processed_messages
 _archive = tables.message_archive
 
 SELECT_VERSION = select(sessions.c.version).where(sessions.c.session_id == bindparam("session_id"))
-SELECT_CREATED = select(sessions.c.created_at).where(
-    sessions.c.session_id == bindparam("session_id")
-)
 _SELECT_SESSION = select(
     sessions.c.version,
     sessions.c.active_agent_name,
@@ -104,18 +98,6 @@ BUMP_SESSION = (
     )
 )
 """The compare-and-swap of a session row: rowcount 1 only at the version the writer knows."""
-
-BUMP_SESSION_AND_METADATA = BUMP_SESSION.values(metadata_json=bindparam("metadata"))
-SET_SUMMARY = (
-    update(sessions)
-    .where(sessions.c.session_id == bindparam("sid"))
-    .values(
-        summary=bindparam("summary"),
-        summary_through=bindparam("through"),
-        summary_claimed_until=None,
-    )
-)
-"""A session's new summary (written after its compare-and-swap, under the row's lock)."""
 IS_PROCESSED = select(processed.c.message_id).where(
     processed.c.message_id == bindparam("message_id"),
     processed.c.processed_at >= bindparam("cutoff"),

@@ -39,22 +39,18 @@ from typing import TYPE_CHECKING, Any
 
 from chatflow_agent import Role
 from sqlalchemy import (
-    Boolean,
     ColumnElement,
     Connection,
     Select,
     Table,
-    and_,
     bindparam,
     case,
     delete,
     func,
-    insert,
     literal,
     select,
     tuple_,
     type_coerce,
-    update,
 )
 from sqlalchemy.dialects import postgresql
 
@@ -74,7 +70,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SweepCursor",
-    "archive_rows",
     "count_expired",
     "decode_transcript",
     "erase_sessions",
@@ -83,7 +78,6 @@ __all__ = [
     "export_sessions",
     "parser_for",
     "session_page",
-    "settle_summarized",
     "sweep_candidates",
     "transcript_sources",
     "user_session_ids",
@@ -288,43 +282,6 @@ def count_expired(conn: Connection, cutoff: datetime, now: datetime) -> tuple[in
     query = expired_query(cutoff, now)
     total = conn.execute(select(func.count()).select_from(query.subquery())).scalar_one()
     return int(total), list(conn.execute(query.limit(20)).scalars())
-
-
-def archive_rows(
-    conn: Connection, session_id: str, seqs: list[int], now: datetime, *, pending: bool = False
-) -> None:
-    """Copy the window rows ``seqs`` of a session into the archive (before they are deleted).
-
-    ``pending``: the rows wait to be folded into the session's summary.
-    """
-    for start in range(0, len(seqs), _ID_CHUNK):
-        chunk = seqs[start : start + _ID_CHUNK]
-        source = select(
-            _messages.c.session_id, _messages.c.seq, _messages.c.role, _messages.c.content,
-            _messages.c.message_json, _messages.c.created_at,
-            literal(now, UTCDateTime()).label("archived_at"),
-            literal(pending, Boolean()).label("pending_summary"),
-        ).where(_messages.c.session_id == session_id, _messages.c.seq.in_(chunk))
-        conn.execute(
-            insert(_archive).from_select(
-                ["session_id", "seq", "role", "content", "message_json", "created_at",
-                 "archived_at", "pending_summary"],
-                source,
-            )
-        )
-
-
-def settle_summarized(conn: Connection, session_id: str, through: int, *, keep: bool) -> None:
-    """Archived rows up to seq ``through`` are in the summary now: kept (``keep``) or deleted."""
-    covered = and_(
-        _archive.c.session_id == session_id,
-        _archive.c.pending_summary,
-        _archive.c.seq <= through,
-    )
-    if keep:
-        conn.execute(update(_archive).where(covered).values(pending_summary=False))
-    else:
-        conn.execute(delete(_archive).where(covered))
 
 
 def parser_for(table: Table, parse: Callable[..., Message]) -> Callable[..., Message]:

@@ -1,27 +1,28 @@
 """The store's one write algorithm: a context's changes, compare-and-swapped onto its session.
 
-Each write starts with a compare-and-swap of the session's ``version``
-(``UPDATE ... WHERE version = :known``), under the database's write lock (row
-lock on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), then deletes the rows that
-left the window and inserts the new ones; a turn run inside a webhook claim
-marks the claim done in the same transaction, only while it is still held.
-If another writer moved the session since this context loaded, the context is
-rebased on the fresh rows and its new messages are appended after them as
-whole turns, never interleaved.
-
-A backend may send a whole write as one statement
-(:meth:`~chatflow_sqlalchemy.dialect.DialectSupport.write_at_once`); when that
-statement's swap misses, the step-by-step write runs, which tells a moved
-session from a deleted one and from a lost claim.
+A write is built once from what a context changed (a
+:class:`~chatflow_sqlalchemy.dialect.SessionWrite`: the compare-and-swap of
+the session's ``version``, the turn's lease check and release, the summary,
+the archive, the message diff, the claim's fence, the inbox batch's answer)
+and handed to the backend's
+:meth:`~chatflow_sqlalchemy.dialect.DialectSupport.execute_write`, which
+makes all of it stand or none of it (PostgreSQL sends it as one statement,
+other databases as the portable statements in one transaction). When it did
+not stand, one read tells why: the session is gone, the lease or the claim
+or the inbox batch was lost (the matching error is raised), or another writer
+moved the session; the context is then rebased on the fresh rows, its new
+messages appended after them as whole turns, and the write is built and
+executed again, the same way.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Executable
+from sqlalchemy import Connection, Row
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, reply_of
@@ -30,30 +31,21 @@ from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
 from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence
-from chatflow_sqlalchemy.lease import KEEP_HELD, RELEASE_HELD, SessionLeases, lease_params
-from chatflow_sqlalchemy.rows import (
-    BUMP_SESSION,
-    BUMP_SESSION_AND_METADATA,
-    DELETE_ALL_MESSAGES,
-    DELETE_SOME_MESSAGES,
-    INSERT_MESSAGES,
-    SELECT_CREATED,
-    SELECT_VERSION,
-    SET_SUMMARY,
-    message_row,
-    read_session,
-)
+from chatflow_sqlalchemy.lease import SessionLeases, lease_params
+from chatflow_sqlalchemy.rows import message_row, read_session
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
-from chatflow_sqlalchemy.sql_claims import FENCE_CLAIM
-from chatflow_sqlalchemy.sql_inbox import answer_batch
-from chatflow_sqlalchemy.sql_lifecycle import archive_rows, settle_summarized
+from chatflow_sqlalchemy.sql_write import portable_steps, probe
 from chatflow_sqlalchemy.summaries import Summaries
 from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["SessionWriter"]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
+
+
+class _Missed(Exception):
+    """The write did not stand: its transaction rolls back."""
 
 
 class SessionWriter:
@@ -87,11 +79,6 @@ class SessionWriter:
         self._agents = agents
         self._archive_pruned = archive_pruned
         self._summaries = summaries
-        self._lock_version: Executable = self._support.lock_session_row(SELECT_VERSION)
-        # A backend that overrides the hook sends each write as one statement.
-        self._writes_at_once = (
-            type(self._support).write_at_once is not DialectSupport.write_at_once
-        )
 
     def write(
         self,
@@ -104,10 +91,10 @@ class SessionWriter:
         """Write ``pending`` (what ``ctx`` changed); return how many message rows it deleted.
 
         Call it inside ``ctx.writing()``, which gave ``pending``. ``lease``:
-        the turn's lease, checked and given back by the same transaction.
-        ``batch``: the inbox batch the turn runs for; the transaction records
-        its reply. A lease an inbox batch holds (``lease.kept``) is checked and
-        kept, not given back.
+        the turn's lease, checked and given back by the write. ``batch``:
+        the inbox batch the turn runs for; the write records its reply. A
+        lease an inbox batch holds (``lease.kept``) is checked and kept, not
+        given back.
 
         Raises:
             SessionDeletedError: The session is gone (or is another one now).
@@ -117,110 +104,111 @@ class SessionWriter:
         """
         # A claim's reply, also refused before the turn is written if it cannot be
         # stored; an encrypting store keeps only what the block itself stores there.
-        reply = None if fence is None else reply_of(pending.tail)
-        if self._sealer.active:
-            reply = None
-        kept = lease is not None and lease.kept
-        written, to_summarize = pending, False
-        at_once = self._writes_at_once and not kept and not pending.empty
-        at_once = at_once and pending.summary is None and not self._archives_now(pending)
-        if not (at_once and self._write_at_once(pending, fence, reply, lease)):
-            answer = None if batch is None else (batch, reply_of(pending.tail))
-            keep = self._leases.until_params() if kept else None
-            with self._runtime.transaction(write=True) as conn:
-                if lease is not None:
-                    give_back(conn, lease, pending.incarnation, keep=keep)
-                written, to_summarize = self._write_changes(
-                    conn, ctx, pending, fence, reply, answer
-                )
-        ctx.applied(written)
+        reply = None if fence is None or self._sealer.active else reply_of(pending.tail)
+        answer = None if batch is None else self._answer(batch, reply_of(pending.tail))
+        write = self._build(pending, fence, reply, lease, answer)
+        while not self._execute(write):
+            pending = self._explain(ctx, write, pending.incarnation)
+            write = self._build(pending, fence, reply, lease, answer)
+        ctx.applied(pending)
         if fence is not None:
             fence.reply = reply
-        if to_summarize and self._summaries is not None:
+        if write.waiting and self._summaries is not None:
             self._summaries.due(ctx.session_id)
         if lease is not None and not lease.kept:
             lease.released = True
         elif lease is not None:
-            lease.version = written.version + 1  # the batch's next turn need not read it
-        return len(written.gone)
+            lease.version = pending.version + 1  # the batch's next turn need not read it
+        return len(pending.gone)
 
-    def _write_at_once(
+    def _build(
         self,
         pending: PendingWrite,
         fence: ClaimFence | None,
         reply: str | None,
         lease: Lease | None,
-    ) -> bool:
-        """:meth:`DialectSupport.write_at_once` in autocommit; False if it changed nothing.
-
-        Nothing is written when the swap missed: the session moved or is
-        gone, or the lease or the claim was lost, which the step-by-step
-        write then tells apart (it raises what applies, or rebases).
-        """
-        if pending.gone.intersection(seq for seq, _ in pending.messages):
-            return False  # one statement cannot delete a row and insert its seq again
+        answer: dict[str, Any] | None,
+    ) -> SessionWrite:
+        """The write of ``pending``, with its portable statements."""
         now = utcnow()
+        archived, waiting = self._to_archive(pending)
+        summary = None
+        if pending.summary is not None:
+            summary, archived, waiting = self._summary(pending, archived, waiting)
+        held = None if lease is None else lease_params(lease)
+        if lease is not None and lease.kept:
+            held = {**lease_params(lease), **self._leases.until_params()}
         write = SessionWrite(
             swap=self._bump_params(pending, now),
             gone=sorted(pending.gone),
+            clear=bool(pending.gone) and pending.empty,
             rows=self._rows(pending, now),
+            archived=archived,
+            waiting=waiting,
+            summary=summary,
             fence=None if fence is None else fence.params(now, reply),
-            lease=None if lease is None else lease_params(lease),
+            lease=held,
+            keep_lease=lease is not None and lease.kept,
+            batch=None if answer is None else {**answer, "now": now},
         )
-        with self._runtime.transaction(single=True) as conn:
-            outcome = self._support.write_at_once(conn, write)
-        return outcome is not None and outcome[0]
+        return replace(write, steps=portable_steps(write))
 
-    def _write_changes(
-        self,
-        conn: Connection,
-        ctx: SessionContext,
-        pending: PendingWrite,
-        fence: ClaimFence | None,
-        reply: str | None,
-        answer: tuple[BatchFence, str | None] | None = None,
-    ) -> tuple[PendingWrite, bool]:
-        """Compare-and-swap the session's version, then write the message diff.
-
-        The conditional UPDATE both detects concurrent writers and takes the
-        row's write lock; only when it misses does the writer read the row
-        (locked) to tell a deleted session from a moved one and rebase.
-        Returns what was written (rebased or not), and whether some of the
-        rows that left the window wait for a summary.
-        """
-        session_id = pending.session_id
-        now = utcnow()
-        if not self._bump_version(conn, pending, now):
-            version = conn.execute(self._lock_version, {"session_id": session_id}).scalar()
-            if version is None:
-                raise SessionDeletedError(session_id)
-            pending = self._rebase(conn, ctx)
-            if not self._bump_version(conn, pending, now):
-                raise RuntimeError(f"session {session_id!r} changed while its row was locked")
-        gone = pending.gone
-        to_summarize = bool(gone) and self._archive(conn, pending, now)
-        if pending.summary is not None:
-            self._write_summary(conn, session_id, *pending.summary)
-        if gone and pending.empty:
-            conn.execute(DELETE_ALL_MESSAGES, {"session_id": session_id})
-        elif gone:
-            conn.execute(DELETE_SOME_MESSAGES, {"session_id": session_id, "seqs": sorted(gone)})
-        if pending.messages:
-            conn.execute(INSERT_MESSAGES, self._rows(pending, now))
-        if fence is not None:
-            claim = fence.params(now, reply)
-            if conn.execute(FENCE_CLAIM, claim).rowcount != 1:
-                raise ClaimLostError(fence.message_id)
-        if answer is not None:
-            answer_batch(conn, answer[0], answer[1], self._sealer)
-        return pending, to_summarize
-
-    def _archives_now(self, pending: PendingWrite) -> bool:
-        """True if this write archives rows memory showed (it then takes the step-by-step path)."""
-        if not self._archive_pruned and self._summaries is None:
+    def _execute(self, write: SessionWrite) -> bool:
+        """:meth:`DialectSupport.execute_write`; False (rolled back) if the write did not stand."""
+        single = self._support.one_statement_write
+        try:
+            with self._runtime.transaction(write=True, single=single) as conn:
+                if not self._support.execute_write(conn, write):
+                    raise _Missed
+        except _Missed:
             return False
-        parts = self._to_archive(pending)
-        return any(seq not in pending.hidden for part in parts for seq in part)
+        return True
+
+    def _explain(
+        self, ctx: SessionContext, write: SessionWrite, incarnation: object
+    ) -> PendingWrite:
+        """Tell why ``write`` did not stand: raise what was lost, or rebase ``ctx``.
+
+        One read, under the session row's write lock, of what the write was
+        checked against; when only the version moved, the context is rebased
+        on the rows read in the same transaction.
+        """
+        statement, params = probe(write)
+        with self._runtime.transaction(write=True) as conn:
+            row = conn.execute(self._support.lock_session_row(statement), params).first()
+            _raise_lost(write, row, incarnation)
+            assert row is not None
+            if row.version == write.swap["expected"]:
+                sid = write.swap["sid"]
+                raise RuntimeError(f"a write of session {sid!r} did not stand, for no reason")
+            return self._rebase(conn, ctx)
+
+    def _answer(self, batch: BatchFence, reply: str | None) -> dict[str, Any]:
+        """The inbox batch's answer: its token and size, the reply (sealed)."""
+        sealed = None if reply is None else self._sealer.seal_text(batch.session_id, reply)
+        return {"token": batch.token, "reply": sealed, "size": batch.size}
+
+    def _summary(
+        self, pending: PendingWrite, archived: list[int], waiting: list[int]
+    ) -> tuple[dict[str, Any], list[int], list[int]]:
+        """The new summary's parameters, and the rows to archive once it covers what it covers.
+
+        Rows this write would archive as waiting for a summary that already
+        covers them are archived as settled (``archive_pruned``) or not at all.
+        """
+        assert pending.summary is not None
+        text, through = pending.summary
+        sid = pending.session_id
+        summary = {
+            "summary": None if text is None else self._sealer.seal_text(sid, text),
+            "through": through,
+            "keep": self._archive_pruned,
+        }
+        settled = [seq for seq in waiting if seq <= through]
+        waiting = [seq for seq in waiting if seq > through]
+        if self._archive_pruned:
+            archived = sorted(archived + settled)
+        return summary, archived, waiting
 
     def _to_archive(self, pending: PendingWrite) -> tuple[list[int], list[int]]:
         """Of the rows leaving the window: (those archived as they are, those pending a summary).
@@ -240,37 +228,12 @@ class SessionWriter:
         others = pending.gone.difference(waiting, pending.hidden)
         return sorted(others), waiting
 
-    def _archive(self, conn: Connection, pending: PendingWrite, now: datetime) -> bool:
-        """Archive what leaves the window; True if some of it waits for a summary."""
-        kept, waiting = self._to_archive(pending)
-        if kept:
-            archive_rows(conn, pending.session_id, kept, now)
-        if waiting:
-            archive_rows(conn, pending.session_id, waiting, now, pending=True)
-        return bool(waiting)
-
-    def _write_summary(
-        self, conn: Connection, session_id: str, summary: str | None, through: int
-    ) -> None:
-        """Store the session's new summary; the archived rows it covers no longer wait for one."""
-        conn.execute(SET_SUMMARY, {
-            "sid": session_id,
-            "summary": None if summary is None else self._sealer.seal_text(session_id, summary),
-            "through": through,
-        })
-        settle_summarized(conn, session_id, through, keep=self._archive_pruned)
-
     def _rows(self, pending: PendingWrite, now: datetime) -> list[dict[str, Any]]:
         """The message rows ``pending`` inserts."""
         return [
             message_row(self._sealer, pending.session_id, seq, message, now)
             for seq, message in pending.messages
         ]
-
-    def _bump_version(self, conn: Connection, pending: PendingWrite, now: datetime) -> bool:
-        """UPDATE the session row if its version is still the one ``pending`` expects."""
-        statement = BUMP_SESSION if pending.metadata is None else BUMP_SESSION_AND_METADATA
-        return conn.execute(statement, self._bump_params(pending, now)).rowcount == 1
 
     def _bump_params(self, pending: PendingWrite, now: datetime) -> dict[str, Any]:
         """Parameters of the compare-and-swap UPDATE (with the metadata if it changed)."""
@@ -301,30 +264,24 @@ class SessionWriter:
         return pending
 
 
-def give_back(
-    conn: Connection, lease: Lease, incarnation: object, *, keep: dict[str, Any] | None = None
-) -> None:
-    """First statement of a turn's write transaction: check the lease and give it back.
+def _raise_lost(write: SessionWrite, row: Row[Any] | None, incarnation: object) -> None:
+    """Raise what the write lost, as :func:`~chatflow_sqlalchemy.sql_write.probe` read it.
 
-    It also takes the session row's write lock, as the compare-and-swap
-    after it would. The transaction rolls back whole if a later statement
-    fails, the lease included. ``incarnation``: the ``created_at`` of the
-    session the turn began on. ``keep``: the expiry's parameters of a
-    lease the turn's inbox batch keeps (it is moved on, not given back).
+    ``incarnation``: the ``created_at`` of the session the write began on.
 
     Raises:
         SessionDeletedError: The session is gone (or is another one now).
-        LeaseLostError: The lease expired or was taken over.
+        LeaseLostError: The lease expired or was taken over, or the inbox
+            batch's items are no longer in flight under its token.
+        ClaimLostError: The claim is no longer held.
 
     """
-    if keep is None:
-        held = conn.execute(RELEASE_HELD, lease_params(lease))
-    else:
-        held = conn.execute(KEEP_HELD, {**lease_params(lease), **keep})
-    if held.rowcount == 1:
-        return
-    created = conn.execute(SELECT_CREATED, {"session_id": lease.session_id}).first()
-    if created is None or (incarnation is not None and created[0] != incarnation):
-        raise SessionDeletedError(lease.session_id)
-    raise LeaseLostError(lease.session_id)
-
+    sid = write.swap["sid"]
+    if row is None or (incarnation is not None and row.created_at != incarnation):
+        raise SessionDeletedError(sid)
+    if write.lease is not None and not row.held:
+        raise LeaseLostError(sid)
+    if write.fence is not None and not row.claimed:
+        raise ClaimLostError(write.fence["claim_id"])
+    if write.batch is not None and row.in_flight != write.batch["size"]:
+        raise LeaseLostError(sid)

@@ -377,8 +377,8 @@ def test_turns_cancelled_while_giving_their_leases_back_still_give_them_back(
 
 
 def test_lease_statements_are_seen_by_the_store_engines_events(mariadb_database: URL) -> None:
-    """Issue 12: the turn's lease (taken, then given back by the write) goes through
-    SQLAlchemy on the store's engines, where listeners see it before and after."""
+    """Issue 12: the turn's lease (taken, then given back by the write's version swap)
+    goes through SQLAlchemy on the store's engines, where listeners see it before and after."""
     seen: list[tuple[str, str]] = []
 
     def before(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
@@ -397,7 +397,10 @@ def test_lease_statements_are_seen_by_the_store_engines_events(mariadb_database:
     for hook in ("before", "after"):
         statements = [s for h, s in seen if h == hook]
         taken = [s for s in statements if s.startswith(f"{_SET_LEASE_OWNER}%(")]
-        given_back = [s for s in statements if s.startswith(f"{_SET_LEASE_OWNER}NULL")]
+        given_back = [
+            s for s in statements
+            if s.startswith("UPDATE chatflow_sessions SET") and "lease_owner=NULL" in s
+        ]
         assert len(taken) == 1 and len(given_back) == 1, (hook, seen)
 
 

@@ -175,6 +175,7 @@ class PostgresDialectSupport(DialectSupport):
     store_class = "chatflow_sqlalchemy.backends.postgresql:PostgresSessionStore"
     install_hint = INSTALL_HINT
     expires_processed_whole = True
+    one_statement_write = True
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """A pool of 10 (+10 overflow); idle connections are pinged (:meth:`prepare_engine`).
@@ -277,13 +278,11 @@ class PostgresDialectSupport(DialectSupport):
         """
         return select.with_for_update(key_share=True)
 
-    def write_at_once(
-        self, connection: Connection, write: SessionWrite
-    ) -> tuple[bool, bool] | None:
-        """The swap, the message diff and the fence as one statement (``WITH`` clauses)."""
+    def execute_write(self, connection: Connection, write: SessionWrite) -> bool:
+        """Every write as one statement of ``WITH`` clauses (:mod:`.postgresql_write`)."""
         from chatflow_sqlalchemy.backends import postgresql_write
 
-        return postgresql_write.write_at_once(connection, write)
+        return postgresql_write.execute_write(connection, write)
 
     def lock_migrations(self, connection: Connection) -> None:
         """Wait for the advisory lock; it is released when the transaction ends."""
