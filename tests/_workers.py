@@ -317,3 +317,31 @@ def lease_taker(spec: StoreSpec, session_id: str, label: str, store_options: dic
     seen = asyncio.run(turn())
     store.close()
     events.put(("done", os.getpid(), seen))
+
+
+def held_waiter(spec: StoreSpec, session_id: str, label: str, release_path: str,
+                events: Any) -> None:
+    """Read ``session_id``, then take a turn on it held until ``release_path`` exists.
+
+    Reports ``("waiting", pid)`` once it read the session (before ``session.lock``),
+    ``("entered", pid, contents)`` inside the turn after its USER message
+    ``label``; then waits for the file and adds ``label + " answer"``. Its result:
+    the history it saw when it entered.
+    """
+    store: Any = spec.open()
+    session = store.get_or_create(session_id, Agent(name="Bot", instructions=""))
+
+    async def turn() -> list[str | None]:
+        events.put(("waiting", os.getpid()))
+        async with session.lock:
+            seen = [m.content for m in session.history]
+            await session.aadd_message(Message(role=Role.USER, content=label))
+            events.put(("entered", os.getpid(), seen))
+            while not os.path.exists(release_path):
+                await asyncio.sleep(0.02)
+            await session.aadd_message(Message(role=Role.MODEL, content=f"{label} answer"))
+        return seen
+
+    seen = asyncio.run(turn())
+    store.close()
+    events.put(("done", os.getpid(), seen))

@@ -271,3 +271,74 @@ def test_a_holder_stopped_past_its_lease_loses_it_and_writes_nothing(
         if taker is not None:
             taker.stop()
     assert contents(spec, session_id) == ["fresh", "fresh answer"]
+
+
+def test_a_process_waiting_behind_a_failed_first_turn_runs_and_makes_the_session(
+    spec: StoreSpec, session_id: str, tmp_path: Path
+) -> None:
+    """A's first turn fails while B's process waits for the lease (issue 28).
+
+    The session A made is unborn again, not deleted: B, which read it before,
+    is unharmed; until B writes, no store shows the session; B's write makes it.
+    """
+    import threading
+
+    from chatflow_agent import Runner
+
+    from chatflow_sqlalchemy.testing import ScriptedEngine
+
+    entered, go = threading.Event(), threading.Event()
+
+    class Held(ScriptedEngine):
+        async def generate_turn_async(self, agent: Agent, history: list[Message]) -> Any:
+            entered.set()
+            while not go.is_set():
+                await asyncio.sleep(0.01)
+            return await super().generate_turn_async(agent, history)
+
+    store: Any = spec.open()
+    runner = Runner(starting_agent=Agent(name="support", instructions=""),
+                    session_store=store, engine=Held())
+    failed: list[BaseException] = []
+
+    def first_turn() -> None:
+        try:
+            asyncio.run(runner.run_async(session_id, "fail"))
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=first_turn)
+    release = tmp_path / "release-b"
+    waiter: Worker | None = None
+    try:
+        thread.start()
+        assert entered.wait(60)
+        waiter = start_process(_workers.held_waiter, spec, session_id, "from B", str(release))
+        assert waiter.next_event()[0] == "waiting"  # B read the session A made
+        go.set()
+        thread.join(60)
+        assert failed, "A's turn did not fail"
+        entered_b = waiter.next_event()
+        assert entered_b[0] == "entered" and entered_b[2] == [], entered_b
+        fresh: Any = spec.open()
+        try:
+            assert fresh.get(session_id) is None  # A failed, B has not written yet
+            assert session_id not in fresh.list_sessions()
+        finally:
+            fresh.close()
+        release.touch()
+        assert waiter.result() == []
+    finally:
+        go.set()
+        release.touch()
+        thread.join(60)
+        if waiter is not None:
+            waiter.stop()
+        store.close()
+    assert contents(spec, session_id) == ["from B", "from B answer"]
+    reader: Any = spec.open()
+    try:
+        assert reader.get(session_id).active_agent.name == "support"
+        assert reader.list_sessions() == [session_id]
+    finally:
+        reader.close()

@@ -887,16 +887,18 @@ def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str |
 
 
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
+    """The sessions ``show`` and ``export`` read; none without an agent yet (as ``get``)."""
     from sqlalchemy import Text, cast, select
 
     from chatflow_sqlalchemy import tables
+    from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     c = tables.sessions.c
     query = select(
         c.session_id, c.active_agent_name, c.created_at, c.updated_at,
         cast(c.metadata_json, Text).label("metadata_text"),
         c.summary, c.forked_from, c.forked_at_turn,
-    ).order_by(c.updated_at.desc(), c.session_id)
+    ).where(c.active_agent_name != UNBORN_AGENT).order_by(c.updated_at.desc(), c.session_id)
     return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 

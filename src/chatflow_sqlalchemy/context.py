@@ -40,6 +40,7 @@ from pydantic_core import to_json
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.values import (
     METADATA_MAX_DEPTH,
+    UNBORN_AGENT,
     check_metadata,
     dump_metadata,
     validate_id,
@@ -180,6 +181,8 @@ class DurableState:
     summary: str | None = None
     summary_through: int = 0
     """The highest seq folded into ``summary`` (0: none)."""
+    made: bool = False
+    """This version is the one the store made the session at (see :attr:`StoredSession.made`)."""
 
 
 @dataclass
@@ -199,6 +202,9 @@ class StoredSession:
     forked_at_turn: int | None = None
     archived_through: int = 0
     """The highest seq of its archived rows (0: none): new messages take seqs above it."""
+    made: bool = False
+    """The store just made the session at this version (created it, or adopted one with no
+    agent yet): nothing was ever written to it, and a failed turn may unmake it again."""
 
 
 @dataclass(frozen=True)
@@ -931,6 +937,28 @@ class SessionContext(_UpstreamSessionContext):
         pairs = zip(self._seqs, self._history, strict=True)
         return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
 
+    @property
+    def made_version(self) -> int | None:
+        """The version this context's store made its session at, if nothing was written since.
+
+        Made: created, or adopted with no agent yet (see
+        :data:`~chatflow_sqlalchemy.values.UNBORN_AGENT`). None once this
+        context wrote or read a later version, or if another store made it.
+        """
+        durable = self._durable
+        return durable.version if durable is not None and durable.made else None
+
+    @property
+    def unborn(self) -> bool:
+        """True if the session, as last read, has no agent yet: ``get`` does not show it.
+
+        The inbox made it for its lease, or its first turn failed before
+        anything was written; the next write (or ``get_or_create``) gives it
+        its agent.
+        """
+        durable = self._durable
+        return durable is not None and durable.agent_name == UNBORN_AGENT
+
     def is_current(self, version: int) -> bool:
         """True if ``version`` is the one this context last read or wrote, and it is not stale."""
         durable = self._durable
@@ -1376,6 +1404,7 @@ class SessionContext(_UpstreamSessionContext):
             hidden=frozenset(hidden),
             summary=stored.summary,
             summary_through=stored.summary_through,
+            made=stored.made,
         )
         self._history = window
         self._seqs = seqs

@@ -9,7 +9,8 @@ take, kept in the session row; expiry is judged by the database's clock
 connection, no transaction, no advisory lock. The turn's write checks that
 the lease is still this holder's and releases it in the same statement
 (:mod:`chatflow_sqlalchemy.writer`); a turn that writes nothing releases it
-with :data:`RELEASE`.
+with :data:`RELEASE` (a failed turn on a session made for it, that nothing
+was written to, also makes it unborn again: :meth:`SessionLeases.release`).
 
 The statements are portable SQL: every backend, SQLite included, gets the
 same cross-process exclusion. A backend without ``UPDATE ... RETURNING``
@@ -29,7 +30,7 @@ from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.tables import UTCDateTime
-from chatflow_sqlalchemy.values import Lease, utcnow
+from chatflow_sqlalchemy.values import UNBORN_AGENT, Lease, utcnow
 
 __all__ = [
     "KEEP_HELD",
@@ -84,6 +85,13 @@ RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=nu
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
 RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
+_UNMAKE = (
+    update(_s)
+    .where(_MINE, _s.c.version == bindparam("made_version"))
+    .values(active_agent_name=UNBORN_AGENT, version=_s.c.version + 1)
+)
+"""Make a session unborn again if it is still at the version it was made at, under this lease."""
+_RELEASE_UNMADE = _UNMAKE.values(lease_owner=null(), lease_expires_at=null())
 
 
 
@@ -144,11 +152,30 @@ class SessionLeases:
         with self._runtime.transaction(single=True) as conn:
             return conn.execute(KEEP_HELD, params).rowcount == 1
 
-    def release(self, lease: Lease) -> None:
-        """Give the lease back (a turn that wrote nothing, or whose write failed)."""
-        with self._runtime.transaction(single=True) as conn:
-            conn.execute(RELEASE, lease_params(lease))
+    def release(self, lease: Lease, made: int | None = None) -> None:
+        """Give the lease back (a turn that wrote nothing, or whose write failed).
+
+        ``made``: the version the session was made at for the turn, which
+        failed. If the session is still at it (nothing was ever written to
+        it), the same statement makes it unborn again (no agent, version + 1):
+        ``get`` and ``list_sessions`` no longer show it, and a turn waiting
+        for the lease catches up and gives it its agent by its write.
+        """
+        params = lease_params(lease)
+        if made is None:
+            with self._runtime.transaction(single=True) as conn:
+                conn.execute(RELEASE, params)
+        else:
+            with self._runtime.transaction(write=True) as conn:
+                unmade = conn.execute(_RELEASE_UNMADE, {**params, "made_version": made})
+                if unmade.rowcount != 1:
+                    conn.execute(RELEASE, params)
         lease.released = True
+
+    def unmake(self, lease: Lease, made: int) -> None:
+        """:meth:`release`'s unmaking alone, for a lease its inbox batch keeps."""
+        with self._runtime.transaction(single=True) as conn:
+            conn.execute(_UNMAKE, {**lease_params(lease), "made_version": made})
 
     def _exists(self, session_id: str) -> bool:
         with self._runtime.transaction(single=True) as conn:

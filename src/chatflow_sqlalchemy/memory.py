@@ -161,6 +161,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._updated_at: dict[str, datetime] = {}
         self._created_at: dict[str, datetime] = {}
         self._users: dict[str, str] = {}
+        # Sessions get_or_create made that nothing was written to yet, and those of
+        # them whose turn failed since (unborn: get and list_sessions do not show them).
+        self._made: set[str] = set()
+        self._unborn: set[str] = set()
         self._processed: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
@@ -226,6 +230,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 ctx.attach(self)
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
+                self._made.add(session_id)
+            elif session_id in self._unborn:  # made again, as if new
+                self._unborn.discard(session_id)
+                self._made.add(session_id)
             if user_id is not None:
                 self._users[session_id] = user_id
             return ctx
@@ -292,6 +300,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._updated_at.pop(session_id, None)
         self._created_at.pop(session_id, None)
         self._users.pop(session_id, None)
+        self._made.discard(session_id)
+        self._unborn.discard(session_id)
         self._archive.pop(session_id, None)
         self._window_seen.pop(session_id, None)
         self._summary_rows.forget(session_id)
@@ -305,6 +315,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
                 self._touch(ctx.session_id)
+                self._made.discard(ctx.session_id)
+                self._unborn.discard(ctx.session_id)  # written: born, with its agent
                 if self.archive_pruned or self._summaries is not None:
                     self._keep_what_left(ctx)
 
@@ -328,8 +340,18 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._flush_context(ctx)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
-        """A turn ended by an exception: the context restored itself; forget its start."""
+        """A turn ended by an exception: the context restored itself; forget its start.
+
+        A session ``get_or_create`` made that nothing was written to is
+        unborn, as on the SQL stores: ``get`` and ``list_sessions`` no
+        longer show it; a turn waiting for it, or ``get_or_create``, makes
+        it again.
+        """
         self._turn_starts.pop(id(ctx), None)
+        with self._lock:
+            if ctx.session_id in self._made and self._sessions.get(ctx.session_id) is ctx:
+                self._made.discard(ctx.session_id)
+                self._unborn.add(ctx.session_id)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
@@ -354,7 +376,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
-            return self._sessions.get(session_id)
+            return None if session_id in self._unborn else self._sessions.get(session_id)
 
     def delete(self, session_id: str) -> bool:
         """Delete the session; its live contexts then raise SessionDeletedError."""
@@ -384,10 +406,11 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         )
         with self._lock:
             self._check_open()
+            born = [sid for sid in self._updated if sid not in self._unborn]
             if filters.paged:
-                ids = sorted(sid for sid in self._updated if after is None or sid > after)
+                ids = sorted(sid for sid in born if after is None or sid > after)
             else:
-                ids = sorted(self._updated, key=self._updated.__getitem__, reverse=True)
+                ids = sorted(born, key=self._updated.__getitem__, reverse=True)
             found = [sid for sid in ids if self._matches(sid, filters)]
         return found if limit is None else found[:limit]
 
@@ -555,6 +578,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._updated_at.clear()
             self._created_at.clear()
             self._users.clear()
+            self._made.clear()
+            self._unborn.clear()
             self._archive.clear()
             self._window_seen.clear()
         for ctx in contexts:

@@ -495,8 +495,24 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             version = self._read_version(ctx.session_id)
         if version is None:
             self._load_into(ctx, default_agent, metadata, None)
-        else:
-            self._refresh(ctx, (True, version))
+        elif self._refresh(ctx, (True, version)):
+            self._adopt_unborn(ctx, default_agent, metadata)
+
+    def _adopt_unborn(
+        self, ctx: SessionContext, default_agent: Agent, metadata: dict[str, Any]
+    ) -> None:
+        """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
+
+        Its first turn failed before anything was written (:meth:`_adiscard_turn`),
+        and the session is made again, as for a context read anew. A turn in
+        progress keeps its own view: its write gives the session its agent.
+        """
+        if not ctx.unborn or ctx.in_turn:
+            return
+        stored = self._adopt(ctx.session_id, default_agent, metadata)
+        if not ctx.catch_up(stored, lambda name, _: self._agents(name, default_agent)):
+            self._forget(ctx.session_id, ctx)  # another session under the id meanwhile
+            raise SessionDeletedError(ctx.session_id)
 
     def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
         """:meth:`_record_owner` for a new context; one of another user's session is not kept."""
@@ -537,6 +553,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext:
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
+            self._adopt_unborn(ctx, default_agent, metadata)
             return ctx
         stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
         return self._contexts.publish(self._build_context(stored, session_id, default_agent))
@@ -551,11 +568,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> StoredSession:
         """The session as stored (``stored``, just read), created if it does not exist.
 
-        A session the inbox created (no agent yet) takes ``default_agent``
-        and ``metadata``, as if created here; one created here, ``user_id``.
+        A session with no agent yet (the inbox made it, or its first turn
+        failed) takes ``default_agent`` and ``metadata``, as if created here;
+        one created here, ``user_id``. Made here (not by another writer
+        meanwhile), it says so (``made``): a failed turn may unmake it.
         """
         if stored is None:
-            now = utcnow()
+            now, version = utcnow(), first_version()
             with self.runtime.transaction(write=True) as conn:
                 conn.execute(
                     self._insert_session,
@@ -563,7 +582,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                         "session_id": session_id,
                         "active_agent_name": default_agent.name,
                         "metadata_json": self._sealer.seal_metadata(session_id, metadata),
-                        "version": first_version(),
+                        "version": version,
                         "created_at": now,
                         "updated_at": now,
                         "user_id": user_id,
@@ -571,6 +590,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                 )
                 stored = read_session(conn, self._sealer, session_id)
             assert stored is not None
+            # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
+            stored.made = stored.version == version
         elif stored.agent_name == UNBORN_AGENT:
             stored = self._adopt(session_id, default_agent, metadata)
         return stored
@@ -596,19 +617,20 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def _adopt(
         self, session_id: str, agent: Agent, metadata: dict[str, Any]
     ) -> StoredSession:
-        """Give a session the inbox created its agent and metadata; return it as stored."""
+        """Give a session with no agent yet its agent and metadata; return it as stored."""
         sealed = self._sealer.seal_metadata(session_id, metadata)
         with self.runtime.transaction(write=True) as conn:
-            conn.execute(
+            adopted = conn.execute(
                 update(_sessions)
                 .where(_sessions.c.session_id == session_id,
                        _sessions.c.active_agent_name == UNBORN_AGENT)
                 .values(active_agent_name=agent.name, metadata_json=sealed,
                         version=_sessions.c.version + 1, updated_at=utcnow())
-            )
+            ).rowcount == 1
             stored = read_session(conn, self._sealer, session_id)
         if stored is None:
             raise SessionDeletedError(session_id)
+        stored.made = adopted
         return stored
 
     def get(self, session_id: str) -> SessionContext | None:
@@ -626,8 +648,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _get(self, session_id: str, claimed: tuple[bool, int | None]) -> SessionContext | None:
         ctx, stored = self._lookup(session_id, claimed)
-        if ctx is not None or stored is None or stored.agent_name == UNBORN_AGENT:
-            return ctx
+        if ctx is not None:
+            return None if ctx.unborn else ctx
+        if stored is None or stored.agent_name == UNBORN_AGENT:
+            return None
         return self._contexts.publish(self._build_context(stored, session_id, None))
 
     def _lookup(
@@ -1058,7 +1082,14 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         await self.turns.end(ctx)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
-        await self.turns.discard(ctx)
+        """A turn ended by an exception: nothing is written, the lease goes back.
+
+        A session this store made for it (:attr:`SessionContext.made_version`)
+        and that nothing was written to has no agent again (unborn): ``get``
+        and ``list_sessions`` no longer show it, in any process, while a turn
+        waiting for it still runs and gives it its agent.
+        """
+        await self.turns.discard(ctx, ctx.made_version)
 
     # ------------------------------------------------------------ lifecycle
 

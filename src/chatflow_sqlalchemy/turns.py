@@ -6,7 +6,9 @@ context up if the session moved since it last saw it. While the turn runs:
 renew the lease in the background, holding nothing between renewals. After
 it: write the turn in one transaction that checks the lease and gives it
 back (with its webhook claim's fence). A turn ended by an exception writes
-nothing and gives the lease back.
+nothing and gives the lease back; a session made for it that nothing was
+written to is unborn again (no agent: ``get`` and ``list_sessions`` do not
+show it), by the same statement.
 """
 
 from __future__ import annotations
@@ -184,15 +186,23 @@ class Turns:
             if held.ours:
                 await self._give_back(held.lease)
 
-    async def discard(self, ctx: SessionContext) -> None:
-        """After a turn ended by an exception: write nothing, give the lease back."""
+    async def discard(self, ctx: SessionContext, made: int | None = None) -> None:
+        """After a turn ended by an exception: write nothing, give the lease back.
+
+        ``made``: the version this store made the session at for the turn;
+        if the session is still at it, the statement that gives the lease
+        back (or, for an inbox batch's lease, one that keeps it) also makes
+        it unborn again (:meth:`SessionLeases.release`).
+        """
         held = self._held.pop(id(ctx), None)
         if held is not None:
             try:
                 await held.stop_renewing()
             finally:
                 if held.ours:
-                    await self._give_back(held.lease)
+                    await self._give_back(held.lease, made)
+                elif made is not None:
+                    await self._run_safely(self.leases.unmake, held.lease, made)
 
     async def _offered_lease(self, session_id: str) -> Lease | None:
         """The lease a webhook claim took for this session, renewed first if one is due.
@@ -240,7 +250,7 @@ class Turns:
             return
         lease = take.result()
         assert lease is not None
-        orphan = asyncio.ensure_future(self._release(lease))
+        orphan = asyncio.ensure_future(self._run_safely(self.leases.release, lease))
         self._orphans.add(orphan)
         orphan.add_done_callback(self._orphans.discard)
 
@@ -260,21 +270,22 @@ class Turns:
                                lease.session_id)
                 return
 
-    async def _give_back(self, lease: Lease) -> None:
+    async def _give_back(self, lease: Lease, made: int | None = None) -> None:
         """Release ``lease``, even if the caller is cancelled meanwhile.
 
         The release runs as a task of its own, so a cancellation (a second
         one, at shutdown) does not stop it. A failure only delays the next
-        turn until the lease expires.
+        turn until the lease expires. ``made``: see :meth:`discard`.
         """
-        release = asyncio.ensure_future(self._release(lease))
+        release = asyncio.ensure_future(self._run_safely(self.leases.release, lease, made))
         self._orphans.add(release)
         release.add_done_callback(self._orphans.discard)
         await asyncio.shield(release)
 
-    async def _release(self, lease: Lease) -> None:
+    async def _run_safely(self, fn: Callable[..., object], lease: Lease, *args: Any) -> None:
+        """``fn(lease, *args)`` off the loop: a failure is logged (the lease expires on its own)."""
         try:
-            await self._store._run_blocking(self.leases.release, lease)
+            await self._store._run_blocking(fn, lease, *args)
         except Exception as exc:
             logger.warning("could not give back the lease of session %r (it expires on its "
                            "own): %s", lease.session_id, exc)

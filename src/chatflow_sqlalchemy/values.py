@@ -108,9 +108,10 @@ def is_encrypted(text: object) -> bool:
 
 
 UNBORN_AGENT = ""
-"""The agent name of a session the inbox created for its lease before any turn: the first
-``get_or_create`` gives it the caller's agent; until then ``get`` and ``list_sessions``
-do not show it."""
+"""The agent name of a session with no agent yet: one the inbox created for its lease
+before any turn, or one whose first turn failed before anything was written to it. The
+first ``get_or_create`` (or a waiting turn's write) gives it its agent; until then
+``get`` and ``list_sessions`` do not show it."""
 
 DEFAULT_TURN_LEASE_SECONDS = 30.0
 """How long a turn's lease on its session lasts without renewal (store option)."""

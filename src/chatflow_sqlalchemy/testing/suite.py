@@ -62,6 +62,7 @@ from chatflow_sqlalchemy.claims import list_claims, release_claim
 from chatflow_sqlalchemy.context import dump_message
 from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to, start_worker
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
+from chatflow_sqlalchemy.testing.first_turn_suite import FailedFirstTurnTests
 from chatflow_sqlalchemy.testing.forks_suite import ForkTests
 from chatflow_sqlalchemy.testing.harness import (
     CRASH_EXIT_CODE,
@@ -104,6 +105,7 @@ __all__ = [
     "TestEncryption",
     "TestErasureAndExport",
     "TestExactRoundTrip",
+    "TestFailedFirstTurn",
     "TestForks",
     "TestInbox",
     "TestInboxAcrossProcesses",
@@ -2904,6 +2906,10 @@ class TestArchive(ArchiveTests, StoreTestBase):
 
 class TestEncryption(EncryptionTests, StoreTestBase):
     """``cipher=``, ``require_encryption=``, ``rotate_keys`` (see ``lifecycle_suite``)."""
+
+
+class TestFailedFirstTurn(FailedFirstTurnTests, StoreTestBase):
+    """A failed first turn leaves no empty session behind (see ``first_turn_suite``)."""
 
 
 class TestForks(ForkTests, StoreTestBase):
