@@ -37,7 +37,6 @@ __all__ = [
     "LEASE_FREE",
     "LEASE_HELD",
     "RELEASE",
-    "RELEASE_HELD",
     "TAKE_VALUES",
     "SessionLeases",
     "free_at",
@@ -83,8 +82,6 @@ KEEP_HELD = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
 the write of a turn run by an inbox batch, which keeps the lease for its reply."""
 RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
-RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
-"""Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
 _UNMAKE = (
     update(_s)
     .where(_MINE, _s.c.version == bindparam("made_version"))
@@ -97,7 +94,7 @@ _RELEASE_UNMADE = _UNMAKE.values(lease_owner=null(), lease_expires_at=null())
 
 
 def lease_params(lease: Lease) -> dict[str, Any]:
-    """Bind parameters of :data:`LEASE_HELD`, :data:`RELEASE` and :data:`RELEASE_HELD`."""
+    """Bind parameters of :data:`LEASE_HELD` and :data:`RELEASE`."""
     return {
         "sid": lease.session_id,
         "holder_token": lease.owner,
