@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from chatflow_sqlalchemy import migrate as migrate_module
     from chatflow_sqlalchemy.dialect import DialectSupport
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.inbox import Inbox
     from chatflow_sqlalchemy.lifecycle import ListFilters
     from chatflow_sqlalchemy.sealing import Sealer
@@ -929,10 +928,9 @@ def _record(
     metadata, raw, error = _decode_metadata(row.metadata_text)
     locked_by = None
     if metadata is not None:
-        metadata, failure = open_row(sid, metadata)
-        if failure is not None:
-            metadata = None
-            locked_by, error = _why_closed(failure)
+        metadata, locked_by, failure = open_row(sid, metadata)
+        if locked_by is not None or failure is not None:
+            metadata, error = None, failure
     record = _SessionRecord(
         sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by,
         forked_from=row.forked_from, forked_at_turn=row.forked_at_turn,
@@ -940,11 +938,10 @@ def _record(
     _open_summary(record, row.summary)
 
     def decode(msg: Any, table: str) -> _MessageRow:
-        text, failure = open_row(sid, msg.message_json)
-        decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table)
-        if failure is not None:
-            decoded.locked_by, decoded.error = _why_closed(failure)
-        else:
+        text, locked_by, failure = open_row(sid, msg.message_json)
+        decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table,
+                              locked_by=locked_by, error=failure)
+        if locked_by is None and failure is None:
             try:
                 decoded.message = _decode_message(decoded.raw)
             except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -965,13 +962,18 @@ def _record(
     return record
 
 
-def _why_closed(failure: CorruptRowError) -> tuple[str | None, str | None]:
-    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why)."""
-    from chatflow_sqlalchemy.crypto import MissingKeyError
+def _why_closed(failure: Exception) -> tuple[str | None, str | None]:
+    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why).
+
+    Anything but a ``CorruptRowError`` is raised again.
+    """
+    from chatflow_sqlalchemy.exceptions import CorruptRowError, MissingKeyError
 
     if isinstance(failure, MissingKeyError):
         return failure.key_id, None
-    return None, failure.reason
+    if isinstance(failure, CorruptRowError):
+        return None, failure.reason
+    raise failure
 
 
 def _open_summary(record: _SessionRecord, stored: str | None) -> None:
@@ -980,21 +982,13 @@ def _open_summary(record: _SessionRecord, stored: str | None) -> None:
     A summary is sealed like the metadata, so it is read with the same keys and
     told apart the same way: a key missing from ``$CHATFLOW_KEYS`` is not corruption.
     """
-    from chatflow_sqlalchemy.values import is_encrypted
-
-    if stored is None or not is_encrypted(stored):
-        record.summary = stored
+    if stored is None:
         return
-    from chatflow_sqlalchemy.crypto import MissingKeyError
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
-    try:
-        record.summary = sealer.open_summary(record.session_id, stored)
-    except MissingKeyError as exc:
-        record.summary_locked_by = exc.key_id
-    except CorruptRowError as exc:
-        record.summary_error, record.summary_raw = exc.reason, stored
+    text, record.summary_locked_by, record.summary_error = open_row(record.session_id, stored)
+    if record.summary_error is not None:
+        record.summary_raw = stored
+    elif record.summary_locked_by is None:
+        record.summary = text
 
 
 def _checked(check: Callable[[str], Any], value: str) -> None:
@@ -2132,26 +2126,24 @@ def users_export(user_id: str, output: str | None, as_json: bool, url: str | Non
           f"exported {count} session(s) of user {clean(repr(user_id))} to {clean(str(target))}")
 
 
-def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]:
+def open_row(session_id: str, stored: Any) -> tuple[Any, str | None, str | None]:
     """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
 
-    Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
-    ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
+    Returns ``(value, None, None)``, or ``(stored, key id, None)`` for a value sealed with
+    a key not in ``$CHATFLOW_KEYS``, or ``(stored, None, why)`` for one that does not open.
     """
     from chatflow_sqlalchemy.values import is_encrypted
 
     sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
     if not is_encrypted(stored["_enc"] if sealed_dict else stored):
-        return stored, None
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
-
+        return stored, None, None
     sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
         if sealed_dict:
-            return sealer.open_metadata(session_id, stored), None
-        return sealer.open_text(session_id, None, stored, "chatflow_messages"), None
-    except CorruptRowError as exc:
-        return stored, exc
+            return sealer.open_metadata(session_id, stored), None, None
+        return sealer.open_text(session_id, None, stored, "chatflow_messages"), None, None
+    except Exception as exc:  # the errors load chatflow-agent: imported only once raised
+        return (stored, *_why_closed(exc))
 
 
 @functools.lru_cache(maxsize=4)
@@ -2168,10 +2160,30 @@ def _sealer_from_env(keys: str) -> Sealer:
         raise CliError(clean(str(exc))) from None
 
 
-def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
-    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
+class _Dumped:
+    """A message row in the stores' form as ``export_sessions`` dumps it (``model_dump``)."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.document = document
+
+    def model_dump(self, mode: str = "json") -> dict[str, Any]:
+        return self.document
+
+
+def _parse_for_export(session_id: str, row_id: object, text: str) -> Any:
+    """The store's row decoder, without pydantic for rows in the stores' form."""
+    from chatflow_sqlalchemy.message_json import plain_message
+
+    plain = plain_message(text)
+    if plain is not None:
+        return _Dumped(plain)
     from chatflow_sqlalchemy.rows import parse_message
+
+    return parse_message(session_id, row_id, text)
+
+
+def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
+    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
     from chatflow_sqlalchemy.values import utcnow
 
@@ -2180,10 +2192,11 @@ def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
     with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
         try:
             sessions = export_sessions(
-                conn, user_session_ids(conn, user_id), sealer.parser(parse_message),
+                conn, user_session_ids(conn, user_id), sealer.parser(_parse_for_export),
                 sealer.open_metadata, sealer.open_summary,
             )
-        except CorruptRowError as exc:
+        except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
+            _why_closed(exc)
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
     exported_at = utcnow().isoformat()
     return {"format": EXPORT_FORMAT, "user_id": user_id, "exported_at": exported_at,
@@ -2210,7 +2223,6 @@ def sessions_sweep(
     workers run and while other sweepers run.
     """
     from chatflow_sqlalchemy.lifecycle import validate_session_ttl
-    from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.sql_lifecycle import count_expired
     from chatflow_sqlalchemy.values import utcnow
 
@@ -2230,6 +2242,8 @@ def sessions_sweep(
         return
     removed = 0
     if expired:
+        from chatflow_sqlalchemy.opening import open_store
+
         _confirm(f"Remove {expired} expired session(s) and their history?", yes)
         with open_store(parsed, session_ttl_hours=hours, auto_migrate=False) as store:
             removed = int(store.sweep(limit))
