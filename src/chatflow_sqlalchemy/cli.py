@@ -1367,29 +1367,30 @@ def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) 
 # --------------------------------------------------------------------------- rewind / fork
 
 
-def _session_exists(engine: Engine, session_id: str) -> bool:
-    """True if the session exists (one the inbox made before its first turn does not yet)."""
+@contextmanager
+def _history_store(
+    url_option: str | None, session_id: str, **options: Any
+) -> Iterator[tuple[URL, Any]]:
+    """(URL, a store) that changes the existing session's history as workers do.
+
+    The same turns and keys: encrypted rows are read and written with the keys of
+    ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI runs no
+    agent); a row that cannot be read is exit 1, naming it. A session the inbox
+    made before its first turn does not exist yet.
+    """
     from sqlalchemy import select
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
+    _validate_session_id(session_id)
     s = tables.sessions.c
     query = select(s.session_id).where(
         s.session_id == session_id, s.active_agent_name != UNBORN_AGENT
     )
-    with _read_conn(engine) as conn:
-        return conn.execute(query).first() is not None
-
-
-@contextmanager
-def _history_store(url: URL, **options: Any) -> Iterator[Any]:
-    """A store that changes a session's history as workers do (same turns, same keys).
-
-    Encrypted rows are read and written with the keys of ``$CHATFLOW_KEYS``;
-    a stored agent name stands for itself (the CLI runs no agent); a row that
-    cannot be read is exit 1, naming it.
-    """
+    with _database(url_option) as (url, engine), _read_conn(engine) as conn:
+        if conn.execute(query).first() is None:
+            raise _no_session(session_id, url)
     from chatflow_agent import Agent
 
     from chatflow_sqlalchemy.exceptions import CorruptRowError
@@ -1399,7 +1400,7 @@ def _history_store(url: URL, **options: Any) -> Iterator[Any]:
     with open_store(url, cipher=cipher, auto_migrate=False, **options) as store:
         store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
         try:
-            yield store
+            yield url, store
         except CorruptRowError as exc:
             raise CliError(f"nothing was changed: {clean(str(exc))}", EXIT_FAILED) from None
         except ValueError as exc:  # the store's refusal of an argument, naming the fix
@@ -1435,12 +1436,8 @@ def sessions_rewind(
     turn. Asks for confirmation unless --yes. Encrypted rows are read and
     written with the keys of $CHATFLOW_KEYS.
     """
-    _validate_session_id(session_id)
     shown = clean(repr(session_id))
-    with _database(url) as (parsed, engine):
-        if not _session_exists(engine, session_id):
-            raise _no_session(session_id, parsed)
-    with _history_store(parsed, archive_pruned=archive) as store:
+    with _history_store(url, session_id, archive_pruned=archive) as (parsed, store):
         ctx = store.get(session_id)
         if ctx is None:
             raise _no_session(session_id, parsed)
@@ -1477,11 +1474,7 @@ def sessions_fork(
     is written. sessions list --forked-from SESSION_ID lists the forks.
     Encrypted rows are read and written with the keys of $CHATFLOW_KEYS.
     """
-    _validate_session_id(session_id)
-    with _database(url) as (parsed, engine):
-        if not _session_exists(engine, session_id):
-            raise _no_session(session_id, parsed)
-    with _history_store(parsed) as store:
+    with _history_store(url, session_id) as (_parsed, store):
         ctx = store.fork(session_id, new_session_id, at_turn=at_turn)
         taken = ctx.forked_at_turn
         copied = len(ctx.history) - (ctx.summary is not None)  # the summary is no row
@@ -1577,8 +1570,13 @@ def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
     return result
 
 
+_output_option = click.option(
+    "--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout"
+)
+
+
 @_command(sessions, "export")
-@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_output_option
 @click.option(
     "--skip-corrupt",
     is_flag=True,
@@ -2078,7 +2076,7 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
 
 @_command(users, "export")
 @click.argument("user_id")
-@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_output_option
 def users_export(user_id: str, output: str | None, as_json: bool, url: str | None) -> None:
     """Export everything held about USER_ID as JSON (read-only).
 
