@@ -836,12 +836,7 @@ def _sealer_from_env(keys: str) -> Sealer:
     from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.sealing import Sealer
 
-    if not keys:
-        return Sealer(None, False)
-    try:
-        return Sealer(AESGCMCipher.from_env(keys), False)
-    except (ValueError, ImportError) as exc:
-        raise CliError(clean(str(exc))) from None
+    return Sealer(_checked(AESGCMCipher.from_env, keys) if keys else None, False)
 
 
 def _read_message(session_id: str, stored: str) -> _Part:
@@ -1003,12 +998,16 @@ def _record(
     return record
 
 
-def _checked(check: Callable[[str], Any], value: str) -> None:
-    """Run a validator of the stores on ``value``: its ValueError is a usage error."""
+def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any) -> _T:
+    """``check(*args, **kwargs)``, a validator of the stores: its refusal is a usage error.
+
+    A ValueError (or an ImportError naming a missing extra) is one ``error:`` line,
+    after ``what`` (the option it is about).
+    """
     try:
-        check(value)
-    except ValueError as exc:
-        raise CliError(clean(str(exc))) from None
+        return check(*args, **kwargs)
+    except (ValueError, ImportError) as exc:
+        raise CliError(f"{what}{clean(str(exc))}") from None
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -1086,13 +1085,10 @@ def _list_filters(
             ) from None
         if since.tzinfo is None:
             since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
-    try:
-        return ListFilters.build(
-            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after,
-            forked_from=forked_from,
-        )
-    except ValueError as exc:
-        raise CliError(clean(str(exc))) from None
+    return _checked(
+        ListFilters.build, user_id=user, metadata=wanted, updated_after=since, limit=limit,
+        after=after, forked_from=forked_from,
+    )
 
 
 @_command(sessions, "list")
@@ -1936,10 +1932,7 @@ def inbox_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
     from chatflow_sqlalchemy.claims import validate_dedup_ttl
 
     ttl = _ttl(ttl_hours)
-    try:
-        validate_dedup_ttl(ttl)  # the store's own bound on its dedup window
-    except ValueError as exc:
-        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    _checked(validate_dedup_ttl, ttl, what="--ttl-hours: ")  # the store's own bound
     default_ttl = _ttl(None)
     with _inbox(url, write=True, dedup_ttl_hours=ttl) as (_parsed, engine, rows):
         if ttl < default_ttl:
@@ -2168,10 +2161,7 @@ def sessions_sweep(
     from chatflow_sqlalchemy.sql_lifecycle import count_expired
     from chatflow_sqlalchemy.values import utcnow
 
-    try:
-        hours = validate_session_ttl(ttl_hours)
-    except ValueError as exc:
-        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    hours = _checked(validate_session_ttl, ttl_hours, what="--ttl-hours: ")
     assert hours is not None
     with _database(url) as (parsed, engine), _read_conn(engine) as conn:
         now = utcnow()
@@ -2220,10 +2210,7 @@ def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
     from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.opening import open_store
 
-    try:
-        cipher = AESGCMCipher.from_env()
-    except (ValueError, ImportError) as exc:
-        raise CliError(clean(str(exc))) from None
+    cipher = _checked(AESGCMCipher.from_env)
     with _database(url, write=True) as (parsed, engine):
         if _holds_plaintext(engine):
             _confirm(
