@@ -2131,7 +2131,7 @@ def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
                 sealer.open_metadata, sealer.open_summary,
             )
         except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
-            _why_closed(exc)
+            _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
     exported_at = utcnow().isoformat()
     return {"format": EXPORT_FORMAT, "user_id": user_id, "exported_at": exported_at,
