@@ -9,7 +9,9 @@ tests run each command in a fresh interpreter and look at ``sys.modules``.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,11 @@ from alembic.script import ScriptDirectory
 
 from chatflow_sqlalchemy import migrate
 from chatflow_sqlalchemy.backends.sqlite import SQLiteSessionStore
+from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.testing import ScriptedEngine
+
+KEYS = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
+"""``$CHATFLOW_KEYS`` of the encrypted database."""
 
 HEAVY = ("chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "chatflow_sqlalchemy.store")
 """What a read command must not import (a module or its package)."""
@@ -36,7 +42,19 @@ READ_COMMANDS = (
     ["sessions", "export"],
     ["backends"],
     ["backends", "--json"],
+    ["dedup", "list"],
+    ["dedup", "list", "--json"],
+    ["users", "export", "u1"],
 )
+
+ENCRYPTED_READ_COMMANDS = (
+    ["sessions", "show", "wa:1"],
+    ["sessions", "show", "wa:1", "--all", "--json"],
+    ["sessions", "export"],
+    ["users", "export", "u1"],
+    ["dedup", "list"],
+)
+"""Read on a database whose rows are sealed, with their key in ``$CHATFLOW_KEYS``."""
 
 _PROBE = (
     "import json, sys\n"
@@ -49,25 +67,37 @@ _PROBE = (
 )
 
 
-@pytest.fixture(scope="module")
-def database(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A SQLite file at head holding one conversation written by the real Runner."""
+def _conversation(path: Path, cipher: AESGCMCipher | None = None) -> str:
+    """A SQLite file at head: a conversation of user u1 written by the real Runner, a claim."""
     import asyncio
 
     from chatflow_agent import Agent, Runner
 
-    path = tmp_path_factory.mktemp("imports") / "chat.db"
-    with SQLiteSessionStore(str(path)) as store:
+    with SQLiteSessionStore(str(path), cipher=cipher) as store:
         agent = Agent(name="Support", instructions="")
+        store.get_or_create("wa:1", agent, user_id="u1")
         runner = Runner(starting_agent=agent, session_store=store, engine=ScriptedEngine())
-        asyncio.run(runner.run_async("wa:1", "hello", metadata={"user_id": "u1"}))
+        asyncio.run(runner.run_async("wa:1", "hello", metadata={"plan": "pro"}))
+        with store.claim("wamid.1", session_id="wa:1"):
+            pass
     return f"sqlite:///{path}"
 
 
-def _loaded(argv: list[str]) -> list[str]:
+@pytest.fixture(scope="module")
+def database(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _conversation(tmp_path_factory.mktemp("imports") / "chat.db")
+
+
+@pytest.fixture(scope="module")
+def encrypted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cipher = AESGCMCipher.from_env(KEYS)
+    return _conversation(tmp_path_factory.mktemp("imports") / "sealed.db", cipher)
+
+
+def _loaded(argv: list[str], **env: str) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(argv), json.dumps(HEAVY)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -78,6 +108,13 @@ def _loaded(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("argv", READ_COMMANDS, ids=" ".join)
 def test_a_read_command_imports_nothing_heavy(database: str, argv: list[str]) -> None:
     assert _loaded(["--url", database, *argv]) == []
+
+
+@pytest.mark.parametrize("argv", ENCRYPTED_READ_COMMANDS, ids=" ".join)
+def test_a_read_command_on_sealed_rows_imports_nothing_heavy(
+    encrypted: str, argv: list[str]
+) -> None:
+    assert _loaded(["--url", encrypted, *argv], CHATFLOW_KEYS=KEYS) == []
 
 
 def test_the_probe_sees_what_a_command_imports(database: str) -> None:

@@ -65,9 +65,6 @@ from datetime import date, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
-from chatflow_agent import Role
-
-from chatflow_sqlalchemy.exceptions import ClaimLostError
 from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
     CLAIM_DONE,
@@ -81,6 +78,9 @@ from chatflow_sqlalchemy.values import (
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
+
+# chatflow-agent (and the errors, which load it) are imported where they are used:
+# ``dedup list`` reads claims without them.
 
 __all__ = [
     "DEFAULT_DEDUP_TTL_HOURS",
@@ -275,6 +275,8 @@ def reply_of(added: Message | None) -> str | None:
             the claim released rather than done without its reply.
 
     """
+    from chatflow_agent import Role
+
     if added is None or added.role != Role.MODEL or added.tool_calls:
         return None
     if added.content is not None:
@@ -534,6 +536,8 @@ class WebhookClaim:
         self._reset_var()
         finish = self._finish_or_release(failed)
         if not await self._backend.run(finish):
+            from chatflow_sqlalchemy.exceptions import ClaimLostError
+
             raise ClaimLostError(self.message_id)
 
     async def _renew_loop(self) -> None:
@@ -598,6 +602,8 @@ class WebhookClaim:
         _SYNC_RENEWALS.discard(self)
         self._reset_var()
         if not self._finish_or_release(failed)():
+            from chatflow_sqlalchemy.exceptions import ClaimLostError
+
             raise ClaimLostError(self.message_id)
 
     def _renew_now(self) -> bool:

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from chatflow_sqlalchemy import migrate as migrate_module
     from chatflow_sqlalchemy.dialect import DialectSupport
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.inbox import Inbox
     from chatflow_sqlalchemy.lifecycle import ListFilters
     from chatflow_sqlalchemy.sealing import Sealer
@@ -770,52 +769,130 @@ def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | No
 # --------------------------------------------------------------------------- reading sessions
 
 
-@dataclass(frozen=True)
-class _Decoded:
-    """A stored message as printed: ``document`` for JSON, ``values`` for text.
+@dataclass
+class _Part:
+    """A stored value as read with ``$CHATFLOW_KEYS``: in clear, or why it is not.
 
-    They are pydantic's ``model_dump(mode="json")`` and ``model_dump()`` (with the
-    role as its text) of the message; for a row in the stores' form both are the
-    plain JSON document, read without chatflow-agent.
+    ``value``: the value in clear (a message row: its JSON document, as pydantic's
+    ``model_dump(mode="json")`` gives it), None when unreadable. ``locked_by``: the key
+    id of a value sealed with a key not in ``$CHATFLOW_KEYS`` (not corruption);
+    ``error``: why a corrupt value does not read, ``raw`` being what is stored.
     """
 
-    document: dict[str, Any]
-    values: dict[str, Any]
+    value: Any = None
+    raw: Any = None
+    error: str | None = None
+    locked_by: str | None = None
+
+    def flags(self, prefix: str = "") -> dict[str, Any]:
+        """The ``corrupt`` and ``locked`` members of a JSON document (each None if not)."""
+        corrupt = None if self.error is None else {"reason": self.error, "raw": self.raw}
+        locked = None if self.locked_by is None else {"key_id": self.locked_by}
+        return {f"{prefix}corrupt": corrupt, f"{prefix}locked": locked}
+
+    def shown(self) -> str | None:
+        """The value as a header line shows it: none when readable (the caller formats it)."""
+        if self.locked_by is not None:
+            return f"({_locked(self.locked_by)})"
+        if self.error is not None:
+            return clean(f"CORRUPT ({self.error}): {self.raw!r}")
+        return None
 
 
-def _decode_message(text: str) -> _Decoded:
-    """The stored ``text`` as a message; ValueError (pydantic's message) if it is not one."""
+def open_row(session_id: str, stored: Any) -> _Part:
+    """A stored ``message_json``, summary or metadata in clear when ``$CHATFLOW_KEYS`` opens it."""
+    from chatflow_sqlalchemy.values import is_encrypted
+
+    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
+    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
+        return _Part(stored, stored)
+    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
+    try:
+        if sealed_dict:
+            return _Part(sealer.open_metadata(session_id, stored), stored)
+        return _Part(sealer.open_text(session_id, None, stored, "chatflow_messages"), stored)
+    except Exception as exc:  # the errors load chatflow-agent: imported only once raised
+        locked_by, error = _why_closed(exc)
+        return _Part(None, stored, error, locked_by)
+
+
+def _why_closed(failure: Exception) -> tuple[str | None, str | None]:
+    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why).
+
+    Anything but a ``CorruptRowError`` is raised again.
+    """
+    from chatflow_sqlalchemy.exceptions import CorruptRowError, MissingKeyError
+
+    if isinstance(failure, MissingKeyError):
+        return failure.key_id, None
+    if isinstance(failure, CorruptRowError):
+        return None, failure.reason
+    raise failure
+
+
+@functools.lru_cache(maxsize=4)
+def _sealer_from_env(keys: str) -> Sealer:
+    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (value ``keys``); none when unset."""
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.sealing import Sealer
+
+    return Sealer(_checked(AESGCMCipher.from_env, keys) if keys else None, False)
+
+
+def _read_message(session_id: str, stored: str) -> _Part:
+    """A message row opened and decoded; a row not in the stores' form is left to pydantic."""
     from chatflow_sqlalchemy.message_json import plain_message
 
-    plain = plain_message(text)
-    if plain is not None:
-        return _Decoded(plain, plain)
-    from chatflow_agent import Message  # a row not in the stores' form: pydantic decides
+    part = open_row(session_id, stored)
+    if part.value is None:
+        return part
+    text, part.raw = part.value, str(part.value)
+    part.value = plain_message(text)
+    if part.value is None:
+        from chatflow_agent import Message
 
-    message = Message.model_validate_json(text)
-    values = message.model_dump()
-    values["role"] = message.role.value
-    return _Decoded(message.model_dump(mode="json"), values)
+        try:
+            part.value = Message.model_validate_json(text).model_dump(mode="json")
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            part.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return part
+
+
+def _read_metadata(session_id: str, stored: Any) -> _Part:
+    """Metadata from its stored JSON (never raises): a dict, else why not."""
+    if stored is None:
+        return _Part(error="metadata_json is NULL")
+    text = stored if isinstance(stored, str) else json.dumps(stored, default=str)
+    try:
+        value = json.loads(text) if isinstance(stored, str) else stored
+    except ValueError as exc:
+        return _Part(raw=text, error=f"invalid JSON: {exc}")
+    if not isinstance(value, dict):
+        return _Part(raw=text, error=f"not a JSON object (a {type(value).__name__})")
+    part = open_row(session_id, value)
+    part.raw = text
+    return part
 
 
 @dataclass
 class _MessageRow:
-    """One stored message row, decoded if it can be."""
+    """One stored message row and what it reads as."""
 
     row_id: int
     role: str
     created_at: datetime | None
-    raw: str
-    message: _Decoded | None = None
-    error: str | None = None
-    table: str = "chatflow_messages"
-    locked_by: str | None = None
-    """The key id of an encrypted row whose key is not in ``$CHATFLOW_KEYS``."""
+    table: str
+    part: _Part
+
+    def json(self) -> dict[str, Any]:
+        return {"id": self.row_id, "table": self.table, "role": self.role,
+                "created_at": _iso(self.created_at), "message": self.part.value,
+                **self.part.flags()}
 
 
 @dataclass
 class _SessionRecord:
-    """One session as stored: its row, its metadata and summary (or why each is unreadable).
+    """One session as stored: its row, metadata, summary and messages, each read or not.
 
     ``rows``: the window (for ``show --all``, the transcript); ``archived``: for ``export``.
     The summary is kept beside the messages because, without an archive, it is the
@@ -826,64 +903,40 @@ class _SessionRecord:
     agent: str
     created_at: datetime | None
     updated_at: datetime | None
-    metadata: dict[str, Any] | None
-    metadata_raw: str | None
-    metadata_error: str | None
-    metadata_locked_by: str | None = None
+    metadata: _Part
+    summary: _Part
+    forked_from: str | None
+    forked_at_turn: int | None
     rows: list[_MessageRow] = field(default_factory=list)
     archived: list[_MessageRow] = field(default_factory=list)
-    summary: str | None = None
-    summary_error: str | None = None
-    summary_raw: str | None = None
-    summary_locked_by: str | None = None
-    """The key id of a sealed summary whose key is not in ``$CHATFLOW_KEYS``."""
-    forked_from: str | None = None
-    forked_at_turn: int | None = None
+
+    def _parts(self) -> list[tuple[str, str, _Part]]:
+        """(what, where, part) per part: named for a locked part, ``what + where`` if corrupt."""
+        sid = clean(repr(self.session_id))
+        return [
+            (f"session {sid}: metadata_json", " in chatflow_sessions", self.metadata),
+            (f"session {sid}: summary", " in chatflow_sessions", self.summary),
+            *((f"session {sid}: {row.table} row id {row.row_id}", "", row.part)
+              for row in [*self.rows, *self.archived]),
+        ]
 
     def locked(self) -> list[tuple[str, str]]:
         """(key id, what) per part encrypted with a key not in ``$CHATFLOW_KEYS``."""
-        sid = clean(repr(self.session_id))
-        found = [(self.metadata_locked_by, f"session {sid}: metadata_json"),
-                 (self.summary_locked_by, f"session {sid}: summary")]
-        found += [
-            (row.locked_by, f"session {sid}: {row.table} row id {row.row_id}")
-            for row in [*self.rows, *self.archived]
-        ]
-        return [(key, what) for key, what in found if key is not None]
+        return [(p.locked_by, what) for what, _, p in self._parts() if p.locked_by is not None]
+
+    def problems(self) -> list[str]:
+        """One line per corrupt part, naming the session, the table and the row id."""
+        return [f"{what}{where} is corrupt ({clean(p.error)})"
+                for what, where, p in self._parts() if p.error is not None]
 
     def unreadable(self) -> list[str]:
         """One line per part that cannot be read: corrupt, or locked by a missing key."""
         return [*self.problems(), *(f"{what} is {_locked(key)}" for key, what in self.locked())]
 
-    def problems(self) -> list[str]:
-        """One line per corrupt part, naming the session, the table and the row id."""
-        sid = clean(repr(self.session_id))
-        found = [(f"session {sid}: metadata_json in chatflow_sessions", self.metadata_error),
-                 (f"session {sid}: summary in chatflow_sessions", self.summary_error)]
-        found += [
-            (f"session {sid}: {row.table} row id {row.row_id}", row.error)
-            for row in [*self.rows, *self.archived]
-        ]
-        return [f"{what} is corrupt ({clean(error)})" for what, error in found if error is not None]
-
 
 def _locked(key_id: str) -> str:
     """How a value encrypted with a key not in ``$CHATFLOW_KEYS`` is described."""
     return f"encrypted with key {clean(repr(key_id))}, not in CHATFLOW_KEYS"
-
-
-def _decode_metadata(raw: Any) -> tuple[dict[str, Any] | None, str | None, str | None]:
-    """Metadata from its stored text: (value, raw text, error) -- never raises."""
-    if raw is None:
-        return None, None, "metadata_json is NULL"
-    text = raw if isinstance(raw, str) else json.dumps(raw, default=str)
-    try:
-        value = json.loads(text) if isinstance(raw, str) else raw
-    except ValueError as exc:
-        return None, text, f"invalid JSON: {exc}"
-    if not isinstance(value, dict):
-        return None, text, f"not a JSON object (a {type(value).__name__})"
-    return value, text, None
 
 
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
@@ -924,87 +977,39 @@ def _record(
     """
     from chatflow_sqlalchemy import tables
 
-    window_table = tables.messages.name
-    archive_table = tables.message_archive.name
-
     sid = row.session_id
-    metadata, raw, error = _decode_metadata(row.metadata_text)
-    locked_by = None
-    if metadata is not None:
-        metadata, failure = open_row(sid, metadata)
-        if failure is not None:
-            metadata = None
-            locked_by, error = _why_closed(failure)
+    summary = _Part() if row.summary is None else open_row(sid, row.summary)
     record = _SessionRecord(
-        sid, row.active_agent_name, row.created_at, row.updated_at, metadata, raw, error, locked_by,
-        forked_from=row.forked_from, forked_at_turn=row.forked_at_turn,
+        sid, row.active_agent_name, row.created_at, row.updated_at,
+        _read_metadata(sid, row.metadata_text), summary, row.forked_from, row.forked_at_turn,
     )
-    _open_summary(record, row.summary)
 
-    def decode(msg: Any, table: str) -> _MessageRow:
-        text, failure = open_row(sid, msg.message_json)
-        decoded = _MessageRow(msg.id, str(msg.role), msg.created_at, str(text), table=table)
-        if failure is not None:
-            decoded.locked_by, decoded.error = _why_closed(failure)
-        else:
-            try:
-                decoded.message = _decode_message(decoded.raw)
-            except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-                decoded.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return decoded
+    def read(msg: Any, table: Any) -> _MessageRow:
+        part = _read_message(sid, msg.message_json)
+        return _MessageRow(msg.id, str(msg.role), msg.created_at, table.name, part)
 
+    window, archive = tables.messages, tables.message_archive
     if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
-        by_seq = {
-            msg.seq: (msg, table)
-            for table, archive in ((archive_table, True), (window_table, False))
-            for msg in _messages(conn, sid, archive)
-        }
-        record.rows.extend(decode(*by_seq[seq]) for seq in sorted(by_seq))
+        by_seq = {msg.seq: (msg, table) for table in (archive, window)
+                  for msg in _messages(conn, sid, table is archive)}
+        record.rows.extend(read(*by_seq[seq]) for seq in sorted(by_seq))
         return record
-    record.rows.extend(decode(msg, window_table) for msg in _messages(conn, sid))
+    record.rows.extend(read(msg, window) for msg in _messages(conn, sid))
     if archived:
-        record.archived.extend(decode(msg, archive_table) for msg in _messages(conn, sid, True))
+        record.archived.extend(read(msg, archive) for msg in _messages(conn, sid, True))
     return record
 
 
-def _why_closed(failure: CorruptRowError) -> tuple[str | None, str | None]:
-    """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why)."""
-    from chatflow_sqlalchemy.crypto import MissingKeyError
+def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any) -> _T:
+    """``check(*args, **kwargs)``, a validator of the stores: its refusal is a usage error.
 
-    if isinstance(failure, MissingKeyError):
-        return failure.key_id, None
-    return None, failure.reason
-
-
-def _open_summary(record: _SessionRecord, stored: str | None) -> None:
-    """Set ``record``'s summary from its stored text, or why it does not open (never raises).
-
-    A summary is sealed like the metadata, so it is read with the same keys and
-    told apart the same way: a key missing from ``$CHATFLOW_KEYS`` is not corruption.
+    A ValueError (or an ImportError naming a missing extra) is one ``error:`` line,
+    after ``what`` (the option it is about).
     """
-    from chatflow_sqlalchemy.values import is_encrypted
-
-    if stored is None or not is_encrypted(stored):
-        record.summary = stored
-        return
-    from chatflow_sqlalchemy.crypto import MissingKeyError
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
     try:
-        record.summary = sealer.open_summary(record.session_id, stored)
-    except MissingKeyError as exc:
-        record.summary_locked_by = exc.key_id
-    except CorruptRowError as exc:
-        record.summary_error, record.summary_raw = exc.reason, stored
-
-
-def _checked(check: Callable[[str], Any], value: str) -> None:
-    """Run a validator of the stores on ``value``: its ValueError is a usage error."""
-    try:
-        check(value)
-    except ValueError as exc:
-        raise CliError(clean(str(exc))) from None
+        return check(*args, **kwargs)
+    except (ValueError, ImportError) as exc:
+        raise CliError(f"{what}{clean(str(exc))}") from None
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -1082,13 +1087,10 @@ def _list_filters(
             ) from None
         if since.tzinfo is None:
             since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
-    try:
-        return ListFilters.build(
-            user_id=user, metadata=wanted, updated_after=since, limit=limit, after=after,
-            forked_from=forked_from,
-        )
-    except ValueError as exc:
-        raise CliError(clean(str(exc))) from None
+    return _checked(
+        ListFilters.build, user_id=user, metadata=wanted, updated_after=since, limit=limit,
+        after=after, forked_from=forked_from,
+    )
 
 
 @_command(sessions, "list")
@@ -1156,7 +1158,7 @@ class _Line:
 
 
 def _message_parts(message: dict[str, Any]) -> list[_Line]:
-    """The printable parts of a message (the ``values`` of :class:`_Decoded`)."""
+    """The printable parts of a message (its JSON document)."""
     role = message["role"]
     parts: list[_Line] = []
     if message["content"]:
@@ -1171,12 +1173,13 @@ def _message_parts(message: dict[str, Any]) -> list[_Line]:
 
 
 def _row_parts(row: _MessageRow) -> list[_Line]:
-    if row.message is not None:
-        return _message_parts(row.message.values)
-    if row.locked_by is not None:
-        text = f"row id {row.row_id} in {row.table} is {_locked(row.locked_by)}"
+    part = row.part
+    if part.value is not None:
+        return _message_parts(part.value)
+    if part.locked_by is not None:
+        text = f"row id {row.row_id} in {row.table} is {_locked(part.locked_by)}"
     else:
-        text = f"CORRUPT ROW id {row.row_id} in {row.table} ({row.error}): {row.raw!r}"
+        text = f"CORRUPT ROW id {row.row_id} in {row.table} ({part.error}): {part.raw!r}"
     return [_Line(row.role, clean(text), corrupt=True)]
 
 
@@ -1203,44 +1206,29 @@ def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
 
 def _header(record: _SessionRecord, turns: int) -> list[tuple[str, str, str]]:
     """The lines above the conversation: (name, cleaned value, Rich style)."""
-    if record.metadata_locked_by is not None:
-        metadata: str | None = f"({_locked(record.metadata_locked_by)})"
-    elif record.metadata_error is not None:
-        metadata = clean(f"CORRUPT ({record.metadata_error}): {record.metadata_raw!r}")
-    else:
-        metadata = clean(_format_content(record.metadata)) if record.metadata else None
-    bad = "bold red" if record.metadata_error or record.metadata_locked_by else ""
-    fork: list[tuple[str, str, str]] = []
-    if record.forked_from is not None:
-        fork = [("forked from",
-                 f"{clean(record.forked_from)} at turn {record.forked_at_turn}", "")]
-    return [
+    lines = [
         ("session", clean(record.session_id), ""),
         ("active agent", clean(record.agent), "bold"),
         ("created", _format_time(record.created_at), ""),
         ("updated", _format_time(record.updated_at), ""),
-        *fork,
-        *([] if metadata is None else [("metadata", metadata, bad)]),
-        *_summary_line(record),
-        ("messages", f"{len(record.rows)} in {turns} turn(s)", ""),
     ]
-
-
-def _summary_line(record: _SessionRecord) -> list[tuple[str, str, str]]:
-    """The summary header line (none without a summary); a readable one keeps its newlines."""
-    if record.summary_locked_by is not None:
-        return [("summary", f"({_locked(record.summary_locked_by)})", "bold red")]
-    if record.summary_error is not None:
-        text = clean(f"CORRUPT ({record.summary_error}): {record.summary_raw!r}")
-        return [("summary", text, "bold red")]
-    if record.summary is None:
-        return []
-    return [("summary", clean(record.summary, newlines=True), "")]
+    if record.forked_from is not None:
+        lines.append(("forked from", f"{clean(record.forked_from)} at turn "
+                                     f"{record.forked_at_turn}", ""))
+    for name, part in (("metadata", record.metadata), ("summary", record.summary)):
+        shown = part.shown()
+        if shown is not None:
+            lines.append((name, shown, "bold red"))
+        elif part.value and name == "metadata":
+            lines.append((name, clean(_format_content(part.value)), ""))
+        elif part.value is not None and name == "summary":  # a readable one keeps its newlines
+            lines.append((name, clean(part.value, newlines=True), ""))
+    return [*lines, ("messages", f"{len(record.rows)} in {turns} turn(s)", "")]
 
 
 def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
     for name, value, _style in _header(record, turns):
-        if name == "summary" and record.summary is not None:  # a block: it may span lines
+        if name == "summary" and record.summary.value is not None:  # a block: may span lines
             click.echo("summary:")
             for line in value.split("\n"):
                 click.echo(f"  {line}")
@@ -1285,18 +1273,6 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
         console.print(body)
 
 
-def _message_json(row: _MessageRow) -> Any:
-    return {
-        "id": row.row_id,
-        "table": row.table,
-        "role": row.role,
-        "created_at": _iso(row.created_at),
-        "message": None if row.message is None else row.message.document,
-        "corrupt": None if row.error is None else {"reason": row.error, "raw": row.raw},
-        "locked": None if row.locked_by is None else {"key_id": row.locked_by},
-    }
-
-
 @_command(sessions, "show")
 @click.argument("session_id")
 @click.option(
@@ -1320,21 +1296,13 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
     turns = sum(1 for row in record.rows if row.role == "user")
     problems = record.problems()
     if as_json:
-        corrupt = {"reason": record.metadata_error, "raw": record.metadata_raw}
-        key = record.metadata_locked_by
-        summary_corrupt = {"reason": record.summary_error, "raw": record.summary_raw}
-        summary_key = record.summary_locked_by
         _emit(True, {
             "session_id": record.session_id, "active_agent_name": record.agent,
             "created_at": _iso(record.created_at), "updated_at": _iso(record.updated_at),
-            "metadata": record.metadata,
-            "metadata_corrupt": None if record.metadata_error is None else corrupt,
-            "metadata_locked": None if key is None else {"key_id": key},
-            "summary": record.summary,
-            "summary_corrupt": None if record.summary_error is None else summary_corrupt,
-            "summary_locked": None if summary_key is None else {"key_id": summary_key},
+            "metadata": record.metadata.value, **record.metadata.flags("metadata_"),
+            "summary": record.summary.value, **record.summary.flags("summary_"),
             "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
-            "turns": turns, "messages": [_message_json(row) for row in record.rows],
+            "turns": turns, "messages": [row.json() for row in record.rows],
         })
     else:
         groups = _group_turns(record.rows)
@@ -1397,29 +1365,30 @@ def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) 
 # --------------------------------------------------------------------------- rewind / fork
 
 
-def _session_exists(engine: Engine, session_id: str) -> bool:
-    """True if the session exists (one the inbox made before its first turn does not yet)."""
+@contextmanager
+def _history_store(
+    url_option: str | None, session_id: str, **options: Any
+) -> Iterator[tuple[URL, Any]]:
+    """(URL, a store) that changes the existing session's history as workers do.
+
+    The same turns and keys: encrypted rows are read and written with the keys of
+    ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI runs no
+    agent); a row that cannot be read is exit 1, naming it. A session the inbox
+    made before its first turn does not exist yet.
+    """
     from sqlalchemy import select
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
+    _validate_session_id(session_id)
     s = tables.sessions.c
     query = select(s.session_id).where(
         s.session_id == session_id, s.active_agent_name != UNBORN_AGENT
     )
-    with _read_conn(engine) as conn:
-        return conn.execute(query).first() is not None
-
-
-@contextmanager
-def _history_store(url: URL, **options: Any) -> Iterator[Any]:
-    """A store that changes a session's history as workers do (same turns, same keys).
-
-    Encrypted rows are read and written with the keys of ``$CHATFLOW_KEYS``;
-    a stored agent name stands for itself (the CLI runs no agent); a row that
-    cannot be read is exit 1, naming it.
-    """
+    with _database(url_option) as (url, engine), _read_conn(engine) as conn:
+        if conn.execute(query).first() is None:
+            raise _no_session(session_id, url)
     from chatflow_agent import Agent
 
     from chatflow_sqlalchemy.exceptions import CorruptRowError
@@ -1429,7 +1398,7 @@ def _history_store(url: URL, **options: Any) -> Iterator[Any]:
     with open_store(url, cipher=cipher, auto_migrate=False, **options) as store:
         store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
         try:
-            yield store
+            yield url, store
         except CorruptRowError as exc:
             raise CliError(f"nothing was changed: {clean(str(exc))}", EXIT_FAILED) from None
         except ValueError as exc:  # the store's refusal of an argument, naming the fix
@@ -1465,12 +1434,8 @@ def sessions_rewind(
     turn. Asks for confirmation unless --yes. Encrypted rows are read and
     written with the keys of $CHATFLOW_KEYS.
     """
-    _validate_session_id(session_id)
     shown = clean(repr(session_id))
-    with _database(url) as (parsed, engine):
-        if not _session_exists(engine, session_id):
-            raise _no_session(session_id, parsed)
-    with _history_store(parsed, archive_pruned=archive) as store:
+    with _history_store(url, session_id, archive_pruned=archive) as (parsed, store):
         ctx = store.get(session_id)
         if ctx is None:
             raise _no_session(session_id, parsed)
@@ -1507,11 +1472,7 @@ def sessions_fork(
     is written. sessions list --forked-from SESSION_ID lists the forks.
     Encrypted rows are read and written with the keys of $CHATFLOW_KEYS.
     """
-    _validate_session_id(session_id)
-    with _database(url) as (parsed, engine):
-        if not _session_exists(engine, session_id):
-            raise _no_session(session_id, parsed)
-    with _history_store(parsed) as store:
+    with _history_store(url, session_id) as (_parsed, store):
         ctx = store.fork(session_id, new_session_id, at_turn=at_turn)
         taken = ctx.forked_at_turn
         copied = len(ctx.history) - (ctx.summary is not None)  # the summary is no row
@@ -1526,10 +1487,10 @@ def sessions_fork(
 
 def _export_record(record: _SessionRecord) -> dict[str, Any]:
     def dump(rows: list[_MessageRow]) -> list[Any]:
-        return [row.message.document for row in rows if row.message is not None]
+        return [row.part.value for row in rows if row.part.value is not None]
 
     exported = {"session_id": record.session_id, "active_agent_name": record.agent,
-                "metadata": record.metadata, "summary": record.summary,
+                "metadata": record.metadata.value, "summary": record.summary.value,
                 "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
                 "messages": dump(record.rows)}
     if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
@@ -1549,7 +1510,7 @@ def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, lis
                 if not skip_corrupt:
                     # plain `show` reads the window only: an archived row needs --all
                     whole = " --all" if any(
-                        r.error is not None or r.locked_by is not None for r in record.archived
+                        r.part.value is None for r in record.archived
                     ) else ""
                     raise CliError(
                         f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
@@ -1607,8 +1568,13 @@ def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
     return result
 
 
+_output_option = click.option(
+    "--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout"
+)
+
+
 @_command(sessions, "export")
-@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_output_option
 @click.option(
     "--skip-corrupt",
     is_flag=True,
@@ -1968,10 +1934,7 @@ def inbox_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
     from chatflow_sqlalchemy.claims import validate_dedup_ttl
 
     ttl = _ttl(ttl_hours)
-    try:
-        validate_dedup_ttl(ttl)  # the store's own bound on its dedup window
-    except ValueError as exc:
-        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    _checked(validate_dedup_ttl, ttl, what="--ttl-hours: ")  # the store's own bound
     default_ttl = _ttl(None)
     with _inbox(url, write=True, dedup_ttl_hours=ttl) as (_parsed, engine, rows):
         if ttl < default_ttl:
@@ -2108,7 +2071,7 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
 
 @_command(users, "export")
 @click.argument("user_id")
-@click.option("--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
+@_output_option
 def users_export(user_id: str, output: str | None, as_json: bool, url: str | None) -> None:
     """Export everything held about USER_ID as JSON (read-only).
 
@@ -2134,46 +2097,30 @@ def users_export(user_id: str, output: str | None, as_json: bool, url: str | Non
           f"exported {count} session(s) of user {clean(repr(user_id))} to {clean(str(target))}")
 
 
-def open_row(session_id: str, stored: Any) -> tuple[Any, CorruptRowError | None]:
-    """A stored ``message_json`` or metadata in clear when ``$CHATFLOW_KEYS`` opens it.
+class _Dumped:
+    """A message row in the stores' form as ``export_sessions`` dumps it (``model_dump``)."""
 
-    Returns ``(value, None)``, or ``(stored, why)`` when a sealed value does not open:
-    ``MissingKeyError`` (its key is not in ``$CHATFLOW_KEYS``) or another ``CorruptRowError``.
-    """
-    from chatflow_sqlalchemy.values import is_encrypted
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.document = document
 
-    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
-    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
-        return stored, None
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
-    try:
-        if sealed_dict:
-            return sealer.open_metadata(session_id, stored), None
-        return sealer.open_text(session_id, None, stored, "chatflow_messages"), None
-    except CorruptRowError as exc:
-        return stored, exc
+    def model_dump(self, mode: str = "json") -> dict[str, Any]:
+        return self.document
 
 
-@functools.lru_cache(maxsize=4)
-def _sealer_from_env(keys: str) -> Sealer:
-    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (value ``keys``); none when unset."""
-    from chatflow_sqlalchemy.crypto import AESGCMCipher
-    from chatflow_sqlalchemy.sealing import Sealer
+def _parse_for_export(session_id: str, row_id: object, text: str) -> Any:
+    """The store's row decoder, without pydantic for rows in the stores' form."""
+    from chatflow_sqlalchemy.message_json import plain_message
 
-    if not keys:
-        return Sealer(None, False)
-    try:
-        return Sealer(AESGCMCipher.from_env(keys), False)
-    except (ValueError, ImportError) as exc:
-        raise CliError(clean(str(exc))) from None
+    plain = plain_message(text)
+    if plain is not None:
+        return _Dumped(plain)
+    from chatflow_sqlalchemy.rows import parse_message
+
+    return parse_message(session_id, row_id, text)
 
 
 def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
-    from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
-    from chatflow_sqlalchemy.rows import parse_message
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
     from chatflow_sqlalchemy.values import utcnow
 
@@ -2182,10 +2129,11 @@ def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
     with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
         try:
             sessions = export_sessions(
-                conn, user_session_ids(conn, user_id), sealer.parser(parse_message),
+                conn, user_session_ids(conn, user_id), sealer.parser(_parse_for_export),
                 sealer.open_metadata, sealer.open_summary,
             )
-        except CorruptRowError as exc:
+        except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
+            _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
     exported_at = utcnow().isoformat()
     return {"format": EXPORT_FORMAT, "user_id": user_id, "exported_at": exported_at,
@@ -2212,14 +2160,10 @@ def sessions_sweep(
     workers run and while other sweepers run.
     """
     from chatflow_sqlalchemy.lifecycle import validate_session_ttl
-    from chatflow_sqlalchemy.opening import open_store
     from chatflow_sqlalchemy.sql_lifecycle import count_expired
     from chatflow_sqlalchemy.values import utcnow
 
-    try:
-        hours = validate_session_ttl(ttl_hours)
-    except ValueError as exc:
-        raise CliError(f"--ttl-hours: {clean(str(exc))}") from None
+    hours = _checked(validate_session_ttl, ttl_hours, what="--ttl-hours: ")
     assert hours is not None
     with _database(url) as (parsed, engine), _read_conn(engine) as conn:
         now = utcnow()
@@ -2232,6 +2176,8 @@ def sessions_sweep(
         return
     removed = 0
     if expired:
+        from chatflow_sqlalchemy.opening import open_store
+
         _confirm(f"Remove {expired} expired session(s) and their history?", yes)
         with open_store(parsed, session_ttl_hours=hours, auto_migrate=False) as store:
             removed = int(store.sweep(limit))
@@ -2266,10 +2212,7 @@ def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
     from chatflow_sqlalchemy.crypto import AESGCMCipher
     from chatflow_sqlalchemy.opening import open_store
 
-    try:
-        cipher = AESGCMCipher.from_env()
-    except (ValueError, ImportError) as exc:
-        raise CliError(clean(str(exc))) from None
+    cipher = _checked(AESGCMCipher.from_env)
     with _database(url, write=True) as (parsed, engine):
         if _holds_plaintext(engine):
             _confirm(

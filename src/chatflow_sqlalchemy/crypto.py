@@ -25,10 +25,12 @@ import binascii
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chatflow_sqlalchemy.exceptions import ChatflowStoreError, CorruptRowError
 from chatflow_sqlalchemy.values import TOKEN_PREFIX, is_encrypted
+
+if TYPE_CHECKING:  # defined there: importing the errors loads chatflow-agent, reading does not
+    from chatflow_sqlalchemy.exceptions import CipherError, MissingKeyError
 
 __all__ = [
     "CRYPTO_INSTALL_HINT",
@@ -49,38 +51,27 @@ _NONCE_BYTES = 12
 _KEY_SIZES = (16, 24, 32)
 
 
-class CipherError(ChatflowStoreError):
-    """A token cannot be decrypted (unknown key id, wrong key, tampered or truncated)."""
-
-
-class MissingKeyError(CorruptRowError):
-    """A row is encrypted with a key the reader does not hold: not corrupt, only locked.
-
-    A :class:`~chatflow_sqlalchemy.exceptions.CorruptRowError` (so existing
-    handlers still catch it) whose message names the key id and what to set
-    instead of calling the row corrupt. ``key_id`` is the key the row names.
-    """
-
-    def __init__(
-        self, session_id: str, row_id: object, key_id: str, *, table: str = "chatflow_messages"
-    ) -> None:
-        where = f"session {session_id!r}" + ("" if row_id is None else f", id {row_id}")
-        reason = f"encrypted with key {key_id!r}, not in {KEYS_ENV_VAR}"
-        super().__init__(session_id, row_id, reason, table=table)
-        self.key_id = key_id
-        self.args = (
-            f"a row in {table} ({where}) is {reason}: add that key to {KEYS_ENV_VAR} "
-            f"('{key_id}:<base64 key>', after the primary) and open the store with "
-            "cipher=AESGCMCipher.from_env()",
-        )
-
-
 def token_key_id(text: str) -> str | None:
     """The key id named by a token, None for plaintext."""
     if not is_encrypted(text):
         return None
     key_id, sep, _ = text[len(TOKEN_PREFIX) :].partition(":")
     return key_id if sep else None
+
+
+def __getattr__(name: str) -> Any:
+    """``CipherError`` and ``MissingKeyError``, still importable from here (PEP 562)."""
+    if name in ("CipherError", "MissingKeyError"):
+        from chatflow_sqlalchemy import exceptions
+
+        return getattr(exceptions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _cipher_error(message: str) -> CipherError:
+    from chatflow_sqlalchemy.exceptions import CipherError
+
+    return CipherError(message)
 
 
 def _aesgcm() -> Any:
@@ -151,10 +142,10 @@ class AESGCMCipher:
         """
         key_id = token_key_id(token)
         if key_id is None:
-            raise CipherError("not an encrypted value (no 'cfenc:1:<key id>:' prefix)")
+            raise _cipher_error("not an encrypted value (no 'cfenc:1:<key id>:' prefix)")
         cipher = self._ciphers.get(key_id)
         if cipher is None:
-            raise CipherError(
+            raise _cipher_error(
                 f"encrypted with key {key_id!r}, which this cipher does not hold "
                 f"(it has {sorted(self._ciphers)}): add that key to keys= / {KEYS_ENV_VAR}"
             )
@@ -164,9 +155,9 @@ class AESGCMCipher:
                 raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], associated_data.encode("utf-8")
             )
         except (binascii.Error, ValueError) as exc:
-            raise CipherError(f"malformed token for key {key_id!r}: {exc}") from None
+            raise _cipher_error(f"malformed token for key {key_id!r}: {exc}") from None
         except Exception as exc:  # cryptography's InvalidTag
-            raise CipherError(
+            raise _cipher_error(
                 f"token does not authenticate with key {key_id!r} (wrong key, tampered, or "
                 f"moved from another session): {type(exc).__name__}"
             ) from None

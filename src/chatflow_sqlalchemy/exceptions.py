@@ -15,6 +15,7 @@ __all__ = [
     "BackendImportError",
     "BackendNotFoundError",
     "ChatflowStoreError",
+    "CipherError",
     "ClaimLostError",
     "CorruptRowError",
     "DatabaseURLError",
@@ -22,6 +23,7 @@ __all__ = [
     "DuplicateBackendError",
     "LeaseLostError",
     "MigrationPluginError",
+    "MissingKeyError",
     "SchemaAheadError",
     "SchemaError",
     "SessionDeletedError",
@@ -117,6 +119,32 @@ class CorruptRowError(ChatflowStoreError):
         self.row_id = row_id
         self.table = table
         self.reason = reason
+
+
+class CipherError(ChatflowStoreError):
+    """A token cannot be decrypted (unknown key id, wrong key, tampered or truncated)."""
+
+
+class MissingKeyError(CorruptRowError):
+    """A row is encrypted with a key the reader does not hold: not corrupt, only locked.
+
+    A :class:`~chatflow_sqlalchemy.exceptions.CorruptRowError` (so existing
+    handlers still catch it) whose message names the key id and what to set
+    instead of calling the row corrupt. ``key_id`` is the key the row names.
+    """
+
+    def __init__(
+        self, session_id: str, row_id: object, key_id: str, *, table: str = "chatflow_messages"
+    ) -> None:
+        where = f"session {session_id!r}" + ("" if row_id is None else f", id {row_id}")
+        reason = f"encrypted with key {key_id!r}, not in CHATFLOW_KEYS"
+        super().__init__(session_id, row_id, reason, table=table)
+        self.key_id = key_id
+        self.args = (
+            f"a row in {table} ({where}) is {reason}: add that key to CHATFLOW_KEYS "
+            f"('{key_id}:<base64 key>', after the primary) and open the store with "
+            "cipher=AESGCMCipher.from_env()",
+        )
 
 
 class DatabaseUnavailableError(ChatflowStoreError):

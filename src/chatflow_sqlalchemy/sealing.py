@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chatflow_agent import Message
 from sqlalchemy import Connection, Select, and_, not_, or_, select, update
 
 from chatflow_sqlalchemy import tables
-from chatflow_sqlalchemy.crypto import (
-    TOKEN_PREFIX,
-    AESGCMCipher,
-    CipherError,
-    MissingKeyError,
-    is_encrypted,
-    token_key_id,
-)
-from chatflow_sqlalchemy.exceptions import CorruptRowError
+from chatflow_sqlalchemy.crypto import TOKEN_PREFIX, AESGCMCipher, is_encrypted, token_key_id
+
+if TYPE_CHECKING:
+    from chatflow_agent import Message
+
+# The errors are imported where they are raised: they load chatflow-agent, which
+# reading a sealed row (the CLI's read commands) does not need.
 
 __all__ = [
     "ROTATE_BATCH",
@@ -91,6 +88,8 @@ class Sealer:
         """A stored ``message_json`` in clear; plaintext is refused when encryption is required."""
         if not is_encrypted(text):
             if self.require:
+                from chatflow_sqlalchemy.exceptions import CorruptRowError
+
                 raise CorruptRowError(
                     session_id, row_id,
                     "plaintext row while require_encryption=True (encrypt it with "
@@ -99,12 +98,20 @@ class Sealer:
             return text
         key_id = token_key_id(text)
         if key_id is not None and (self.cipher is None or key_id not in self.cipher.key_ids):
+            from chatflow_sqlalchemy.exceptions import MissingKeyError
+
             raise MissingKeyError(session_id, row_id, key_id, table=table)
         if self.cipher is None:
+            from chatflow_sqlalchemy.exceptions import CorruptRowError
+
             raise CorruptRowError(session_id, row_id, "malformed encrypted value", table=table)
         try:
             return self.cipher.decrypt(text, session_id)
-        except CipherError as exc:
+        except Exception as exc:  # a CipherError (imported only once one is raised)
+            from chatflow_sqlalchemy.exceptions import CipherError, CorruptRowError
+
+            if not isinstance(exc, CipherError):
+                raise
             raise CorruptRowError(session_id, row_id, str(exc), table=table) from exc
 
     def open_summary(self, session_id: str, stored: str | None) -> str | None:
@@ -126,6 +133,8 @@ class Sealer:
             text = self.open_text(session_id, row_id, stored[_SEALED_KEY], table)
             return json.loads(text)
         if self.require and stored is not None:
+            from chatflow_sqlalchemy.exceptions import CorruptRowError
+
             raise CorruptRowError(
                 session_id, row_id, "plaintext JSON while require_encryption=True (encrypt "
                 "it with chatflow-sqlalchemy keys rotate)", table=table,
@@ -139,11 +148,15 @@ class Sealer:
             try:
                 return json.loads(text)
             except ValueError as exc:
+                from chatflow_sqlalchemy.exceptions import CorruptRowError
+
                 raise CorruptRowError(
                     session_id, None, f"sealed metadata is not JSON ({exc})",
                     table="chatflow_sessions",
                 ) from exc
         if self.require:
+            from chatflow_sqlalchemy.exceptions import CorruptRowError
+
             raise CorruptRowError(
                 session_id, None, "plaintext metadata while require_encryption=True (encrypt "
                 "it with chatflow-sqlalchemy keys rotate)", table="chatflow_sessions",

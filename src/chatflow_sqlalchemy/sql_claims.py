@@ -20,7 +20,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -33,13 +33,16 @@ from sqlalchemy import (
 )
 
 from chatflow_sqlalchemy import tables, telemetry
-from chatflow_sqlalchemy.claims import ClaimInfo, WebhookClaim, claim_info
+from chatflow_sqlalchemy.claims import ClaimInfo, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
-from chatflow_sqlalchemy.dialect import DialectSupport
-from chatflow_sqlalchemy.lease import SessionLeases
-from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, Lease, utcnow
+
+if TYPE_CHECKING:  # the store's machinery: read_claims (``dedup list``) needs none of it
+    from chatflow_sqlalchemy.claims import WebhookClaim
+    from chatflow_sqlalchemy.dialect import DialectSupport
+    from chatflow_sqlalchemy.lease import SessionLeases
+    from chatflow_sqlalchemy.runtime import StoreRuntime
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 

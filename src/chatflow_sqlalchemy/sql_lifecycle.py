@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from chatflow_agent import Role
 from sqlalchemy import (
     ColumnElement,
     Connection,
@@ -56,8 +55,6 @@ from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.exceptions import CorruptRowError
-from chatflow_sqlalchemy.lease import free_at
 from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     matches_metadata,
@@ -67,6 +64,9 @@ from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, UNBORN_AGENT
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
+
+# chatflow-agent, the errors and the lease load the store's machinery: each is imported
+# where it is used, so that the CLI's read commands (users export) run without them.
 
 __all__ = [
     "SweepCursor",
@@ -229,6 +229,8 @@ def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
 
 def _not_leased_now(now: datetime) -> ColumnElement[bool]:
     """No turn holds the session's lease (by the database's clock): none is running on it."""
+    from chatflow_sqlalchemy.lease import free_at
+
     return free_at(DatabaseNow(bindparam(None, now, type_=UTCDateTime())))
 
 
@@ -297,8 +299,10 @@ def parser_for(table: Table, parse: Callable[..., Message]) -> Callable[..., Mes
     def parse_row(session_id: str, row_id: object, text: str) -> Message:
         try:
             return parse(session_id, row_id, text)
-        except CorruptRowError as exc:
-            if exc.table != _messages.name:
+        except Exception as exc:  # a CorruptRowError (imported only once one is raised)
+            from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+            if not isinstance(exc, CorruptRowError) or exc.table != _messages.name:
                 raise
             raise CorruptRowError(session_id, row_id, exc.reason, table=table.name) from exc
 
@@ -388,7 +392,7 @@ def export_sessions(
                     select(_messages.c.id, _messages.c.message_json)
                     .where(_messages.c.session_id == sid)
                     .order_by(
-                        case((_messages.c.role == Role.SYSTEM.value, 0), else_=1),
+                        case((_messages.c.role == "system", 0), else_=1),  # Role.SYSTEM
                         _messages.c.seq,
                     )
                 )
