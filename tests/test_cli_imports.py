@@ -45,6 +45,7 @@ READ_COMMANDS = (
     ["dedup", "list"],
     ["dedup", "list", "--json"],
     ["users", "export", "u1"],
+    ["sessions", "sweep", "--dry-run", "--ttl-hours", "1"],
 )
 
 ENCRYPTED_READ_COMMANDS = (

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, Float, bindparam, null, or_, select, update
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.exceptions import SessionDeletedError
-from chatflow_sqlalchemy.runtime import StoreRuntime
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import UNBORN_AGENT, Lease, utcnow
+
+if TYPE_CHECKING:  # the CLI's sweep reads lease times without the store's runtime
+    from chatflow_sqlalchemy.runtime import StoreRuntime
 
 __all__ = [
     "KEEP_HELD",
@@ -140,6 +141,8 @@ class SessionLeases:
         if row is not None:
             return Lease(session_id, params["holder_token"], int(row[1]), int(row[0]))
         if not self._exists(session_id):
+            from chatflow_sqlalchemy.exceptions import SessionDeletedError
+
             raise SessionDeletedError(session_id)
         return None
 
