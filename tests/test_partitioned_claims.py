@@ -461,11 +461,16 @@ async def _claimed_turn(store: Any, mid: str, text: str, between: Any = None) ->
 
 
 def test_a_session_written_elsewhere_after_the_claim_is_caught_up_with(schema: str) -> None:
-    """The claim's read of the version serves get_or_create; the turn lock reads it again."""
+    """The claim's read of the version serves get_or_create; the turn lock reads it again.
+
+    The claim's acquire took the session's lease, so the other store's turn waits for
+    it to lapse: ``mine`` holds a short one.
+    """
     import asyncio
 
     url = pg_util.postgres_url()
-    with pg_util.schema_store(url, schema) as mine, pg_util.schema_store(url, schema) as other:
+    with pg_util.schema_store(url, schema, turn_lease_seconds=2.0) as mine, \
+            pg_util.schema_store(url, schema) as other:
         asyncio.run(_claimed_turn(mine, "w1", "one"))  # mine holds the context now
         reply = asyncio.run(_claimed_turn(
             mine, "w3", "three",
