@@ -114,6 +114,10 @@ def fleet(spec: StoreSpec, worker: str, turns: int, sessions: list[str], delay: 
     events.put(("done", os.getpid(), log))
 
 
+CAMPAIGN_LEASE_SECONDS = 3.0
+"""The campaign writers' ``turn_lease_seconds``: long beside a turn, short to wait out."""
+
+
 def campaign_writer(spec: StoreSpec, session_id: str, label: str, mode: str, seed: int,
                     events: Any) -> None:
     """Write whole turns forever, sending ``("ack", <user text>)`` once each is stored.
@@ -124,7 +128,8 @@ def campaign_writer(spec: StoreSpec, session_id: str, label: str, mode: str, see
     ``session.lock``, its tool pausing a little. The test kills it at random.
     """
     rng = random.Random(seed)
-    store = spec.open(default_max_turns=10_000)
+    # A writer killed inside a turn leaves its lease: the next one waits it out.
+    store = spec.open(default_max_turns=10_000, turn_lease_seconds=CAMPAIGN_LEASE_SECONDS)
     agent = Agent(name="Bot", instructions="", tools=[_pausing_lookup(rng)])
     if mode == "locked":
         runner = Runner(starting_agent=agent, session_store=store,

@@ -439,7 +439,7 @@ def store_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any
                 return stack.enter_context(SQLiteSessionStore(tmp_path / "x.db"))
         else:
             url = pg_util.postgres_url()
-            schema = stack.enter_context(pg_util.fresh_schema(url))
+            schema = _pooled_schema(request, stack)
 
             def open_one() -> Any:
                 return stack.enter_context(pg_util.schema_store(url, schema))
@@ -516,15 +516,27 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.line(f"{n} x {reason}")
 
 
+def _pooled_schema(request: pytest.FixtureRequest, stack: ExitStack) -> str:
+    """A schema of ``postgres_schemas`` (migrated or empty), given back when ``stack`` closes.
+
+    For the store openers' tests, whose stores migrate a schema they are given: the
+    pool saves each of them the migration (tests/pg_reuse.py).
+    """
+    pool = request.getfixturevalue("postgres_schemas")[False]
+    schema: str = pool.take()
+    stack.callback(pool.give_back, schema)
+    return schema
+
+
 @pytest.fixture(params=SQL_KINDS)
 def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
     """Opens SQL stores (given options) on one database per test (see ``tests/stores.py``)."""
     with ExitStack() as stack:
-        yield open_on(request.param, stack, tmp_path)
+        yield open_on(request.param, stack, tmp_path, lambda: _pooled_schema(request, stack))
 
 
 @pytest.fixture(params=[*SQL_KINDS, "memory"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
     """Like ``sql_store``, the in-memory store too (one store for the whole test)."""
     with ExitStack() as stack:
-        yield open_on(request.param, stack, tmp_path)
+        yield open_on(request.param, stack, tmp_path, lambda: _pooled_schema(request, stack))

@@ -1,5 +1,5 @@
 """Store openers for tests that run one scenario on every backend, with the store options
-they choose: a SQLite file, PostgreSQL (a fresh schema), MariaDB (through its plugin; a
+they choose: a SQLite file, PostgreSQL (a schema of its own), MariaDB (through its plugin; a
 fresh database) and the in-memory store. Each test gets one database; every store it opens
 is on that database and is closed at the end of the test.
 
@@ -32,8 +32,14 @@ Opener = Callable[..., Any]
 """``opener(**store_options)``: a store on the test's database (the in-memory one: the same)."""
 
 
-def open_on(kind: str, stack: ExitStack, tmp_path: Path) -> Opener:
-    """Opens stores with the given options, all on this test's one database of ``kind``."""
+def open_on(
+    kind: str, stack: ExitStack, tmp_path: Path, pg_schema: Callable[[], str] | None = None
+) -> Opener:
+    """Opens stores with the given options, all on this test's one database of ``kind``.
+
+    ``pg_schema`` hands out the PostgreSQL schema (given back with ``stack``); by
+    default a fresh one is created and dropped.
+    """
     if kind == "memory":
         memory: dict[str, Any] = {}
 
@@ -51,5 +57,5 @@ def open_on(kind: str, stack: ExitStack, tmp_path: Path) -> Opener:
         url = _mariadb_database(stack)
         return lambda **options: stack.enter_context(open_store(url, **options))
     pg = pg_util.postgres_url()
-    schema = stack.enter_context(pg_util.fresh_schema(pg))
+    schema = pg_schema() if pg_schema else stack.enter_context(pg_util.fresh_schema(pg))
     return lambda **options: stack.enter_context(pg_util.schema_store(pg, schema, **options))

@@ -18,16 +18,22 @@ from chatflow_sqlalchemy import open_store
 from chatflow_sqlalchemy.crypto import AESGCMCipher
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 
+TTL_HOURS = 0.0002
+"""Sessions expire 0.72 s after their last write."""
+
+EXPIRED_AFTER = 1.0
+"""Seconds after which sessions last written now are expired under :data:`TTL_HOURS`."""
+
 
 def _agent() -> Agent:
     return Agent(name="a", instructions="", model="gemini-2.5-flash")
 
 
 def test_sweep_limit_removes_exactly_that_many(tmp_path: Path) -> None:
-    with open_store(f"sqlite:///{tmp_path / 's.db'}", session_ttl_hours=0.0005) as store:
+    with open_store(f"sqlite:///{tmp_path / 's.db'}", session_ttl_hours=TTL_HOURS) as store:
         for n in range(5):
             store.get_or_create(f"s{n}", _agent())
-        time.sleep(2.5)
+        time.sleep(EXPIRED_AFTER)
         assert store.sweep(limit=2) == 2
         assert len(store.list_sessions()) == 3
         assert store.sweep(limit=1) == 1
@@ -59,12 +65,12 @@ def test_a_turn_on_a_session_swept_elsewhere_fails_at_its_start(tmp_path: Path) 
     from chatflow_sqlalchemy.exceptions import SessionDeletedError
 
     url = f"sqlite:///{tmp_path / 't.db'}"
-    with open_store(url, session_ttl_hours=0.0005) as sweeper, open_store(
-        url, session_ttl_hours=0.0005
+    with open_store(url, session_ttl_hours=TTL_HOURS) as sweeper, open_store(
+        url, session_ttl_hours=TTL_HOURS
     ) as worker:
         sweeper.get_or_create("s", _agent()).add_message(Message(role=Role.USER, content="q"))
         ctx = worker.get_or_create("s", _agent())
-        time.sleep(2.5)
+        time.sleep(EXPIRED_AFTER)
         assert worker.get_or_create("s", _agent()) is ctx  # verified again: it exists
         assert sweeper.sweep() == 1
         ran: list[bool] = []

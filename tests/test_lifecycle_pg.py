@@ -23,10 +23,10 @@ pytestmark = pytest.mark.postgres
 
 AGENT = Agent(name="a", instructions="", model="gemini-2.5-flash")
 
-TTL_HOURS = 0.0005
-"""Sessions expire 1.8 s after their last write."""
+TTL_HOURS = 0.0002
+"""Sessions expire 0.72 s after their last write."""
 
-EXPIRED_AFTER = 2.5
+EXPIRED_AFTER = 1.0
 """Seconds after which sessions last written now are expired under :data:`TTL_HOURS`."""
 
 HANG_GUARD = 60.0

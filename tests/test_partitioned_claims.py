@@ -298,18 +298,18 @@ def test_the_purge_drops_expired_days_and_keeps_their_live_ids(store: Any) -> No
 def test_the_stores_own_upkeep_drops_days_but_deletes_no_rows(schema: str) -> None:
     """What claims do every five minutes on PostgreSQL: DROP whole days, no row-by-row DELETE."""
     url = pg_util.postgres_url()
-    with pg_util.schema_store(url, schema, dedup_ttl_hours=0.001) as store:
+    with pg_util.schema_store(url, schema, dedup_ttl_hours=0.0002) as store:
         old_day = _today() - timedelta(2)
         _put(store.engine, "old", old_day, datetime.now(timezone.utc) - timedelta(days=2))
         assert store.record_processed_message("expires-soon") is True
-        time.sleep(4)  # past the 3.6 s TTL: expired, but its day is today
+        time.sleep(1)  # past the 0.72 s TTL: expired, but its day is today
         store._last_purge -= timedelta(minutes=10)  # the five-minute upkeep is due
         assert store.record_processed_message("another") is True
         assert pg_claims.partition_name(old_day) not in _days(store.engine)
         assert len(_rows(store.engine, "expires-soon")) == 1
         assert store.is_message_processed("expires-soon") is False
         assert store.record_processed_message("expires-soon") is True  # taken over in place
-        time.sleep(4)
+        time.sleep(1)
         assert store.purge_processed_messages() == 2  # an explicit purge removes every one
 
 
@@ -461,11 +461,16 @@ async def _claimed_turn(store: Any, mid: str, text: str, between: Any = None) ->
 
 
 def test_a_session_written_elsewhere_after_the_claim_is_caught_up_with(schema: str) -> None:
-    """The claim's read of the version serves get_or_create; the turn lock reads it again."""
+    """The claim's read of the version serves get_or_create; the turn lock reads it again.
+
+    The claim's acquire took the session's lease, so the other store's turn waits for
+    it to lapse: ``mine`` holds a short one.
+    """
     import asyncio
 
     url = pg_util.postgres_url()
-    with pg_util.schema_store(url, schema) as mine, pg_util.schema_store(url, schema) as other:
+    with pg_util.schema_store(url, schema, turn_lease_seconds=2.0) as mine, \
+            pg_util.schema_store(url, schema) as other:
         asyncio.run(_claimed_turn(mine, "w1", "one"))  # mine holds the context now
         reply = asyncio.run(_claimed_turn(
             mine, "w3", "three",

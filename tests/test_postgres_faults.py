@@ -254,10 +254,14 @@ def test_proxy_passes_and_delays_traffic(
 
 
 def test_opening_a_store_on_a_server_that_never_answers_fails_cleanly(
-    fault_url: str, proxy: FaultProxy
+    fault_url: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Item 7: TCP accepted, no answer: DatabaseUnavailableError (libpq connect_timeout,
-    10 s by default) naming host and database, never the password."""
+    CONNECT_TIMEOUT_SECONDS by default, shortened here) naming host and database, never
+    the password."""
+    from chatflow_sqlalchemy.backends import postgresql_dialect
+
+    monkeypatch.setattr(postgresql_dialect, "CONNECT_TIMEOUT_SECONDS", 1)
     proxy.set_mode(Mode.BLACK_HOLE)
     url = make_url(proxy.url(fault_url)).set(password="pw-n3ver-shown")
     rendered = url.render_as_string(hide_password=False)
@@ -282,34 +286,43 @@ def test_default_connect_arguments_yield_to_the_users() -> None:
     assert default_connect_args(make_url("postgresql+psycopg://u@h/db"))["connect_timeout"] == 10
 
 
-@pytest.mark.parametrize("where", ["ending a turn", "starting a turn", "loading a session"])
-def test_network_freeze_mid_turn_fails_with_database_unavailable(
+def _freezable_store(
+    proxy: FaultProxy, fault_url: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> PostgresSessionStore:
+    """A store through ``proxy`` whose waits on a frozen network are short.
+
+    ``operation_timeout`` bounds each async operation; ``connect_timeout`` bounds the
+    connection psycopg opens to cancel the timed-out query (through the frozen proxy
+    too); a short turn lease frees the session of a turn whose release was frozen.
+    """
+    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
+    url = make_url(proxy.url(fault_url)).update_query_dict({"connect_timeout": "2"})
+    return cast(PostgresSessionStore, pg_util.schema_store(
+        url.render_as_string(hide_password=False), schema, turn_lease_seconds=2.0
+    ))
+
+
+def test_network_freeze_while_loading_a_session_fails_with_database_unavailable(
     fault_url: str,
     fault_schema: str,
     proxy: FaultProxy,
     monkeypatch: pytest.MonkeyPatch,
-    where: str,
 ) -> None:
     """Item 7: a freeze (the proxy black-holes every byte, as a hung middlebox would; the
     client's kernel keeps getting ACKs, so TCP timeouts cannot fire) fails the async
-    operation with DatabaseUnavailableError once operation_timeout runs out."""
-    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
-    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    operation with DatabaseUnavailableError once operation_timeout runs out.
+
+    A freeze as a turn starts (taking its lease) or ends (its write) is the Runner test
+    below ("cached session", "at the write"), which also checks the loop kept running.
+    """
+    store = _freezable_store(proxy, fault_url, fault_schema, monkeypatch)
     store.get_or_create("s", BOT).add_message(_user("before the freeze"))
 
     async def scenario() -> None:
-        session = await store.aget_or_create("s", BOT)
-        if where == "loading a session":
-            store._forget("s")  # the next load must read the rows
-            proxy.set_mode(Mode.BLACK_HOLE)
-            await store.aget_or_create("s", BOT)
-            return
-        if where == "starting a turn":
-            proxy.set_mode(Mode.BLACK_HOLE)
-        async with session.lock:
-            session.add_message(_user("during the freeze"))
-            proxy.set_mode(Mode.BLACK_HOLE)
-            session.add_message(_model("never stored"))
+        await store.aget_or_create("s", BOT)
+        store._forget("s")  # the next load must read the rows
+        proxy.set_mode(Mode.BLACK_HOLE)
+        await store.aget_or_create("s", BOT)
 
     try:
         with pytest.raises(DatabaseUnavailableError) as caught:
@@ -485,8 +498,7 @@ def test_a_runner_turn_on_a_frozen_network_never_blocks_the_loop(
     heartbeat task on the same loop keeps ticking while the turn waits, and the turn
     fails with DatabaseUnavailableError (operation_timeout) instead of hanging. Before
     the fix the sync call sat in libpq with the loop blocked: the guard fails."""
-    monkeypatch.setattr(PostgresSessionStore, "operation_timeout", 2.0, raising=False)
-    store = pg_util.schema_store(proxy.url(fault_url), fault_schema)
+    store = _freezable_store(proxy, fault_url, fault_schema, monkeypatch)
     freezing = _FreezeAtModel(proxy) if frozen == "at the write" else ScriptedEngine()
     runner = Runner(starting_agent=BOT, session_store=store, engine=freezing)
     session_id = "new" if frozen == "new session" else "s"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from chatflow_sqlalchemy.testing import (
@@ -133,13 +134,51 @@ def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
     except MariaDBUnreachable as exc:
         yield UnreachableHarness(name, str(exc))
         return
-    admin: Engine = request.getfixturevalue("mariadb_admin")
-    database, drop = fresh_database(url, admin)
     target = GENERIC_TARGET if name == "mariadb-generic" else STORE_TARGET
-    spec = StoreSpec(target, (database.render_as_string(hide_password=False),))
-    harness = SpecHarness(name, spec, CAPABILITIES, cleanup=drop)
+    pool = request.getfixturevalue("mariadb_databases")[target]
+    database = pool.take()
+    spec = StoreSpec(target, (_on(url, database),))
+    harness = SpecHarness(name, spec, CAPABILITIES, cleanup=lambda: pool.give_back(database))
     yield harness
     harness.close()
+
+
+def _on(url: URL, database: str) -> str:
+    return url.set(database=database).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def mariadb_databases(mariadb_url: URL, mariadb_admin: Engine) -> Iterator[dict[str, Any]]:
+    """Databases for the harnesses, reused test after test (``mariadb_reuse.py``).
+
+    Keyed by the store's target: the plugin's store and the generic store each get theirs.
+    """
+    from mariadb_reuse import DatabasePool
+
+    def new_database() -> str:
+        name = f"t_{uuid.uuid4().hex}"
+        with mariadb_admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+        return name
+
+    def drop_database(name: str) -> None:
+        with mariadb_admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+
+    def migrator(target: str) -> Callable[[str], None]:
+        def migrate(name: str) -> None:
+            store: Any = StoreSpec(target, (_on(mariadb_url, name),)).open()
+            store.close()
+
+        return migrate
+
+    pools = {
+        target: DatabasePool(mariadb_admin, migrator(target), new_database, drop_database)
+        for target in (STORE_TARGET, GENERIC_TARGET)
+    }
+    yield pools
+    for pool in pools.values():
+        pool.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -31,6 +31,7 @@ from chatflow_sqlalchemy.models import ChatflowProcessedMessage, ChatflowSession
 from chatflow_sqlalchemy.testing.suite import ScriptedEngine
 from sqlalchemy import URL, create_engine, event, inspect, select, text
 
+pytest.importorskip("chatflow_sqlalchemy_mariadb", reason="the MariaDB plugin is not installed")
 from chatflow_sqlalchemy_mariadb import MariaDBSessionStore
 from chatflow_sqlalchemy_mariadb.schema import INFO_TABLE, VERSION_TABLE
 

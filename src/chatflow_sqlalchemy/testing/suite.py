@@ -31,7 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pytest
@@ -2800,7 +2800,9 @@ class TestWebhookClaimsAcrossProcesses(StoreTestBase):
         self, harness: StoreHarness
     ) -> None:
         sid, mid = new_id(), new_id("wamid")
-        worker = start_worker(harness.spec(), sid, [(mid, "hello")], mode="hang", lease_seconds=1)
+        spec = harness.spec()  # the session's turn lease, taken with the claim, lapses soon too
+        spec = replace(spec, kwargs={**spec.kwargs, "turn_lease_seconds": 1.0})
+        worker = start_worker(spec, sid, [(mid, "hello")], mode="hang", lease_seconds=1)
         try:
             assert worker.next_event()[0] == "ready"  # inside the turn, claim held
             os.kill(worker.pid, signal.SIGKILL)
