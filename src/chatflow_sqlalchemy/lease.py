@@ -36,7 +36,6 @@ __all__ = [
     "LEASE_FREE",
     "LEASE_HELD",
     "RELEASE",
-    "RELEASE_HELD",
     "TAKE_VALUES",
     "SessionLeases",
     "free_at",
@@ -79,17 +78,15 @@ _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
 _EXISTS = select(_s.c.session_id).where(_SESSION)
 KEEP_HELD = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
 """Check the lease is still held and move it on (also :meth:`SessionLeases.until_params`):
-the write of a turn run by an inbox batch, which keeps the lease for its reply."""
+a renewal, and an inbox batch's own transactions, which keep the lease for its reply."""
 RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
-RELEASE_HELD = update(_s).where(LEASE_HELD).values(lease_owner=null(), lease_expires_at=null())
-"""Give the lease back only if it is unexpired: a write's check (rowcount 1: still held)."""
 
 
 
 
 def lease_params(lease: Lease) -> dict[str, Any]:
-    """Bind parameters of :data:`LEASE_HELD`, :data:`RELEASE` and :data:`RELEASE_HELD`."""
+    """Bind parameters of :data:`LEASE_HELD` and :data:`RELEASE`."""
     return {
         "sid": lease.session_id,
         "holder_token": lease.owner,
