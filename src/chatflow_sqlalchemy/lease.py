@@ -80,7 +80,7 @@ _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
 _EXISTS = select(_s.c.session_id).where(_SESSION)
 KEEP_HELD = update(_s).where(LEASE_HELD).values(lease_expires_at=_UNTIL)
 """Check the lease is still held and move it on (also :meth:`SessionLeases.until_params`):
-the write of a turn run by an inbox batch, which keeps the lease for its reply."""
+a renewal, and an inbox batch's own transactions, which keep the lease for its reply."""
 RELEASE = update(_s).where(_MINE).values(lease_owner=null(), lease_expires_at=null())
 """Give the lease back (whether or not it expired meanwhile), if it is still this holder's."""
 _UNMAKE = (

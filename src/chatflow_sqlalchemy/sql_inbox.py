@@ -44,7 +44,6 @@ from chatflow_sqlalchemy.inbox import (
     MAX_COALESCE_FACTOR,
     PENDING,
     SENT,
-    BatchFence,
     InboxEntry,
     InboxItem,
     InboxReply,
@@ -58,7 +57,7 @@ from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
 
-__all__ = ["ANSWER_BATCH", "SQLInbox", "answer_batch"]
+__all__ = ["ANSWER_BATCH", "SQLInbox"]
 
 _T = TypeVar("_T")
 
@@ -508,17 +507,3 @@ class SQLInbox:
 
     def _lease_params(self, lease: Lease) -> dict[str, Any]:
         return {**lease_params(lease), **self._leases.until_params()}
-
-
-def answer_batch(conn: Connection, batch: BatchFence, reply: str | None, sealer: Sealer) -> None:
-    """In a turn's write transaction: record the batch's reply and its items answered.
-
-    Raises:
-        LeaseLostError: The batch's items are no longer in flight under its token.
-
-    """
-    sealed = None if reply is None else sealer.seal_text(batch.session_id, reply)
-    params = {"token": batch.token, "reply": sealed, "now": utcnow()}
-    if conn.execute(ANSWER_BATCH, params).rowcount != batch.size:
-        raise LeaseLostError(batch.session_id)
-

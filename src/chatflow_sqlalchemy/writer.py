@@ -104,7 +104,9 @@ class SessionWriter:
         """
         # A claim's reply, also refused before the turn is written if it cannot be
         # stored; an encrypting store keeps only what the block itself stores there.
-        reply = None if fence is None or self._sealer.active else reply_of(pending.tail)
+        reply = None if fence is None else reply_of(pending.tail)
+        if self._sealer.active:
+            reply = None
         answer = None if batch is None else self._answer(batch, reply_of(pending.tail))
         write = self._build(pending, fence, reply, lease, answer)
         while not self._execute(write):
