@@ -1,0 +1,63 @@
+"""A failed first turn leaves no session (issue 28): what ``get_or_create`` does next.
+
+The session does not exist after its failed first turn, so the next
+``get_or_create`` makes it as if new: with that call's agent and metadata
+(and owner), on every store alike, and a failed first turn unmakes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Runner
+
+from chatflow_sqlalchemy.testing import ScriptedEngine
+
+from .stores import Opener
+
+AGENT = Agent(name="support", instructions="help")
+OTHER = Agent(name="sales", instructions="sell")
+
+
+def _runner(store: Any) -> Runner:
+    return Runner(starting_agent=AGENT, engine=ScriptedEngine(), session_store=store)
+
+
+def _fail(store: Any, session_id: str, **kwargs: Any) -> None:
+    with pytest.raises(RuntimeError, match="scripted engine failure"):
+        asyncio.run(_runner(store).run_async(session_id, "fail", **kwargs))
+
+
+def test_get_or_create_makes_it_with_its_own_agent_and_metadata(any_store: Opener) -> None:
+    store = any_store()
+    _fail(store, "s1", metadata={"channel": "web"})
+    ctx = store.get_or_create("s1", OTHER, {"channel": "sms"})
+    assert ctx.active_agent.name == "sales"
+    assert ctx.metadata == {"channel": "sms"}
+    fresh = any_store().get("s1")
+    assert fresh.active_agent.name == "sales" and fresh.metadata == {"channel": "sms"}
+
+
+def test_aget_or_create_makes_it_with_its_own_agent(any_store: Opener) -> None:
+    store = any_store()
+    _fail(store, "a1")
+
+    async def adopt() -> Any:
+        return await store.aget_or_create("a1", OTHER, {"x": 1})
+
+    ctx = asyncio.run(adopt())
+    assert ctx.active_agent.name == "sales" and ctx.metadata == {"x": 1}
+    assert store.get("a1") is ctx and "a1" in store.list_sessions()
+
+
+def test_a_session_made_again_is_unmade_again_by_a_failed_first_turn(any_store: Opener) -> None:
+    store = any_store()
+    _fail(store, "u1")
+    store.get_or_create("u1", OTHER, {"x": 1})
+    assert store.get("u1") is not None
+    _fail(store, "u1")
+    assert store.get("u1") is None and "u1" not in store.list_sessions()
+    asyncio.run(_runner(store).run_async("u1", "hi"))
+    assert store.get("u1") is not None and "u1" in any_store().list_sessions()
