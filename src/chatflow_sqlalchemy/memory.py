@@ -231,8 +231,9 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
                 self._made.add(session_id)
-            elif session_id in self._unborn:  # made again, as if new
-                self._unborn.discard(session_id)
+            elif session_id in self._unborn and not ctx.in_turn:  # made again, as if new
+                ctx.active_agent = default_agent
+                ctx.metadata = dict(metadata or {})  # a write: no longer unborn
                 self._made.add(session_id)
             if user_id is not None:
                 self._users[session_id] = user_id
