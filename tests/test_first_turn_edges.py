@@ -61,3 +61,14 @@ def test_a_session_made_again_is_unmade_again_by_a_failed_first_turn(any_store: 
     assert store.get("u1") is None and "u1" not in store.list_sessions()
     asyncio.run(_runner(store).run_async("u1", "hi"))
     assert store.get("u1") is not None and "u1" in any_store().list_sessions()
+
+
+def test_another_user_may_make_a_session_whose_first_turn_failed(any_store: Opener) -> None:
+    """No store shows the session to its former owner; it keeps no other user out either."""
+    store = any_store()
+    store.get_or_create("s2", AGENT, user_id="alice")
+    _fail(store, "s2")
+    assert store.get("s2") is None and store.list_sessions(user_id="alice") == []
+    ctx = store.get_or_create("s2", AGENT, user_id="bob")
+    assert store.get("s2") is ctx
+    assert store.list_sessions(user_id="bob") == ["s2"]
