@@ -72,3 +72,21 @@ def test_another_user_may_make_a_session_whose_first_turn_failed(any_store: Open
     ctx = store.get_or_create("s2", AGENT, user_id="bob")
     assert store.get("s2") is ctx
     assert store.list_sessions(user_id="bob") == ["s2"]
+
+
+def test_the_next_runner_turn_makes_it_with_its_own_agent_and_metadata(
+    any_store: Opener,
+) -> None:
+    """As in a process that never saw the failed turn: the session is new to this turn.
+
+    ``Runner.run_async`` calls ``get_or_create`` on its running loop, where the
+    store defers the catch-up of a cached context to the turn's start.
+    """
+    store = any_store()
+    _fail(store, "r2", metadata={"a": 1})
+    runner = Runner(starting_agent=OTHER, engine=ScriptedEngine(), session_store=store)
+    reply = asyncio.run(runner.run_async("r2", "hi", metadata={"b": 2}))
+    ctx = any_store().get("r2")
+    assert (reply.content, ctx.active_agent.name, ctx.metadata) == (
+        "sales re: hi", "sales", {"b": 2}
+    )
