@@ -90,3 +90,22 @@ def test_the_next_runner_turn_makes_it_with_its_own_agent_and_metadata(
     assert (reply.content, ctx.active_agent.name, ctx.metadata) == (
         "sales re: hi", "sales", {"b": 2}
     )
+
+
+def check_order_status(order_id: str) -> Any:
+    """An order's status, nested deeper than JSON can be written."""
+    value: Any = order_id
+    for _ in range(600):
+        value = {"a": value}
+    return value
+
+
+def test_a_first_turn_whose_write_is_refused_leaves_no_session(sql_store: Opener) -> None:
+    """The turn failed (its tool result cannot be stored): nothing was ever written."""
+    store = sql_store()
+    agent = Agent(name="support", instructions="help", tools=[check_order_status])
+    runner = Runner(starting_agent=agent, engine=ScriptedEngine(), session_store=store)
+    with pytest.raises(ValueError, match="cannot be stored"):
+        asyncio.run(runner.run_async("deep", "order 42"))
+    assert store.get("deep") is None and store.list_sessions() == []
+    assert sql_store().get("deep") is None
