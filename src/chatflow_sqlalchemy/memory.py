@@ -328,6 +328,13 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._turn_starts[id(ctx)] = ctx.checkpoint()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
+        try:
+            self._end_turn(ctx)
+        except BaseException:  # not kept: a turn that failed, as on the SQL stores
+            await self._adiscard_turn(ctx)
+            raise
+
+    def _end_turn(self, ctx: SessionContext) -> None:
         if ctx.deleted:  # a turn of a session deleted meanwhile is not kept
             raise SessionDeletedError(ctx.session_id)
         start = self._turn_starts.pop(id(ctx), None)
