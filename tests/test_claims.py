@@ -394,7 +394,7 @@ def test_a_claimed_turn_whose_reply_holds_nul_is_not_written(store_opener: Any) 
                 ctx.add_message(Message(role=Role.MODEL, content="a\x00b"))
 
     asyncio.run(main())
-    assert store_opener().get("s").history == []
+    assert store_opener().get("s") is None  # nothing written: a failed first turn leaves none
     with store.claim("m1", session_id="s") as again:
         assert again.acquired
 

@@ -231,8 +231,9 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
                 self._made.add(session_id)
-            elif session_id in self._unborn:  # made again, as if new
-                self._unborn.discard(session_id)
+            elif session_id in self._unborn and not ctx.in_turn:  # made again, as if new
+                ctx.active_agent = default_agent
+                ctx.metadata = dict(metadata or {})  # a write: no longer unborn
                 self._made.add(session_id)
             if user_id is not None:
                 self._users[session_id] = user_id
@@ -327,6 +328,13 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._turn_starts[id(ctx)] = ctx.checkpoint()
 
     async def _aend_turn(self, ctx: SessionContext) -> None:
+        try:
+            self._end_turn(ctx)
+        except BaseException:  # not kept: a turn that failed, as on the SQL stores
+            await self._adiscard_turn(ctx)
+            raise
+
+    def _end_turn(self, ctx: SessionContext) -> None:
         if ctx.deleted:  # a turn of a session deleted meanwhile is not kept
             raise SessionDeletedError(ctx.session_id)
         start = self._turn_starts.pop(id(ctx), None)

@@ -173,18 +173,24 @@ class Turns:
 
         A turn inside a webhook claim block for this session commits the claim
         with it (the claim is found here, in the caller's context); a turn of
-        an inbox batch records the batch's reply and keeps its lease.
+        an inbox batch records the batch's reply and keeps its lease. A write
+        that failed fails the turn: a session made for it is unborn again, as
+        after :meth:`discard`.
         """
         held = self._held.pop(id(ctx))
+        made = ctx.made_version  # a write that stood moved the version past it
         try:
             await held.stop_renewing()
             fence = active_fence(ctx.session_id)
             await self._store._run_blocking(
                 self._store._flush_context, ctx, fence, held.lease, held.batch
             )
+            made = None
         finally:
             if held.ours:
-                await self._give_back(held.lease)
+                await self._give_back(held.lease, made)
+            elif made is not None:
+                await self._run_safely(self.leases.unmake, held.lease, made)
 
     async def discard(self, ctx: SessionContext, made: int | None = None) -> None:
         """After a turn ended by an exception: write nothing, give the lease back.
