@@ -29,6 +29,6 @@ def test_an_encrypting_store_refuses_a_claimed_nul_reply_before_writing(sql_stor
                 ctx.add_message(Message(role=Role.MODEL, content="a\x00b"))
 
     asyncio.run(main())
-    assert sql_store(cipher=cipher).get("s").history == []
+    assert sql_store(cipher=cipher).get("s") is None, "nothing written: no session is left"
     with store.claim("m1", session_id="s") as again:
         assert again.acquired
