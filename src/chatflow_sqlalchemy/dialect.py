@@ -160,7 +160,9 @@ class SessionWrite:
         batch: The inbox batch the turn answers (``token``, ``reply``, ``now``,
             ``size``: how many in-flight items hold the token), or None.
         steps: The same write as portable statements, in order: what
-            :meth:`DialectSupport.execute_write` runs by default.
+            :meth:`DialectSupport.execute_write` runs by default (empty for a
+            backend whose ``one_statement_write`` is True: a write run in
+            autocommit cannot be several statements).
 
     """
 

@@ -131,7 +131,7 @@ class SessionWriter:
         lease: Lease | None,
         answer: dict[str, Any] | None,
     ) -> SessionWrite:
-        """The write of ``pending``, with its portable statements."""
+        """The write of ``pending`` (with its portable statements, where the backend runs them)."""
         now = utcnow()
         archived, waiting = self._to_archive(pending)
         summary = None
@@ -153,6 +153,8 @@ class SessionWriter:
             keep_lease=lease is not None and lease.kept,
             batch=None if answer is None else {**answer, "now": now},
         )
+        if self._support.one_statement_write:
+            return write  # its one statement is built from the fields, not the steps
         return replace(write, steps=portable_steps(write))
 
     def _execute(self, write: SessionWrite) -> bool:
