@@ -159,29 +159,30 @@ sessions = Table(
     Index(None, "forked_from"),
 )
 
+def _message_columns() -> list[Column[Any]]:
+    """The columns of a message row, in the window and in the archive alike."""
+    return [
+        Column("id", MessageId, primary_key=True, autoincrement=True),
+        Column("session_id", String(_ID), _session_ref(), nullable=False),
+        Column("seq", BigInteger, nullable=False),
+        Column("role", String(16), nullable=False),
+        Column("content", LongText, nullable=True),
+        Column("message_json", LongText, nullable=False),
+        Column("created_at", UTCDateTime, nullable=False),
+    ]
+
+
 messages = Table(
     "chatflow_messages",
     metadata,
-    Column("id", MessageId, primary_key=True, autoincrement=True),
-    Column("session_id", String(_ID), _session_ref(), nullable=False),
-    Column("seq", BigInteger, nullable=False),
-    Column("role", String(16), nullable=False),
-    Column("content", LongText, nullable=True),
-    Column("message_json", LongText, nullable=False),
-    Column("created_at", UTCDateTime, nullable=False),
+    *_message_columns(),
     UniqueConstraint("session_id", "seq"),
 )
 
 message_archive = Table(
     "chatflow_message_archive",
     metadata,
-    Column("id", MessageId, primary_key=True, autoincrement=True),
-    Column("session_id", String(_ID), _session_ref(), nullable=False),
-    Column("seq", BigInteger, nullable=False),
-    Column("role", String(16), nullable=False),
-    Column("content", LongText, nullable=True),
-    Column("message_json", LongText, nullable=False),
-    Column("created_at", UTCDateTime, nullable=False),
+    *_message_columns(),
     Column("archived_at", UTCDateTime, nullable=False),
     Column("pending_summary", Boolean, nullable=False, server_default="0"),
     Index(None, "session_id", "seq"),
