@@ -501,6 +501,43 @@ def test_a_task_handle_spawned_runs_its_later_turn_under_its_own_lease(any_store
     assert _user_texts(store, "alice") == ["hello", "follow-up"]
 
 
+def test_a_turn_begun_while_the_batch_sends_its_reply_takes_its_own_lease(
+    any_store: Any,
+) -> None:
+    """A turn begun after ``handle`` returned, while the batch still sends, waits for the lease.
+
+    The batch keeps the session's lease until its reply is sent. A turn of another task
+    begun then (here from ``send``) must wait for the batch to give the lease back and
+    take its own, not use the batch's: the batch's release would take it from under the
+    turn, whose write would then be lost with ``LeaseLostError``."""
+    store = any_store()
+    store.inbox.put("m1", session_id="alice", text="hello")
+    follow_ups: list[asyncio.Task[Any]] = []
+
+    async def scenario() -> None:
+        serve_over = asyncio.Event()
+
+        async def after_the_batch() -> None:
+            if follow_ups:  # the follow-up's model call outlasts the batch's release
+                await serve_over.wait()
+                await asyncio.sleep(0.3)
+
+        runner = Runner(starting_agent=Agent(name="Bot", instructions=""), session_store=store,
+                        engine=ReplyModel(before_reply=after_the_batch))
+
+        async def send(reply: InboxReply) -> None:
+            follow_ups.append(asyncio.ensure_future(
+                runner.run_async(session_id="alice", user_message="follow-up")))
+            await asyncio.sleep(0.1)  # the follow-up's turn begins while the batch sends
+
+        await _serve_until(store, _turn(runner), {"m1": "sent"}, send=send)
+        serve_over.set()
+        await asyncio.wait_for(follow_ups[0], _HANG_GUARD)
+
+    asyncio.run(scenario())
+    assert _user_texts(store, "alice") == ["hello", "follow-up"]
+
+
 def test_one_stalled_session_does_not_starve_the_others(open_store: Any) -> None:
     """A session with an unsent reply from before a key rotation does not starve the others.
 

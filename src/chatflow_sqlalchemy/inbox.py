@@ -51,7 +51,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
@@ -254,7 +254,6 @@ class BatchFence:
         lease: The session's lease, held by the batch (the turn keeps it).
         token: The batch's token, on its items' rows.
         size: How many items the batch holds.
-        open: The batch still runs (a task ``handle`` started may outlive it).
 
     """
 
@@ -262,7 +261,11 @@ class BatchFence:
     lease: Lease
     token: str
     size: int
-    open: bool = field(default=True)
+
+    @property
+    def open(self) -> bool:
+        """``handle`` still runs (a task it started may outlive it)."""
+        return self.lease.shared
 
 
 _BATCH: contextvars.ContextVar[BatchFence | None] = contextvars.ContextVar(
@@ -685,6 +688,7 @@ class _Worker:
         batch = InboxBatch(lease.session_id, items)
         fence = BatchFence(lease.session_id, lease, token, len(items))
         system = self._inbox.system
+        lease.shared = True
         reset = _BATCH.set(fence)
         try:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
@@ -700,7 +704,7 @@ class _Worker:
             await self._failed(lease, token, items, exc)
             return
         finally:
-            fence.open = False  # a task handle started outside the batch takes its own lease
+            lease.shared = False  # a task handle started takes its own lease from now on
             _BATCH.reset(reset)
         if reply is not None and not isinstance(reply, str):
             await self._failed(lease, token, items, TypeError(

@@ -114,11 +114,12 @@ class Turns:
             self._offered[lease.session_id] = (lease, time.monotonic())
 
     def lend(self, lease: Lease) -> None:
-        """An inbox batch of this store holds ``lease``: this store's turns on it use it.
+        """An inbox batch holds ``lease``: this store's turns use it while ``handle`` runs.
 
         A turn of another task (or a thread) on the batch's session would
         otherwise wait for the lease while holding ``session.lock``, which the
-        batch's own turn then waits for.
+        batch's own turn then waits for. Once ``handle`` returned, the batch
+        gives the lease back after sending: a turn begun then takes its own.
         """
         self._lent[lease.session_id] = lease
 
@@ -230,7 +231,9 @@ class Turns:
             attempts = 0
             while True:
                 attempts += 1
-                lease = self._lent.get(session_id) or await self._take_once(session_id)
+                lent = self._lent.get(session_id)
+                lease = lent if lent is not None and lent.shared else None
+                lease = lease or await self._take_once(session_id)
                 if lease is not None:
                     op.set("chatflow.lease.attempts", attempts)
                     return lease

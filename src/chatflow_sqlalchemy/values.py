@@ -146,6 +146,8 @@ class Lease:
         released: The turn's write gave the lease back.
         kept: An inbox batch holds it beyond its turns: a turn's write checks
             it and keeps it, and only the batch gives it back.
+        shared: The batch's ``handle`` runs: the store's turns on the session
+            in other tasks use this lease instead of waiting for it.
 
     """
 
@@ -155,6 +157,7 @@ class Lease:
     version: int
     released: bool = False
     kept: bool = False
+    shared: bool = False
 
 
 def validate_id(value: object, name: str) -> str:
