@@ -1,11 +1,4 @@
-"""The async API of every store, written once.
-
-Each ``a``-method runs its sync twin through the store's ``_run_blocking``:
-the SQL stores run it off the event loop (their I/O threads, or a greenlet on
-a native async driver), the in-memory store runs it in place. A store that
-derives from :class:`AsyncStoreAPI` writes the sync method and gets the async
-one; only ``aclose``, whose work differs per store, is its own.
-"""
+"""The async API of every store, written once: each ``a``-method runs its sync twin."""
 
 from __future__ import annotations
 
