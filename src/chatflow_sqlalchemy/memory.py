@@ -8,7 +8,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatflow_agent import Agent, Message
@@ -538,8 +537,11 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         validate_message_id(message_id)
         with self._lock:
             self._check_open()
-            stamp = self._processed.get(message_id)
-            return stamp is not None and time.monotonic() - stamp <= self._ttl_seconds
+            return self._fresh(message_id, time.monotonic())
+
+    def _fresh(self, message_id: str, now: float) -> bool:
+        stamp = self._processed.get(message_id)
+        return stamp is not None and now - stamp <= self._ttl_seconds
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now."""
@@ -554,11 +556,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         now = time.monotonic()
         with self._lock:
             self._check_open()
-            stamp = self._processed.get(message_id)
-            if stamp is not None and now - stamp <= self._ttl_seconds:
-                return False
-            self._remember(message_id, now)
-            return True
+            fresh = self._fresh(message_id, now)
+            if not fresh:
+                self._remember(message_id, now)
+            return not fresh
 
     def _remember(self, message_id: str, now: float) -> None:
         self._processed.pop(message_id, None)
@@ -614,24 +615,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._updated.clear()
             self._processed.clear()
         self._inbox_rows.clear()
-
-    def __enter__(self) -> SessionStore:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> SessionStore:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""
