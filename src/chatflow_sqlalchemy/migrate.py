@@ -197,7 +197,7 @@ class MigrationChain:
     distribution: str = ""
 
     def __post_init__(self) -> None:
-        if self.dialects is not None and not isinstance(self.dialects, frozenset):
+        if self.dialects is not None:
             object.__setattr__(self, "dialects", frozenset(self.dialects))
 
     @property
@@ -440,7 +440,7 @@ def _script(chain: MigrationChain | None = None) -> ScriptDirectory:
 
 @contextmanager
 def locked_connection(engine: Engine, support: DialectSupport) -> Iterator[Connection]:
-    """A connection inside one transaction that holds the migration lock."""
+    """A connection inside one transaction that holds the migration lock (FKs checked at end)."""
     with engine.execution_options(chatflow_write=True).connect() as conn:
         support.begin_migration(conn)
         try:

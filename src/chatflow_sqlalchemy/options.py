@@ -49,23 +49,18 @@ class StoreOptions:
     Attributes:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window in the
-            archive table (read back by ``transcript()``) instead of deleting them.
-        turn_lease_seconds: How long a turn's lease on its session lasts
-            without renewal (it is renewed while the turn runs): a worker
-            that dies mid-turn frees its session after this long.
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        session_ttl_hours: ``sweep()`` removes sessions not updated for this
+            many hours; None (the default) keeps them forever.
+        archive_pruned: Archive what pruning drops (for ``transcript()``), not delete it.
+        turn_lease_seconds: How long a turn's lease lasts without renewal: a
+            worker that dies mid-turn frees its session after this long.
+        summarizer: An async ``(previous_summary, dropped) -> str`` that
+            summarizes what pruning drops (:mod:`~chatflow_sqlalchemy.summaries`).
         auto_migrate: SQL stores: create or upgrade the schema on open (True),
-            or refuse a missing or old schema with
-            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
-            nothing (False); None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
-            (``0/false/no/off`` turn it off; unset means on).
+            or refuse an old or missing one with ``SchemaError`` (False); None
+            reads ``CHATFLOW_AUTO_MIGRATE``.
         cipher: SQL stores: an :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`
-            that encrypts message content and metadata at rest.
+            encrypting content and metadata at rest.
         require_encryption: SQL stores: refuse plaintext rows with ``CorruptRowError``.
 
     Raises:

@@ -86,9 +86,8 @@ def register(name: str, target: str | type[DialectSupport]) -> None:
     Args:
         name: Dialect name (``make_url(url).get_backend_name()``).
         target: The backend's :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
-            subclass, or ``"module:Class"`` to import it lazily. (A store class
-            is still accepted, with a :class:`DeprecationWarning` when it is
-            loaded, until the next release.)
+            subclass, or ``"module:Class"`` to import it lazily (a store class:
+            deprecated, with a warning).
 
     """
     with _lock:
