@@ -7,9 +7,8 @@ Drop-in ``session_store=`` for ``chatflow_agent.Runner``::
 
     runner = Runner(starting_agent=agent, session_store=SQLiteSessionStore("chat.db"))
 
-Names are imported lazily (PEP 562): ``import chatflow_sqlalchemy`` costs
-nothing until a name is used, so the auto-loaded pytest plugin stays light and
-a missing database driver never breaks the import.
+Names are imported lazily (PEP 562): the import costs nothing until a name is
+used, and a missing database driver never breaks it.
 """
 
 from __future__ import annotations
@@ -45,66 +44,35 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_EXCEPTIONS = "chatflow_sqlalchemy.exceptions"
-_LAZY: dict[str, str] = {
-    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.claims",
-    "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
-    "SQLiteSessionStore": "chatflow_sqlalchemy.backends.sqlite",
-    "PostgresSessionStore": "chatflow_sqlalchemy.backends.postgresql",
-    "SessionStore": "chatflow_sqlalchemy.memory",
-    "SessionContext": "chatflow_sqlalchemy.context",
-    "WebhookClaim": "chatflow_sqlalchemy.claims",
-    "Inbox": "chatflow_sqlalchemy.inbox",
-    "InboxBatch": "chatflow_sqlalchemy.inbox",
-    "InboxItem": "chatflow_sqlalchemy.inbox",
-    "InboxReply": "chatflow_sqlalchemy.inbox",
-    "Summarizer": "chatflow_sqlalchemy.summaries",
-    "available_backends": "chatflow_sqlalchemy.registry",
-    "open_store": "chatflow_sqlalchemy.opening",
-    "register": "chatflow_sqlalchemy.registry",
-    "BackendImportError": _EXCEPTIONS,
-    "BackendNotFoundError": _EXCEPTIONS,
-    "ChatflowStoreError": _EXCEPTIONS,
-    "ClaimLostError": _EXCEPTIONS,
-    "CorruptRowError": _EXCEPTIONS,
-    "DatabaseUnavailableError": _EXCEPTIONS,
-    "DatabaseURLError": _EXCEPTIONS,
-    "DuplicateBackendError": _EXCEPTIONS,
-    "LeaseLostError": _EXCEPTIONS,
-    "SchemaAheadError": _EXCEPTIONS,
-    "SchemaError": _EXCEPTIONS,
-    "SessionDeletedError": _EXCEPTIONS,
+_MODULES: dict[str, tuple[str, ...]] = {
+    "claims": ("DEFAULT_DEDUP_TTL_HOURS", "WebhookClaim"),
+    "store": ("SQLAlchemySessionStore",),
+    "backends.sqlite": ("SQLiteSessionStore",),
+    "backends.postgresql": ("PostgresSessionStore",),
+    "memory": ("SessionStore",),
+    "context": ("SessionContext",),
+    "inbox": ("Inbox", "InboxBatch", "InboxItem", "InboxReply"),
+    "summaries": ("Summarizer",),
+    "registry": ("available_backends", "register"),
+    "opening": ("open_store",),
+    "exceptions": (
+        "BackendImportError", "BackendNotFoundError", "ChatflowStoreError", "ClaimLostError",
+        "CorruptRowError", "DatabaseUnavailableError", "DatabaseURLError",
+        "DuplicateBackendError", "LeaseLostError", "SchemaAheadError", "SchemaError",
+        "SessionDeletedError",
+    ),
 }
+_LAZY = {name: f"chatflow_sqlalchemy.{module}" for module, names in _MODULES.items()
+         for name in names}
 
 __all__ = [
-    "DEFAULT_DEDUP_TTL_HOURS",
-    "BackendImportError",
-    "BackendNotFoundError",
-    "ChatflowStoreError",
-    "ClaimLostError",
-    "CorruptRowError",
-    "DatabaseURLError",
-    "DatabaseUnavailableError",
-    "DuplicateBackendError",
-    "Inbox",
-    "InboxBatch",
-    "InboxItem",
-    "InboxReply",
-    "LeaseLostError",
-    "PostgresSessionStore",
-    "SQLAlchemySessionStore",
-    "SQLiteSessionStore",
-    "SchemaAheadError",
-    "SchemaError",
-    "SessionContext",
-    "SessionDeletedError",
-    "SessionStore",
-    "Summarizer",
-    "WebhookClaim",
-    "__version__",
-    "available_backends",
-    "open_store",
-    "register",
+    "DEFAULT_DEDUP_TTL_HOURS", "BackendImportError", "BackendNotFoundError",
+    "ChatflowStoreError", "ClaimLostError", "CorruptRowError", "DatabaseURLError",
+    "DatabaseUnavailableError", "DuplicateBackendError", "Inbox", "InboxBatch", "InboxItem",
+    "InboxReply", "LeaseLostError", "PostgresSessionStore", "SQLAlchemySessionStore",
+    "SQLiteSessionStore", "SchemaAheadError", "SchemaError", "SessionContext",
+    "SessionDeletedError", "SessionStore", "Summarizer", "WebhookClaim", "__version__",
+    "available_backends", "open_store", "register",
 ]
 
 

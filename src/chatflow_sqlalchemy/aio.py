@@ -1,11 +1,4 @@
-"""The async API of every store, written once.
-
-Each ``a``-method runs its sync twin through the store's ``_run_blocking``:
-the SQL stores run it off the event loop (their I/O threads, or a greenlet on
-a native async driver), the in-memory store runs it in place. A store that
-derives from :class:`AsyncStoreAPI` writes the sync method and gets the async
-one; only ``aclose``, whose work differs per store, is its own.
-"""
+"""The async API of every store, written once: each ``a``-method runs its sync twin."""
 
 from __future__ import annotations
 
@@ -14,11 +7,15 @@ import asyncio
 import functools
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatflow_agent import Agent, BaseSessionStore, Message
 
 from chatflow_sqlalchemy.context import SessionContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["AsyncStoreAPI"]
 
@@ -26,7 +23,36 @@ _T = TypeVar("_T")
 
 
 class AsyncStoreAPI(BaseSessionStore):
-    """The ``a``-methods of a store, each its sync twin run by :meth:`_run_blocking`."""
+    """The ``a``-methods of a store, each its sync twin run by :meth:`_run_blocking`.
+
+    A store is also a context manager (``with`` and ``async with``) that closes on exit.
+    """
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the store holds; later calls raise ``RuntimeError``."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Async :meth:`close`."""
 
     @abc.abstractmethod
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:

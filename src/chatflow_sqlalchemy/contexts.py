@@ -1,11 +1,4 @@
-"""The live contexts of a SQL store, and the agents their stored names stand for.
-
-One context per session per store (DESIGN item 3): :class:`ContextCache` hands
-out the same :class:`~chatflow_sqlalchemy.context.SessionContext` while anyone
-holds it, and keeps the most recently used ones alive a while longer.
-:class:`AgentResolver` maps the ``active_agent_name`` of a row back to an
-``Agent`` (DESIGN item 5).
-"""
+"""The live contexts of a SQL store (one per session, DESIGN item 3), and their agents (item 5)."""
 
 from __future__ import annotations
 
@@ -27,9 +20,7 @@ logger = logging.getLogger("chatflow_sqlalchemy")
 class ContextCache:
     """The contexts of one store by session id: weakly held, the newest ``size`` strongly.
 
-    Thread-safe. A forgotten context is marked deleted, so whoever still
-    holds it gets ``SessionDeletedError`` instead of writing to a session
-    that is gone.
+    A forgotten context is marked deleted, so its holders get ``SessionDeletedError``.
     """
 
     def __init__(self, size: int) -> None:
@@ -63,11 +54,7 @@ class ContextCache:
             return ctx
 
     def forget(self, session_id: str, only: SessionContext | None = None) -> None:
-        """Drop ``session_id``'s context and mark it deleted.
-
-        ``only``: drop it only if it is that context (a stale one found its
-        session gone; a newer context of the session stays).
-        """
+        """Drop ``session_id``'s context (only if it is ``only``, if given); mark it deleted."""
         with self._lock:
             ctx = self._live.get(session_id)
             if only is not None and ctx is not only:
@@ -102,11 +89,9 @@ class AgentResolver:
         self._warned: set[str] = set()
 
     def __call__(self, name: str, default: Agent | None) -> Agent:
-        """The Agent named ``name``; ``default`` if it has that name and no resolver knows it.
+        """The Agent named ``name``: the resolver's, else ``default`` of that name (or unnamed).
 
-        Without either, a temporary agent of that name without tools, with a
-        warning logged once per name. An empty name (a session the inbox
-        created before its first turn) stands for ``default``.
+        Else a temporary agent without tools, with a warning once per name.
         """
         if not name and default is not None:
             return default

@@ -1,21 +1,9 @@
 """AES-GCM encryption of stored text, with named keys for rotation.
 
-``AESGCMCipher(keys={"k1": key_bytes}, primary="k1")`` encrypts with the
-primary key and decrypts with any key it holds, so a key can be rotated:
-add the new key as primary, keep the old ones for reading, re-encrypt, then
-drop the old ones. Every token names its key id::
-
-    cfenc:1:<key id>:<base64url(12-byte nonce || ciphertext || 16-byte tag)>
-
-Associated data (for the stores: the session id) is authenticated but not
-stored, so a token copied to another session does not decrypt there.
-
-The ``cryptography`` package is an optional extra: this module imports
-without it, and building a cipher says which extra to install.
-
-Keys from the environment: ``CHATFLOW_KEYS="k2:<base64>,k1:<base64>"`` (the
-first is the primary), read by :meth:`AESGCMCipher.from_env`; a key is 16,
-24 or 32 random bytes (AES-128/192/256), e.g. ``base64.b64encode(os.urandom(32))``.
+Every token names its key id (``cfenc:1:<key id>:<base64url(nonce || ciphertext
+|| tag)>``); associated data (the session id) is authenticated but not stored,
+so a token copied to another session does not decrypt there. ``cryptography``
+is an optional extra: building a cipher without it names the extra.
 """
 
 from __future__ import annotations
@@ -33,14 +21,8 @@ if TYPE_CHECKING:  # defined there: importing the errors loads chatflow-agent, r
     from chatflow_sqlalchemy.exceptions import CipherError, MissingKeyError
 
 __all__ = [
-    "CRYPTO_INSTALL_HINT",
-    "KEYS_ENV_VAR",
-    "TOKEN_PREFIX",
-    "AESGCMCipher",
-    "CipherError",
-    "MissingKeyError",
-    "is_encrypted",
-    "token_key_id",
+    "CRYPTO_INSTALL_HINT", "KEYS_ENV_VAR", "TOKEN_PREFIX", "AESGCMCipher", "CipherError",
+    "MissingKeyError", "is_encrypted", "token_key_id",
 ]
 
 CRYPTO_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[crypto]'"

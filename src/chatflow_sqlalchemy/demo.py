@@ -1,22 +1,9 @@
 """An offline, deterministic tour of chatflow-sqlalchemy driving the real Runner.
 
-``chatflow-sqlalchemy demo`` (or :func:`run_demo`) runs a two-agent support bot
-(``Support`` with an order-status tool, ``Billing`` with a refund tool, each able
-to hand off to the other) on an embedded SQLite file through the real
-``chatflow_agent.Runner``. The LLM is replaced by
-:class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine`, which plays the
-steps written in each user message ("... transfer to billing then refund 49"),
-so the demo needs no network and no key.
-
-It shows, step by step: a tool call, a handoff, a process restart that
-reloads the session (with the active agent and its tools), turn-safe pruning
-to ``max_turns``, webhook deduplication and the rollback of a failing turn;
-then webhook claims: a turn that failed (the model provider is down) retried
-by the platform and processed once, and a burst of messages, each delivered to
-three handlers at once, processed once each and in order; last, a summary of
-what pruning dropped, written by a summarizer that asks the demo's own engine,
-shown to the model and kept across a restart.
-Every claim it prints is also checked; a failed check raises :class:`DemoError`.
+``chatflow-sqlalchemy demo`` runs a two-agent support bot on an embedded
+SQLite file; :class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine`
+plays the steps written in each user message, so no network or key is
+needed. Every claim it prints is also checked (:class:`DemoError`).
 """
 
 from __future__ import annotations
@@ -37,11 +24,7 @@ from chatflow_sqlalchemy.summaries import Summarizer
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 
 __all__ = [
-    "DEMO_MAX_TURNS",
-    "DEMO_SESSION_ID",
-    "DemoError",
-    "build_agents",
-    "engine_summarizer",
+    "DEMO_MAX_TURNS", "DEMO_SESSION_ID", "DemoError", "build_agents", "engine_summarizer",
     "run_demo",
 ]
 
@@ -114,11 +97,8 @@ def build_agents() -> dict[str, Agent]:
 def engine_summarizer(engine: BaseEngine) -> Summarizer:
     """A store ``summarizer`` that asks ``engine`` for the summary, as a Runner asks it for a turn.
 
-    The prompt is what the user said in the dropped turns (after the summary so
-    far), sent as one USER message to an agent of its own; the engine's text is
-    the new summary. A real model rewrites it; the demo's
-    :class:`~chatflow_sqlalchemy.testing.engines.ScriptedEngine` answers
-    ``"Summarizer re: <prompt>"``, so the summary keeps the user's words.
+    The prompt (the summary so far, then what the user said in the dropped
+    turns) goes as one USER message; the engine's text is the new summary.
     """
     agent = Agent(
         name="Summarizer",
@@ -210,13 +190,16 @@ class _Demo:
         self.engine = ScriptedEngine()
         self.store = SQLiteSessionStore(db_path, default_max_turns=DEMO_MAX_TURNS)
         self.agents = build_agents()
-        self.runner = Runner(
-            starting_agent=self.agents["Support"], session_store=self.store, engine=self.engine
-        )
+        self.runner = self.new_runner()
 
     def heading(self, text: str) -> None:
         self.out("")
         self.out(text)
+
+    def new_runner(self) -> Runner:
+        return Runner(
+            starting_agent=self.agents["Support"], session_store=self.store, engine=self.engine
+        )
 
     def history(self) -> list[Message]:
         session = self.store.get(DEMO_SESSION_ID)
@@ -285,9 +268,7 @@ class _Demo:
         self.out("  store closed (simulated process exit)")
         self.store = self.reopen()
         self.agents = build_agents()
-        self.runner = Runner(
-            starting_agent=self.agents["Support"], session_store=self.store, engine=self.engine
-        )
+        self.runner = self.new_runner()
         agent = self.active_agent()
         tools = [tool.name for tool in agent.get_all_tools()]
         _check(agent is self.agents["Billing"], "the new Runner's Billing agent was resolved")

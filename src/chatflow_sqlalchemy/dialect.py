@@ -1,17 +1,10 @@
 """What differs per database dialect, behind one small interface.
 
-The generic store (``store.py``) writes every query once against SQLAlchemy
-Core. A :class:`DialectSupport` subclass in ``backends/`` holds only what
-cannot be portable: engine options and per-connection setup, the atomic
-upsert forms, how a write transaction takes its locks, and how migrations
-are serialised across processes.
-
-A :class:`DialectSupport` subclass is also what a backend *is*: the registry
-(:mod:`chatflow_sqlalchemy.registry`) maps a backend name to it, and its
-:attr:`DialectSupport.store_class` names the store class ``open_store``
-opens. That class is named by a ``"module:Class"`` string, imported only
-when a store is opened, so neither this module nor the registry imports a
-store.
+The generic store writes every query once against SQLAlchemy Core; a
+:class:`DialectSupport` subclass holds only what cannot be portable (engine
+setup, atomic upserts, locking, migration serialisation). It is also what a
+backend *is*: the registry maps a name to it, and its ``store_class``
+(``"module:Class"``, imported when a store opens) names the store class.
 """
 
 from __future__ import annotations
@@ -46,15 +39,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql.dml import Delete, Insert
 
 __all__ = [
-    "IDLE_PING_SECONDS",
-    "RECLAIMED_AS_DONE",
-    "AcquiredClaim",
-    "DialectSupport",
-    "SessionWrite",
-    "WriteStep",
-    "first_time_on",
-    "on_conflict_acquire",
-    "ping_when_idle",
+    "IDLE_PING_SECONDS", "RECLAIMED_AS_DONE", "AcquiredClaim", "DialectSupport", "SessionWrite",
+    "WriteStep", "first_time_on", "on_conflict_acquire", "ping_when_idle",
 ]
 
 IDLE_PING_SECONDS = 1.0
@@ -66,9 +52,8 @@ RECLAIMED_AS_DONE: dict[str, Any] = {
         "token", "session_id", "ticket", "lease_expires_at", "claimed_at", "response"
     )},
 }
-"""What ``record_processed_message`` sets besides ``processed_at`` when it takes an
-expired id again: a plain done row, nothing left of an earlier ``store.claim``.
-Constants are inline SQL, not anonymous binds: one cached statement whatever they are."""
+"""What ``record_processed_message`` sets besides ``processed_at`` when it takes an expired id
+again: a plain done row (inline SQL constants: one cached statement)."""
 
 
 @dataclass(frozen=True)
@@ -77,26 +62,19 @@ class AcquiredClaim:
 
     Attributes:
         acquired: The claim was taken (inserted or taken over).
-        ticket: Its place in its session's order; None when the statement
-            cannot return it (the store reads it afterwards).
+        ticket: Its place in its session's order; None: the store reads it afterwards.
         earlier_in_flight: Whether an earlier claim of the session was in
-            flight, for a backend whose acquire statement looks (it must look
-            in a snapshot that sees every claim with a smaller ticket); None:
+            flight (seen in a snapshot that sees every smaller ticket); None:
             the store looks with a statement of its own.
-        session_checked: The statement also read the claimed session's
-            version (``session_version``, None: no such session): the claim
-            block's first ``get_or_create`` uses it (the turn's lease reads
-            the version again before the turn).
+        session_checked: The statement also read the session's version
+            (``session_version``, None: no such session), for the claim
+            block's first ``get_or_create``.
         session_version: See ``session_checked``.
-        partition_day: The day partition the claim's row is in, for a backend
-            whose claims table is partitioned by day (None elsewhere): the
-            turn's write names it, so the database looks in that partition
-            alone rather than planning for every one.
-        lease_fence: The statement also took the claimed session's turn lease
-            (free, and no earlier claim of the session in flight), as
-            :mod:`chatflow_sqlalchemy.lease` takes it: its fence. The
-            store's next turn on the session uses that lease (the claim
-            gives it back if none did); None: the turn takes its own.
+        partition_day: The day partition of the claim's row (a claims table
+            partitioned by day, else None): the turn's write names it.
+        lease_fence: The fence of the session's turn lease, when the
+            statement also took it (free, no earlier claim in flight); the
+            next turn on the session uses it. None: the turn takes its own.
 
     """
 
@@ -127,10 +105,7 @@ class WriteStep:
 
 @dataclass(frozen=True)
 class SessionWrite:
-    """One write of a session, for :meth:`DialectSupport.execute_write`.
-
-    The store builds it once from what a context changed; a backend runs
-    it all or nothing. Values are sealed already where the store encrypts.
+    """One write of a session (values already sealed), run all or nothing by a backend.
 
     Attributes:
         swap: Parameters of the session row's compare-and-swap: ``sid``,
@@ -143,26 +118,19 @@ class SessionWrite:
             ``content``, ``message_json``, ``created_at``.
         archived: Seqs of rows to copy into the archive before they are deleted.
         waiting: Seqs of rows to archive as waiting for the session's summary.
-        summary: The session's new summary (``summary``, ``through``: the
-            seq it runs through), None when unchanged. Archived rows waiting
-            for it up to ``through`` stop waiting; with ``keep`` False they
-            are deleted. ``archived`` and ``waiting`` already account for it.
-        fence: Parameters of the turn's claim fence (``claim_id``,
-            ``claim_token``, ``claim_now``, ``claim_reply``: the reply stored
-            with the claim), None for a turn without a claim.
-        lease: Parameters of the turn's lease check
-            (:func:`chatflow_sqlalchemy.lease.lease_params`: ``sid``,
-            ``holder_token``, ``holder_fence``, ``lease_now``; with
-            ``keep_lease`` also ``lease_until`` and ``turn_lease_seconds``),
+        summary: The new summary (``summary``, ``through``: the seq it runs
+            through; rows waiting up to it stop waiting, deleted unless
+            ``keep``), None when unchanged.
+        fence: The turn's claim fence (``claim_id``, ``claim_token``,
+            ``claim_now``, ``claim_reply``), None for a turn without a claim.
+        lease: The turn's lease check (:func:`chatflow_sqlalchemy.lease.lease_params`),
             None for a write outside a turn.
-        keep_lease: The lease is moved on rather than given back (the turn of
-            an inbox batch keeps it for the batch's reply).
+        keep_lease: The lease is moved on, not given back (an inbox batch's turn).
         batch: The inbox batch the turn answers (``token``, ``reply``, ``now``,
-            ``size``: how many in-flight items hold the token), or None.
-        steps: The same write as portable statements, in order: what
-            :meth:`DialectSupport.execute_write` runs by default (empty for a
-            backend whose ``one_statement_write`` is True: a write run in
-            autocommit cannot be several statements).
+            ``size``), or None.
+        steps: The same write as portable statements, in order, which
+            :meth:`DialectSupport.execute_write` runs by default (empty when
+            ``one_statement_write``).
 
     """
 
@@ -185,32 +153,24 @@ class DialectSupport:
 
     Attributes:
         name: The SQLAlchemy dialect name this support handles.
-        store_class: The store class ``open_store`` opens for this backend
-            (its ``from_url(url, **kwargs)``): ``"module:Class"``, imported
-            when a store is opened, or the class itself. Default: the
-            generic :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`,
-            which takes everything it needs of the database from this
-            support; a backend names its own class only for what that class
-            adds (a URL with its driver, extra methods).
-        default_driver: The DBAPI a URL that names none runs on (``"pymysql"``:
+        store_class: The store class ``open_store`` opens (its ``from_url``):
+            ``"module:Class"`` (imported when a store opens) or the class.
+            Default: the generic :class:`~chatflow_sqlalchemy.store.SQLAlchemySessionStore`;
+            name your own only for what it adds (a URL with its driver, methods).
+        default_driver: The DBAPI of a URL that names none (``"pymysql"``:
             ``mysql://`` is ``mysql+pymysql://``); None keeps SQLAlchemy's default.
-        expires_processed_whole: True when :meth:`drop_expired_processed`
-            removes expired dedup rows in bulk (PostgreSQL's day partitions):
-            the store's own periodic purge then leaves every row to it, and
-            only an explicit ``purge_processed_messages()`` deletes the rest
-            (the cutoff's own day) row by row.
-        one_statement_write: True when :meth:`execute_write` sends each write
-            as one atomic statement: the store runs it in autocommit, without
-            ``BEGIN`` and ``COMMIT`` round trips.
+        expires_processed_whole: :meth:`drop_expired_processed` removes
+            expired dedup rows in bulk, so the periodic purge leaves them to it.
+        one_statement_write: :meth:`execute_write` sends each write as one
+            atomic statement, run in autocommit.
 
     """
 
     name: str = "generic"
     store_class: ClassVar[str | type[Any]] = "chatflow_sqlalchemy.store:SQLAlchemySessionStore"
     install_hint: str = ""
-    """What to install when the dialect's driver is missing; a store that creates its
-    engine raises :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with it
-    (empty: the driver's ``ImportError`` propagates as it is)."""
+    """What to install when the driver is missing (in the ``BackendImportError``; empty:
+    the driver's ``ImportError`` propagates)."""
     default_driver: str | None = None
     expires_processed_whole: bool = False
     one_statement_write: bool = False
@@ -226,17 +186,11 @@ class DialectSupport:
     def execute_write(self, connection: Connection, write: SessionWrite) -> bool:
         """Run one session write, all of it or (returning False) nothing of it.
 
-        The store calls it for every write, in a write transaction (in
-        autocommit where :attr:`one_statement_write` is True), and rolls the
-        transaction back when it returns False. The write must stand only if
-        the compare-and-swap matches, the turn's lease (if any) is still the
-        writer's and unexpired, the claim (if any) is still held and the
-        inbox batch (if any) still in flight. The default runs
-        :attr:`SessionWrite.steps` in order (the swap first) and returns
-        False as soon as one changes other than the rows it must; a backend
-        may send the same write its own way (PostgreSQL: one statement).
-        The store then tells why with one read, raises or rebases, and
-        calls this again.
+        Called in a write transaction (autocommit with :attr:`one_statement_write`),
+        rolled back on False. The write stands only if the compare-and-swap
+        matches and the lease, claim and inbox batch (if any) are still held.
+        The default runs :attr:`SessionWrite.steps` in order and returns False
+        when one changes other than the rows it must.
         """
         for step in write.steps:
             result = connection.execute(step.statement, step.params)
@@ -283,31 +237,20 @@ class DialectSupport:
         """The one atomic statement that acquires a webhook claim (``store.claim``).
 
         Insert the id as ``acquired``, or take the row over when it is
-        ``released``, its lease has expired, or it is older than the dedup TTL;
-        any other row (done, or held under a live lease) is left as it is. A
-        takeover draws the new ``token`` but keeps the row's ``ticket`` (its
-        place in its session's order). Bind parameters: ``message_id``,
-        ``now``, ``cutoff``, ``token``, ``lease`` (the lease expiry),
-        ``session_id`` and ``horizon`` (see :class:`AcquiredClaim`): the
-        worker's clock values; ``lease_seconds`` and ``ttl_seconds`` for the
-        database's clock (``clock.CLAIM_NOW``, ``CLAIM_LEASE``,
-        ``CLAIM_CUTOFF``, ``CLAIM_HORIZON``), which its leases and takeover test use.
-        :meth:`read_claim` reads the result. Backends with
-        ``ON CONFLICT ... WHERE ... RETURNING`` build it with
-        :func:`on_conflict_acquire`. The parameters of the session's lease
-        (``holder_token``, ``lease_now``, ``lease_until``,
-        ``lease_seconds``: :mod:`chatflow_sqlalchemy.lease`) are passed too,
-        for a backend that takes it in the same statement
-        (:attr:`AcquiredClaim.lease_fence`).
+        ``released``, its lease expired, or it is older than the dedup TTL
+        (keeping its ``ticket``, drawing a new ``token``). Bind parameters:
+        ``message_id``, ``token``, ``session_id``, ``lease_seconds`` and
+        ``ttl_seconds`` for the database's clock (``clock.CLAIM_NOW`` and
+        friends), plus the session lease's (:mod:`chatflow_sqlalchemy.lease`)
+        for a backend that takes it too. :meth:`read_claim` reads the result;
+        :func:`on_conflict_acquire` builds it where ``ON CONFLICT`` exists.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement acquire_claim()")
 
     def claim_acquired(self, result: CursorResult[Any]) -> tuple[bool, int | None]:
         """Interpret :meth:`acquire_claim`: ``(acquired, ticket or None if unknown)``.
 
-        The default reads the ``RETURNING ticket`` row. A statement that
-        returns no rows (MySQL's upserts cannot) is judged by :meth:`claimed`,
-        and the store reads the ticket afterwards.
+        Reads the ``RETURNING ticket`` row, or (no rows: MySQL) asks :meth:`claimed`.
         """
         if not result.returns_rows:
             return self.claimed(result), None
@@ -315,23 +258,15 @@ class DialectSupport:
         return (False, None) if row is None else (True, row[0])
 
     def read_claim(self, result: CursorResult[Any]) -> AcquiredClaim:
-        """Interpret :meth:`acquire_claim` whole; the default is :meth:`claim_acquired`'s answer.
-
-        A backend whose acquire statement also tells whether an earlier claim
-        of the session is in flight overrides this to return it, saving the
-        store that look's round trip.
-        """
+        """Interpret :meth:`acquire_claim` whole (a backend may fill more of it)."""
         acquired, ticket = self.claim_acquired(result)
         return AcquiredClaim(acquired, ticket)
 
     def claim_ticket(self, table: Table) -> Any:
-        """The SQL expression that numbers a new claim (FIFO order per session).
+        """The SQL expression that numbers a new claim (FIFO order per session), atomically.
 
-        It must be assigned atomically by the database. The default, the
-        session's ``MAX(ticket) + 1`` (an index range read on ``(session_id,
-        ticket)``), is atomic only where a write statement holds the
-        database's write lock from its start (SQLite); dialects with
-        sequences use ``chatflow_claim_ticket_seq``.
+        The default ``MAX(ticket) + 1`` is atomic only where a write holds the
+        database's write lock from its start (SQLite); others use a sequence.
         """
         latest = select(func.max(table.c.ticket)).where(
             table.c.session_id == bindparam("session_id")
@@ -345,9 +280,7 @@ class DialectSupport:
     def purge_processed(self, table: Table, batch_size: int) -> Delete:
         """Delete at most ``batch_size`` expired dedup rows (bind parameter ``cutoff``).
 
-        The ids come from a ``LIMIT``-ed derived table, which every dialect
-        takes (MySQL refuses a ``LIMIT`` in an ``IN`` subquery itself, and
-        accepts it one level down).
+        The ``LIMIT`` sits in a derived table: MySQL refuses it in an ``IN`` subquery.
         """
         expired = (
             select(table.c.message_id)
@@ -360,12 +293,9 @@ class DialectSupport:
     def drop_expired_processed(
         self, connection: Connection, cutoff: datetime, now: datetime
     ) -> int:
-        """Remove expired dedup rows in bulk, before the batched :meth:`purge_processed`.
+        """Remove expired dedup rows in bulk (PostgreSQL: day partitions); return how many.
 
-        For backends that store the dedup table in a shape that expires whole
-        (PostgreSQL drops day partitions); runs in the purge's transaction and
-        returns how many rows went. It may also prepare that shape for what is
-        coming (the days ahead). Default: nothing to do, 0.
+        Runs in the purge's transaction, before :meth:`purge_processed`. Default: 0.
         """
         return 0
 
@@ -376,11 +306,8 @@ class DialectSupport:
     def lock_batch(self, select: Select[Any], connection: Connection) -> Select[Any]:
         """Lock the rows a batch job picked (sweep, key rotation) for its transaction.
 
-        Default ``FOR UPDATE SKIP LOCKED``: concurrent jobs take disjoint
-        batches and a row a writer holds is passed over, not waited for.
-        Backends whose server may lack ``SKIP LOCKED`` decide from
-        ``connection``'s server version (jobs then wait for one another).
-        SQLite ignores row locks.
+        Default ``FOR UPDATE SKIP LOCKED`` (concurrent jobs take disjoint
+        batches); a server that may lack it decides from ``connection``'s version.
         """
         return select.with_for_update(skip_locked=True)
 
@@ -399,12 +326,10 @@ def on_conflict_acquire(
 ) -> Insert:
     """:meth:`DialectSupport.acquire_claim` as ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``.
 
-    ``insert`` is the dialect's ``insert`` function (PostgreSQL's or SQLite's),
-    ``ticket`` the expression of :meth:`DialectSupport.claim_ticket`. The
-    conflict branch runs only for a row that may be taken over, so exactly
-    one of any number of racing callers gets a row back from ``RETURNING``.
-    A ``partition_day`` expression (a table partitioned by day) is inserted
-    with the row and joins ``message_id`` as the conflict target.
+    ``insert`` is the dialect's ``insert`` function, ``ticket`` the
+    :meth:`DialectSupport.claim_ticket` expression; a ``partition_day``
+    expression joins the row and the conflict target. Exactly one racing
+    caller gets a row back from ``RETURNING``.
     """
     from chatflow_sqlalchemy.clock import CLAIM_CUTOFF, CLAIM_LEASE, CLAIM_NOW
 
@@ -449,19 +374,11 @@ def on_conflict_acquire(
 
 
 def ping_when_idle(engine: Engine, idle_seconds: float | None = None) -> None:
-    """Check pooled connections before use, only those idle for over ``idle_seconds``.
+    """At checkout, ping pooled connections idle over ``idle_seconds`` (:data:`IDLE_PING_SECONDS`).
 
-    ``idle_seconds`` defaults to :data:`IDLE_PING_SECONDS`.
-    ``pool_pre_ping`` costs a round trip on every checkout, several per turn.
-    A connection that was fine moments ago is almost always still fine, and a
-    server restart or failover takes longer than a second, so every
-    connection that sat through it is pinged and, if dead, replaced before
-    use (a :class:`~sqlalchemy.exc.DisconnectionError` from the checkout
-    event makes the pool open a fresh one). A connection lost within the
-    window fails one operation with a disconnect error; SQLAlchemy then
-    invalidates it and every connection the pool opened before it
-    (``ExceptionContext.invalidate_pool_on_disconnect``), which are replaced
-    at their next checkout.
+    Unlike ``pool_pre_ping`` (a round trip per checkout), a connection used
+    moments ago is trusted; one lost within the window fails one operation,
+    after which SQLAlchemy invalidates the pool's older connections.
     """
     if not first_time_on(engine, "idle ping"):
         return  # one more store on the same engine: its listeners are already there
@@ -490,11 +407,7 @@ _SET_UP: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary
 
 
 def first_time_on(engine: Engine, what: str) -> bool:
-    """True only the first time ``what`` is set up on ``engine``.
-
-    Several stores may share one engine; the listeners each of them would
-    install (pragmas and BEGIN, idle pings) must be added once.
-    """
+    """True only the first time ``what`` is set up on ``engine`` (stores may share one)."""
     done = _SET_UP.setdefault(engine, set())
     if what in done:
         return False

@@ -1,7 +1,5 @@
-"""Errors raised by chatflow-sqlalchemy.
+"""Errors raised by chatflow-sqlalchemy, all a :class:`ChatflowStoreError` (a ``ChatFlowError``).
 
-Every error derives from :class:`ChatflowStoreError` (itself a
-``chatflow_agent.ChatFlowError``), so one ``except`` clause catches them all.
 Each message says what happened and what to do about it.
 """
 
@@ -12,21 +10,10 @@ import shlex
 from chatflow_agent.exceptions import ChatFlowError
 
 __all__ = [
-    "BackendImportError",
-    "BackendNotFoundError",
-    "ChatflowStoreError",
-    "CipherError",
-    "ClaimLostError",
-    "CorruptRowError",
-    "DatabaseURLError",
-    "DatabaseUnavailableError",
-    "DuplicateBackendError",
-    "LeaseLostError",
-    "MigrationPluginError",
-    "MissingKeyError",
-    "SchemaAheadError",
-    "SchemaError",
-    "SessionDeletedError",
+    "BackendImportError", "BackendNotFoundError", "ChatflowStoreError", "CipherError",
+    "ClaimLostError", "CorruptRowError", "DatabaseURLError", "DatabaseUnavailableError",
+    "DuplicateBackendError", "LeaseLostError", "MigrationPluginError", "MissingKeyError",
+    "SchemaAheadError", "SchemaError", "SessionDeletedError",
 ]
 
 
@@ -35,10 +22,8 @@ class ChatflowStoreError(ChatFlowError):
 
 
 class SessionDeletedError(ChatflowStoreError):
-    """A live session context was used after its session was deleted.
+    """A live session context was used after its session was deleted (by any process).
 
-    Raised when a context reads or writes a session removed through
-    ``store.delete`` (or ``store.clear``), in this process or another one.
     Fetch a fresh context with ``store.get_or_create`` to start over.
     """
 
@@ -51,10 +36,9 @@ class SessionDeletedError(ChatflowStoreError):
 
 
 class DatabaseURLError(ChatflowStoreError, ValueError):
-    """A database URL (or a store's path) cannot mean what it was given for.
+    """A database URL (or a store's path) is refused before anything is created.
 
-    Raised before anything is created on disk or on a server; the message gives
-    the URL to write instead.
+    The message gives the URL to write instead.
     """
 
 
@@ -99,18 +83,13 @@ class SchemaAheadError(SchemaError):
 class CorruptRowError(ChatflowStoreError):
     """A stored row cannot be decoded; the message names its table, session and row id.
 
-    ``table`` is ``chatflow_messages`` for a message row (``row_id`` its id),
-    ``chatflow_message_archive`` for an archived (pruned) message row, and
-    ``chatflow_sessions`` for a session row (whose key is the session id, so
-    ``row_id`` is None and not shown). ``reason`` says what is wrong with it.
+    ``row_id`` is None for a ``chatflow_sessions`` row; ``reason`` says what is wrong.
     """
 
     def __init__(
         self, session_id: str, row_id: object, reason: str, *, table: str = "chatflow_messages"
     ) -> None:
-        where = f"session {session_id!r}" if row_id is None else (
-            f"session {session_id!r}, id {row_id}"
-        )
+        where = f"session {session_id!r}" + ("" if row_id is None else f", id {row_id}")
         super().__init__(
             f"corrupt row in {table} ({where}): {reason}; "
             f"inspect it with: chatflow-sqlalchemy sessions show {shlex.quote(session_id)}"
@@ -126,11 +105,9 @@ class CipherError(ChatflowStoreError):
 
 
 class MissingKeyError(CorruptRowError):
-    """A row is encrypted with a key the reader does not hold: not corrupt, only locked.
+    """A row is encrypted with a key (``key_id``) the reader does not hold: locked, not corrupt.
 
-    A :class:`~chatflow_sqlalchemy.exceptions.CorruptRowError` (so existing
-    handlers still catch it) whose message names the key id and what to set
-    instead of calling the row corrupt. ``key_id`` is the key the row names.
+    A :class:`CorruptRowError`, so existing handlers still catch it.
     """
 
     def __init__(
@@ -148,19 +125,13 @@ class MissingKeyError(CorruptRowError):
 
 
 class DatabaseUnavailableError(ChatflowStoreError):
-    """The database cannot be reached or refused the credentials.
-
-    The message names the host and database, never the password.
-    """
+    """The database cannot be reached or refused the credentials (the password is never shown)."""
 
 
 class LeaseLostError(ChatflowStoreError):
-    """A turn's lease on its session was lost before the turn was written.
+    """A turn's lease on its session expired or was taken over before the turn was written.
 
-    The holder was paused past the lease's expiry, or another worker took the
-    session over after it expired. Nothing of the turn was written; the
-    context shows what the database holds. Run the turn again if it is still
-    wanted (a webhook delivery: let the platform's retry do it).
+    Nothing of the turn was written; run it again if it is still wanted.
     """
 
     session_id: str | None
@@ -174,11 +145,9 @@ class LeaseLostError(ChatflowStoreError):
 
 
 class ClaimLostError(LeaseLostError):
-    """A webhook claim's lease was lost (taken over, or freed) before its work committed.
+    """A webhook claim's lease was lost before its work committed (nothing was written).
 
-    Raised at ``session.lock`` exit by a turn run inside ``store.claim(...)``
-    (nothing of the turn is written) or when the claim block ends. Another
-    worker now owns the delivery: answer the platform without a reply.
+    Another worker now owns the delivery: answer the platform without a reply.
     """
 
     def __init__(self, message_id: str, reason: str = "its lease was taken over") -> None:
@@ -192,9 +161,4 @@ class ClaimLostError(LeaseLostError):
 
 
 class MigrationPluginError(ChatflowStoreError):
-    """A plugin's migration chain cannot be used; the message names the plugin.
-
-    Raised when its entry point cannot be loaded, does not describe a chain,
-    or declares a table or version table that the core (or another plugin)
-    owns. Nothing is migrated when it is raised.
-    """
+    """A plugin's migration chain cannot be used (nothing is migrated); names the plugin."""

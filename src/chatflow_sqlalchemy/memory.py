@@ -1,10 +1,4 @@
-"""Thread-safe in-memory session store with the same contract as the SQL stores.
-
-For tests, CLIs and short-lived services. Contexts prune incrementally (no
-regroup of the whole history per message, which dominates upstream's
-in-memory store), deletion is visible to live contexts, and the dedup claim
-is atomic under one lock with a TTL and a bounded number of entries.
-"""
+"""Thread-safe in-memory session store with the same contract as the SQL stores (for tests)."""
 
 from __future__ import annotations
 
@@ -14,7 +8,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatflow_agent import Agent, Message
@@ -100,11 +93,7 @@ class _MemorySummaryRows:
             self._claimed.discard(session_id)
 
     def forget(self, session_id: str) -> None:
-        """The session is gone: nothing of it waits, and its claim goes (under the lock).
-
-        A summary being made of it then finds its context deleted; a new
-        session under the same id can be claimed at once.
-        """
+        """The session is gone: nothing of it waits, and its claim goes (under the lock)."""
         self.waiting.pop(session_id, None)
         self._claimed.discard(session_id)
 
@@ -127,18 +116,12 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     Args:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        **options: The other store options, by keyword (see
-            :class:`~chatflow_sqlalchemy.options.StoreOptions`):
-            ``session_ttl_hours``, ``archive_pruned`` (kept for
-            ``transcript()``), ``turn_lease_seconds`` (turns of one in-memory
-            store exclude each other within the process, where a turn cannot
-            outlive its holder) and ``summarizer``. The options of what is at
-            rest (``cipher``, ``require_encryption``, ``auto_migrate``) are a
-            ``TypeError`` here.
+        **options: The other :class:`~chatflow_sqlalchemy.options.StoreOptions`
+            (those of what is at rest, ``cipher``, ``require_encryption`` and
+            ``auto_migrate``, are a ``TypeError`` here).
 
-    Like the SQL stores it is a context manager (``with`` and ``async with``)
-    that closes on exit; a closed store drops what it held and refuses further
-    use with ``RuntimeError``.
+    A context manager (``with`` and ``async with``) like the SQL stores; once
+    closed it refuses further use with ``RuntimeError``.
 
     """
 
@@ -200,9 +183,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         *,
         user_id: str | None = None,
     ) -> SessionContext:
-        """Return the session's context, creating it (with ``metadata``) if needed.
-
-        ``user_id`` records whose session it is (as on the SQL stores).
+        """Return the session's context, creating it (with ``metadata`` and ``user_id``) if needed.
 
         Raises:
             ValueError: Invalid arguments, or a ``user_id`` other than the session's own.
@@ -246,12 +227,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._created_at.setdefault(session_id, now)
 
     def _keep_what_left(self, ctx: SessionContext) -> None:
-        """Archive what left the window since the last write, as the SQL stores do.
-
-        Pruned messages wait for the summary (with a summarizer); with
-        ``archive_pruned`` the others are archived too, except what a clear
-        removed. Called under ``_lock``.
-        """
+        """Archive (or queue for the summary) what left the window since the last write."""
         window = dict(ctx.window())
         before = self._window_seen.get(ctx.session_id, {})
         gone = before.keys() - window.keys()
@@ -268,11 +244,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._window_seen[ctx.session_id] = window
 
     def transcript(self, session_id: str) -> list[Message]:
-        """Archived messages, then the window, in order ([] for an unknown session).
-
-        Pruned messages waiting for the summary are archived only with
-        ``archive_pruned`` (as on the SQL stores; ``export_user`` has them).
-        """
+        """Archived messages, then the window, in order ([] for an unknown session)."""
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
@@ -284,12 +256,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             return [merged[seq] for seq in sorted(merged)]
 
     def _archived(self, session_id: str) -> dict[int, Message]:
-        """What the SQL stores' archive would hold, by seq (under ``_lock``).
-
-        The archive, and the pruned messages still waiting for the summary:
-        on SQL they are archive rows (``pending_summary``) also without
-        ``archive_pruned``, which ``export_user`` shows.
-        """
+        """What the SQL stores' archive would hold (with rows waiting for the summary), by seq."""
         return {
             **self._summary_rows.waiting.get(session_id, {}),
             **self._archive.get(session_id, {}),
@@ -308,8 +275,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._summary_rows.forget(session_id)
         return self._sessions.pop(session_id, None)
 
-    # The ContextOwner protocol: contexts report their writes, which only move
-    # the session to the front of list_sessions (there is nothing to persist).
 
     def _flush_context(self, ctx: SessionContext) -> None:
         with self._lock:
@@ -348,13 +313,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._flush_context(ctx)
 
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
-        """A turn ended by an exception: the context restored itself; forget its start.
-
-        A session ``get_or_create`` made that nothing was written to is
-        unborn, as on the SQL stores: ``get`` and ``list_sessions`` no
-        longer show it; a turn waiting for it, or ``get_or_create``, makes
-        it again.
-        """
+        """A failed turn: forget its start; a session it alone made is unborn (as on SQL)."""
         self._turn_starts.pop(id(ctx), None)
         with self._lock:
             if ctx.session_id in self._made and self._sessions.get(ctx.session_id) is ctx:
@@ -438,12 +397,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext:
         """A new session that starts as a copy of ``session_id``'s first turns (as the SQL stores).
 
-        It holds the source's SYSTEM messages and its first ``at_turn`` complete
-        turns (all when None), summary, active agent, metadata and ``user_id``;
-        ``forked_from`` and ``forked_at_turn`` say where it came from. A turn of
-        the source still running is not in it (as on the SQL stores, which copy
-        what is committed).
-
         Raises:
             ValueError: An invalid argument, no session ``session_id``, an existing
                 ``new_session_id`` (nothing changes), or ``at_turn`` negative or
@@ -454,8 +407,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         source = self.get(session_id)
         if source is None:
             raise no_such_session(session_id)
-        # Read under the source's mutex, never under the store's lock (a
-        # context's write takes its mutex, then the store's lock).
+        # Under the source's mutex, not the store's lock (a write takes the mutex first).
         ctx = source.copy_for_fork(
             new_session_id,
             lambda messages, seqs: fork_window(session_id, messages, seqs, at_turn),
@@ -483,19 +435,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     def erase_user(self, user_id: str) -> int:
         """Erase ``user_id``'s sessions, claims and inbox messages at once; return how many."""
         validate_user_id(user_id)
-        with self._lock:
-            self._check_open()
-            ids = [sid for sid, owner in self._users.items() if owner == user_id]
-            contexts = [self._drop(sid) for sid in ids]
-            for message_id, row in list(self._claim_rows.rows.items()):
-                if row.session_id in ids:
-                    del self._claim_rows.rows[message_id]
-                    self._processed.pop(message_id, None)
-            self._inbox_rows.forget_sessions(set(ids))
-        for ctx in contexts:
-            if ctx is not None:
-                ctx.mark_deleted()
-        return len(ids)
+        return self._erase(lambda: {sid for sid, uid in self._users.items() if uid == user_id})
 
     def sweep(self, limit: int | None = None) -> int:
         """Remove expired sessions (and their claims), never one in a turn or held by a claim."""
@@ -507,23 +447,30 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             )
         cutoff = utcnow() - timedelta(hours=self.session_ttl_hours)
         now = time.monotonic()
-        with self._lock:
-            self._check_open()
+
+        def expired() -> set[str]:
             held = {
                 row.session_id for row in self._claim_rows.rows.values()
                 if row.state == CLAIM_ACQUIRED and row.lease_until >= now
             }
-            expired = sorted(
+            return {sid for _, sid in sorted(
                 (stamp, sid) for sid, stamp in self._updated_at.items()
                 if stamp < cutoff and sid not in held and not self._sessions[sid].in_turn
-            )[:limit]
-            ids = {sid for _, sid in expired}
+            )[:limit]}
+
+        return self._erase(expired)
+
+    def _erase(self, pick: Callable[[], set[str]]) -> int:
+        """Delete the sessions ``pick`` names (under the lock), their claims and inbox messages."""
+        with self._lock:
+            self._check_open()
+            ids = pick()
             contexts = [self._drop(sid) for sid in ids]
             for message_id, row in list(self._claim_rows.rows.items()):
                 if row.session_id in ids:
                     del self._claim_rows.rows[message_id]
                     self._processed.pop(message_id, None)
-            self._inbox_rows.forget_sessions(set(ids))
+            self._inbox_rows.forget_sessions(ids)
         for ctx in contexts:
             if ctx is not None:
                 ctx.mark_deleted()
@@ -580,26 +527,21 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         """Delete every session (processed webhook ids are kept)."""
         with self._lock:
             self._check_open()
-            contexts = list(self._sessions.values())
-            self._sessions.clear()
-            self._updated.clear()
-            self._updated_at.clear()
-            self._created_at.clear()
-            self._users.clear()
-            self._made.clear()
-            self._unborn.clear()
-            self._archive.clear()
-            self._window_seen.clear()
+            contexts = [self._drop(sid) for sid in list(self._sessions)]
         for ctx in contexts:
-            ctx.mark_deleted()
+            if ctx is not None:
+                ctx.mark_deleted()
 
     def is_message_processed(self, message_id: str) -> bool:
         """True if ``message_id`` was claimed within the TTL."""
         validate_message_id(message_id)
         with self._lock:
             self._check_open()
-            stamp = self._processed.get(message_id)
-            return stamp is not None and time.monotonic() - stamp <= self._ttl_seconds
+            return self._fresh(message_id, time.monotonic())
+
+    def _fresh(self, message_id: str, now: float) -> bool:
+        stamp = self._processed.get(message_id)
+        return stamp is not None and now - stamp <= self._ttl_seconds
 
     def mark_message_processed(self, message_id: str) -> None:
         """Record ``message_id`` as processed now."""
@@ -614,11 +556,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         now = time.monotonic()
         with self._lock:
             self._check_open()
-            stamp = self._processed.get(message_id)
-            if stamp is not None and now - stamp <= self._ttl_seconds:
-                return False
-            self._remember(message_id, now)
-            return True
+            fresh = self._fresh(message_id, now)
+            if not fresh:
+                self._remember(message_id, now)
+            return not fresh
 
     def _remember(self, message_id: str, now: float) -> None:
         self._processed.pop(message_id, None)
@@ -665,10 +606,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         return True if self._summaries is None else self._summaries.wait(timeout)
 
     def close(self) -> None:
-        """Drop every session and claim; later calls raise ``RuntimeError`` (as SQL stores do).
-
-        Closing twice is harmless. Summaries still being made are dropped.
-        """
+        """Drop every session, claim and summary in the making; later calls raise RuntimeError."""
         if self._summaries is not None:
             self._summaries.close()
         with self._lock:
@@ -677,24 +615,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._updated.clear()
             self._processed.clear()
         self._inbox_rows.clear()
-
-    def __enter__(self) -> SessionStore:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> SessionStore:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""

@@ -1,20 +1,10 @@
-"""Alembic, driven from code: the schema is created, upgraded and checked here.
+"""Alembic, driven from code (no ``alembic.ini``): the schema is created, upgraded and checked.
 
-The scripts live in the top-level ``migrations/`` folder, shipped in the wheel
-as ``chatflow_sqlalchemy._migrations``; the Alembic ``Config`` is built in
-code, so an installed user needs no ``alembic.ini``. The version table is
-``chatflow_alembic_version``, so the chain can live beside an application's
-own Alembic history.
-
-Migrations run on one connection, in one transaction that first takes a
-cross-process lock (the backend's ``lock_migrations``), so concurrent starts
-migrate once and a failure leaves nothing half-done (where DDL is
-transactional). ``CHATFLOW_AUTO_MIGRATE=0`` or ``auto_migrate=False`` makes
-stores refuse an old or missing schema instead of migrating it on open.
-
-Plugin packages may add chains of their own (a :class:`MigrationChain` in
-the entry-point group ``chatflow_sqlalchemy.migrations``, see
-docs/plugin-authors.md); they run after the core chain, under the same lock.
+The version table ``chatflow_alembic_version`` lets the chain live beside an
+application's own Alembic history. Every run holds the backend's migration
+lock in one transaction, so concurrent starts migrate once. Plugin chains
+(:class:`MigrationChain` entry points, see docs/plugin-authors.md) run after
+the core chain, under the same lock.
 """
 
 from __future__ import annotations
@@ -83,8 +73,7 @@ _KNOWN_ALEMBIC_LOGGERS = ("alembic.runtime.migration", "alembic.runtime.plugins"
 def alembic_chatter_at_debug() -> Iterator[None]:
     """Run the block with Alembic's INFO logging demoted to DEBUG (this context only).
 
-    A filter on Alembic's loggers, not a change of the user's logging
-    configuration: an application's own Alembic runs log as they always did.
+    A filter, not a logging configuration: an application's own Alembic runs are untouched.
     """
     names = [name for name in list(logging.Logger.manager.loggerDict)
              if name.partition(".")[0] == "alembic"]
@@ -100,38 +89,13 @@ def alembic_chatter_at_debug() -> Iterator[None]:
 
 
 __all__ = [
-    "AUTO_MIGRATE_ENV",
-    "BASELINE_REVISION",
-    "CORE_CHAIN",
-    "EMPTY_DATABASE",
-    "MIGRATIONS_ENTRY_POINT_GROUP",
-    "UPSTREAM_TABLES",
-    "VERSION_TABLE",
-    "ChainStatus",
-    "MigrationChain",
-    "MigrationPluginError",
-    "Revision",
-    "alembic_chatter_at_debug",
-    "auto_migrate_enabled",
-    "chain_status",
-    "chains_for",
-    "check_not_ahead",
-    "configure_context",
-    "core_chain",
-    "current_revision",
-    "describe_revision",
-    "downgrade",
-    "drift",
-    "ensure_schema",
-    "find_chain",
-    "head_revision",
-    "history",
-    "include_name_for",
-    "open_engine",
-    "plugin_chains",
-    "require_existing_database",
-    "run_locked",
-    "stamp",
+    "AUTO_MIGRATE_ENV", "BASELINE_REVISION", "CORE_CHAIN", "EMPTY_DATABASE",
+    "MIGRATIONS_ENTRY_POINT_GROUP", "UPSTREAM_TABLES", "VERSION_TABLE", "ChainStatus",
+    "MigrationChain", "MigrationPluginError", "Revision", "alembic_chatter_at_debug",
+    "auto_migrate_enabled", "chain_status", "chains_for", "check_not_ahead",
+    "configure_context", "core_chain", "current_revision", "describe_revision", "downgrade",
+    "drift", "ensure_schema", "find_chain", "head_revision", "history", "include_name_for",
+    "open_engine", "plugin_chains", "require_existing_database", "run_locked", "stamp",
     "upgrade",
 ]
 
@@ -141,12 +105,8 @@ BASELINE_REVISION = "0001"
 CORE_REVISIONS = (
     "0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
 )
-"""The core chain's revisions, oldest first; the last is its head.
-
-Written out so that reading where a database stands (the CLI's read commands,
-a store's open) needs neither Alembic nor the scripts; a test checks it
-against the scripts, so a new migration fails the suite until it is added here.
-"""
+"""The core chain's revisions, oldest first (head last): reading where a database stands
+needs neither Alembic nor the scripts. A test checks it against the scripts."""
 
 CORE_CHAIN = "core"
 """Name of chatflow-sqlalchemy's own chain (plugin chains are named by their entry point)."""
@@ -161,6 +121,7 @@ UPSTREAM_TABLES = "chatflow-agent 0.3.4 tables (unversioned)"
 
 EMPTY_DATABASE = "empty database"
 """How a database without chatflow tables is described."""
+
 
 def _errors() -> ModuleType:
     """The error classes, imported when one is raised (they load chatflow-agent)."""
@@ -213,26 +174,18 @@ def auto_migrate_enabled(auto_migrate: bool | None = None) -> bool:
 
 @dataclass(frozen=True)
 class MigrationChain:
-    """One Alembic chain: the core's or a plugin's.
-
-    A plugin declares one in the entry-point group
-    ``chatflow_sqlalchemy.migrations``; ``name`` and ``distribution`` are
-    filled in from the entry point.
+    """One Alembic chain: the core's, or a plugin's (``chatflow_sqlalchemy.migrations``).
 
     Attributes:
-        script_location: The folder holding ``versions/``: ``"package:folder"``
-            (resolved with importlib.resources, so it works from a wheel) or a
-            filesystem path. No ``env.py`` is needed: chatflow-sqlalchemy
-            runs the chain itself.
+        script_location: The folder holding ``versions/`` (no ``env.py``):
+            ``"package:folder"`` (importlib.resources) or a filesystem path.
         version_table: The chain's own version table (never
             ``chatflow_alembic_version`` or ``alembic_version``).
         target_metadata: The ``MetaData`` of the chain's tables: checked for
             collisions with the core tables, and compared by ``db check``.
-        dialects: Dialect names the chain applies to (``engine.dialect.name``,
-            e.g. ``{"mysql", "mariadb"}``; kept as a frozenset); None means every
-            database.
-        name: The chain's name (the entry point's name; ``core`` for ours).
-        distribution: The distribution that provides it, for messages.
+        dialects: Dialect names the chain applies to (kept as a frozenset); None: every database.
+        name: The chain's name (filled in from the entry point; ``core`` for ours).
+        distribution: The distribution that provides it (filled in), for messages.
 
     """
 
@@ -244,7 +197,7 @@ class MigrationChain:
     distribution: str = ""
 
     def __post_init__(self) -> None:
-        if self.dialects is not None and not isinstance(self.dialects, frozenset):
+        if self.dialects is not None:
             object.__setattr__(self, "dialects", frozenset(self.dialects))
 
     @property
@@ -301,8 +254,7 @@ def script_location() -> str:
 def include_name_for(target_metadata: MetaData) -> Callable[[str | None, str, Any], bool]:
     """An Alembic ``include_name`` hook that sees only ``target_metadata``'s tables.
 
-    An application's own tables (and its ``alembic_version``) may share the
-    database: autogenerate and :func:`drift` must never report or drop them.
+    An application's own tables may share the database: they are never reported or dropped.
     """
 
     def include_name(name: str | None, type_: str, _parent_names: Any) -> bool:
@@ -365,9 +317,6 @@ def core_chain() -> MigrationChain:
 
 def plugin_chains(dialect_name: str | None = None) -> list[MigrationChain]:
     """Every installed plugin chain (that applies to ``dialect_name``), validated.
-
-    Entry points are read once per ``sys.path``; loading is lazy and cheap
-    for a plugin that keeps its chain description apart from its driver.
 
     Raises:
         MigrationPluginError: A plugin cannot be loaded, or collides with the
@@ -491,7 +440,7 @@ def _script(chain: MigrationChain | None = None) -> ScriptDirectory:
 
 @contextmanager
 def locked_connection(engine: Engine, support: DialectSupport) -> Iterator[Connection]:
-    """A connection inside one transaction that holds the migration lock."""
+    """A connection inside one transaction that holds the migration lock (FKs checked at end)."""
     with engine.execution_options(chatflow_write=True).connect() as conn:
         support.begin_migration(conn)
         try:
@@ -506,11 +455,7 @@ def locked_connection(engine: Engine, support: DialectSupport) -> Iterator[Conne
 
 
 def _check_foreign_keys(conn: Connection) -> None:
-    """Before commit, check that the chatflow tables' references still hold.
-
-    SQLite migrates with foreign keys off, so a faulty migration could
-    otherwise commit orphan rows.
-    """
+    """Before commit on SQLite (migrated with foreign keys off), refuse orphan rows."""
     if conn.dialect.name != "sqlite":
         return
     tables = [t for chain in chains_for("sqlite") for t in chain.target_metadata.tables]
@@ -528,10 +473,7 @@ def _check_foreign_keys(conn: Connection) -> None:
 
 
 def open_engine(url: str | URL) -> Engine:
-    """An engine for ``url`` set up exactly as a store sets it up, without migrating.
-
-    For tools (the CLI, Alembic's env.py) that must look at a database as it is.
-    """
+    """An engine for ``url`` set up exactly as a store sets it up, without migrating."""
     parsed = make_url(url)
     if parsed.get_backend_name() in ("postgresql", "postgres"):
         parsed = psycopg_url(parsed)
@@ -570,12 +512,9 @@ def _alembic_command(action: str) -> Callable[[Config, str], None]:
 
 
 def _chain_config(connection: Connection, chain: MigrationChain) -> Config:
-    """An Alembic Config that runs ``chain`` on ``connection`` through Alembic's commands.
+    """An Alembic Config that runs ``chain`` on ``connection`` through our ``env.py``.
 
-    Every chain runs through chatflow-sqlalchemy's ``env.py``, which reads the
-    connection and the chain from ``config.attributes``; a plugin chain's
-    ``versions/`` folder is its only version location, so a plugin ships
-    revision files and nothing else.
+    A plugin chain's ``versions/`` is its only version location: it ships revision files alone.
     """
     from alembic.config import Config
 
@@ -630,10 +569,7 @@ def chain_status(
 
 
 def check_not_ahead(found: str | None, chain: MigrationChain | None = None) -> None:
-    """Raise :class:`SchemaAheadError` when ``found`` is a revision ``chain`` does not know.
-
-    ``chain`` defaults to the core chain; the message names the package to upgrade.
-    """
+    """Raise :class:`SchemaAheadError` (naming the package to upgrade) for an unknown ``found``."""
     if found is None:
         return
     chain = chain or core_chain()
@@ -665,9 +601,8 @@ def describe_revision(
 ) -> str:
     """How logs and errors name where a database stands on a chain.
 
-    A revision is named as it is; without one, the core chain tells an
-    :data:`EMPTY_DATABASE` from upstream's :data:`UPSTREAM_TABLES` (which
-    ``upgrade`` adopts in place), and a plugin chain says ``none``.
+    Without a revision the core chain tells :data:`EMPTY_DATABASE` from
+    :data:`UPSTREAM_TABLES`; a plugin chain says ``none``.
     """
     if revision is not None:
         return revision
@@ -675,9 +610,7 @@ def describe_revision(
         return "none"
     from chatflow_sqlalchemy.tables import sessions
 
-    return UPSTREAM_TABLES if inspect(conn).has_table(sessions.name) else (
-        EMPTY_DATABASE
-    )
+    return UPSTREAM_TABLES if inspect(conn).has_table(sessions.name) else EMPTY_DATABASE
 
 
 def ensure_schema(
@@ -716,9 +649,8 @@ def ensure_schema(
 def _chain_status_beside_migrators(engine: Engine, support: DialectSupport) -> list[ChainStatus]:
     """:func:`chain_status`, read again under the migration lock if the quick read fails.
 
-    Reading the catalog beside another process's migration DDL can fail where
-    DDL is not transactional (MariaDB error 1684); that process holds the
-    migration lock while it migrates, so read again once this one holds it.
+    Reading the catalog beside another process's non-transactional DDL can
+    fail (MariaDB error 1684).
     """
     try:
         return chain_status(engine)
@@ -750,11 +682,9 @@ def _refuse(engine: Engine, status: ChainStatus) -> None:
 
 
 def require_existing_database(engine: Engine) -> None:
-    """Refuse an on-disk SQLite database whose file does not exist (before connecting).
+    """Refuse an on-disk SQLite database whose file does not exist (connecting would create it).
 
-    Connecting would create it; with auto-migration off (and for read-only
-    tools) a missing file is an error naming the path, and nothing is
-    created. Other databases, in-memory SQLite and ``file:`` URIs pass.
+    Other databases, in-memory SQLite and ``file:`` URIs pass.
 
     Raises:
         SchemaError: The file does not exist (the message says how to create it).
@@ -805,9 +735,9 @@ def upgrade(
 ) -> None:
     """Upgrade under the migration lock.
 
-    Without ``chain``: ``head`` upgrades the core chain and then every plugin
-    chain that applies; another revision upgrades the core chain only. With
-    ``chain`` (``"core"`` or a plugin's name) only that chain moves.
+    Without ``chain``, ``head`` moves the core chain then every plugin chain
+    that applies, another revision the core chain only; with ``chain``
+    (``"core"`` or a plugin's name) only that chain moves.
     """
     _move(engine, "upgrade", revision, chain, every_chain=revision == "head")
 
@@ -815,9 +745,8 @@ def upgrade(
 def downgrade(engine: Engine, revision: str, chain: str | MigrationChain | None = None) -> None:
     """Downgrade under the migration lock.
 
-    Without ``chain``: ``base`` first takes every plugin chain to base, then
-    the core chain (dropping all tables); another revision moves the core
-    chain only. With ``chain`` only that chain moves.
+    Without ``chain``, ``base`` moves every plugin chain then the core chain
+    (dropping all tables), another revision the core chain only.
     """
     _move(engine, "downgrade", revision, chain, every_chain=revision == "base")
 
@@ -880,11 +809,7 @@ def history(chain: MigrationChain | None = None) -> list[Revision]:
 
 
 def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
-    """Differences between the models and the database schema (empty when in sync).
-
-    Without ``chain``: the core chain and every plugin chain that applies
-    (plugin differences are prefixed with the plugin's name).
-    """
+    """Differences between the models and the schema (default: every chain that applies)."""
     with alembic_chatter_at_debug():
         from alembic.autogenerate import compare_metadata
         from alembic.runtime.migration import MigrationContext

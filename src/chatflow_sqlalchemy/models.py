@@ -1,11 +1,7 @@
-"""SQLAlchemy 2.x ORM models of the chatflow tables.
+"""SQLAlchemy 2.x ORM models, each mapping one ``Table`` of :mod:`chatflow_sqlalchemy.tables`.
 
-Each model maps one ``Table`` of :mod:`chatflow_sqlalchemy.tables`, where the
-schema is declared (once, in Core: the CLI's read commands use it without the
-ORM). The table and column names mirror what ``chatflow_agent.SQLiteSessionStore``
-creates, so a database written by upstream can be adopted in place (see
-``migrate.py``). The columns added on top of upstream's are there for
-correctness, each explained on its model.
+Names mirror ``chatflow_agent.SQLiteSessionStore``'s, so an upstream database
+is adopted in place; each model explains the columns added on top.
 """
 
 from __future__ import annotations
@@ -32,23 +28,10 @@ from chatflow_sqlalchemy.values import (
 )
 
 __all__ = [
-    "BACKEND_SHAPED",
-    "CLAIM_ACQUIRED",
-    "CLAIM_DONE",
-    "CLAIM_RELEASED",
-    "CLAIM_TICKETS",
-    "LEASE_OWNER_MAX_LENGTH",
-    "NAMING_CONVENTION",
-    "SESSION_ID_MAX_LENGTH",
-    "Base",
-    "ChatflowInboxItem",
-    "ChatflowMessage",
-    "ChatflowMessageArchive",
-    "ChatflowProcessedMessage",
-    "ChatflowSession",
-    "UTCDateTime",
-    "metadata",
-    "utcnow",
+    "BACKEND_SHAPED", "CLAIM_ACQUIRED", "CLAIM_DONE", "CLAIM_RELEASED", "CLAIM_TICKETS",
+    "LEASE_OWNER_MAX_LENGTH", "NAMING_CONVENTION", "SESSION_ID_MAX_LENGTH", "Base",
+    "ChatflowInboxItem", "ChatflowMessage", "ChatflowMessageArchive", "ChatflowProcessedMessage",
+    "ChatflowSession", "UTCDateTime", "metadata", "utcnow",
 ]
 
 
@@ -64,25 +47,11 @@ metadata = Base.metadata
 class ChatflowSession(Base):
     """One conversation: its active agent, metadata and a version counter.
 
-    ``version`` is not in upstream's schema. It is bumped by every write to the
-    session (history, active agent, metadata) in the same transaction, so a
-    context can tell in one indexed read whether another process changed the
-    session since it loaded it, and writers can detect concurrent changes
-    instead of silently merging them.
-
-    ``user_id`` (revision 0004) records whose session it is, for
-    ``list_sessions(user_id=...)``, ``erase_user`` and ``export_user``.
-
-    ``lease_*`` (revision 0008) are the turn's lease (see
-    :mod:`chatflow_sqlalchemy.lease`): who holds the session for a turn
-    (``lease_owner``, None when free), until when by the database's clock
-    (``lease_expires_at``), and a counter bumped by every take
-    (``lease_fence``), so a holder that lost the lease cannot write.
-
-    ``summary*`` (revision 0010): the summary of the turns pruning dropped,
-    the highest ``seq`` folded into it, and until when a worker is writing the
-    next one (see :mod:`chatflow_sqlalchemy.summaries`). ``forked_from`` and
-    ``forked_at_turn``: where a fork was copied from (``store.fork``).
+    ``version`` is bumped by every write, so one indexed read tells whether
+    another process changed the session, and concurrent writers are detected,
+    not merged. ``user_id`` is the owner; ``lease_*`` the turn's lease
+    (:mod:`chatflow_sqlalchemy.lease`; ``lease_fence`` stops a holder that lost
+    it); ``summary*`` the summary of what pruning dropped; ``forked_*`` a fork's origin.
     """
 
     __table__ = tables.sessions
@@ -104,17 +73,11 @@ class ChatflowSession(Base):
     forked_at_turn: Mapped[int | None]
 
 
-
 class ChatflowMessage(Base):
-    """One message of a session's history window, serialised as pydantic JSON.
+    """One message of a session's history window, serialised as pydantic JSON (text).
 
-    ``seq`` is not in upstream's schema: a per-session, monotonically growing
-    position. It orders the history independently of the global id, lets the
-    store delete exactly the rows pruning dropped (``seq IN (...)``) and
-    restore rows on rollback, and ``(session_id, seq)`` is unique so two
-    writers can never interleave a message into the same slot.
-    ``message_json`` stays text: it is an opaque pydantic document that is
-    only ever decoded whole, and text avoids a JSON round trip on the hot path.
+    ``seq``, a per-session growing position unique with ``session_id``, orders
+    the history and names exactly the rows a prune or rollback touches.
     """
 
     __table__ = tables.messages
@@ -128,14 +91,11 @@ class ChatflowMessage(Base):
     created_at: Mapped[datetime]
 
 
-
 class ChatflowMessageArchive(Base):
-    """A message pruning dropped from a window, kept for ``store.transcript`` (revision 0005).
+    """A message pruning dropped, kept for ``store.transcript`` or the summary.
 
-    Written only by stores opened with ``archive_pruned=True``, in the prune's
-    transaction. ``seq`` orders the transcript; ``(session_id, seq)`` is not
-    unique (a row restored by a rollback and pruned again is archived again;
-    the transcript keeps one copy per ``seq``).
+    ``(session_id, seq)`` is not unique: a row restored by a rollback and pruned
+    again is archived again (the transcript keeps one per ``seq``).
     """
 
     __table__ = tables.message_archive
@@ -149,28 +109,16 @@ class ChatflowMessageArchive(Base):
     created_at: Mapped[datetime]
     archived_at: Mapped[datetime]
     pending_summary: Mapped[bool]
-    """Pruned and not yet folded into the session's summary (revision 0010)."""
-
+    """Pruned and not yet folded into the session's summary."""
 
 
 class ChatflowProcessedMessage(Base):
-    """An inbound webhook message id already claimed, for idempotent processing.
+    """An inbound webhook message id already claimed (one atomic upsert), for idempotence.
 
-    The primary key makes the claim one atomic ``INSERT ... ON CONFLICT``; the
-    index on ``processed_at`` keeps the TTL purge a range scan.
-
-    The columns after ``processed_at`` (revision 0003) serve ``store.claim``
-    (:mod:`chatflow_sqlalchemy.claims`): ``state`` is ``done`` for every id
-    recorded the 0.3.4 way, so those stay claimed; ``token`` fences a lease
-    holder (a takeover draws a new one); ``ticket`` orders the claims of one
-    ``session_id`` (assigned by the database on first insert, kept on
-    takeover); ``response`` is the stored reply replayed to later deliveries.
-    ``processed_at`` stays the TTL anchor: it moves with every state change.
-
-    ``partition_day`` (revision 0006) is the partition key on PostgreSQL, where
-    the table is partitioned by day and its primary key is ``(message_id,
-    partition_day)`` (:mod:`chatflow_sqlalchemy.backends.postgresql_claims`);
-    elsewhere it stays NULL.
+    ``processed_at`` is the TTL anchor. The claim columns serve ``store.claim``:
+    ``token`` fences a lease holder, ``ticket`` orders a session's claims,
+    ``response`` is replayed to later deliveries. ``partition_day`` is
+    PostgreSQL's day-partition key (NULL elsewhere).
     """
 
     __table__ = tables.processed_messages
@@ -187,21 +135,12 @@ class ChatflowProcessedMessage(Base):
     partition_day: Mapped[date | None]
 
 
-
 class ChatflowInboxItem(Base):
-    """An inbound message in the durable inbox (revision 0009), kept until sent and past dedup.
+    """An inbound message in the durable inbox (:mod:`chatflow_sqlalchemy.inbox`).
 
-    ``store.inbox.put`` inserts it ``pending``; a worker of ``inbox.serve``
-    holding its session's lease takes the session's pending items as one
-    batch (``in_flight``, ``batch_token`` set, ``attempts`` bumped). The
-    batch's turn records the reply and ``answered_at`` in its own
-    transaction; then the items become ``done`` (no ``send``) or ``sent``.
-    A failed batch goes back to ``pending`` until ``not_before``, or ends
-    ``dead`` with its ``error`` (:mod:`chatflow_sqlalchemy.inbox`).
-
-    ``id`` is the arrival order; ``received_at`` and ``not_before`` are the
-    database's clock. ``text`` and ``reply`` are sealed on a store with a
-    cipher, like message content.
+    ``pending`` → ``in_flight`` (one batch per session, ``batch_token``) →
+    ``done``/``sent``, or back to ``pending`` until ``not_before``, or ``dead``.
+    ``id`` is the arrival order; ``text`` and ``reply`` are sealed with a cipher.
     """
 
     __table__ = tables.inbox

@@ -1,11 +1,4 @@
-"""``open_store``: a store for any database URL, by the backend its dialect names.
-
-The registry (:mod:`chatflow_sqlalchemy.registry`) knows which
-:class:`~chatflow_sqlalchemy.dialect.DialectSupport` serves a dialect and
-which store class that support names; this module opens that class. It sits
-above both, so the registry never imports a store and a store only looks its
-dialect up in the registry.
-"""
+"""``open_store``: a store for any database URL (above the registry, which imports no store)."""
 
 from __future__ import annotations
 
@@ -25,11 +18,8 @@ __all__ = ["open_store"]
 def open_store(url: str | URL | None = None, **kwargs: Any) -> SQLAlchemySessionStore:
     """Open a session store for ``url``, picking the backend by its dialect.
 
-    Without ``url``, ``$CHATFLOW_DATABASE_URL`` is used, else
-    ``sqlite:///chatflow.db``, as in the CLI. ``postgresql://`` URLs use
-    psycopg 3. The store class is the one the backend's ``DialectSupport``
-    names (its ``store_class``); keyword arguments go to that class's
-    ``from_url`` (e.g. ``default_max_turns``, ``dedup_ttl_hours``).
+    Without ``url``, ``$CHATFLOW_DATABASE_URL``, else ``sqlite:///chatflow.db``.
+    Keyword arguments go to the backend's ``store_class.from_url``.
 
     Raises:
         DatabaseURLError: The URL cannot mean a database (the message gives the fix).

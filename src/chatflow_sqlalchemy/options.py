@@ -1,16 +1,8 @@
 """The options every store takes, declared and validated once: :class:`StoreOptions`.
 
-Every store constructor (SQLite, PostgreSQL, the generic SQL store, the
-in-memory store, a plugin's) takes the same keywords. Each builds one
-:class:`StoreOptions` from them with :meth:`StoreOptions.of` and passes that
-on, so an option is declared here, once: a field of :class:`StoreOptions`
-(with its check in ``__post_init__``) and its keyword in
-:class:`StoreKeywords` or :class:`SQLStoreKeywords` (for type checkers;
-``tests/test_store_options.py`` checks the two agree). A store shows its
-options as ``store.options`` and each one as an attribute of its own name
-(:class:`OptionsOwner`).
-
-This module imports no SQLAlchemy: the in-memory store runs without it.
+An option is a field here (checked in ``__post_init__``) and a keyword of
+:class:`StoreKeywords` or :class:`SQLStoreKeywords` for type checkers (a test
+checks they agree). No SQLAlchemy: the in-memory store runs without it.
 """
 
 from __future__ import annotations
@@ -27,13 +19,7 @@ from chatflow_sqlalchemy.lifecycle import validate_archive_pruned, validate_sess
 from chatflow_sqlalchemy.summaries import Summarizer, validate_summarizer
 from chatflow_sqlalchemy.values import DEFAULT_TURN_LEASE_SECONDS, validate_turn_lease_seconds
 
-__all__ = [
-    "SQL_ONLY",
-    "OptionsOwner",
-    "SQLStoreKeywords",
-    "StoreKeywords",
-    "StoreOptions",
-]
+__all__ = ["SQL_ONLY", "OptionsOwner", "SQLStoreKeywords", "StoreKeywords", "StoreOptions"]
 
 SQL_ONLY = frozenset({"auto_migrate", "cipher", "require_encryption"})
 """Options of the SQL stores only (the in-memory store keeps nothing at rest)."""
@@ -63,23 +49,18 @@ class StoreOptions:
     Attributes:
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        session_ttl_hours: A session not updated for this many hours is expired
-            and removed by ``sweep()``; None (the default) keeps sessions forever.
-        archive_pruned: Keep the messages pruning drops from the window in the
-            archive table (read back by ``transcript()``) instead of deleting them.
-        turn_lease_seconds: How long a turn's lease on its session lasts
-            without renewal (it is renewed while the turn runs): a worker
-            that dies mid-turn frees its session after this long.
-        summarizer: An async callable ``(previous_summary, dropped) -> str``
-            that summarizes the turns pruning drops (see
-            :mod:`~chatflow_sqlalchemy.summaries`); None keeps no summary.
+        session_ttl_hours: ``sweep()`` removes sessions not updated for this
+            many hours; None (the default) keeps them forever.
+        archive_pruned: Archive what pruning drops (for ``transcript()``), not delete it.
+        turn_lease_seconds: How long a turn's lease lasts without renewal: a
+            worker that dies mid-turn frees its session after this long.
+        summarizer: An async ``(previous_summary, dropped) -> str`` that
+            summarizes what pruning drops (:mod:`~chatflow_sqlalchemy.summaries`).
         auto_migrate: SQL stores: create or upgrade the schema on open (True),
-            or refuse a missing or old schema with
-            :class:`~chatflow_sqlalchemy.exceptions.SchemaError` and change
-            nothing (False); None (the default) reads ``CHATFLOW_AUTO_MIGRATE``
-            (``0/false/no/off`` turn it off; unset means on).
+            or refuse an old or missing one with ``SchemaError`` (False); None
+            reads ``CHATFLOW_AUTO_MIGRATE``.
         cipher: SQL stores: an :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`
-            that encrypts message content and metadata at rest.
+            encrypting content and metadata at rest.
         require_encryption: SQL stores: refuse plaintext rows with ``CorruptRowError``.
 
     Raises:
@@ -171,11 +152,7 @@ class OptionsOwner:
 
     @property
     def default_max_turns(self) -> int:
-        """History window of new contexts, in complete turns.
-
-        Assignable, as on upstream's stores: the new value is checked and
-        applies to contexts made from then on.
-        """
+        """History window of new contexts, in complete turns (assignable, as upstream's)."""
         return self.options.default_max_turns
 
     @default_max_turns.setter

@@ -1,36 +1,12 @@
-"""Backend registry: which :class:`DialectSupport` serves which database dialect.
+"""Backend registry: which :class:`~chatflow_sqlalchemy.dialect.DialectSupport` serves a dialect.
 
-A backend is a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
-subclass: what differs in its database, and (its ``store_class``) the store
-class :func:`~chatflow_sqlalchemy.open_store` opens for it. The registry
-maps names to those classes and imports no store: a store looks its dialect
-up here, never the other way round.
-
-Lookup order, as in SQLAlchemy's dialect registry: names registered at run
-time with :func:`register`, then the built-in backends, then the entry-point
-group ``chatflow_sqlalchemy.backends`` that third-party packages declare::
-
-    [project.entry-points."chatflow_sqlalchemy.backends"]
-    mysql = "chatflow_sqlalchemy_mariadb.dialect:MariaDBDialectSupport"
-    mariadb = "chatflow_sqlalchemy_mariadb.dialect:MariaDBDialectSupport"
-
-Rules:
-
-* :func:`register` wins over everything, also over two plugins that claim
-  the same name (it is how a user chooses between them).
-* Built-in names (``sqlite``, ``postgresql``) are served by this package; a
-  plugin claiming one is ignored with a warning.
-* Two installed distributions claiming one name is a
-  :class:`~chatflow_sqlalchemy.exceptions.DuplicateBackendError` naming both,
-  raised only when that name is used: the other backends keep working.
-* Targets are imported lazily; a backend that fails to import is reported by
-  :func:`available_backends` with its error (naming what to install) and
-  never breaks the others.
-* The exact dialect name is looked up first, then its alias
-  (``mariadb`` → ``mysql``, ``postgres`` → ``postgresql``).
-* A target that is still a store class (what entry points named before 0.3)
-  keeps working for one release, with a :class:`DeprecationWarning`: it
-  stands for its ``dialect_support``'s class with that ``store_class``.
+Lookup order: :func:`register` (wins over everything), the built-ins (a
+plugin claiming one is ignored with a warning), then the entry-point group
+``chatflow_sqlalchemy.backends``; two distributions claiming one name raise
+:class:`~chatflow_sqlalchemy.exceptions.DuplicateBackendError` when it is
+used. The exact name is tried before its alias. Targets import lazily, and
+one that fails never breaks the others. A target that is a store class (pre
+0.3) still works, with a :class:`DeprecationWarning`. No store is imported here.
 """
 
 from __future__ import annotations
@@ -52,16 +28,8 @@ from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
-    "BackendSource",
-    "available_backends",
-    "backend_name_for_url",
-    "backend_sources",
-    "load_backend",
-    "register",
-    "store_class_for",
-    "support_for",
-    "unregister",
+    "ENTRY_POINT_GROUP", "BackendSource", "available_backends", "backend_name_for_url",
+    "backend_sources", "load_backend", "register", "store_class_for", "support_for", "unregister",
 ]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
@@ -96,7 +64,7 @@ _of_store_classes: dict[type[Any], type[DialectSupport]] = {}
 
 @dataclass(frozen=True)
 class BackendSource:
-    """Where a backend name comes from (for listings such as ``chatflow-sqlalchemy backends``).
+    """Where a backend name comes from (``chatflow-sqlalchemy backends`` lists them).
 
     Attributes:
         name: The backend name.
@@ -118,9 +86,8 @@ def register(name: str, target: str | type[DialectSupport]) -> None:
     Args:
         name: Dialect name (``make_url(url).get_backend_name()``).
         target: The backend's :class:`~chatflow_sqlalchemy.dialect.DialectSupport`
-            subclass, or ``"module:Class"`` to import it lazily. (A store class
-            is still accepted, with a :class:`DeprecationWarning` when it is
-            loaded, until the next release.)
+            subclass, or ``"module:Class"`` to import it lazily (a store class:
+            deprecated, with a warning).
 
     """
     with _lock:
@@ -152,9 +119,7 @@ def _dist_name(ep: EntryPoint) -> str:
 
 def _dist_label(ep: EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
-    if dist is None:
-        return "<unknown distribution>"
-    return f"{dist.name} {dist.version}"
+    return f"{dist.name} {dist.version}" if dist is not None else "<unknown distribution>"
 
 
 def _is_core(ep: EntryPoint) -> bool:
@@ -181,12 +146,7 @@ def _warn_shadowed(name: str, claims: list[EntryPoint]) -> None:
             logger.warning(
                 "backend %r of %s (%s) is ignored: %r is built into chatflow-sqlalchemy; "
                 "call chatflow_sqlalchemy.register(%r, %r) to use it instead",
-                name,
-                _dist_label(ep),
-                ep.value,
-                name,
-                name,
-                ep.value,
+                name, _dist_label(ep), ep.value, name, name, ep.value,
             )
 
 
@@ -207,11 +167,7 @@ def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
 
 
 def _import_error(message: str) -> Exception:
-    """A :class:`~chatflow_sqlalchemy.exceptions.BackendImportError` with ``message``.
-
-    The exceptions module derives from chatflow-agent's error class, so it is
-    imported only when one is raised: listing backends stays light.
-    """
+    """A ``BackendImportError`` (its module loads chatflow-agent: imported when raised)."""
     from chatflow_sqlalchemy.exceptions import BackendImportError
 
     return BackendImportError(message)
@@ -350,11 +306,7 @@ def load_backend(name: str) -> type[DialectSupport]:
 
 
 def support_for(dialect_name: str) -> DialectSupport:
-    """The dialect hooks of backend ``dialect_name``: one shared instance of its class.
-
-    What a store built by the generic class, the migrations and the CLI use
-    for a database; raises as :func:`load_backend` does.
-    """
+    """The dialect hooks of backend ``dialect_name``: one shared instance of its class."""
     backend = load_backend(dialect_name)
     with _lock:
         found = _instances.get(backend)
@@ -413,21 +365,16 @@ def backend_sources() -> dict[str, BackendSource]:
     sources: dict[str, BackendSource] = {}
     for name in _names():
         if name in registered:
-            sources[name] = BackendSource(
-                name, "register()", (), _target_text(registered[name])
-            )
+            sources[name] = BackendSource(name, "register()", (), _target_text(registered[name]))
         elif name in _BUILTINS:
             sources[name] = BackendSource(
                 name, "built-in", (CORE_DISTRIBUTION,), _BUILTINS[name][0]
             )
         else:
             claims = eps[name]
-            sources[name] = BackendSource(
-                name,
-                "entry point",
-                tuple(_dist_label(ep) for ep in claims),
-                claims[0].value if len(claims) == 1 else None,
-            )
+            labels = tuple(_dist_label(ep) for ep in claims)
+            target = claims[0].value if len(claims) == 1 else None
+            sources[name] = BackendSource(name, "entry point", labels, target)
     return sources
 
 

@@ -1,13 +1,7 @@
 """Forks on the SQL stores: a session's rows copied to a new id, in the caller's transaction.
 
-Which messages a fork takes is decided in :mod:`chatflow_sqlalchemy.forks`;
-this module is its SQL, in portable Core. The source row is locked while it
-is read (``FOR UPDATE`` where the database has row locks; SQLite's write
-transaction excludes every other writer), so the fork copies one committed
-state of the source: a turn of the source still running is not in it.
-Messages are copied with the seqs they have in the source and sealed again
-under the new session id (a sealed value names its session as associated
-data, so a copied token would not open there).
+The source row is locked while read, so one committed state is copied; messages
+are sealed again under the new id (a token names its session).
 """
 
 from __future__ import annotations
@@ -55,10 +49,7 @@ _WAITING = select(
 def copy_session(
     conn: Connection, sealer: Sealer, session_id: str, new_session_id: str, at_turn: int | None
 ) -> ForkedWindow:
-    """Insert the fork ``new_session_id`` of ``session_id``; return what it took.
-
-    Runs in the caller's write transaction: an error leaves nothing written
-    once the caller rolls back.
+    """Insert the fork ``new_session_id`` of ``session_id`` (in the caller's transaction).
 
     Raises:
         ValueError: No such source (or one the inbox created before its first

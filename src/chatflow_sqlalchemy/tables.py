@@ -1,9 +1,6 @@
 """The chatflow tables in SQLAlchemy Core: the schema, declared once, without the ORM.
 
-The read commands of the CLI query these tables and nothing more, so they
-need neither ``sqlalchemy.orm`` nor the store machinery; ``models.py`` maps
-its classes onto the very same ``Table`` objects (and explains each column),
-and Alembic compares the database with this ``metadata``.
+``models.py`` maps its classes onto these ``Table`` objects (and explains the columns).
 """
 
 from __future__ import annotations
@@ -36,16 +33,8 @@ from sqlalchemy.types import TypeDecorator
 from chatflow_sqlalchemy.values import CLAIM_DONE, SESSION_ID_MAX_LENGTH
 
 __all__ = [
-    "BACKEND_SHAPED",
-    "CLAIM_TICKETS",
-    "LEASE_OWNER_MAX_LENGTH",
-    "NAMING_CONVENTION",
-    "UTCDateTime",
-    "inbox",
-    "message_archive",
-    "messages",
-    "metadata",
-    "processed_messages",
+    "BACKEND_SHAPED", "CLAIM_TICKETS", "LEASE_OWNER_MAX_LENGTH", "NAMING_CONVENTION",
+    "UTCDateTime", "inbox", "message_archive", "messages", "metadata", "processed_messages",
     "sessions",
 ]
 
@@ -61,14 +50,11 @@ NAMING_CONVENTION: dict[str, str] = {
 }
 
 
-
 class UTCDateTime(TypeDecorator[datetime]):
     """A timestamp that is always timezone-aware UTC in Python.
 
-    PostgreSQL stores ``timestamptz``; SQLite has no time zones, so values are
-    stored as naive UTC text and given back their UTC zone on load. MySQL and
-    MariaDB store naive UTC in ``DATETIME(6)`` (microseconds, so that
-    ``list_sessions`` orders writes made within one second).
+    Dialects without zones store naive UTC (MySQL in ``DATETIME(6)``, so
+    writes within one second keep their order).
     """
 
     impl = DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
@@ -88,11 +74,9 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=None)
 
     def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
-        """On SQLite, one function for what ``process_bind_param`` and ``DATETIME`` do in turn.
+        """On SQLite, one function (cheaper) for what ``process_bind_param`` and ``DATETIME`` do.
 
-        Every turn binds several timestamps, and the composed pair costs more
-        per value. It writes exactly SQLAlchemy's SQLite text
-        (``YYYY-MM-DD HH:MM:SS.ffffff``), which tests compare value by value.
+        It writes exactly SQLAlchemy's SQLite text, which tests compare value by value.
         """
         if dialect.name == "sqlite":
             return _sqlite_utc_text

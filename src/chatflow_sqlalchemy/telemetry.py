@@ -1,43 +1,11 @@
 """OpenTelemetry spans and metrics of the store's operations (the ``otel`` extra).
 
-The store reports its work in the units a bot's operator reasons about: a
-webhook claim, a session load, the wait for a turn's lock, a turn's commit.
-The statements inside them are SQLAlchemy's to report (its engine events, and
-OpenTelemetry's SQLAlchemy instrumentation built on them): started inside an
-operation's span, they nest under it, in the caller's trace, also when the
-store runs them on its I/O threads (the caller's context travels with them).
-
-Spans (tracer ``chatflow_sqlalchemy``), each with ``db.system.name``:
-
-- ``chatflow.claim``: acquiring a webhook claim; ``chatflow.claim.status``
-  is ``acquired``, ``done`` or ``in_flight``.
-- ``chatflow.load``: reading a session's row and messages;
-  ``chatflow.messages`` is how many were read.
-- ``chatflow.turn.lease``: taking the session's lease for a turn (SQL
-  stores); ``chatflow.lease.attempts`` counts the tries.
-- ``chatflow.turn.commit``: writing a turn in one transaction.
-
-Metrics (meter ``chatflow_sqlalchemy``): ``chatflow.operation.duration``
-(histogram, seconds, by ``chatflow.operation`` and ``db.system.name``, with
-``error.type`` when it failed); counters ``chatflow.version_conflicts``
-(a turn found its session moved by another writer and rebased),
-``chatflow.messages.pruned`` (history rows deleted by a write) and
-``chatflow.sessions.swept`` (sessions removed by the retention sweep).
-
-No session id, user id or message text is put in a span or a metric: session
-ids are often phone numbers, and telemetry cannot be erased with
-:meth:`~chatflow_sqlalchemy.SQLAlchemySessionStore.erase_user`. So a failed
-operation's span gets status ERROR with the exception's type only, never its
-message (the store's errors name the session; a driver error holds the
-statement's parameters).
-
-Telemetry never changes what the store does: an error raised by an SDK, a
-span processor or an exporter is logged and dropped, never raised into a
-claim, a turn's lock or its commit.
-
-Without ``opentelemetry-api`` every function here does nothing. With it and
-no SDK configured, OpenTelemetry's own no-op providers answer; an SDK set up
-later (``trace.set_tracer_provider``) is picked up, as the API's proxies do.
+What is reported is listed in docs/observability.md. Spans nest in the
+caller's trace (also on the store's I/O threads) and carry no session id,
+user id or text, and a failure's type only, never its message: telemetry
+cannot be erased with ``erase_user``. Telemetry never changes what the store
+does: a failing SDK or exporter is logged, never raised. Without
+``opentelemetry-api`` everything here does nothing.
 """
 
 from __future__ import annotations
@@ -55,13 +23,7 @@ except ImportError:  # the otel extra is not installed: no-op
 
 from chatflow_sqlalchemy import __version__
 
-__all__ = [
-    "INSTRUMENTATION_NAME",
-    "Operation",
-    "count",
-    "enabled",
-    "operation",
-]
+__all__ = ["INSTRUMENTATION_NAME", "Operation", "count", "enabled", "operation"]
 
 INSTRUMENTATION_NAME = "chatflow_sqlalchemy"
 """The tracer's and the meter's name (the instrumentation scope)."""
@@ -88,6 +50,26 @@ class Operation:
 _NO_OP = Operation()
 
 
+_COUNTERS = (
+    ("chatflow.version_conflicts", "{conflict}",
+     "Turns that found their session moved by another writer and rebased"),
+    ("chatflow.messages.pruned", "{message}", "History rows deleted by a turn's write"),
+    ("chatflow.sessions.swept", "{session}", "Sessions removed by the retention sweep"),
+    ("chatflow.inbox.received", "{message}",
+     "Messages the inbox accepted (redeliveries refused are not counted)"),
+    ("chatflow.inbox.answered", "{message}",
+     "Inbox messages whose batch was handled and its reply stored"),
+    ("chatflow.inbox.failed", "{message}",
+     "Inbox messages whose batch raised (retried later, or dead)"),
+    ("chatflow.inbox.send_failures", "{reply}",
+     "Calls of the inbox's send that raised (each retry counts)"),
+    ("chatflow.summaries.written", "{summary}", "Session summaries made and stored"),
+    ("chatflow.summaries.failed", "{summary}",
+     "Summarizer calls that raised, timed out or returned no str"),
+)
+"""The counters: name, unit, description."""
+
+
 class _Instruments:
     """The tracer and the metric instruments, made on first use."""
 
@@ -101,51 +83,8 @@ class _Instruments:
             description="How long a store operation took (claim, load, turn lease, turn commit)",
         )
         self.counters = {
-            "chatflow.version_conflicts": meter.create_counter(
-                "chatflow.version_conflicts",
-                unit="{conflict}",
-                description="Turns that found their session moved by another writer and rebased",
-            ),
-            "chatflow.messages.pruned": meter.create_counter(
-                "chatflow.messages.pruned",
-                unit="{message}",
-                description="History rows deleted by a turn's write",
-            ),
-            "chatflow.sessions.swept": meter.create_counter(
-                "chatflow.sessions.swept",
-                unit="{session}",
-                description="Sessions removed by the retention sweep",
-            ),
-            "chatflow.inbox.received": meter.create_counter(
-                "chatflow.inbox.received",
-                unit="{message}",
-                description="Messages the inbox accepted (redeliveries refused are not counted)",
-            ),
-            "chatflow.inbox.answered": meter.create_counter(
-                "chatflow.inbox.answered",
-                unit="{message}",
-                description="Inbox messages whose batch was handled and its reply stored",
-            ),
-            "chatflow.inbox.failed": meter.create_counter(
-                "chatflow.inbox.failed",
-                unit="{message}",
-                description="Inbox messages whose batch raised (retried later, or dead)",
-            ),
-            "chatflow.inbox.send_failures": meter.create_counter(
-                "chatflow.inbox.send_failures",
-                unit="{reply}",
-                description="Calls of the inbox's send that raised (each retry counts)",
-            ),
-            "chatflow.summaries.written": meter.create_counter(
-                "chatflow.summaries.written",
-                unit="{summary}",
-                description="Session summaries made and stored",
-            ),
-            "chatflow.summaries.failed": meter.create_counter(
-                "chatflow.summaries.failed",
-                unit="{summary}",
-                description="Summarizer calls that raised, timed out or returned no str",
-            ),
+            name: meter.create_counter(name, unit=unit, description=description)
+            for name, unit, description in _COUNTERS
         }
 
 
@@ -163,11 +102,7 @@ _warned = False
 
 
 def _safely(call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``; an error of the telemetry pipeline is logged, never raised.
-
-    The first one at WARNING with its traceback, later ones at DEBUG: a broken
-    exporter must not flood the log with one warning per turn.
-    """
+    """``call(*args)``; an error is logged (the first at WARNING, then DEBUG), never raised."""
     global _warned
     try:
         return call(*args)
@@ -203,10 +138,7 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
         return
     span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
     span_attributes.update({f"chatflow.{key}": value for key, value in attributes.items()})
-    metric_attributes: dict[str, AttributeValue] = {
-        "chatflow.operation": name,
-        "db.system.name": system,
-    }
+    metric_attributes = {"chatflow.operation": name, "db.system.name": system}
     span = _safely(_start_span, instruments, f"chatflow.{name}", span_attributes)
     token = None if span is None else _safely(context.attach, trace.set_span_in_context(span))
     started = time.perf_counter()

@@ -1,14 +1,9 @@
 """Database URLs: read one, and refuse what it cannot mean before anything is opened.
 
-SQLAlchemy parses a few common mistakes into something valid but unintended:
-``sqlite://chat.db`` (two slashes) is an in-memory database whose "host" is
-``chat.db``, so a bot answers and the history is gone at the next start. Every
-entry point (the store constructors, :func:`~chatflow_sqlalchemy.open_store` and
-the CLI) reads its URL through :func:`parse_database_url`, so they accept and
-refuse the same URLs with the same one-line fix. :func:`psycopg_url` maps a
-PostgreSQL URL to the one driver the PostgreSQL store runs on; it lives here,
-not in the backend, so that tools (migrations, the CLI) map URLs without
-importing any store.
+``sqlite://chat.db`` (two slashes) would be an in-memory database, silently
+losing the history; every entry point reads its URL through
+:func:`parse_database_url`, so all refuse the same URLs with the same fix.
+Tools map URLs here without importing any store.
 """
 
 from __future__ import annotations
@@ -19,13 +14,8 @@ from sqlalchemy import URL, make_url
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
-    "ALIASES",
-    "DEFAULT_DATABASE_URL",
-    "URL_EXAMPLES",
-    "parse_database_url",
-    "psycopg_url",
-    "quoted_url",
-    "require_backend",
+    "ALIASES", "DEFAULT_DATABASE_URL", "URL_EXAMPLES", "parse_database_url", "psycopg_url",
+    "quoted_url", "require_backend",
 ]
 
 DEFAULT_DATABASE_URL = "sqlite:///chatflow.db"
@@ -127,11 +117,7 @@ def quoted_url(url: str | URL) -> str:
 
 
 def _url_error(message: str) -> Exception:
-    """A :class:`~chatflow_sqlalchemy.exceptions.DatabaseURLError`.
-
-    Imported when a URL is refused: the error classes derive from chatflow-agent's,
-    which a good URL (the CLI's read commands) never needs to load.
-    """
+    """A ``DatabaseURLError`` (imported when raised: its module loads chatflow-agent)."""
     from chatflow_sqlalchemy.exceptions import DatabaseURLError
 
     return DatabaseURLError(message)

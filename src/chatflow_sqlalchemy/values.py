@@ -1,10 +1,4 @@
-"""Values the tables hold that code outside SQL needs too, without SQLAlchemy.
-
-The id length limit, the claim states, the UTC clock and the rules for ids,
-metadata, text and page sizes every backend can store are shared by the SQL stores
-(``models.py`` builds the tables with them) and the in-memory store, which
-must run without importing SQLAlchemy.
-"""
+"""Values and rules the SQL stores and the in-memory store share (no SQLAlchemy imported)."""
 
 from __future__ import annotations
 
@@ -15,27 +9,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 __all__ = [
-    "CLAIM_ACQUIRED",
-    "CLAIM_DONE",
-    "CLAIM_RELEASED",
-    "DEFAULT_DEDUP_TTL_HOURS",
-    "DEFAULT_TURN_LEASE_SECONDS",
-    "MAX_PAGE_LIMIT",
-    "METADATA_MAX_DEPTH",
-    "SESSION_ID_MAX_LENGTH",
-    "TOKEN_PREFIX",
-    "TURN_LEASE_BOUNDS",
-    "UNBORN_AGENT",
-    "Lease",
-    "check_metadata",
-    "check_storable_text",
-    "dump_metadata",
-    "is_encrypted",
-    "utcnow",
-    "validate_id",
-    "validate_page_limit",
-    "validate_session_id",
-    "validate_turn_lease_seconds",
+    "CLAIM_ACQUIRED", "CLAIM_DONE", "CLAIM_RELEASED", "DEFAULT_DEDUP_TTL_HOURS",
+    "DEFAULT_TURN_LEASE_SECONDS", "MAX_PAGE_LIMIT", "METADATA_MAX_DEPTH",
+    "SESSION_ID_MAX_LENGTH", "TOKEN_PREFIX", "TURN_LEASE_BOUNDS", "UNBORN_AGENT", "Lease",
+    "check_metadata", "check_storable_text", "dump_metadata", "is_encrypted", "utcnow",
+    "validate_id", "validate_page_limit", "validate_session_id", "validate_turn_lease_seconds",
 ]
 
 SESSION_ID_MAX_LENGTH = 255
@@ -55,17 +33,14 @@ def utcnow() -> datetime:
 
 
 MAX_PAGE_LIMIT = 2**31 - 1
-"""Largest row limit sent to a database (the largest a signed ``INTEGER`` holds,
-which every backend's ``LIMIT`` takes); a larger ``limit`` asks for every row, and
-is clamped to this."""
+"""Largest row limit sent to a database (a signed ``INTEGER``); larger limits are clamped."""
 
 
 def check_storable_text(value: str, name: str) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``value`` is text a column cannot hold.
+    """Raise ``ValueError`` naming ``name`` if ``value`` holds NUL or a lone surrogate.
 
-    Refused on every backend alike: the NUL character (PostgreSQL's text
-    types cannot hold it) and lone surrogates (a half of a UTF-16 pair
-    alone: not UTF-8, so no driver can send them).
+    Refused on every backend alike: PostgreSQL cannot store NUL, and no driver can send
+    a lone surrogate.
     """
     if "\x00" in value:
         raise ValueError(
@@ -83,11 +58,7 @@ def check_storable_text(value: str, name: str) -> None:
 
 
 def validate_page_limit(limit: object, name: str = "limit") -> int | None:
-    """Return ``limit`` (None: no limit) clamped to ``MAX_PAGE_LIMIT``, else raise ``ValueError``.
-
-    A limit larger than any database's ``LIMIT`` means "every row", which is
-    what the clamped limit returns; the same on every backend.
-    """
+    """``limit`` (None: no limit) clamped to ``MAX_PAGE_LIMIT``; ``ValueError`` if invalid."""
     if limit is None:
         return None
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -108,19 +79,15 @@ def is_encrypted(text: object) -> bool:
 
 
 UNBORN_AGENT = ""
-"""The agent name of a session with no agent yet: one the inbox created for its lease
-before any turn, or one whose first turn failed before anything was written to it. The
-first ``get_or_create`` (or a waiting turn's write) gives it its agent; until then
-``get`` and ``list_sessions`` do not show it."""
+"""The agent name of a session with no agent yet (made for a lease, or its first turn
+failed): ``get`` and ``list_sessions`` do not show it until it gets one."""
 
 DEFAULT_TURN_LEASE_SECONDS = 30.0
 """How long a turn's lease on its session lasts without renewal (store option)."""
 
 
 TURN_LEASE_BOUNDS = (0.5, 86400.0)
-"""Shortest and longest accepted ``turn_lease_seconds``: renewed every third of it, a
-shorter lease would be mostly renewals; a longer one blocks a dead worker's session
-for more than a day."""
+"""Shortest and longest accepted ``turn_lease_seconds`` (renewals; a dead worker's block)."""
 
 
 def validate_turn_lease_seconds(value: object) -> float:
@@ -144,10 +111,8 @@ class Lease:
         fence: The session's fencing counter after this take.
         version: The session's version when the lease was taken.
         released: The turn's write gave the lease back.
-        kept: An inbox batch holds it beyond its turns: a turn's write checks
-            it and keeps it, and only the batch gives it back.
-        shared: The batch's ``handle`` runs: the store's turns on the session
-            in other tasks use this lease instead of waiting for it.
+        kept: An inbox batch holds it beyond its turns; only the batch gives it back.
+        shared: The batch's ``handle`` runs: other tasks' turns on the session use it.
 
     """
 
@@ -161,12 +126,9 @@ class Lease:
 
 
 def validate_id(value: object, name: str) -> str:
-    """Return ``value`` if it is a usable id, else raise ``ValueError`` naming ``name``.
+    """Return ``value`` if it is a usable id (or agent name), else raise ``ValueError``.
 
-    One rule for every id the store keys rows by (sessions, users) and for
-    agent names: a non-empty str of at most ``SESSION_ID_MAX_LENGTH``
-    characters that every backend can store (no NUL, no lone surrogate; see
-    :func:`~chatflow_sqlalchemy.values.check_storable_text`).
+    A non-empty str of at most ``SESSION_ID_MAX_LENGTH`` storable characters.
     """
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a str, got {type(value).__name__}")
@@ -188,9 +150,7 @@ _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 METADATA_MAX_DEPTH = 31
-"""Deepest nesting of dicts and lists accepted in metadata (the deepest MariaDB's JSON
-type takes; deeper is refused on every backend alike, as is a container that holds
-itself: much deeper nesting would exhaust Python's recursion limit too)."""
+"""Deepest nesting of dicts and lists accepted in metadata (MariaDB's JSON limit)."""
 
 
 def _check_shape(value: object, max_depth: int, depth: int = 1) -> None:
@@ -228,12 +188,8 @@ def _depth(value: object) -> int:
 def check_metadata(metadata: object, *, stored_json: str | None = None) -> str:
     """:func:`dump_metadata` of new metadata, refusing also what JSON would not keep.
 
-    Metadata given by the caller (and metadata a write changed) is checked
-    with this: nesting deeper than ``METADATA_MAX_DEPTH`` (``ValueError``)
-    and dict keys that are not str (``TypeError``) are refused before
-    anything is written. Stored metadata is never refused: a change to
-    metadata that was already stored deeper (``stored_json``, written before
-    the limit) may keep that depth.
+    Refuses nesting deeper than ``METADATA_MAX_DEPTH`` (``ValueError``, unless
+    ``stored_json`` was already as deep) and non-str keys (``TypeError``).
     """
     try:
         _check_shape(metadata, METADATA_MAX_DEPTH)
@@ -246,12 +202,9 @@ def check_metadata(metadata: object, *, stored_json: str | None = None) -> str:
 
 
 def dump_metadata(metadata: object) -> str:
-    """Serialise metadata to canonical JSON, or raise ``ValueError`` naming ``metadata``.
+    """Serialise metadata to canonical JSON, or raise ``ValueError``.
 
-    Refused, so that what is accepted reads back the same on every backend:
-    NaN and infinities (JSON has no such numbers), the NUL character and
-    lone surrogates anywhere in a key or string (PostgreSQL's ``jsonb``
-    cannot hold them).
+    NaN, infinities, NUL and lone surrogates are refused on every backend alike.
     """
     try:
         text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)

@@ -1,11 +1,6 @@
-"""PostgreSQL backend on psycopg 3.
+"""PostgreSQL backend on psycopg 3: :class:`PostgresSessionStore` bounds each async operation.
 
-:class:`PostgresSessionStore` maps ``postgresql://`` URLs to the psycopg 3
-driver and bounds each async operation (:data:`OPERATION_TIMEOUT_SECONDS`).
-What differs in PostgreSQL itself (``ON CONFLICT`` upserts, a turn's write in
-one statement, the migrations' advisory lock, connection defaults) is
-:class:`~chatflow_sqlalchemy.backends.postgresql_dialect.PostgresDialectSupport`,
-re-exported here with its constants.
+The dialect: :class:`~chatflow_sqlalchemy.backends.postgresql_dialect.PostgresDialectSupport`.
 """
 
 from __future__ import annotations
@@ -40,22 +35,13 @@ else:
         psycopg = None
 
 __all__ = [
-    "CONNECT_TIMEOUT_SECONDS",
-    "INSTALL_HINT",
-    "MIGRATION_LOCK_KEY",
-    "OPERATION_TIMEOUT_SECONDS",
-    "PREPARE_THRESHOLD",
-    "TCP_OPTIONS",
-    "PostgresDialectSupport",
-    "PostgresSessionStore",
-    "default_connect_args",
-    "jsonb_dumps",
-    "psycopg_url",
+    "CONNECT_TIMEOUT_SECONDS", "INSTALL_HINT", "MIGRATION_LOCK_KEY", "OPERATION_TIMEOUT_SECONDS",
+    "PREPARE_THRESHOLD", "TCP_OPTIONS", "PostgresDialectSupport", "PostgresSessionStore",
+    "default_connect_args", "jsonb_dumps", "psycopg_url",
 ]
 
 OPERATION_TIMEOUT_SECONDS = 15.0
-"""Bound of each async store operation and each turn-lock call (the default of
-``PostgresSessionStore.operation_timeout``)."""
+"""Default of ``PostgresSessionStore.operation_timeout``."""
 
 _R = TypeVar("_R")
 
@@ -76,33 +62,21 @@ class PostgresSessionStore(ServerSessionStore):
         url: ``postgresql://`` or ``postgresql+psycopg://`` URL.
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        **options: Store options by keyword (see
-            :class:`~chatflow_sqlalchemy.options.StoreOptions`); any other
-            keyword, and ``engine_options=``, goes to ``create_engine`` (pool
-            size, echo, ...). ``connect_args`` are added to the backend's
-            defaults (a connect timeout and TCP keepalives, see
-            :func:`default_connect_args`).
+        **options: :class:`~chatflow_sqlalchemy.options.StoreOptions`; any
+            other keyword (and ``engine_options=``) goes to ``create_engine``;
+            ``connect_args`` add to :func:`default_connect_args`.
 
-    Hangs are bounded: opening a connection by libpq's ``connect_timeout``
-    (:data:`CONNECT_TIMEOUT_SECONDS` unless the URL or ``connect_args`` say
-    otherwise); each async operation (``aget_or_create``, the turn's lease,
-    catch-up and write) by :attr:`operation_timeout`; a lost connection
-    under a real network partition by TCP keepalives and
-    ``tcp_user_timeout`` (:data:`TCP_OPTIONS`). A bound that runs out is a
-    :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`. A
-    turn holds no connection while it runs, only its lease: a worker gone
-    silent frees its session after ``turn_lease_seconds``.
+    Hangs are bounded (a :class:`~chatflow_sqlalchemy.exceptions.DatabaseUnavailableError`):
+    connecting by :data:`CONNECT_TIMEOUT_SECONDS`, each async operation by
+    :attr:`operation_timeout`, a partitioned connection by TCP keepalives
+    (:data:`TCP_OPTIONS`). A turn holds no connection while it runs, only its lease.
 
     """
 
     dialect_support = PostgresDialectSupport()
 
     operation_timeout: float = OPERATION_TIMEOUT_SECONDS
-    """Seconds an async operation may wait on the server before it fails.
-
-    A stuck query is then cancelled by psycopg (which itself waits up to
-    about 10 s more for the server before closing the connection).
-    """
+    """Seconds an async operation may wait on the server before it is cancelled and fails."""
 
     @classmethod
     def store_url(cls, url: str | URL) -> URL:
@@ -118,11 +92,9 @@ class PostgresSessionStore(ServerSessionStore):
         return psycopg_url(url)
 
     async def _run_blocking(self, fn: Callable[..., _R], *args: Any) -> _R:
-        """Run database work as the generic store does, bounded by :attr:`operation_timeout`.
+        """Run database work as the generic store does; on native async, bounded in time.
 
-        Only the native async path can be bounded (a coroutine can be
-        cancelled; a thread blocked in libpq cannot): there the store's
-        operations run as psycopg coroutines.
+        A thread blocked in libpq cannot be cancelled; a coroutine can.
         """
         if not self.runtime.native_async:
             return await super()._run_blocking(fn, *args)

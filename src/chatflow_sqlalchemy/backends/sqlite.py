@@ -1,10 +1,6 @@
-"""SQLite backend: embedded file or in-memory database.
+"""SQLite backend: :class:`SQLiteSessionStore` takes a file path and creates its folder private.
 
-:class:`SQLiteSessionStore` takes a file path where the generic store takes
-a URL, and creates the file's folder private. What differs in SQLite itself
-(pragmas, ``BEGIN IMMEDIATE`` writes, ``ON CONFLICT`` upserts) is
-:class:`~chatflow_sqlalchemy.backends.sqlite_dialect.SQLiteDialectSupport`,
-re-exported here.
+The dialect itself is :class:`~chatflow_sqlalchemy.backends.sqlite_dialect.SQLiteDialectSupport`.
 """
 
 from __future__ import annotations
@@ -34,16 +30,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "BUSY_TIMEOUT_MS",
-    "PRIVATE_DIRECTORY_MODE",
-    "PRIVATE_FILE_MODE",
-    "SQLiteDialectSupport",
-    "SQLiteSessionStore",
-    "create_private_database_file",
-    "database_file",
-    "is_ephemeral_sqlite",
-    "make_private_directories",
-    "sqlite_url",
+    "BUSY_TIMEOUT_MS", "PRIVATE_DIRECTORY_MODE", "PRIVATE_FILE_MODE", "SQLiteDialectSupport",
+    "SQLiteSessionStore", "create_private_database_file", "database_file", "is_ephemeral_sqlite",
+    "make_private_directories", "sqlite_url",
 ]
 
 _BLOCKING_IO_WORKERS = 4
@@ -89,20 +78,12 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``file::memory:?cache=shared`` and ``mode=memory`` URIs are in-memory).
         default_max_turns: History window of new contexts, in complete turns.
         dedup_ttl_hours: How long a processed webhook id stays claimed.
-        **options: The other store options, by keyword (see
-            :class:`~chatflow_sqlalchemy.options.StoreOptions`):
-            ``session_ttl_hours``, ``archive_pruned``, ``turn_lease_seconds``,
-            ``summarizer``, ``cipher``, ``require_encryption`` and
-            ``auto_migrate`` (False also creates no file or directory). Turns
-            of one session exclude each other across processes too.
+        **options: The other :class:`~chatflow_sqlalchemy.options.StoreOptions`
+            (``auto_migrate=False`` also creates no file or directory).
 
-    WAL, ``synchronous=NORMAL`` and a busy timeout are set internally; there is
-    deliberately no other knob (``busy_timeout=`` is a ``TypeError``, as upstream).
-
-    A new database file is created 0600 (SQLite gives its ``-wal``/``-shm`` the
-    same mode) and missing directories 0700, whatever the umask; an existing
-    file keeps its mode, so a caller who wants a shared database creates the
-    file (empty) with the mode it wants first.
+    WAL, ``synchronous=NORMAL`` and a busy timeout are set internally, with no
+    other knob (as upstream). A new file is created 0600 and missing
+    directories 0700, whatever the umask; an existing file keeps its mode.
 
     """
 
@@ -122,18 +103,12 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
         url = sqlite_url(self.db_path)
         path = database_file(url)
         if path is not None and auto_migrate_enabled(chosen.auto_migrate):
-            # Only a store that may create the schema creates the folder; a refusing
-            # one leaves the file system as it found it.
-            _make_folder_of(path)
+            _make_folder_of(path)  # a store refusing to migrate leaves the disk as it was
         self._start(chosen, url)
 
     @classmethod
     def from_url(cls, url: str | URL, **kwargs: Any) -> SQLAlchemySessionStore:
-        """Open ``sqlite:///path`` (or a ``file:`` URI with ``?uri=true``).
-
-        ``sqlite+aiosqlite:///path`` opens the generic store, whose async API
-        then runs natively on aiosqlite.
-        """
+        """Open ``sqlite:///path`` or a ``file:`` URI (aiosqlite URLs: the generic store)."""
         parsed = parse_database_url(url)
         require_backend(parsed, "sqlite", cls.__name__)
         if parsed.drivername == "sqlite+aiosqlite":

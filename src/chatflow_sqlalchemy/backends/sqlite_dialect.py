@@ -1,15 +1,7 @@
-"""SQLite's dialect support: what differs in SQLite, without its store.
+"""SQLite's dialect support, without its store (looking backends up loads no store).
 
-Per-connection pragmas (foreign keys, WAL, synchronous=NORMAL, busy timeout),
-SQLite's own transaction control so that writes start with ``BEGIN
-IMMEDIATE`` (the write lock is taken up front, so concurrent writers queue on
-the busy timeout instead of failing on lock upgrade), a single shared
-connection for in-memory databases, and the ``ON CONFLICT`` upsert forms.
-
-The registry loads this module for the ``sqlite`` backend; it imports no
-store (``store_class`` names :class:`~chatflow_sqlalchemy.backends.sqlite.SQLiteSessionStore`
-by string), so listing or looking up backends loads neither the store nor
-chatflow-agent.
+Writes start with ``BEGIN IMMEDIATE``: the write lock is taken up front, so
+concurrent writers queue on the busy timeout instead of failing on lock upgrade.
 """
 
 from __future__ import annotations
@@ -67,23 +59,15 @@ class SQLiteDialectSupport(DialectSupport):
         return url.set(drivername="sqlite") if url.drivername == "sqlite+aiosqlite" else url
 
     def async_url(self, url: URL) -> URL | None:
-        """Native async only when asked for with ``sqlite+aiosqlite://``.
-
-        Otherwise on-disk async work goes to the store's private thread pool
-        (``backends.sqlite._BLOCKING_IO_WORKERS``), which is faster than aiosqlite's thread per
-        connection; in-memory databases run directly on the loop.
-        """
+        """Native async only with ``sqlite+aiosqlite://`` (a private thread pool is faster)."""
         if url.drivername == "sqlite+aiosqlite" and not is_ephemeral_sqlite(url):
             return url
         return None
 
     def prepare_engine(self, engine: Engine) -> None:
-        """Set pragmas on each connection and take transaction control from pysqlite.
+        """Set pragmas on each connection and take transaction control from pysqlite (once).
 
-        Once per engine: a second store on the same engine must not add a
-        second ``BEGIN``. A missing database file is created private just
-        before SQLite would create it, so a store that refuses to open
-        (``auto_migrate=False``) leaves nothing behind.
+        A missing file is created private just before SQLite would create it.
         """
         if not first_time_on(engine, "sqlite pragmas and BEGIN"):
             return
@@ -160,9 +144,7 @@ class SQLiteDialectSupport(DialectSupport):
 def _enter_wal(cursor: Any) -> None:
     """Switch the file to WAL, waiting out other connections doing the same.
 
-    The switch needs the exclusive lock; when several connections open a new
-    file at once, SQLite answers ``database is locked`` at once instead of
-    calling the busy handler (waiting could deadlock), so we wait here.
+    SQLite answers ``database is locked`` at once here, without its busy handler.
     """
     deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
     while True:
