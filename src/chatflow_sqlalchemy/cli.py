@@ -397,10 +397,9 @@ _SHARED_OPTIONS: dict[str, tuple[list[str], dict[str, Any]]] = {
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-    """Keep a shared option in ``ctx.meta``, which every command's context shares.
+    """Keep a shared option in ``ctx.meta`` (shared by every context) for ``_opt`` to read.
 
-    The commands then read it with ``_opt`` instead of each taking it; a ``--url`` after the
-    command wins over one before it.
+    A ``--url`` after the command wins over one before it.
     """
     if value is not None:
         ctx.meta[str(param.name)] = value
@@ -723,11 +722,8 @@ def db_check() -> int:
 class _Part:
     """A stored value read with ``$CHATFLOW_KEYS``: ``value`` in clear, else why it is not.
 
-    ``value`` is a message row's JSON document (as pydantic's ``model_dump(mode="json")``
-    gives it), the metadata or the summary; None when unreadable. ``locked_by``: the key id
-    of a value sealed with a key not in ``$CHATFLOW_KEYS`` (intact, not corrupt);
-    ``error``: why a corrupt value does not read, ``raw`` being what is stored. A message
-    row also keeps its ``row`` (id, role, created_at) and ``table``.
+    A value sealed with a key not in ``$CHATFLOW_KEYS`` is intact, not corrupt: ``locked_by``
+    names that key. A message row's value is its JSON document (``model_dump(mode="json")``).
     """
 
     value: Any = None
@@ -764,8 +760,7 @@ def _sealer() -> Sealer:
 def _why_closed(failure: Exception) -> tuple[str | None, str | None]:
     """(key id, None) for a value sealed with a key not in ``$CHATFLOW_KEYS``, else (None, why).
 
-    Anything but a ``CorruptRowError`` is raised again. (The errors load chatflow-agent: they
-    are imported only once one is raised.)
+    Anything but a ``CorruptRowError`` is raised again.
     """
     from chatflow_sqlalchemy.exceptions import CorruptRowError, MissingKeyError
 
@@ -1216,12 +1211,10 @@ def sessions_delete(session_id: str) -> None:
 
 @contextmanager
 def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]:
-    """(URL, a store) that changes the existing session's history as workers do.
+    """(URL, a store) that changes an existing session's history as workers do.
 
-    The same turns and keys: encrypted rows are read and written with the keys of
-    ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI runs no
-    agent); a row that cannot be read is exit 1, naming it. A session the inbox
-    made before its first turn does not exist yet.
+    With the keys of ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI
+    runs no agent); a row that cannot be read is exit 1, naming it.
     """
     _validate_session_id(session_id)
     with _reading() as (url, conn):
