@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -28,23 +28,13 @@ if TYPE_CHECKING:
     from rich.console import Console
     from sqlalchemy import URL, Connection, Engine
 
-    from chatflow_sqlalchemy import migrate as migrate_module
-    from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.inbox import Inbox
-    from chatflow_sqlalchemy.lifecycle import ListFilters
+    from chatflow_sqlalchemy.migrate import ChainStatus, MigrationChain
     from chatflow_sqlalchemy.sealing import Sealer
 
 __all__ = [
-    "EXIT_FAILED",
-    "EXIT_INTERRUPTED",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "UPSTREAM_LABEL",
-    "CliError",
-    "clean",
-    "cli",
-    "main",
-    "plain_rst",
+    "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UPSTREAM_LABEL", "CliError",
+    "clean", "cli", "main", "plain_rst",
 ]
 
 EXIT_OK = 0
@@ -59,6 +49,8 @@ PROG = "chatflow-sqlalchemy"
 UPGRADE_HINT = f"run: {PROG} db upgrade"
 UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
 """How a database holding upstream's tables without a revision is described, everywhere."""
+INBOX_STATES = ("pending", "in_flight", "done", "sent", "dead")
+"""The inbox's states (``chatflow_sqlalchemy.inbox.INBOX_STATES``, not imported: it is heavy)."""
 
 EXIT_CODES_EPILOG = (
     "\b\nExit codes:\n"
@@ -84,7 +76,7 @@ class CliError(Exception):
         self.code = code
 
 
-# --------------------------------------------------------------------------- output safety
+# --------------------------------------------------------------------------- output
 
 _UNSAFE_ABOVE_C0 = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
 """DEL, the C1 controls (CSI is \x9b), line/paragraph separators, bidi overrides."""
@@ -92,14 +84,13 @@ _CONTROL = re.compile(f"[\x00-\x1f{_UNSAFE_ABOVE_C0}]")
 _CONTROL_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_UNSAFE_ABOVE_C0}]")
 _NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
 _JSON_UNSAFE = re.compile(f"[{_UNSAFE_ABOVE_C0}]")
+_RST_ROLE = re.compile(r":[a-z]+(?::[a-z]+)*:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_RST_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
 
 
 def _escape_char(match: re.Match[str]) -> str:
-    char = match.group()
-    if char in _NAMED:
-        return _NAMED[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    char, code = match.group(), ord(match.group())
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
 
 
 def clean(text: object, *, newlines: bool = False) -> str:
@@ -108,8 +99,7 @@ def clean(text: object, *, newlines: bool = False) -> str:
     Stored chat content can then neither drive the terminal nor spoof a line. With
     ``newlines=True`` a newline stays a newline (message bodies printed on their own lines).
     """
-    pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
-    return pattern.sub(_escape_char, str(text))
+    return (_CONTROL_BUT_NEWLINE if newlines else _CONTROL).sub(_escape_char, str(text))
 
 
 def _json_text(value: Any, **kwargs: Any) -> str:
@@ -118,20 +108,23 @@ def _json_text(value: Any, **kwargs: Any) -> str:
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-_RST_ROLE = re.compile(r":[a-z]+(?::[a-z]+)*:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
-_RST_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
-
-
 def plain_rst(text: str) -> str:
     """``text`` written in reStructuredText, as plain text: roles and literals keep their text."""
     text = _RST_ROLE.sub(lambda m: m.group(1), text)
     return _RST_LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
 
-def _emit(as_json: bool, document: Any, *lines: str) -> None:
-    """A command's result: ``document`` as JSON with ``--json``, else ``lines`` of text."""
+def _opt(name: str) -> Any:
+    """A shared option (``url``, ``as_json``, ``yes``), kept for the whole command line."""
+    return click.get_current_context().meta.get(name)
+
+
+def _emit(document: Any, *lines: str) -> bool:
+    """A result: ``document`` as JSON with ``--json``, else ``lines``; True if it was JSON."""
+    as_json = bool(_opt("as_json"))
     for line in [_json_text(document, indent=2)] if as_json else lines:
         click.echo(line)
+    return as_json
 
 
 def _rich_console() -> Console | None:
@@ -150,8 +143,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     if console is None:
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
-            cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-            click.echo("  ".join(cells).rstrip())
+            click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         return
     from rich.table import Table
     from rich.text import Text
@@ -164,27 +156,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     console.print(table)
 
 
-_ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
+def _format_time(value: datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
 
-# --------------------------------------------------------------------------- URLs, errors
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
 
 
-def _resolve_url(given: str | None) -> URL:
-    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
-    from chatflow_sqlalchemy.urls import parse_database_url
+def _format_content(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
 
-    if given is None:
-        ctx = click.get_current_context(silent=True)
-        given = ctx.find_root().params.get("url") if ctx is not None else None
-    try:
-        return parse_database_url(given)
-    except Exception as exc:
-        from chatflow_sqlalchemy.exceptions import DatabaseURLError  # only now: it is heavy
 
-        if isinstance(exc, DatabaseURLError):
-            raise CliError(str(exc)) from None
-        raise
+# --------------------------------------------------------------------------- databases
 
 
 def _safe_url(url: URL) -> str:
@@ -195,9 +181,7 @@ def _describe(url: URL) -> str:
     """Name the database (and host) without the password."""
     if url.get_backend_name() == "sqlite":
         return clean(f"SQLite database {url.database or ':memory:'!r}")
-    host = url.host or "localhost"
-    if url.port:
-        host = f"{host}:{url.port}"
+    host = f"{url.host or 'localhost'}:{url.port}" if url.port else url.host or "localhost"
     user = f" as {url.username!r}" if url.username else ""
     return clean(f"{url.get_backend_name()} database {url.database!r} on {host}{user}")
 
@@ -210,16 +194,34 @@ def _one_line(text: str) -> str:
 
 def _db_error_reason(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None)
-    text = str(orig) if orig is not None else str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    lines = [line.strip() for line in str(exc if orig is None else orig).splitlines()]
+    return next((line for line in lines if line), type(exc).__name__)
 
 
-def _dialect_support(url: URL) -> DialectSupport:
-    """The backend's dialect hooks; loading it first reports a missing driver's pip extra."""
-    from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
+def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any) -> _T:
+    """``check(*args, **kwargs)``, a validator of the stores: its refusal is a usage error.
 
-    return support_for(backend_name_for_url(url))
+    A ValueError (or an ImportError naming a missing extra) is one ``error:`` line,
+    after ``what`` (the option it is about).
+    """
+    try:
+        return check(*args, **kwargs)
+    except (ValueError, ImportError) as exc:
+        raise CliError(f"{what}{clean(str(exc))}") from None
+
+
+def _resolve_url() -> URL:
+    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
+    from chatflow_sqlalchemy.urls import parse_database_url
+
+    try:
+        return parse_database_url(_opt("url"))
+    except Exception as exc:
+        from chatflow_sqlalchemy.exceptions import DatabaseURLError  # only now: it is heavy
+
+        if isinstance(exc, DatabaseURLError):
+            raise CliError(str(exc)) from None
+        raise
 
 
 @contextmanager
@@ -235,16 +237,11 @@ def _database_errors(url: URL, action: str = "cannot use") -> Iterator[None]:
         raise CliError(f"database error on {_describe(url)}: {_db_error_reason(exc)}") from exc
 
 
-# --------------------------------------------------------------------------- engines
-
-
 def _sqlite_file(url: URL) -> Path | None:
     """The file a SQLite URL names; None for in-memory databases and other backends."""
-    if url.get_backend_name() != "sqlite":
-        return None
     from chatflow_sqlalchemy.backends.sqlite_files import is_ephemeral_sqlite
 
-    if is_ephemeral_sqlite(url):
+    if url.get_backend_name() != "sqlite" or is_ephemeral_sqlite(url):
         return None
     database = url.database or ""
     if database.startswith("file:"):
@@ -287,7 +284,9 @@ def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
     """
     path = _sqlite_file(url)
     if not (read_only and path):
-        _dialect_support(url)
+        from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
+
+        support_for(backend_name_for_url(url))  # first: it names a missing driver's pip extra
     if path is not None and not path.is_file():  # SQLite would create it on connect
         raise CliError(
             f"no SQLite database at {clean(str(path))!r} (nothing was created); "
@@ -316,50 +315,39 @@ def _has_upstream_tables(engine: Engine) -> bool:
     return inspect(engine).has_table(tables.sessions.name)
 
 
-def _label(
-    revision: str | None,
-    chain: migrate_module.MigrationChain | None = None,
-    *,
-    upstream: bool = False,
-) -> str:
+def _label(revision: str | None, chain: MigrationChain, upstream: bool = False) -> str:
     """A revision for messages; a core chain without one is empty or upstream's tables."""
     if revision is not None:
         return revision
-    if chain is not None and not chain.is_core:
+    if not chain.is_core:
         return "none"
     return UPSTREAM_LABEL if upstream else "none (empty database)"
 
 
-def _statuses(engine: Engine) -> list[migrate_module.ChainStatus]:
+def _statuses(engine: Engine) -> list[ChainStatus]:
     """Every chain's status, refusing a database ahead of this package."""
     from chatflow_sqlalchemy import migrate
 
-    statuses = migrate.chain_status(engine)
+    statuses = list(migrate.chain_status(engine))
     for status in statuses:
         migrate.check_not_ahead(status.current, status.chain)
-    return list(statuses)
-
-
-def _require_head(engine: Engine, url: URL) -> None:
-    """Refuse (exit 2) unless every chain is at head: read commands never migrate."""
-    behind = [status for status in _statuses(engine) if not status.at_head]
-    if not behind:
-        return
-    first = behind[0]
-    upstream = first.chain.is_core and first.current is None and _has_upstream_tables(engine)
-    what = "the schema" if first.chain.is_core else f"the schema of plugin {first.chain.name}"
-    raise CliError(
-        f"{_describe(url)}: {what} is at {_label(first.current, first.chain, upstream=upstream)}, "
-        f"this package needs revision {first.head}; nothing was changed; {UPGRADE_HINT}"
-    )
+    return statuses
 
 
 @contextmanager
-def _database(url_option: str | None, *, write: bool = False) -> Iterator[tuple[URL, Engine]]:
-    """An engine on an existing database whose schema is at head (read-only unless ``write``)."""
-    url = _resolve_url(url_option)
+def _database(*, write: bool = False) -> Iterator[tuple[URL, Engine]]:
+    """An existing database whose every chain is at head (read-only unless ``write``)."""
+    url = _resolve_url()
     with _engine(url, read_only=not write) as engine:
-        _require_head(engine, url)
+        behind = [status for status in _statuses(engine) if not status.at_head]
+        if behind:  # read commands never migrate
+            first, chain = behind[0], behind[0].chain
+            upstream = chain.is_core and first.current is None and _has_upstream_tables(engine)
+            what = "the schema" if chain.is_core else f"the schema of plugin {chain.name}"
+            raise CliError(
+                f"{_describe(url)}: {what} is at {_label(first.current, chain, upstream)}, "
+                f"this package needs revision {first.head}; nothing was changed; {UPGRADE_HINT}"
+            )
         yield url, engine
 
 
@@ -373,12 +361,22 @@ def _read_conn(engine: Engine) -> Iterator[Connection]:
             conn.rollback()
 
 
-# --------------------------------------------------------------------------- confirmation
+@contextmanager
+def _reading() -> Iterator[tuple[URL, Connection]]:
+    """A read connection on an existing database at head."""
+    with _database() as (url, engine), _read_conn(engine) as conn:
+        yield url, conn
 
 
-def _confirm(question: str, yes: bool) -> None:
+def _count(conn: Connection, table: Any, *where: Any) -> int:
+    from sqlalchemy import func, select
+
+    return int(conn.execute(select(func.count()).select_from(table).where(*where)).scalar_one())
+
+
+def _confirm(question: str) -> None:
     """Ask before a destructive step; refuse without a terminal unless ``--yes``."""
-    if yes:
+    if _opt("yes"):
         return
     if not sys.stdin.isatty():
         raise CliError(f"{question} -- refusing without confirmation: pass --yes to confirm")
@@ -386,24 +384,7 @@ def _confirm(question: str, yes: bool) -> None:
         raise CliError("not confirmed; nothing was changed", EXIT_FAILED)
 
 
-# --------------------------------------------------------------------------- formatting
-
-
-def _format_time(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-def _format_content(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
-
+# --------------------------------------------------------------------------- commands
 
 _SHARED_OPTIONS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "yes": (["--yes", "-y"], {"help": "do not ask for confirmation (needed without a terminal)"}),
@@ -415,9 +396,19 @@ _SHARED_OPTIONS: dict[str, tuple[list[str], dict[str, Any]]] = {
 }
 
 
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Keep a shared option in ``ctx.meta`` (shared by every context) for ``_opt`` to read.
+
+    A ``--url`` after the command wins over one before it.
+    """
+    if value is not None:
+        ctx.meta[str(param.name)] = value
+
+
 def _shared_option(name: str) -> click.Option:
     decls, attrs = _SHARED_OPTIONS[name]
-    return click.Option(decls, **{"is_flag": True, **attrs})
+    extra = {"is_flag": True, "expose_value": False, "callback": _remember}
+    return click.Option(decls, **{**extra, **attrs})
 
 
 def _command(
@@ -434,20 +425,15 @@ def _command(
     return decorate
 
 
-# --------------------------------------------------------------------------- the groups
-
-
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-    epilog=EXIT_CODES_EPILOG,
-    no_args_is_help=True,
-    invoke_without_command=True,
+    epilog=EXIT_CODES_EPILOG, no_args_is_help=True, invoke_without_command=True,
 )
 @click.version_option(
     package_name="chatflow-sqlalchemy", prog_name=PROG, message="%(prog)s %(version)s"
 )
 @click.pass_context
-def cli(ctx: click.Context, url: str | None) -> None:
+def cli(ctx: click.Context) -> None:
     """Manage chatflow-sqlalchemy databases: migrations, sessions, dedup ids, the inbox."""
     if ctx.invoked_subcommand is None:  # only options (--url X): the help, not an error
         click.echo(ctx.get_help())
@@ -456,44 +442,36 @@ def cli(ctx: click.Context, url: str | None) -> None:
 cli.params.append(_shared_option("url"))
 
 
-@cli.group(no_args_is_help=True)
-def db() -> None:
-    """Schema migrations. Only upgrade, downgrade and stamp change the schema."""
+def _group(name: str, *paragraphs: str) -> click.Group:
+    group = click.Group(name, help="\n\n".join(paragraphs), no_args_is_help=True)
+    cli.add_command(group)
+    return group
 
 
-@cli.group(no_args_is_help=True)
-def sessions() -> None:
-    """Inspect, delete, sweep, export, rewind and fork sessions.
-
-    The read commands (list, show, export) never create or migrate anything.
-    """
-
-
-@cli.group(no_args_is_help=True)
-def dedup() -> None:
-    """Processed webhook ids (the dedup window)."""
-
-
-@cli.group(no_args_is_help=True)
-def inbox() -> None:
-    """The durable inbox: messages, retries, counts.
-
-    list and stats never change anything; retry and purge write.
-    """
-
+db = _group("db", "Schema migrations. Only upgrade, downgrade and stamp change the schema.")
+sessions = _group(
+    "sessions", "Inspect, delete, sweep, export, rewind and fork sessions.",
+    "The read commands (list, show, export) never create or migrate anything.",
+)
+dedup = _group("dedup", "Processed webhook ids (the dedup window).")
+inbox = _group(
+    "inbox", "The durable inbox: messages, retries, counts.",
+    "list and stats never change anything; retry and purge write.",
+)
+users = _group(
+    "users", "Export or erase everything held about a user_id.", "For GDPR / LGPD requests."
+)
+keys = _group(
+    "keys", "Encryption keys: re-encrypt rows with a new key.",
+    "The keys come from $CHATFLOW_KEYS; the first is the primary.",
+)
 
 # --------------------------------------------------------------------------- db
 
 
-_CHAIN_HELP = (
-    "act on one migration chain: 'core' or an installed plugin's name "
-    "(default: head/base move every chain, other revisions the core chain)"
-)
-
-
 def _chains(
     engine: Engine, chain_name: str | None, revision: str, all_for: str | None
-) -> list[migrate_module.MigrationChain]:
+) -> list[MigrationChain]:
     """The chains a command acts on: ``--chain``, else every chain for head/base, else core."""
     from chatflow_sqlalchemy import migrate
 
@@ -504,13 +482,11 @@ def _chains(
     return [migrate.core_chain()]
 
 
-def _check_revision(revision: str, chains: Sequence[migrate_module.MigrationChain]) -> None:
+def _check_revision(revision: str, chains: Sequence[MigrationChain]) -> None:
     """Refuse a revision no chain knows before asking or touching anything."""
     from chatflow_sqlalchemy import migrate
 
-    if revision in ("head", "base", "heads") or re.fullmatch(r"[+-]\d+", revision):
-        return
-    if any(mark in revision for mark in "@:+-"):
+    if revision in ("head", "base", "heads") or any(mark in revision for mark in "@:+-"):
         return  # relative and branch forms: Alembic checks them
     known = [rev.revision for chain in chains for rev in migrate.history(chain)]
     if not any(rev.startswith(revision) for rev in known):
@@ -520,64 +496,17 @@ def _check_revision(revision: str, chains: Sequence[migrate_module.MigrationChai
         )
 
 
-def _prefix(url: URL, chain: migrate_module.MigrationChain) -> str:
-    return f"{_safe_url(url)}:" + ("" if chain.is_core else f" plugin {chain.name}:")
-
-
-def _read_revision(engine: Engine, chain: migrate_module.MigrationChain) -> str | None:
+def _read_revision(engine: Engine, chain: MigrationChain) -> str | None:
     from chatflow_sqlalchemy import migrate
 
     with _read_conn(engine) as conn:
         return migrate.current_revision(conn, chain)
 
 
-def _move(
-    url_option: str | None, revision: str, chain_name: str | None, *,
-    down: bool, yes: bool = False, as_json: bool = False,
-) -> None:
-    """Upgrade or downgrade, then report how each chain moved (plugins first going down)."""
-    from chatflow_sqlalchemy import migrate
-
-    url = _resolve_url(url_option)
-    _prepare_new_sqlite_file(url, create=not down)
-    with _engine(url, read_only=False) as engine:
-        chains = _chains(engine, chain_name, revision, "base" if down else "head")
-        _check_revision(revision, chains)
-        if down and len(chains) > 1:
-            chains = [*chains[1:][::-1], chains[0]]
-        before = [_read_revision(engine, chain) for chain in chains]
-        for chain, found in zip(chains, before, strict=True):
-            migrate.check_not_ahead(found, chain)
-        upstream = before[0] is None and chains[0].is_core and _has_upstream_tables(engine)
-        if down:
-            what = "the tables (data is lost)" if revision == "base" else f"revision {revision}"
-            _confirm(f"Downgrade {_safe_url(url)} to {clean(what)}?", yes)
-            migrate.downgrade(engine, revision, chain_name)
-        else:
-            migrate.upgrade(engine, revision, chain_name)
-        after = [_read_revision(engine, chain) for chain in chains]
-    if as_json:
-        _emit(True, {"database": _safe_url(url), "chains": [
-            {"chain": chain.name, "from": old, "to": new,
-             "at_head": new == migrate.head_revision(chain)}
-            for chain, old, new in zip(chains, before, after, strict=True)
-        ]})
-        return
-    verb = "downgraded" if down else "upgraded"
-    for chain, old, new in zip(chains, before, after, strict=True):
-        suffix = " (head)" if not down and new == migrate.head_revision(chain) else ""
-        shown_old = _label(old, chain, upstream=upstream)
-        if old == new:
-            moved = f"already at revision {shown_old}{suffix}"
-        else:
-            moved = f"{verb} from {shown_old} to {_label(new, chain)}{suffix}"
-        click.echo(f"{_prefix(url, chain)} {moved}")
-
-
-def _prepare_new_sqlite_file(url: URL, *, create: bool) -> None:
+def _prepare_new_sqlite_file(url: URL) -> None:
     """``db upgrade`` may create a SQLite file: make it private (0600, folder 0700)."""
     path = _sqlite_file(url)
-    if path is None or path.exists() or not create:
+    if path is None or path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -588,111 +517,164 @@ def _prepare_new_sqlite_file(url: URL, *, create: bool) -> None:
         raise CliError(f"cannot create {clean(str(path))!r}: {exc.strerror}") from None
 
 
+def _migrate(revision: str, chain_name: str | None, action: str) -> None:
+    """Upgrade, downgrade or stamp; report how each chain moved (plugins first going down)."""
+    from chatflow_sqlalchemy import migrate
+
+    url, down = _resolve_url(), action == "downgrade"
+    if action == "upgrade":
+        _prepare_new_sqlite_file(url)
+    with _engine(url, read_only=False) as engine:
+        all_for = {"upgrade": "head", "downgrade": "base"}.get(action)
+        chains = _chains(engine, chain_name, revision, all_for)
+        _check_revision(revision, chains)
+        if down and len(chains) > 1:
+            chains = [*chains[1:][::-1], chains[0]]
+        before = [_read_revision(engine, chain) for chain in chains]
+        for chain, found in zip(chains, before, strict=True):
+            migrate.check_not_ahead(found, chain)
+        upstream = before[0] is None and chains[0].is_core and _has_upstream_tables(engine)
+        if down:
+            what = "the tables (data is lost)" if revision == "base" else f"revision {revision}"
+            _confirm(f"Downgrade {_safe_url(url)} to {clean(what)}?")
+            migrate.downgrade(engine, revision, chain_name)
+        elif action == "stamp":
+            migrate.stamp(engine, revision, chains[0])
+        else:
+            migrate.upgrade(engine, revision, chain_name)
+        after = [_read_revision(engine, chain) for chain in chains]
+    moves = [
+        (chain, old, new, _safe_url(url) + (":" if chain.is_core else f": plugin {chain.name}:"))
+        for chain, old, new in zip(chains, before, after, strict=True)
+    ]
+    if action == "stamp":
+        chain, old, new, prefix = moves[0]
+        _emit({"database": _safe_url(url), "chain": chain.name, "from": old, "to": new},
+              f"{prefix} stamped revision {_label(new, chain)} "
+              f"(was {_label(old, chain, upstream)}); no migration was run")
+        return
+    heads = [migrate.head_revision(chain) for chain in chains]
+    if _emit({"database": _safe_url(url), "chains": [
+        {"chain": chain.name, "from": old, "to": new, "at_head": new == head}
+        for (chain, old, new, _), head in zip(moves, heads, strict=True)
+    ]}):
+        return
+    for (chain, old, new, prefix), head in zip(moves, heads, strict=True):
+        suffix = " (head)" if not down and new == head else ""
+        if old == new:
+            click.echo(f"{prefix} already at revision {_label(old, chain, upstream)}{suffix}")
+        else:
+            verb, shown_old = "downgraded" if down else "upgraded", _label(old, chain, upstream)
+            click.echo(f"{prefix} {verb} from {shown_old} to {_label(new, chain)}{suffix}")
+
+
+_chain_option = click.option(
+    "--chain", "chain_name", metavar="NAME",
+    help="act on one migration chain: 'core' or an installed plugin's name "
+    "(default: head/base move every chain, other revisions the core chain)",
+)
+
+
 @_command(db, "upgrade")
 @click.argument("revision", default="head")
-@click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
-def db_upgrade(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
+@_chain_option
+def db_upgrade(revision: str, chain_name: str | None) -> None:
     """Upgrade the schema (default: every chain to head).
 
     Moves the core chain and every plugin chain that applies to the database.
     Creates the SQLite file (mode 0600) if it does not exist.
     """
-    _move(url, revision, chain_name, down=False, as_json=as_json)
+    _migrate(revision, chain_name, "upgrade")
 
 
 @_command(db, "downgrade", yes=True)
 @click.argument("revision")
-@click.option("--chain", "chain_name", metavar="NAME", help=_CHAIN_HELP)
-def db_downgrade(
-    revision: str, chain_name: str | None, yes: bool, as_json: bool, url: str | None
-) -> None:
+@_chain_option
+def db_downgrade(revision: str, chain_name: str | None) -> None:
     """Downgrade the schema to REVISION (asks first).
 
     'base' drops the tables, plugins' first. Asks for confirmation unless
     --yes. 'db downgrade 0001' makes a file readable by chatflow-agent 0.3.4
     again.
     """
-    _move(url, revision, chain_name, down=True, yes=yes, as_json=as_json)
+    _migrate(revision, chain_name, "downgrade")
 
 
-def _status_json(url: URL, statuses: Sequence[migrate_module.ChainStatus], upstream: bool) -> Any:
-    return {"database": _safe_url(url), "chains": [
-        {"chain": s.chain.name, "distribution": s.chain.distribution or None,
-         "current": s.current, "head": s.head, "at_head": s.at_head,
-         "description": _label(s.current, s.chain, upstream=upstream)}
-        for s in statuses
-    ], "at_head": all(s.at_head for s in statuses)}
+@_command(db, "stamp")
+@click.argument("revision")
+@click.option(
+    "--chain", "chain_name", metavar="NAME", help="the chain: 'core' (default) or a plugin"
+)
+def db_stamp(revision: str, chain_name: str | None) -> None:
+    """Record REVISION without running any migration."""
+    _migrate(revision, chain_name, "stamp")
 
 
-def _db_status(
-    url_option: str | None, *, drift: bool = False
-) -> tuple[URL, list[migrate_module.ChainStatus], bool, list[str]]:
-    """(URL, chain statuses, upstream tables?, drift from the models when at head), read-only."""
+def _db_status(*, drift: bool = False) -> tuple[URL, list[ChainStatus], bool, list[str], Any]:
+    """(URL, chain statuses, upstream tables?, drift at head, JSON document), read-only."""
     from chatflow_sqlalchemy import migrate
 
-    url = _resolve_url(url_option)
+    url = _resolve_url()
     with _engine(url, read_only=True) as engine:
         statuses = _statuses(engine)
         upstream = statuses[0].current is None and _has_upstream_tables(engine)
         at_head = all(s.at_head for s in statuses)
-        return url, statuses, upstream, migrate.drift(engine) if drift and at_head else []
+        diffs = migrate.drift(engine) if drift and at_head else []
+    document = {"database": _safe_url(url), "chains": [
+        {"chain": s.chain.name, "distribution": s.chain.distribution or None,
+         "current": s.current, "head": s.head, "at_head": s.at_head,
+         "description": _label(s.current, s.chain, upstream)}
+        for s in statuses
+    ], "at_head": at_head}
+    return url, statuses, upstream, diffs, document
 
 
 @_command(db, "current")
-def db_current(as_json: bool, url: str | None) -> None:
+def db_current() -> None:
     """Show the database's revision of every chain."""
-    parsed, statuses, upstream, _ = _db_status(url)
-    if as_json:
-        _emit(True, _status_json(parsed, statuses, upstream))
+    url, statuses, upstream, _, document = _db_status()
+    if _emit(document):
         return
-    click.echo(f"database: {_safe_url(parsed)}")
-    for status in statuses:
-        chain = status.chain
-        name = "revision" if chain.is_core else f"plugin {chain.name} ({chain.distribution})"
-        shown = _label(status.current, status.chain, upstream=upstream)
-        if status.at_head:
-            click.echo(f"{name}: {status.current} (head)")
+    click.echo(f"database: {_safe_url(url)}")
+    for s in statuses:
+        name = "revision" if s.chain.is_core else f"plugin {s.chain.name} ({s.chain.distribution})"
+        if s.at_head:
+            click.echo(f"{name}: {s.current} (head)")
         else:
-            click.echo(f"{name}: {shown}; head is {status.head}")
-    if not all(s.at_head for s in statuses):
+            click.echo(f"{name}: {_label(s.current, s.chain, upstream)}; head is {s.head}")
+    if not document["at_head"]:
         click.echo(UPGRADE_HINT)
 
 
 @_command(db, "history")
 @click.option("--chain", "chain_name", metavar="NAME", help="this chain instead of the core's")
 @click.option("--all", "show_all", is_flag=True, help="also every installed plugin's chain")
-def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str | None) -> None:
+def db_history(chain_name: str | None, show_all: bool) -> None:
     """List the migration chain, newest first.
 
     Reads no database: it shows the revisions this installation knows.
     """
     from chatflow_sqlalchemy import migrate
 
-    chains = (
-        [migrate.find_chain(chain_name)]
-        if chain_name
-        else [migrate.core_chain(), *(migrate.plugin_chains() if show_all else [])]
-    )
-    if as_json:
-        _emit(True, {"chains": [{
-            "chain": chain.name,
-            "distribution": chain.distribution or None,
-            "version_table": chain.version_table,
-            "revisions": [
-                {"revision": rev.revision, "down_revision": rev.down_revision,
-                 "is_head": rev.is_head, "doc": plain_rst(rev.doc)}
-                for rev in reversed(migrate.history(chain))
-            ],
-        } for chain in chains]})
+    chains = [migrate.find_chain(chain_name)] if chain_name else [
+        migrate.core_chain(), *(migrate.plugin_chains() if show_all else [])
+    ]
+    if _emit({"chains": [{
+        "chain": chain.name, "distribution": chain.distribution or None,
+        "version_table": chain.version_table,
+        "revisions": [
+            {"revision": rev.revision, "down_revision": rev.down_revision,
+             "is_head": rev.is_head, "doc": plain_rst(rev.doc)}
+            for rev in reversed(migrate.history(chain))
+        ],
+    } for chain in chains]}):
         return
     for index, chain in enumerate(chains):
         if index:
             dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
             click.echo("")
-            click.echo(
-                f"plugin {chain.name} ({chain.distribution}; version table "
-                f"{chain.version_table}; {dialects}):"
-            )
+            click.echo(f"plugin {chain.name} ({chain.distribution}; version table "
+                       f"{chain.version_table}; {dialects}):")
         for rev in reversed(migrate.history(chain)):
             marker = " (head)" if rev.is_head else ""
             doc = clean(plain_rst(rev.doc))
@@ -700,32 +682,27 @@ def db_history(chain_name: str | None, show_all: bool, as_json: bool, url: str |
 
 
 @_command(db, "check")
-def db_check(as_json: bool, url: str | None) -> int:
+def db_check() -> int:
     """Check the schema is at head and matches the models.
 
     Exit 0 if it is, else 1 (read-only).
     """
-    parsed, statuses, upstream, diffs = _db_status(url, drift=True)
+    url, statuses, upstream, diffs, document = _db_status(drift=True)
     behind = [status for status in statuses if not status.at_head]
-    if as_json:
-        report = _status_json(parsed, statuses, upstream)
-        report.update(ok=not behind and not diffs, drift=diffs)
-        _emit(True, report)
-        return EXIT_FAILED if behind or diffs else EXIT_OK
-    for status in behind:
-        what = _safe_url(parsed) + ("" if status.chain.is_core else f" plugin {status.chain.name}")
-        shown = _label(status.current, status.chain, upstream=upstream)
-        if status.current is not None:
-            shown = f"revision {shown}"
-        click.echo(
-            f"behind: {what} is at {shown}, the code expects {status.head}; {UPGRADE_HINT}"
-        )
+    failed = EXIT_FAILED if behind or diffs else EXIT_OK
+    if _emit({**document, "ok": not failed, "drift": diffs}):
+        return failed
+    for s in behind:
+        what = _safe_url(url) + ("" if s.chain.is_core else f" plugin {s.chain.name}")
+        shown = _label(s.current, s.chain, upstream)
+        shown = shown if s.current is None else f"revision {shown}"
+        click.echo(f"behind: {what} is at {shown}, the code expects {s.head}; {UPGRADE_HINT}")
     if behind:
         return EXIT_FAILED
     head = statuses[0].head
     if diffs:
         click.echo(
-            f"drift: {_safe_url(parsed)} is at revision {head} (head), but its schema differs "
+            f"drift: {_safe_url(url)} is at revision {head} (head), but its schema differs "
             f"from the models ({len(diffs)} difference(s)):"
         )
         for diff in diffs:
@@ -734,36 +711,8 @@ def db_check(as_json: bool, url: str | None) -> int:
     plugins = "".join(
         f"; plugin {s.chain.name} at {s.current} (head)" for s in statuses if not s.chain.is_core
     )
-    click.echo(
-        f"ok: {_safe_url(parsed)} is at revision {head} (head) and matches the models{plugins}"
-    )
+    click.echo(f"ok: {_safe_url(url)} is at revision {head} (head) and matches the models{plugins}")
     return EXIT_OK
-
-
-@_command(db, "stamp")
-@click.argument("revision")
-@click.option(
-    "--chain", "chain_name", metavar="NAME", help="the chain: 'core' (default) or a plugin"
-)
-def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | None) -> None:
-    """Record REVISION without running any migration."""
-    from chatflow_sqlalchemy import migrate
-
-    parsed = _resolve_url(url)
-    with _engine(parsed, read_only=False) as engine:
-        chain = _chains(engine, chain_name, revision, None)[0]
-        _check_revision(revision, [chain])
-        before = _read_revision(engine, chain)
-        migrate.check_not_ahead(before, chain)
-        upstream = before is None and chain.is_core and _has_upstream_tables(engine)
-        migrate.stamp(engine, revision, chain)
-        after = _read_revision(engine, chain)
-    _emit(
-        as_json,
-        {"database": _safe_url(parsed), "chain": chain.name, "from": before, "to": after},
-        f"{_prefix(parsed, chain)} stamped revision {_label(after, chain)} "
-        f"(was {_label(before, chain, upstream=upstream)}); no migration was run",
-    )
 
 
 # --------------------------------------------------------------------------- reading sessions
@@ -771,18 +720,18 @@ def db_stamp(revision: str, chain_name: str | None, as_json: bool, url: str | No
 
 @dataclass
 class _Part:
-    """A stored value as read with ``$CHATFLOW_KEYS``: in clear, or why it is not.
+    """A stored value read with ``$CHATFLOW_KEYS``: ``value`` in clear, else why it is not.
 
-    ``value``: the value in clear (a message row: its JSON document, as pydantic's
-    ``model_dump(mode="json")`` gives it), None when unreadable. ``locked_by``: the key
-    id of a value sealed with a key not in ``$CHATFLOW_KEYS`` (not corruption);
-    ``error``: why a corrupt value does not read, ``raw`` being what is stored.
+    A value sealed with a key not in ``$CHATFLOW_KEYS`` is intact, not corrupt: ``locked_by``
+    names that key. A message row's value is its JSON document (``model_dump(mode="json")``).
     """
 
     value: Any = None
     raw: Any = None
     error: str | None = None
     locked_by: str | None = None
+    row: Any = None
+    table: str = ""
 
     def flags(self, prefix: str = "") -> dict[str, Any]:
         """The ``corrupt`` and ``locked`` members of a JSON document (each None if not)."""
@@ -790,30 +739,22 @@ class _Part:
         locked = None if self.locked_by is None else {"key_id": self.locked_by}
         return {f"{prefix}corrupt": corrupt, f"{prefix}locked": locked}
 
-    def shown(self) -> str | None:
-        """The value as a header line shows it: none when readable (the caller formats it)."""
-        if self.locked_by is not None:
-            return f"({_locked(self.locked_by)})"
-        if self.error is not None:
-            return clean(f"CORRUPT ({self.error}): {self.raw!r}")
-        return None
+
+def _locked(key_id: str) -> str:
+    return f"encrypted with key {clean(repr(key_id))}, not in CHATFLOW_KEYS"
 
 
-def open_row(session_id: str, stored: Any) -> _Part:
-    """A stored ``message_json``, summary or metadata in clear when ``$CHATFLOW_KEYS`` opens it."""
-    from chatflow_sqlalchemy.values import is_encrypted
+@functools.lru_cache(maxsize=4)
+def _sealer_for(keys: str) -> Sealer:
+    from chatflow_sqlalchemy.crypto import AESGCMCipher
+    from chatflow_sqlalchemy.sealing import Sealer
 
-    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
-    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
-        return _Part(stored, stored)
-    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
-    try:
-        if sealed_dict:
-            return _Part(sealer.open_metadata(session_id, stored), stored)
-        return _Part(sealer.open_text(session_id, None, stored, "chatflow_messages"), stored)
-    except Exception as exc:  # the errors load chatflow-agent: imported only once raised
-        locked_by, error = _why_closed(exc)
-        return _Part(None, stored, error, locked_by)
+    return Sealer(_checked(AESGCMCipher.from_env, keys) if keys else None, False)
+
+
+def _sealer() -> Sealer:
+    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (none when unset)."""
+    return _sealer_for(os.environ.get("CHATFLOW_KEYS", ""))
 
 
 def _why_closed(failure: Exception) -> tuple[str | None, str | None]:
@@ -830,20 +771,28 @@ def _why_closed(failure: Exception) -> tuple[str | None, str | None]:
     raise failure
 
 
-@functools.lru_cache(maxsize=4)
-def _sealer_from_env(keys: str) -> Sealer:
-    """A sealer holding the keys of ``$CHATFLOW_KEYS`` (value ``keys``); none when unset."""
-    from chatflow_sqlalchemy.crypto import AESGCMCipher
-    from chatflow_sqlalchemy.sealing import Sealer
+def open_row(session_id: str, stored: Any) -> _Part:
+    """A stored ``message_json``, summary or metadata in clear when ``$CHATFLOW_KEYS`` opens it."""
+    from chatflow_sqlalchemy.values import is_encrypted
 
-    return Sealer(_checked(AESGCMCipher.from_env, keys) if keys else None, False)
+    sealed_dict = isinstance(stored, dict) and set(stored) == {"_enc"}
+    if not is_encrypted(stored["_enc"] if sealed_dict else stored):
+        return _Part(stored, stored)
+    try:
+        if sealed_dict:
+            return _Part(_sealer().open_metadata(session_id, stored), stored)
+        return _Part(_sealer().open_text(session_id, None, stored, "chatflow_messages"), stored)
+    except Exception as exc:
+        locked_by, error = _why_closed(exc)
+        return _Part(None, stored, error, locked_by)
 
 
-def _read_message(session_id: str, stored: str) -> _Part:
+def _read_message(session_id: str, row: Any, table: Any) -> _Part:
     """A message row opened and decoded; a row not in the stores' form is left to pydantic."""
     from chatflow_sqlalchemy.message_json import plain_message
 
-    part = open_row(session_id, stored)
+    part = open_row(session_id, row.message_json)
+    part.row, part.table = row, table.name
     if part.value is None:
         return part
     text, part.raw = part.value, str(part.value)
@@ -875,49 +824,26 @@ def _read_metadata(session_id: str, stored: Any) -> _Part:
 
 
 @dataclass
-class _MessageRow:
-    """One stored message row and what it reads as."""
-
-    row_id: int
-    role: str
-    created_at: datetime | None
-    table: str
-    part: _Part
-
-    def json(self) -> dict[str, Any]:
-        return {"id": self.row_id, "table": self.table, "role": self.role,
-                "created_at": _iso(self.created_at), "message": self.part.value,
-                **self.part.flags()}
-
-
-@dataclass
-class _SessionRecord:
-    """One session as stored: its row, metadata, summary and messages, each read or not.
+class _Record:
+    """One session as stored: its ``row`` (of ``_session_query``) and its parts, read or not.
 
     ``rows``: the window (for ``show --all``, the transcript); ``archived``: for ``export``.
-    The summary is kept beside the messages because, without an archive, it is the
-    only record of the turns pruning dropped; an export must not lose it.
     """
 
-    session_id: str
-    agent: str
-    created_at: datetime | None
-    updated_at: datetime | None
+    row: Any
     metadata: _Part
     summary: _Part
-    forked_from: str | None
-    forked_at_turn: int | None
-    rows: list[_MessageRow] = field(default_factory=list)
-    archived: list[_MessageRow] = field(default_factory=list)
+    rows: list[_Part] = field(default_factory=list)
+    archived: list[_Part] = field(default_factory=list)
 
     def _parts(self) -> list[tuple[str, str, _Part]]:
         """(what, where, part) per part: named for a locked part, ``what + where`` if corrupt."""
-        sid = clean(repr(self.session_id))
+        sid = clean(repr(self.row.session_id))
         return [
             (f"session {sid}: metadata_json", " in chatflow_sessions", self.metadata),
             (f"session {sid}: summary", " in chatflow_sessions", self.summary),
-            *((f"session {sid}: {row.table} row id {row.row_id}", "", row.part)
-              for row in [*self.rows, *self.archived]),
+            *((f"session {sid}: {p.table} row id {p.row.id}", "", p)
+              for p in [*self.rows, *self.archived]),
         ]
 
     def locked(self) -> list[tuple[str, str]]:
@@ -928,15 +854,6 @@ class _SessionRecord:
         """One line per corrupt part, naming the session, the table and the row id."""
         return [f"{what}{where} is corrupt ({clean(p.error)})"
                 for what, where, p in self._parts() if p.error is not None]
-
-    def unreadable(self) -> list[str]:
-        """One line per part that cannot be read: corrupt, or locked by a missing key."""
-        return [*self.problems(), *(f"{what} is {_locked(key)}" for key, what in self.locked())]
-
-
-def _locked(key_id: str) -> str:
-    """How a value encrypted with a key not in ``$CHATFLOW_KEYS`` is described."""
-    return f"encrypted with key {clean(repr(key_id))}, not in CHATFLOW_KEYS"
 
 
 def _session_query(session_ids: Sequence[str] | None = None) -> Any:
@@ -955,61 +872,37 @@ def _session_query(session_ids: Sequence[str] | None = None) -> Any:
     return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 
-def _messages(conn: Connection, session_id: str, archive: bool = False) -> list[Any]:
-    """A session's message rows: the window (SYSTEM first, then by seq) or the archive."""
+def _record(conn: Connection, row: Any, *, whole: bool = False, archived: bool = False) -> _Record:
+    """Read one session (``row`` of ``_session_query``) with its messages.
+
+    ``whole``: ``rows`` is the transcript (archive + window, one row per seq, as
+    ``store.transcript``); ``archived``: the archive is also read into ``archived``.
+    """
     from sqlalchemy import case, select
 
     from chatflow_sqlalchemy import tables
 
-    c = (tables.message_archive if archive else tables.messages).c
-    order = (c.seq, c.id) if archive else (case((c.role == "system", 0), else_=1), c.seq)
-    query = select(c.id, c.seq, c.role, c.created_at, c.message_json)
-    return list(conn.execute(query.where(c.session_id == session_id).order_by(*order)))
-
-
-def _record(
-    conn: Connection, row: Any, *, whole: bool = False, archived: bool = False
-) -> _SessionRecord:
-    """Read one session (``row`` of :func:`_session_query`) with its messages.
-
-    ``whole``: ``rows`` is the transcript (archive + window, one row per seq);
-    ``archived``: the archive is also read into ``archived`` (for export).
-    """
-    from chatflow_sqlalchemy import tables
-
     sid = row.session_id
     summary = _Part() if row.summary is None else open_row(sid, row.summary)
-    record = _SessionRecord(
-        sid, row.active_agent_name, row.created_at, row.updated_at,
-        _read_metadata(sid, row.metadata_text), summary, row.forked_from, row.forked_at_turn,
-    )
-
-    def read(msg: Any, table: Any) -> _MessageRow:
-        part = _read_message(sid, msg.message_json)
-        return _MessageRow(msg.id, str(msg.role), msg.created_at, table.name, part)
+    record = _Record(row, _read_metadata(sid, row.metadata_text), summary)
 
     window, archive = tables.messages, tables.message_archive
-    if whole:  # the transcript: archive + window, one row per seq (as store.transcript)
-        by_seq = {msg.seq: (msg, table) for table in (archive, window)
-                  for msg in _messages(conn, sid, table is archive)}
-        record.rows.extend(read(*by_seq[seq]) for seq in sorted(by_seq))
+
+    def rows(table: Any) -> list[Any]:  # the window: SYSTEM first, then by seq
+        c = table.c
+        first = case((c.role == "system", 0), else_=1)
+        query = select(c.id, c.seq, c.role, c.created_at, c.message_json)
+        order = (c.seq, c.id) if table is archive else (first, c.seq)
+        return list(conn.execute(query.where(c.session_id == sid).order_by(*order)))
+
+    if whole:
+        by_seq = {msg.seq: (msg, table) for table in (archive, window) for msg in rows(table)}
+        record.rows.extend(_read_message(sid, *by_seq[seq]) for seq in sorted(by_seq))
         return record
-    record.rows.extend(read(msg, window) for msg in _messages(conn, sid))
+    record.rows.extend(_read_message(sid, msg, window) for msg in rows(window))
     if archived:
-        record.archived.extend(read(msg, archive) for msg in _messages(conn, sid, True))
+        record.archived.extend(_read_message(sid, msg, archive) for msg in rows(archive))
     return record
-
-
-def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any) -> _T:
-    """``check(*args, **kwargs)``, a validator of the stores: its refusal is a usage error.
-
-    A ValueError (or an ImportError naming a missing extra) is one ``error:`` line,
-    after ``what`` (the option it is about).
-    """
-    try:
-        return check(*args, **kwargs)
-    except (ValueError, ImportError) as exc:
-        raise CliError(f"{what}{clean(str(exc))}") from None
 
 
 def _validate_session_id(session_id: str) -> None:
@@ -1022,50 +915,14 @@ def _no_session(session_id: str, url: URL) -> CliError:
     return CliError(f"no session {clean(repr(session_id))} in {_describe(url)}", EXIT_FAILED)
 
 
-# --------------------------------------------------------------------------- sessions list
+# --------------------------------------------------------------------------- sessions
 
 
-def _session_rows(engine: Engine, filters: ListFilters | None = None) -> list[Any]:
-    from sqlalchemy import func, select
-
-    from chatflow_sqlalchemy import tables
-    from chatflow_sqlalchemy.values import UNBORN_AGENT
-
-    sessions_t = tables.sessions
-    s, m = sessions_t.c, tables.messages.c
-    # Counted per listed session (an index range each), not over the whole table.
-    count = select(func.count()).where(m.session_id == s.session_id).correlate(sessions_t)
-    query = (
-        select(
-            s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
-            s.created_at, s.updated_at,
-        )
-        .where(s.active_agent_name != UNBORN_AGENT)  # the inbox's, before their first turn
-        .order_by(s.updated_at.desc(), s.session_id)
-    )
-    with _read_conn(engine) as conn:
-        if filters is None:
-            return list(conn.execute(query))
-        from chatflow_sqlalchemy.sql_lifecycle import session_page
-
-        ids = session_page(conn, filters)  # the store's own filters and order
-        rows = {
-            row.session_id: row
-            for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500))
-            for row in conn.execute(query.where(s.session_id.in_(chunk)))
-        }
-        return [rows[sid] for sid in ids if sid in rows]
-
-
-def _list_filters(
-    user: str | None, meta: Sequence[str], updated_after: str | None,
-    limit: int | None, after: str | None, forked_from: str | None = None,
-) -> ListFilters | None:
-    """``sessions list`` options as the store's filters (None: the plain listing)."""
+def _list_filters(meta: Sequence[str], updated_after: str | None, **given: Any) -> Any:
+    """``sessions list`` options as the store's ``ListFilters`` (None: the plain listing)."""
     from chatflow_sqlalchemy.lifecycle import ListFilters
 
-    given = (user, updated_after, limit, after, forked_from)
-    if not meta and all(option is None for option in given):
+    if not meta and updated_after is None and all(v is None for v in given.values()):
         return None
     wanted: dict[str, Any] = {}
     for item in meta:
@@ -1087,14 +944,11 @@ def _list_filters(
             ) from None
         if since.tzinfo is None:
             since = since.replace(tzinfo=timezone.utc)  # documented: naive means UTC
-    return _checked(
-        ListFilters.build, user_id=user, metadata=wanted, updated_after=since, limit=limit,
-        after=after, forked_from=forked_from,
-    )
+    return _checked(ListFilters.build, metadata=wanted, updated_after=since, **given)
 
 
 @_command(sessions, "list")
-@click.option("--user", metavar="ID", help="only the sessions of this user_id")
+@click.option("--user", "user_id", metavar="ID", help="only the sessions of this user_id")
 @click.option(
     "--meta", metavar="KEY=VALUE", multiple=True,
     help="only sessions whose metadata has KEY equal to VALUE (a JSON value keeps its type: "
@@ -1107,31 +961,46 @@ def _list_filters(
 @click.option("--limit", type=click.IntRange(min=1), help="at most this many (a page)")
 @click.option("--after", metavar="ID", help="the page after this session id (the last shown)")
 @click.option("--forked-from", metavar="ID", help="only the forks of this session")
-def sessions_list(
-    user: str | None, meta: tuple[str, ...], updated_after: str | None, limit: int | None,
-    after: str | None, forked_from: str | None, as_json: bool, url: str | None,
-) -> None:
+def sessions_list(meta: tuple[str, ...], updated_after: str | None, **given: Any) -> None:
     """List sessions, most recently updated first.
 
     With --limit or --after the list is paged by session id (ascending), so
     that walking the pages returns every session once even while they are
     written: pass the last id shown as --after for the next page.
     """
-    filters = _list_filters(user, meta, updated_after, limit, after, forked_from)
-    with _database(url) as (_parsed, engine):
-        rows = _session_rows(engine, filters)
-    full_page = limit is not None and len(rows) == limit
-    next_after = rows[-1].session_id if full_page else None
-    if as_json:
-        document: dict[str, Any] = {"sessions": [
-            {"session_id": row.session_id, "active_agent_name": row.active_agent_name,
-             "messages": int(row.messages), "created_at": _iso(row.created_at),
-             "updated_at": _iso(row.updated_at)}
-            for row in rows
-        ]}
-        if limit is not None:  # paging: where the next page starts (None: this was the last)
-            document["next_after"] = next_after
-        _emit(True, document)
+    from sqlalchemy import func, select
+
+    from chatflow_sqlalchemy import tables
+    from chatflow_sqlalchemy.sql_lifecycle import session_page
+    from chatflow_sqlalchemy.values import UNBORN_AGENT
+
+    filters = _list_filters(meta, updated_after, **given)
+    s, m = tables.sessions.c, tables.messages.c
+    # Counted per listed session (an index range each), not over the whole table.
+    count = select(func.count()).where(m.session_id == s.session_id).correlate(tables.sessions)
+    query = select(
+        s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
+        s.created_at, s.updated_at,
+    ).where(s.active_agent_name != UNBORN_AGENT).order_by(s.updated_at.desc(), s.session_id)
+    with _reading() as (_url, conn):  # UNBORN: the inbox's sessions before their first turn
+        if filters is None:
+            rows = list(conn.execute(query))
+        else:
+            ids = session_page(conn, filters)  # the store's own filters and order
+            found = {row.session_id: row for i in range(0, len(ids), 500)
+                     for row in conn.execute(query.where(s.session_id.in_(ids[i : i + 500])))}
+            rows = [found[sid] for sid in ids if sid in found]
+    limit = given["limit"]
+    next_after = rows[-1].session_id if limit is not None and len(rows) == limit else None
+    document: dict[str, Any] = {"sessions": [
+        {"session_id": row.session_id, "active_agent_name": row.active_agent_name,
+         "messages": int(row.messages), "created_at": _iso(row.created_at),
+         "updated_at": _iso(row.updated_at)}
+        for row in rows
+    ]}
+    if limit is not None:  # paging: where the next page starts (None: this was the last)
+        document["next_after"] = next_after
+    if _emit(document):
         return
     if not rows:
         click.echo("no sessions")
@@ -1145,80 +1014,63 @@ def sessions_list(
     ])
 
 
-# --------------------------------------------------------------------------- sessions show
+_Line = tuple[str, str, bool]
+"""One printable part of a message: its role, its (cleaned) text, and whether it is corrupt."""
 
 
-@dataclass
-class _Line:
-    """One printable part of a message: a role, a kind and its (cleaned) text."""
-
-    role: str
-    text: str
-    corrupt: bool = False
-
-
-def _message_parts(message: dict[str, Any]) -> list[_Line]:
-    """The printable parts of a message (its JSON document)."""
-    role = message["role"]
-    parts: list[_Line] = []
-    if message["content"]:
-        parts.append(_Line(role, clean(message["content"], newlines=True)))
+def _lines(part: _Part) -> list[_Line]:
+    """The printable parts of a message row; an unreadable row is one line naming it."""
+    row, message = part.row, part.value
+    role = str(row.role)
+    if message is None:
+        text = (f"row id {row.id} in {part.table} is {_locked(part.locked_by)}"
+                if part.locked_by is not None
+                else f"CORRUPT ROW id {row.id} in {part.table} ({part.error}): {part.raw!r}")
+        return [(role, clean(text), True)]
+    lines = [(role, clean(message["content"], newlines=True), False)] if message["content"] else []
     for call in message["tool_calls"] or []:
         args = json.dumps(call["args"], ensure_ascii=False, sort_keys=True, default=str)
-        parts.append(_Line(role, clean(f"tool call {call['name']} {args} (id {call['id']})")))
+        lines.append((role, clean(f"tool call {call['name']} {args} (id {call['id']})"), False))
     for result in message["tool_results"] or []:
         text = f"tool result {result['name']} is_error={result['is_error']}: "
-        parts.append(_Line(role, clean(text + _format_content(result["content"]), newlines=True)))
-    return parts or [_Line(role, "(empty)")]
+        text += _format_content(result["content"])
+        lines.append((role, clean(text, newlines=True), False))
+    return lines or [(role, "(empty)", False)]
 
 
-def _row_parts(row: _MessageRow) -> list[_Line]:
-    part = row.part
-    if part.value is not None:
-        return _message_parts(part.value)
-    if part.locked_by is not None:
-        text = f"row id {row.row_id} in {row.table} is {_locked(part.locked_by)}"
-    else:
-        text = f"CORRUPT ROW id {row.row_id} in {row.table} ({part.error}): {part.raw!r}"
-    return [_Line(row.role, clean(text), corrupt=True)]
-
-
-_Group = tuple[str, list[tuple[_MessageRow, list[_Line]]]]
-
-
-def _group_turns(rows: Sequence[_MessageRow]) -> list[_Group]:
+def _group_turns(parts: Sequence[_Part]) -> list[tuple[str, list[_Part]]]:
     """SYSTEM messages first, then one group per user turn."""
-    system = [(row, _row_parts(row)) for row in rows if row.role == "system"]
-    groups: list[_Group] = [("System", system)] if system else []
+    system = [part for part in parts if part.row.role == "system"]
+    groups = [("System", system)] if system else []
     turn = 0
-    for row in rows:
-        if row.role == "system":
-            continue
-        entry = (row, _row_parts(row))
-        if row.role == "user":
+    for part in parts:
+        if part.row.role == "user":
             turn += 1
             groups.append((f"Turn {turn}", []))
+        elif part.row.role == "system":
+            continue
         elif turn == 0 and (not groups or groups[-1][0] != "Before the first turn"):
             groups.append(("Before the first turn", []))
-        groups[-1][1].append(entry)
+        groups[-1][1].append(part)
     return groups
 
 
-def _header(record: _SessionRecord, turns: int) -> list[tuple[str, str, str]]:
+def _header(record: _Record, turns: int) -> list[tuple[str, str, str]]:
     """The lines above the conversation: (name, cleaned value, Rich style)."""
+    row = record.row
     lines = [
-        ("session", clean(record.session_id), ""),
-        ("active agent", clean(record.agent), "bold"),
-        ("created", _format_time(record.created_at), ""),
-        ("updated", _format_time(record.updated_at), ""),
+        ("session", clean(row.session_id), ""),
+        ("active agent", clean(row.active_agent_name), "bold"),
+        ("created", _format_time(row.created_at), ""),
+        ("updated", _format_time(row.updated_at), ""),
     ]
-    if record.forked_from is not None:
-        lines.append(("forked from", f"{clean(record.forked_from)} at turn "
-                                     f"{record.forked_at_turn}", ""))
+    if row.forked_from is not None:
+        lines.append(("forked from", f"{clean(row.forked_from)} at turn {row.forked_at_turn}", ""))
     for name, part in (("metadata", record.metadata), ("summary", record.summary)):
-        shown = part.shown()
-        if shown is not None:
-            lines.append((name, shown, "bold red"))
+        if part.locked_by is not None:
+            lines.append((name, f"({_locked(part.locked_by)})", "bold red"))
+        elif part.error is not None:
+            lines.append((name, clean(f"CORRUPT ({part.error}): {part.raw!r}"), "bold red"))
         elif part.value and name == "metadata":
             lines.append((name, clean(_format_content(part.value)), ""))
         elif part.value is not None and name == "summary":  # a readable one keeps its newlines
@@ -1226,7 +1078,7 @@ def _header(record: _SessionRecord, turns: int) -> list[tuple[str, str, str]]:
     return [*lines, ("messages", f"{len(record.rows)} in {turns} turn(s)", "")]
 
 
-def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> None:
+def _show_plain(record: _Record, turns: int) -> None:
     for name, value, _style in _header(record, turns):
         if name == "summary" and record.summary.value is not None:  # a block: may span lines
             click.echo("summary:")
@@ -1234,20 +1086,22 @@ def _show_plain(record: _SessionRecord, groups: list[_Group], turns: int) -> Non
                 click.echo(f"  {line}")
         else:
             click.echo(f"{name}: {value}")
-    for title, entries in groups:
+    for title, parts in _group_turns(record.rows):
         click.echo("")
         click.echo(title)
-        for row, parts in entries:
-            stamp = _format_time(row.created_at)
-            for part in parts:
-                first, *rest = part.text.split("\n")
-                label = f"  {stamp}  [{part.role}] "
+        for part in parts:
+            for role, text, _corrupt in _lines(part):
+                first, *rest = text.split("\n")
+                label = f"  {_format_time(part.row.created_at)}  [{role}] "
                 click.echo(f"{label}{first}")
                 for line in rest:
                     click.echo(f"{' ' * len(label)}{line}")
 
 
-def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], turns: int) -> None:
+_ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
+
+
+def _show_rich(console: Console, record: _Record, turns: int) -> None:
     from rich.rule import Rule
     from rich.table import Table
     from rich.text import Text
@@ -1258,18 +1112,19 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
     for name, value, style in _header(record, turns):
         head.add_row(name, Text(value, style=style))
     console.print(head)
-    for title, entries in groups:
+    for title, parts in _group_turns(record.rows):
         console.print(Rule(Text(title, style="bold")))
         body = Table.grid(padding=(0, 1))
         body.add_column(style="dim", no_wrap=True)
         body.add_column(no_wrap=True)
         body.add_column(overflow="fold")
-        for row, parts in entries:
-            stamp = _format_time(row.created_at)
-            for part in parts:
-                role = Text(f"[{part.role}]", style=_ROLE_STYLES.get(part.role, "bold"))
-                style = "bold red" if part.corrupt else ""
-                body.add_row(Text(stamp), role, Text(part.text, style=style))
+        for part in parts:
+            for role, text, corrupt in _lines(part):
+                body.add_row(
+                    Text(_format_time(part.row.created_at)),
+                    Text(f"[{role}]", style=_ROLE_STYLES.get(role, "bold")),
+                    Text(text, style="bold red" if corrupt else ""),
+                )
         console.print(body)
 
 
@@ -1279,7 +1134,7 @@ def _show_rich(console: Console, record: _SessionRecord, groups: list[_Group], t
     "--all", "whole", is_flag=True,
     help="the whole transcript: archived (pruned) messages too, in order",
 )
-def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) -> int:
+def sessions_show(session_id: str, whole: bool) -> None:
     """Print a conversation turn by turn (read-only).
 
     Without --all: the window the model sees. With --all: the transcript
@@ -1288,55 +1143,50 @@ def sessions_show(session_id: str, whole: bool, as_json: bool, url: str | None) 
     metadata) are shown raw and named, with exit code 1.
     """
     _validate_session_id(session_id)
-    with _database(url) as (parsed, engine), _read_conn(engine) as conn:
+    with _reading() as (url, conn):
         row = conn.execute(_session_query([session_id])).first()
         if row is None:
-            raise _no_session(session_id, parsed)
+            raise _no_session(session_id, url)
         record = _record(conn, row, whole=whole)
-    turns = sum(1 for row in record.rows if row.role == "user")
-    problems = record.problems()
-    if as_json:
-        _emit(True, {
-            "session_id": record.session_id, "active_agent_name": record.agent,
-            "created_at": _iso(record.created_at), "updated_at": _iso(record.updated_at),
-            "metadata": record.metadata.value, **record.metadata.flags("metadata_"),
-            "summary": record.summary.value, **record.summary.flags("summary_"),
-            "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
-            "turns": turns, "messages": [row.json() for row in record.rows],
-        })
-    else:
-        groups = _group_turns(record.rows)
+    turns = sum(1 for part in record.rows if part.row.role == "user")
+    if not _emit({
+        "session_id": row.session_id, "active_agent_name": row.active_agent_name,
+        "created_at": _iso(row.created_at), "updated_at": _iso(row.updated_at),
+        "metadata": record.metadata.value, **record.metadata.flags("metadata_"),
+        "summary": record.summary.value, **record.summary.flags("summary_"),
+        "forked_from": row.forked_from, "forked_at_turn": row.forked_at_turn, "turns": turns,
+        "messages": [
+            {"id": p.row.id, "table": p.table, "role": str(p.row.role),
+             "created_at": _iso(p.row.created_at), "message": p.value, **p.flags()}
+            for p in record.rows
+        ],
+    }):
         console = _rich_console()
         if console is None:
-            _show_plain(record, groups, turns)
+            _show_plain(record, turns)
         else:
-            _show_rich(console, record, groups, turns)
-    failures = []
+            _show_rich(console, record, turns)
+    failures, problems, locked = [], record.problems(), record.locked()
     if problems:
         failures.append(
             f"{len(problems)} corrupt part(s): {'; '.join(problems)}; fix or delete them, "
             "or delete the session"
         )
-    locked = record.locked()
     if locked:  # what to do about parts encrypted with keys not in $CHATFLOW_KEYS
-        keys = sorted({key for key, _ in locked})
-        named = ", ".join(clean(repr(key)) for key in keys)
+        key_ids = sorted({key for key, _ in locked})
+        named = ", ".join(clean(repr(key)) for key in key_ids)
         failures.append(
             f"{len(locked)} part(s) encrypted with key {named}, not in CHATFLOW_KEYS "
             f"({locked[0][1]}{', ...' if len(locked) > 1 else ''}): to read them, add the key "
-            f"to CHATFLOW_KEYS ('{clean(keys[0])}:<base64 key>', after the primary)"
+            f"to CHATFLOW_KEYS ('{clean(key_ids[0])}:<base64 key>', after the primary)"
         )
     if failures:
         raise CliError("; ".join(failures), EXIT_FAILED)
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------- delete / export
 
 
 @_command(sessions, "delete", yes=True)
 @click.argument("session_id")
-def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+def sessions_delete(session_id: str) -> None:
     """Delete a session and its history (asks first).
 
     Asks for confirmation unless --yes.
@@ -1346,56 +1196,36 @@ def sessions_delete(session_id: str, yes: bool, as_json: bool, url: str | None) 
     from chatflow_sqlalchemy import tables
 
     _validate_session_id(session_id)
-    table = tables.sessions
+    table, shown = tables.sessions, clean(repr(session_id))
     where = table.c.session_id == session_id
-    with _database(url, write=True) as (parsed, engine):
+    with _database(write=True) as (url, engine):
         with _read_conn(engine) as conn:
-            found = conn.execute(select(table.c.session_id).where(where)).first()
-        if found is None:
-            raise _no_session(session_id, parsed)
-        _confirm(f"Delete session {clean(repr(session_id))} and its history?", yes)
+            if conn.execute(select(table.c.session_id).where(where)).first() is None:
+                raise _no_session(session_id, url)
+        _confirm(f"Delete session {shown} and its history?")
         with engine.begin() as conn:
-            gone = conn.execute(delete(table).where(where)).rowcount
-    if not gone:
-        raise _no_session(session_id, parsed)
-    shown = clean(repr(session_id))
-    _emit(as_json, {"session_id": session_id, "deleted": True}, f"deleted session {shown}")
-
-
-# --------------------------------------------------------------------------- rewind / fork
+            if not conn.execute(delete(table).where(where)).rowcount:
+                raise _no_session(session_id, url)
+    _emit({"session_id": session_id, "deleted": True}, f"deleted session {shown}")
 
 
 @contextmanager
-def _history_store(
-    url_option: str | None, session_id: str, **options: Any
-) -> Iterator[tuple[URL, Any]]:
-    """(URL, a store) that changes the existing session's history as workers do.
+def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]:
+    """(URL, a store) that changes an existing session's history as workers do.
 
-    The same turns and keys: encrypted rows are read and written with the keys of
-    ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI runs no
-    agent); a row that cannot be read is exit 1, naming it. A session the inbox
-    made before its first turn does not exist yet.
+    With the keys of ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI
+    runs no agent); a row that cannot be read is exit 1, naming it.
     """
-    from sqlalchemy import select
-
-    from chatflow_sqlalchemy import tables
-    from chatflow_sqlalchemy.values import UNBORN_AGENT
-
     _validate_session_id(session_id)
-    s = tables.sessions.c
-    query = select(s.session_id).where(
-        s.session_id == session_id, s.active_agent_name != UNBORN_AGENT
-    )
-    with _database(url_option) as (url, engine), _read_conn(engine) as conn:
-        if conn.execute(query).first() is None:
+    with _reading() as (url, conn):
+        if conn.execute(_session_query([session_id])).first() is None:
             raise _no_session(session_id, url)
     from chatflow_agent import Agent
 
     from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.opening import open_store
 
-    cipher = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", "")).cipher
-    with open_store(url, cipher=cipher, auto_migrate=False, **options) as store:
+    with open_store(url, cipher=_sealer().cipher, auto_migrate=False, **options) as store:
         store.set_agent_resolver(lambda name: Agent(name=name, instructions=""))
         try:
             yield url, store
@@ -1423,9 +1253,7 @@ def _turns_in(history: Sequence[Message]) -> int:
     help="keep the removed messages in the transcript archive (sessions show --all), as a "
     "store with archive_pruned=True does; without it they are deleted",
 )
-def sessions_rewind(
-    session_id: str, turns: int, archive: bool, yes: bool, as_json: bool, url: str | None
-) -> None:
+def sessions_rewind(session_id: str, turns: int, archive: bool) -> None:
     """Remove the last turns of a session (asks first).
 
     Runs as a turn of the session, as ctx.rewind does: it waits for a turn
@@ -1435,10 +1263,10 @@ def sessions_rewind(
     written with the keys of $CHATFLOW_KEYS.
     """
     shown = clean(repr(session_id))
-    with _history_store(url, session_id, archive_pruned=archive) as (parsed, store):
+    with _history_store(session_id, archive_pruned=archive) as (url, store):
         ctx = store.get(session_id)
         if ctx is None:
-            raise _no_session(session_id, parsed)
+            raise _no_session(session_id, url)
         held = _turns_in(ctx.history)
         if turns > held:
             fix = f"pass --turns from 1 to {held}" if held else "there is nothing to rewind"
@@ -1446,10 +1274,10 @@ def sessions_rewind(
                 f"cannot rewind {turns} turn(s) of session {shown}: its window holds "
                 f"{held}; {fix} (nothing was changed)"
             )
-        _confirm(f"Remove the last {turns} turn(s) of session {shown}?", yes)
+        _confirm(f"Remove the last {turns} turn(s) of session {shown}?")
         ctx.rewind(turns)
         left = _turns_in(ctx.history)
-    _emit(as_json, {"session_id": session_id, "rewound": turns, "turns": left},
+    _emit({"session_id": session_id, "rewound": turns, "turns": left},
           f"rewound {turns} turn(s) of session {shown}: {left} turn(s) left")
 
 
@@ -1460,9 +1288,7 @@ def sessions_rewind(
     "--at-turn", type=click.IntRange(min=0), metavar="K",
     help="take only the first K complete turns of the window (default: all of them)",
 )
-def sessions_fork(
-    session_id: str, new_session_id: str, at_turn: int | None, as_json: bool, url: str | None
-) -> None:
+def sessions_fork(session_id: str, new_session_id: str, at_turn: int | None) -> None:
     """Copy a session into a new one, whole or up to a turn.
 
     NEW_SESSION_ID gets the SYSTEM messages and the first K complete turns
@@ -1472,12 +1298,11 @@ def sessions_fork(
     is written. sessions list --forked-from SESSION_ID lists the forks.
     Encrypted rows are read and written with the keys of $CHATFLOW_KEYS.
     """
-    with _history_store(url, session_id) as (_parsed, store):
+    with _history_store(session_id) as (_url, store):
         ctx = store.fork(session_id, new_session_id, at_turn=at_turn)
         taken = ctx.forked_at_turn
         copied = len(ctx.history) - (ctx.summary is not None)  # the summary is no row
     _emit(
-        as_json,
         {"session_id": new_session_id, "forked_from": session_id, "forked_at_turn": taken,
          "messages": copied},
         f"forked session {clean(repr(session_id))} into {clean(repr(new_session_id))}: "
@@ -1485,42 +1310,36 @@ def sessions_fork(
     )
 
 
-def _export_record(record: _SessionRecord) -> dict[str, Any]:
-    def dump(rows: list[_MessageRow]) -> list[Any]:
-        return [row.part.value for row in rows if row.part.value is not None]
-
-    exported = {"session_id": record.session_id, "active_agent_name": record.agent,
-                "metadata": record.metadata.value, "summary": record.summary.value,
-                "forked_from": record.forked_from, "forked_at_turn": record.forked_at_turn,
-                "messages": dump(record.rows)}
-    if record.archived:  # only sessions with an archive (archive_pruned=True) have the key
-        exported["archived_messages"] = dump(record.archived)
-    return exported
-
-
 def _export(engine: Engine, sink: IO[str], skip_corrupt: bool) -> tuple[int, list[str]]:
     """Write every readable session as one JSON line; return (count, skipped problems)."""
-    exported = 0
-    skipped: list[str] = []
+    exported, skipped = 0, []
     with _read_conn(engine) as conn:  # one snapshot for the whole export
         for row in list(conn.execute(_session_query())):
             record = _record(conn, row, archived=True)
-            problems = record.unreadable()
+            problems = [*record.problems(), *(f"{w} is {_locked(k)}" for k, w in record.locked())]
+            if problems and not skip_corrupt:
+                # plain `show` reads the window only: an archived row needs --all
+                whole = " --all" if any(p.value is None for p in record.archived) else ""
+                raise CliError(
+                    f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
+                    f"other sessions, or see: {PROG} sessions show "
+                    f"{clean(repr(row.session_id))}{whole}",
+                    EXIT_FAILED,
+                )
+            skipped.extend(problems)
             if problems:
-                if not skip_corrupt:
-                    # plain `show` reads the window only: an archived row needs --all
-                    whole = " --all" if any(
-                        r.part.value is None for r in record.archived
-                    ) else ""
-                    raise CliError(
-                        f"export stopped: {problems[0]}; pass --skip-corrupt to export the "
-                        f"other sessions, or see: {PROG} sessions show "
-                        f"{clean(repr(record.session_id))}{whole}",
-                        EXIT_FAILED,
-                    )
-                skipped.extend(problems)
                 continue
-            sink.write(_json_text(_export_record(record)) + "\n")
+            document = {
+                "session_id": row.session_id, "active_agent_name": row.active_agent_name,
+                "metadata": record.metadata.value, "summary": record.summary.value,
+                "forked_from": row.forked_from, "forked_at_turn": row.forked_at_turn,
+                "messages": [p.value for p in record.rows if p.value is not None],
+            }
+            if record.archived:  # only sessions with an archive (archive_pruned=True)
+                document["archived_messages"] = [
+                    p.value for p in record.archived if p.value is not None
+                ]
+            sink.write(_json_text(document) + "\n")
             exported += 1
     return exported, skipped
 
@@ -1568,22 +1387,24 @@ def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
     return result
 
 
+def _output_path(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Path | None:
+    return None if value in (None, "-") else Path(value)
+
+
 _output_option = click.option(
-    "--output", "-o", metavar="FILE", help="write to FILE (mode 0600) instead of stdout"
+    "--output", "-o", "target", metavar="FILE", callback=_output_path,
+    help="write to FILE (mode 0600) instead of stdout",
 )
 
 
 @_command(sessions, "export")
 @_output_option
 @click.option(
-    "--skip-corrupt",
-    is_flag=True,
+    "--skip-corrupt", is_flag=True,
     help="export the readable sessions; report the others on stderr (corrupt, or encrypted "
     "with a key not in CHATFLOW_KEYS)",
 )
-def sessions_export(
-    output: str | None, skip_corrupt: bool, as_json: bool, url: str | None
-) -> None:
+def sessions_export(target: Path | None, skip_corrupt: bool) -> None:
     """Export sessions as JSON lines (read-only).
 
     Each line: {"session_id", "active_agent_name", "metadata", "summary",
@@ -1594,8 +1415,7 @@ def sessions_export(
     row id) on stderr and exports the other sessions. With --json,
     the summary after writing FILE is a JSON document.
     """
-    target = None if output in (None, "-") else Path(output)
-    with _database(url) as (_parsed, engine):
+    with _database() as (_url, engine):
         if target is None:
             _, skipped = _export(engine, sys.stdout, skip_corrupt)
         else:
@@ -1604,15 +1424,56 @@ def sessions_export(
         click.echo(f"skipped: {problem}", err=True)
     if target is not None:
         extra = f"; skipped {len(skipped)} corrupt part(s), see above" if skipped else ""
-        _emit(as_json, {"exported": count, "output": str(target), "skipped": skipped},
+        _emit({"exported": count, "output": str(target), "skipped": skipped},
               f"exported {count} session(s) to {clean(str(target))}{extra}")
+
+
+@_command(sessions, "sweep", yes=True)
+@click.option(
+    "--ttl-hours", type=float, required=True, envvar="CHATFLOW_SESSION_TTL_HOURS",
+    show_envvar=True,
+    help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
+@click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
+def sessions_sweep(ttl_hours: float, limit: int | None, dry_run: bool) -> None:
+    """Remove expired sessions (asks first).
+
+    Expired sessions go with their messages and claims; asks for
+    confirmation unless --yes. Sessions whose turn is in progress or that a
+    live webhook claim holds are kept (a later sweep takes them). Safe while
+    workers run and while other sweepers run.
+    """
+    from chatflow_sqlalchemy.lifecycle import validate_session_ttl
+    from chatflow_sqlalchemy.sql_lifecycle import count_expired
+    from chatflow_sqlalchemy.values import utcnow
+
+    hours = _checked(validate_session_ttl, ttl_hours, what="--ttl-hours: ")
+    assert hours is not None
+    with _reading() as (url, conn):
+        now = utcnow()
+        expired, oldest = count_expired(conn, now - timedelta(hours=hours), now)
+    expired = expired if limit is None else min(expired, limit)
+    if dry_run:
+        _emit({"dry_run": True, "expired": expired, "oldest": oldest},
+              f"{expired} expired session(s) would be removed",
+              *(f"  {clean(session_id)}" for session_id in oldest[:expired]))
+        return
+    removed = 0
+    if expired:
+        from chatflow_sqlalchemy.opening import open_store
+
+        _confirm(f"Remove {expired} expired session(s) and their history?")
+        with open_store(url, session_ttl_hours=hours, auto_migrate=False) as store:
+            removed = int(store.sweep(limit))
+    _emit({"dry_run": False, "removed": removed}, f"removed {removed} expired session(s)")
 
 
 # --------------------------------------------------------------------------- dedup
 
 
-def _ttl(hours: float | None) -> float:
-    """The dedup TTL in hours: ``--ttl-hours``, else the store's default window."""
+def _ttl(hours: float | None = None) -> float:
+    """The dedup TTL in hours: ``--ttl-hours`` (checked), else the store's default window."""
     from chatflow_sqlalchemy.values import DEFAULT_DEDUP_TTL_HOURS
 
     if hours is None:
@@ -1623,15 +1484,9 @@ def _ttl(hours: float | None) -> float:
 
 
 _ttl_option = click.option(
-    "--ttl-hours", type=float, metavar="HOURS",
+    "--ttl-hours", "ttl", type=float, metavar="HOURS", callback=lambda _c, _p, hours: _ttl(hours),
     help="dedup window in hours (default: the stores' default, 192 = 8 days)",
 )
-
-
-def _processed_table() -> Any:
-    from chatflow_sqlalchemy import tables
-
-    return tables.processed_messages
 
 
 def _cutoff(ttl_hours: float) -> datetime:
@@ -1640,67 +1495,65 @@ def _cutoff(ttl_hours: float) -> datetime:
     return utcnow() - timedelta(hours=ttl_hours)
 
 
-def _dedup_counts(conn: Connection, ttl_hours: float) -> tuple[int, int]:
-    """(all ids, expired ids) for the window ``ttl_hours``."""
-    from sqlalchemy import func, select
+def _confirm_purge(
+    engine: Engine, ttl: float, rows: str, risk: str, when: Any, *where: Any
+) -> None:
+    """Ask before a purge whose TTL is below the default window: a redelivery may need its rows.
 
-    table = _processed_table()
-    total = conn.execute(select(func.count()).select_from(table)).scalar_one()
-    expired = conn.execute(
-        select(func.count()).select_from(table).where(table.c.processed_at < _cutoff(ttl_hours))
-    ).scalar_one()
-    return int(total), int(expired)
+    ``when`` is the rows' time column, ``where`` what else selects them.
+    """
+    default = _ttl()
+    if ttl < default:
+        with _read_conn(engine) as conn:
+            kept = (when >= _cutoff(default), when < _cutoff(ttl), *where)
+            unexpired = _count(conn, when.table, *kept)
+        if unexpired:
+            _confirm(f"Purge {unexpired} {rows} still inside the default {default:g} h dedup "
+                     f"window ({risk})?")
 
 
 @_command(dedup, "list")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
 @_ttl_option
-def dedup_list(limit: int, ttl_hours: float | None, as_json: bool, url: str | None) -> None:
+def dedup_list(limit: int, ttl: float) -> None:
     """List processed ids and their claim state, newest first.
 
     States: in_flight (a worker holds it, lease live), expired (its worker
     stopped renewing: the next delivery takes it over), done, released (the
     next delivery acquires it).
     """
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_claims import read_claims
 
-    ttl = _ttl(ttl_hours)
-    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
+    with _reading() as (_url, conn):
         claims = read_claims(conn, limit=limit)
-        total, _ = _dedup_counts(conn, ttl)
-    cutoff = _cutoff(ttl)
-    window = timedelta(hours=ttl)
-    if as_json:
-        _emit(True, {"ttl_hours": ttl, "total": total, "ids": [
-            {"message_id": claim.message_id, "state": claim.state,
-             "session_id": claim.session_id, "lease_age": claim.lease_age,
-             "lease_left": claim.lease_left, "has_response": claim.has_response,
-             "processed_at": _iso(claim.updated_at),
-             "expires_at": _iso(claim.updated_at + window), "expired": claim.updated_at < cutoff}
-            for claim in claims
-        ]})
+        total = _count(conn, tables.processed_messages)
+    cutoff, window = _cutoff(ttl), timedelta(hours=ttl)
+    if _emit({"ttl_hours": ttl, "total": total, "ids": [
+        {"message_id": c.message_id, "state": c.state, "session_id": c.session_id,
+         "lease_age": c.lease_age, "lease_left": c.lease_left, "has_response": c.has_response,
+         "processed_at": _iso(c.updated_at), "expires_at": _iso(c.updated_at + window),
+         "expired": c.updated_at < cutoff}
+        for c in claims
+    ]}):
         return
     if not claims:
         click.echo("no processed ids")
         return
     _table(("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
-        (clean(claim.message_id), _claim_state(claim.state, claim.lease_age),
-         clean(claim.session_id or "-"), _format_time(claim.updated_at),
-         _format_time(claim.updated_at + window), "yes" if claim.updated_at < cutoff else "no")
-        for claim in claims
+        (clean(c.message_id),
+         c.state if c.lease_age is None else f"{c.state} (lease renewed {c.lease_age:.0f} s ago)",
+         clean(c.session_id or "-"), _format_time(c.updated_at),
+         _format_time(c.updated_at + window), "yes" if c.updated_at < cutoff else "no")
+        for c in claims
     ])
     if total > len(claims):
         click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
 
 
-def _claim_state(state: str, lease_age: float | None) -> str:
-    """``in_flight`` with how long ago its lease was last renewed, else the state."""
-    return state if lease_age is None else f"{state} (lease renewed {lease_age:.0f} s ago)"
-
-
 @_command(dedup, "release", yes=True)
 @click.argument("message_id")
-def dedup_release(message_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+def dedup_release(message_id: str) -> None:
     """Free a webhook id held by a stuck or dead worker.
 
     The next delivery of the id acquires it at once. If the old holder is
@@ -1710,33 +1563,36 @@ def dedup_release(message_id: str, yes: bool, as_json: bool, url: str | None) ->
     from chatflow_sqlalchemy.sql_claims import free_claim
 
     shown = clean(message_id)
-    with _database(url, write=True) as (_parsed, engine):
-        _confirm(f"Release the claim on {shown}? The next delivery of it runs its turn.", yes)
+    with _database(write=True) as (_url, engine):
+        _confirm(f"Release the claim on {shown}? The next delivery of it runs its turn.")
         with engine.begin() as conn:
             freed = free_claim(conn, message_id)
     if not freed:
         raise CliError(
             f"{shown} is not held by any worker (unknown, done or released)", EXIT_FAILED
         )
-    _emit(as_json, {"message_id": message_id, "released": True},
+    _emit({"message_id": message_id, "released": True},
           f"released {shown}: the next delivery acquires it")
 
 
 @_command(dedup, "count")
 @_ttl_option
-def dedup_count(ttl_hours: float | None, as_json: bool, url: str | None) -> None:
+def dedup_count(ttl: float) -> None:
     """Count processed ids, live and expired (read-only)."""
-    ttl = _ttl(ttl_hours)
-    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
-        total, expired = _dedup_counts(conn, ttl)
+    from chatflow_sqlalchemy import tables
+
+    table = tables.processed_messages
+    with _reading() as (_url, conn):
+        total = _count(conn, table)
+        expired = _count(conn, table, table.c.processed_at < _cutoff(ttl))
     live = total - expired
-    _emit(as_json, {"ttl_hours": ttl, "total": total, "expired": expired, "live": live},
+    _emit({"ttl_hours": ttl, "total": total, "expired": expired, "live": live},
           f"{total} processed id(s): {live} live, {expired} expired (TTL {ttl:g} h)")
 
 
 @_command(dedup, "purge", yes=True)
 @_ttl_option
-def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | None) -> None:
+def dedup_purge(ttl: float) -> None:
     """Delete processed ids older than the TTL.
 
     A --ttl-hours shorter than the default window removes ids a webhook
@@ -1744,42 +1600,30 @@ def dedup_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | No
     """
     from sqlalchemy import delete
 
+    from chatflow_sqlalchemy import tables
+    from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
     from chatflow_sqlalchemy.values import utcnow
 
-    ttl = _ttl(ttl_hours)
-    default_ttl = _ttl(None)
-    table = _processed_table()
-    with _database(url, write=True) as (parsed, engine):
-        if ttl < default_ttl:
-            with _read_conn(engine) as conn:
-                unexpired = _dedup_counts(conn, ttl)[1] - _dedup_counts(conn, default_ttl)[1]
-            if unexpired:
-                _confirm(
-                    f"Purge {unexpired} id(s) still inside the default {default_ttl:g} h dedup "
-                    "window (a retried webhook could then run twice)?",
-                    yes,
-                )
+    table = tables.processed_messages
+    with _database(write=True) as (url, engine):
+        risk = "a retried webhook could then run twice"
+        _confirm_purge(engine, ttl, "id(s)", risk, table.c.processed_at)
         now = utcnow()
         cutoff = now - timedelta(hours=ttl)
         with engine.begin() as conn:  # whole days first (PostgreSQL's day partitions)
-            removed = _dialect_support(parsed).drop_expired_processed(conn, cutoff, now)
+            support = support_for(backend_name_for_url(url))
+            removed = support.drop_expired_processed(conn, cutoff, now)
         with engine.begin() as conn:
             removed += conn.execute(delete(table).where(table.c.processed_at < cutoff)).rowcount
-    _emit(as_json, {"ttl_hours": ttl, "removed": removed},
+    _emit({"ttl_hours": ttl, "removed": removed},
           f"removed {removed} expired processed message id(s) (TTL {ttl:g} h)")
 
 
 # --------------------------------------------------------------------------- inbox
 
 
-INBOX_STATES = ("pending", "in_flight", "done", "sent", "dead")
-"""The inbox's states (``chatflow_sqlalchemy.inbox.INBOX_STATES``, not imported: it is heavy)."""
-
-
 @contextmanager
-def _inbox(
-    url_option: str | None, *, write: bool = False, dedup_ttl_hours: float | None = None
-) -> Iterator[tuple[URL, Engine, Inbox]]:
+def _inbox(*, write: bool = False, ttl: float | None = None) -> Iterator[tuple[URL, Engine, Inbox]]:
     """The inbox of an existing database at head, through a store on the CLI's own engine.
 
     Without ``write`` the engine is the query-only one of the read commands, so
@@ -1788,18 +1632,12 @@ def _inbox(
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
     with (
-        _database(url_option, write=write) as (parsed, engine),
+        _database(write=write) as (url, engine),
         SQLAlchemySessionStore(
-            engine=engine, auto_migrate=False, dedup_ttl_hours=_ttl(dedup_ttl_hours)
+            engine=engine, auto_migrate=False, dedup_ttl_hours=ttl or _ttl()
         ) as store,
     ):
-        yield parsed, engine, store.inbox
-
-
-def _inbox_table() -> Any:
-    from chatflow_sqlalchemy import tables
-
-    return tables.inbox
+        yield url, engine, store.inbox
 
 
 def _age(seconds: float) -> str:
@@ -1814,24 +1652,20 @@ def _age(seconds: float) -> str:
 
 
 @_command(inbox, "list")
-@click.option(
-    "--state", type=click.Choice(INBOX_STATES), help="only the messages in this state"
-)
+@click.option("--state", type=click.Choice(INBOX_STATES), help="only the messages in this state")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="rows")
-def inbox_list(state: str | None, limit: int, as_json: bool, url: str | None) -> None:
+def inbox_list(state: str | None, limit: int) -> None:
     """List inbox messages in arrival order, oldest first (read-only).
 
     States: pending (waiting for a worker), in_flight (a worker's batch),
     done (answered, no send), sent (answered and sent), dead (failed
     max_attempts times; the error says why: retry it with inbox retry).
     """
-    with _inbox(url) as (_parsed, _engine, rows):
+    with _inbox() as (_url, _engine, rows):
         entries = rows.entries(state=state, limit=limit)
         counts = rows.stats().counts
     total = counts.get(state, 0) if state is not None else sum(counts.values())
-    if as_json:
-        _emit(True, {"state": state, "total": total,
-                     "messages": [entry.as_dict() for entry in entries]})
+    if _emit({"state": state, "total": total, "messages": [e.as_dict() for e in entries]}):
         return
     if not entries:
         click.echo(f"no {state} messages in the inbox" if state else "no messages in the inbox")
@@ -1844,64 +1678,58 @@ def inbox_list(state: str | None, limit: int, as_json: bool, url: str | None) ->
     if total > len(entries):
         click.echo(f"showing {len(entries)} of {total}; use --limit to see more")
     if any(entry.state == "dead" for entry in entries):
-        click.echo(f"give a dead message another try with: {PROG} inbox retry MESSAGE_ID",
-                   err=True)
+        click.echo(f"give a dead message another try with: {PROG} inbox retry MESSAGE_ID", err=True)
+
+
+_NOT_DEAD = {"pending": "it waits for a worker", "in_flight": "a worker is answering it",
+             "done": "it was answered", "sent": "it was answered and its reply sent"}
+"""Why ``inbox retry`` leaves a message of each state alone."""
 
 
 @_command(inbox, "retry")
 @click.argument("message_id")
-def inbox_retry(message_id: str, as_json: bool, url: str | None) -> None:
+def inbox_retry(message_id: str) -> None:
     """Give a dead message another try, with the rest of its batch.
 
     Its batch's dead messages are pending again with their attempts reset;
     the next worker of inbox.serve answers them. Only dead messages are
     retried: see them with inbox list --state dead.
     """
+    from sqlalchemy import select
+
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.claims import validate_message_id
 
     _checked(validate_message_id, message_id)
-    shown = clean(repr(message_id))
-    with _inbox(url, write=True) as (parsed, engine, rows):
-        if not rows.retry(message_id):
-            raise _not_dead(engine, parsed, message_id)
-    _emit(as_json, {"message_id": message_id, "retried": True},
+    shown, c = clean(repr(message_id)), tables.inbox.c
+    with _inbox(write=True) as (url, engine, rows):
+        if not rows.retry(message_id):  # why not: no such message, or it is not dead
+            with _read_conn(engine) as conn:
+                state = conn.execute(select(c.state).where(c.message_id == message_id)).scalar()
+            if state is None:
+                raise CliError(f"no message {shown} in the inbox of {_describe(url)}; see: "
+                               f"{PROG} inbox list", EXIT_FAILED)
+            raise CliError(
+                f"message {shown} is {clean(state)}, not dead "
+                f"({_NOT_DEAD.get(state, 'nothing to retry')}): only dead messages are "
+                f"retried; see them with: {PROG} inbox list --state dead",
+                EXIT_FAILED,
+            )
+    _emit({"message_id": message_id, "retried": True},
           f"retried {shown}: it is pending again with the rest of its batch; "
           "the next worker of inbox.serve answers it")
 
 
-def _not_dead(engine: Engine, url: URL, message_id: str) -> CliError:
-    """Why ``inbox retry`` did nothing: no such message, or it is not dead (exit 1)."""
-    from sqlalchemy import select
-
-    table = _inbox_table()
-    with _read_conn(engine) as conn:
-        state = conn.execute(
-            select(table.c.state).where(table.c.message_id == message_id)
-        ).scalar()
-    shown = clean(repr(message_id))
-    if state is None:
-        return CliError(f"no message {shown} in the inbox of {_describe(url)}; see: "
-                        f"{PROG} inbox list", EXIT_FAILED)
-    why = {"pending": "it waits for a worker", "in_flight": "a worker is answering it",
-           "done": "it was answered", "sent": "it was answered and its reply sent"}
-    return CliError(
-        f"message {shown} is {clean(state)}, not dead ({why.get(state, 'nothing to retry')}): "
-        f"only dead messages are retried; see them with: {PROG} inbox list --state dead",
-        EXIT_FAILED,
-    )
-
-
 @_command(inbox, "stats")
-def inbox_stats(as_json: bool, url: str | None) -> None:
+def inbox_stats() -> None:
     """Count inbox messages per state (read-only).
 
     Also the age of the oldest pending message (by the database's clock)
     and how many messages died in the last hour.
     """
-    with _inbox(url) as (_parsed, _engine, rows):
+    with _inbox() as (_url, _engine, rows):
         stats = rows.stats()
-    if as_json:
-        _emit(True, stats.as_dict())
+    if _emit(stats.as_dict()):
         return
     _table(("STATE", "MESSAGES"), [(state, str(n)) for state, n in stats.counts.items()])
     oldest = stats.oldest_pending_seconds
@@ -1912,130 +1740,30 @@ def inbox_stats(as_json: bool, url: str | None) -> None:
         click.echo(f"see the dead messages with: {PROG} inbox list --state dead", err=True)
 
 
-def _inbox_answered_between(conn: Connection, start: datetime, end: datetime) -> int:
-    """How many done or sent messages changed state in ``[start, end)``."""
-    from sqlalchemy import func, select
-
-    table = _inbox_table()
-    return int(conn.execute(select(func.count()).select_from(table).where(
-        table.c.state.in_(["done", "sent"]), table.c.updated_at >= start, table.c.updated_at < end,
-    )).scalar_one())
-
-
 @_command(inbox, "purge", yes=True)
 @_ttl_option
-def inbox_purge(ttl_hours: float | None, yes: bool, as_json: bool, url: str | None) -> None:
+def inbox_purge(ttl: float) -> None:
     """Delete answered (done and sent) messages older than the TTL.
 
     Pending, in-flight and dead messages stay. An answered message keeps
     its id refused for the dedup window, so a --ttl-hours shorter than the
     default lets a redelivery in: that asks for confirmation unless --yes.
     """
+    from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.claims import validate_dedup_ttl
 
-    ttl = _ttl(ttl_hours)
     _checked(validate_dedup_ttl, ttl, what="--ttl-hours: ")  # the store's own bound
-    default_ttl = _ttl(None)
-    with _inbox(url, write=True, dedup_ttl_hours=ttl) as (_parsed, engine, rows):
-        if ttl < default_ttl:
-            with _read_conn(engine) as conn:
-                unexpired = _inbox_answered_between(conn, _cutoff(default_ttl), _cutoff(ttl))
-            if unexpired:
-                _confirm(
-                    f"Purge {unexpired} answered message(s) still inside the default "
-                    f"{default_ttl:g} h dedup window (a redelivery could then be answered "
-                    "twice)?",
-                    yes,
-                )
+    c = tables.inbox.c
+    with _inbox(write=True, ttl=ttl) as (_url, engine, rows):
+        risk = "a redelivery could then be answered twice"
+        answered = c.state.in_(["done", "sent"])
+        _confirm_purge(engine, ttl, "answered message(s)", risk, c.updated_at, answered)
         removed = rows.purge()
-    _emit(as_json, {"ttl_hours": ttl, "removed": removed},
+    _emit({"ttl_hours": ttl, "removed": removed},
           f"removed {removed} answered inbox message(s) older than {ttl:g} h")
 
 
-# --------------------------------------------------------------------------- misc
-
-
-@_command(cli, "backends", url=False)
-def backends(as_json: bool) -> None:
-    """List installed backends and the store class each opens.
-
-    A row per backend name: where it comes from (built-in, its distribution,
-    register()), the store class open_store opens for it, and its
-    DialectSupport class, or why it cannot be loaded.
-    """
-    from chatflow_sqlalchemy.registry import available_backends, backend_sources
-
-    sources = backend_sources()
-    rows = [
-        _backend_row(name, backend, sources.get(name))
-        for name, backend in sorted(available_backends().items())
-    ]
-    if as_json:
-        _emit(True, {"backends": [
-            {"name": n, "from": o, "available": not d.startswith("unavailable: "),
-             "store_class": s if s != "-" else None, "detail": d}
-            for n, o, s, d in rows
-        ]})
-        return
-    if not rows:
-        click.echo("no backends installed")
-        return
-    _table(("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows)
-
-
-def _backend_row(name: str, backend: Any, source: Any) -> tuple[str, str, str, str]:
-    """One row of ``backends``: name, origin, store class, and the support class or error."""
-    if isinstance(backend, Exception):
-        store, detail = "-", f"unavailable: {_one_line(str(backend))}"
-    else:
-        store, detail = _dotted(backend.store_class), _dotted(backend)
-    origin = "-"
-    if source is not None and source.origin == "built-in":
-        origin = "built-in"
-    elif source is not None:
-        origin = " + ".join(source.distributions) if source.distributions else source.origin
-    return clean(name), clean(origin), clean(store), clean(detail)
-
-
-def _dotted(target: Any) -> str:
-    """A class, or its ``"module:Class"`` target, as ``module.Class``."""
-    if isinstance(target, str):
-        return target.replace(":", ".")
-    return f"{target.__module__}.{target.__qualname__}"
-
-
-@_command(cli, "demo", url=False)
-@click.option("--db", "db_path", metavar="PATH", help="new SQLite file (default: a temp folder)")
-def demo(db_path: str | None, as_json: bool) -> None:
-    """Run the offline demo on a new SQLite file.
-
-    A scripted engine (no API key) drives the real Runner.
-    """
-    import tempfile
-
-    from chatflow_sqlalchemy.demo import DemoError, run_demo
-
-    default = None if db_path is not None else tempfile.mkdtemp(prefix="chatflow-demo-")
-    path = Path(db_path) if db_path is not None else Path(f"{default}/demo.db")
-    lines: list[str] = []
-    out = lines.append if as_json else (lambda line: click.echo(clean(line)))
-    try:
-        run_demo(str(path), out)
-    except DemoError as exc:
-        raise CliError(str(exc), EXIT_FAILED) from exc
-    if as_json:
-        _emit(True, {"database": str(path), "output": lines})
-
-
-# --------------------------------------------------------------------------- lifecycle
-
-
-@cli.group(no_args_is_help=True)
-def users() -> None:
-    """Export or erase everything held about a user_id.
-
-    For GDPR / LGPD requests.
-    """
+# --------------------------------------------------------------------------- users, keys, misc
 
 
 def _validated(user_id: str) -> None:
@@ -2046,7 +1774,7 @@ def _validated(user_id: str) -> None:
 
 @_command(users, "erase", yes=True)
 @click.argument("user_id")
-def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None:
+def users_erase(user_id: str) -> None:
     """Erase every session of USER_ID (asks first).
 
     Its sessions go with their messages and claims, in one transaction.
@@ -2057,44 +1785,14 @@ def users_erase(user_id: str, yes: bool, as_json: bool, url: str | None) -> None
 
     _validated(user_id)
     shown = clean(repr(user_id))
-    with _database(url, write=True) as (_parsed, engine):
+    with _database(write=True) as (_url, engine):
         with _read_conn(engine) as conn:
             found = len(user_session_ids(conn, user_id))
         if found:
-            _confirm(f"Erase {found} session(s) of user {shown} and everything stored with them?",
-                     yes)
+            _confirm(f"Erase {found} session(s) of user {shown} and everything stored with them?")
             with engine.begin() as conn:
                 found = erase_user_rows(conn, user_id)
-    _emit(as_json, {"user_id": user_id, "erased": found},
-          f"erased {found} session(s) of user {shown}")
-
-
-@_command(users, "export")
-@click.argument("user_id")
-@_output_option
-def users_export(user_id: str, output: str | None, as_json: bool, url: str | None) -> None:
-    """Export everything held about USER_ID as JSON (read-only).
-
-    {"format", "user_id", "exported_at", "sessions": [{"session_id",
-    "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
-    "messages", "archived_messages", "webhook_claims"}]} -- what
-    store.export_user returns. Encrypted rows are opened with the keys of
-    $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
-    The document is JSON already; with --output and --json the summary is
-    {"user_id", "exported", "output"}.
-    """
-    target = None if output in (None, "-") else Path(output)
-    if target is not None:
-        _check_output(target)  # before reading anything
-    document = _user_document(user_id, url)
-    text = _json_text(document, indent=2) + "\n"
-    if target is None:
-        sys.stdout.write(text)
-        return
-    _write_output(target, lambda sink: sink.write(text))
-    count = len(document["sessions"])
-    _emit(as_json, {"user_id": user_id, "exported": count, "output": str(target)},
-          f"exported {count} session(s) of user {clean(repr(user_id))} to {clean(str(target))}")
+    _emit({"user_id": user_id, "erased": found}, f"erased {found} session(s) of user {shown}")
 
 
 class _Dumped:
@@ -2119,77 +1817,69 @@ def _parse_for_export(session_id: str, row_id: object, text: str) -> Any:
     return parse_message(session_id, row_id, text)
 
 
-def _user_document(user_id: str, url: str | None) -> dict[str, Any]:
+@_command(users, "export")
+@click.argument("user_id")
+@_output_option
+def users_export(user_id: str, target: Path | None) -> None:
+    """Export everything held about USER_ID as JSON (read-only).
+
+    {"format", "user_id", "exported_at", "sessions": [{"session_id",
+    "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
+    "messages", "archived_messages", "webhook_claims"}]} -- what
+    store.export_user returns. Encrypted rows are opened with the keys of
+    $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
+    The document is JSON already; with --output and --json the summary is
+    {"user_id", "exported", "output"}.
+    """
     from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
     from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
     from chatflow_sqlalchemy.values import utcnow
 
+    if target is not None:
+        _check_output(target)  # before reading anything
     _validated(user_id)
-    sealer = _sealer_from_env(os.environ.get("CHATFLOW_KEYS", ""))
-    with _database(url) as (_parsed, engine), _read_conn(engine) as conn:
+    sealer = _sealer()
+    with _reading() as (_url, conn):
         try:
-            sessions = export_sessions(
+            found = export_sessions(
                 conn, user_session_ids(conn, user_id), sealer.parser(_parse_for_export),
                 sealer.open_metadata, sealer.open_summary,
             )
         except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
             _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
-    exported_at = utcnow().isoformat()
-    return {"format": EXPORT_FORMAT, "user_id": user_id, "exported_at": exported_at,
-            "sessions": sessions}
-
-
-@_command(sessions, "sweep", yes=True)
-@click.option(
-    "--ttl-hours", type=float, required=True, envvar="CHATFLOW_SESSION_TTL_HOURS",
-    show_envvar=True,
-    help="sessions not updated for this many hours are expired (the store's session_ttl_hours)",
-)
-@click.option("--limit", type=click.IntRange(min=1), help="remove at most this many")
-@click.option("--dry-run", is_flag=True, help="only count what would go (read-only)")
-def sessions_sweep(
-    ttl_hours: float, limit: int | None, dry_run: bool, yes: bool, as_json: bool,
-    url: str | None,
-) -> None:
-    """Remove expired sessions (asks first).
-
-    Expired sessions go with their messages and claims; asks for
-    confirmation unless --yes. Sessions whose turn is in progress or that a
-    live webhook claim holds are kept (a later sweep takes them). Safe while
-    workers run and while other sweepers run.
-    """
-    from chatflow_sqlalchemy.lifecycle import validate_session_ttl
-    from chatflow_sqlalchemy.sql_lifecycle import count_expired
-    from chatflow_sqlalchemy.values import utcnow
-
-    hours = _checked(validate_session_ttl, ttl_hours, what="--ttl-hours: ")
-    assert hours is not None
-    with _database(url) as (parsed, engine), _read_conn(engine) as conn:
-        now = utcnow()
-        expired, oldest = count_expired(conn, now - timedelta(hours=hours), now)
-    expired = expired if limit is None else min(expired, limit)
-    if dry_run:
-        _emit(as_json, {"dry_run": True, "expired": expired, "oldest": oldest},
-              f"{expired} expired session(s) would be removed",
-              *(f"  {clean(session_id)}" for session_id in oldest[:expired]))
+    document = {"format": EXPORT_FORMAT, "user_id": user_id,
+                "exported_at": utcnow().isoformat(), "sessions": found}
+    text = _json_text(document, indent=2) + "\n"
+    if target is None:
+        sys.stdout.write(text)
         return
-    removed = 0
-    if expired:
-        from chatflow_sqlalchemy.opening import open_store
-
-        _confirm(f"Remove {expired} expired session(s) and their history?", yes)
-        with open_store(parsed, session_ttl_hours=hours, auto_migrate=False) as store:
-            removed = int(store.sweep(limit))
-    _emit(as_json, {"dry_run": False, "removed": removed}, f"removed {removed} expired session(s)")
+    _write_output(target, lambda sink: sink.write(text))
+    _emit({"user_id": user_id, "exported": len(found), "output": str(target)},
+          f"exported {len(found)} session(s) of user {clean(repr(user_id))} to "
+          f"{clean(str(target))}")
 
 
-@cli.group(no_args_is_help=True)
-def keys() -> None:
-    """Encryption keys: re-encrypt rows with a new key.
+def _holds_plaintext(engine: Engine) -> bool:
+    """True if a message, archived message, session metadata or summary is stored unencrypted."""
+    from sqlalchemy import Text, cast, not_, select
 
-    The keys come from $CHATFLOW_KEYS; the first is the primary.
-    """
+    from chatflow_sqlalchemy import tables
+    from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
+
+    s = tables.sessions.c
+    queries = [
+        *(select(t.c.id).where(not_(t.c.message_json.startswith(TOKEN_PREFIX, autoescape=True)))
+          for t in (tables.messages, tables.message_archive)),
+        select(s.session_id).where(
+            not_(cast(s.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))
+        ),
+        select(s.session_id).where(
+            s.summary.is_not(None), not_(s.summary.startswith(TOKEN_PREFIX, autoescape=True))
+        ),
+    ]
+    with _read_conn(engine) as conn:
+        return any(conn.execute(query.limit(1)).first() is not None for query in queries)
 
 
 @_command(keys, "rotate", yes=True)
@@ -2197,7 +1887,7 @@ def keys() -> None:
     "--batch", type=click.IntRange(min=1), default=200, show_default=True,
     help="rows per table re-encrypted in one short transaction",
 )
-def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
+def keys_rotate(batch: int) -> None:
     """Re-encrypt every row with the primary key, online.
 
     Rows not sealed with the primary key are rewritten in batches.
@@ -2213,116 +1903,123 @@ def keys_rotate(batch: int, yes: bool, as_json: bool, url: str | None) -> None:
     from chatflow_sqlalchemy.opening import open_store
 
     cipher = _checked(AESGCMCipher.from_env)
-    with _database(url, write=True) as (parsed, engine):
+    primary = clean(repr(cipher.primary))
+    with _database(write=True) as (url, engine):
         if _holds_plaintext(engine):
-            _confirm(
-                f"{_safe_url(parsed)} holds plaintext rows: encrypt them with key "
-                f"{clean(repr(cipher.primary))} (only $CHATFLOW_KEYS reads them after)?",
-                yes,
-            )
-    with open_store(parsed, cipher=cipher, auto_migrate=False) as store:
+            _confirm(f"{_safe_url(url)} holds plaintext rows: encrypt them with key {primary} "
+                     "(only $CHATFLOW_KEYS reads them after)?")
+    with open_store(url, cipher=cipher, auto_migrate=False) as store:
         count = int(store.rotate_keys(batch))
-    _emit(as_json, {"primary": cipher.primary, "rewritten": count},
-          f"re-encrypted {count} row(s) with key {clean(repr(cipher.primary))}")
+    _emit({"primary": cipher.primary, "rewritten": count},
+          f"re-encrypted {count} row(s) with key {primary}")
 
 
-def _holds_plaintext(engine: Any) -> bool:
-    """True if a message, archived message, session metadata or summary is stored unencrypted."""
-    from sqlalchemy import Text, cast, not_, select
+def _dotted(target: Any) -> str:
+    """A class, or its ``"module:Class"`` target, as ``module.Class``."""
+    if isinstance(target, str):
+        return target.replace(":", ".")
+    return f"{target.__module__}.{target.__qualname__}"
 
-    from chatflow_sqlalchemy import tables
-    from chatflow_sqlalchemy.crypto import TOKEN_PREFIX
 
-    s = tables.sessions.c
-    queries = [
-        select(table.c.id).where(
-            not_(table.c.message_json.startswith(TOKEN_PREFIX, autoescape=True))
-        )
-        for table in (tables.messages, tables.message_archive)
-    ]
-    queries.append(select(s.session_id).where(
-        not_(cast(s.metadata_json, Text).contains(TOKEN_PREFIX, autoescape=True))
-    ))
-    queries.append(select(s.session_id).where(
-        s.summary.is_not(None), not_(s.summary.startswith(TOKEN_PREFIX, autoescape=True))
-    ))
-    with _read_conn(engine) as conn:
-        return any(conn.execute(query.limit(1)).first() is not None for query in queries)
+@_command(cli, "backends", url=False)
+def backends() -> None:
+    """List installed backends and the store class each opens.
+
+    A row per backend name: where it comes from (built-in, its distribution,
+    register()), the store class open_store opens for it, and its
+    DialectSupport class, or why it cannot be loaded.
+    """
+    from chatflow_sqlalchemy.registry import available_backends, backend_sources
+
+    sources, rows = backend_sources(), []
+    for name, backend in sorted(available_backends().items()):
+        if isinstance(backend, Exception):
+            store, detail = "-", f"unavailable: {_one_line(str(backend))}"
+        else:
+            store, detail = _dotted(backend.store_class), _dotted(backend)
+        source, origin = sources.get(name), "-"
+        if source is not None and source.origin == "built-in":
+            origin = "built-in"
+        elif source is not None:
+            origin = " + ".join(source.distributions) if source.distributions else source.origin
+        rows.append((clean(name), clean(origin), clean(store), clean(detail)))
+    if _emit({"backends": [
+        {"name": n, "from": o, "available": not d.startswith("unavailable: "),
+         "store_class": s if s != "-" else None, "detail": d}
+        for n, o, s, d in rows
+    ]}):
+        return
+    if not rows:
+        click.echo("no backends installed")
+        return
+    _table(("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows)
+
+
+@_command(cli, "demo", url=False)
+@click.option("--db", "db_path", metavar="PATH", help="new SQLite file (default: a temp folder)")
+def demo(db_path: str | None) -> None:
+    """Run the offline demo on a new SQLite file.
+
+    A scripted engine (no API key) drives the real Runner.
+    """
+    import tempfile
+
+    from chatflow_sqlalchemy.demo import DemoError, run_demo
+
+    if db_path is None:
+        db_path = f"{tempfile.mkdtemp(prefix='chatflow-demo-')}/demo.db"
+    lines: list[str] = []
+    out = lines.append if _opt("as_json") else (lambda line: click.echo(clean(line)))
+    try:
+        run_demo(str(Path(db_path)), out)
+    except DemoError as exc:
+        raise CliError(str(exc), EXIT_FAILED) from exc
+    _emit({"database": str(Path(db_path)), "output": lines})  # the lines are out already
 
 
 # --------------------------------------------------------------------------- main
 
 
-def _urls_in(argv: Sequence[str]) -> list[str]:
-    """Every URL the command line or environment names (for redaction)."""
-    found = [os.environ.get("CHATFLOW_DATABASE_URL") or ""]
-    for index, arg in enumerate(argv):
-        if arg == "--url" and index + 1 < len(argv):
-            found.append(argv[index + 1])
-        elif arg.startswith("--url="):
-            found.append(arg.split("=", 1)[1])
-    return [url for url in found if url]
-
-
-def _password_of(raw: str) -> str | None:
-    """The password in ``raw`` (parsed without SQLAlchemy, so a bad port does not hide it)."""
-    from urllib.parse import unquote
-
-    match = re.match(r"^[^:/?#]+://[^:@/?#]*:([^@/?#]*)@", raw)
-    if match is None:
-        return None
-    return unquote(match.group(1)) or None
-
-
 def _redact(message: str, urls: Sequence[str | None]) -> str:
     """Remove the URLs' passwords from ``message`` (in case a driver quotes the URL).
 
-    Short passwords are only masked as ``:password@``, so ordinary words are not mangled.
+    The password is found without SQLAlchemy, so a bad port does not hide it. Short
+    passwords are only masked as ``:password@``, so ordinary words are not mangled.
     """
-    from urllib.parse import quote, quote_plus
+    from urllib.parse import quote, quote_plus, unquote
 
     for raw in urls:
-        password = _password_of(raw) if raw else None
-        if not password:
-            continue
-        for form in {password, quote_plus(password), quote(password, safe="")}:
+        match = re.match(r"^[^:/?#]+://[^:@/?#]*:([^@/?#]*)@", raw or "")
+        password = unquote(match.group(1)) if match else ""
+        for form in {password, quote_plus(password), quote(password, safe="")} - {""}:
             message = message.replace(f":{form}@", ":***@")
             if len(form) >= 4:
                 message = message.replace(form, "***")
     return message
 
 
-def _fail(message: str, code: int, urls: Sequence[str]) -> int:
-    click.echo(f"error: {clean(_redact(_one_line(message), urls))}", err=True)
-    return code
-
-
-def _known_error(exc: Exception) -> str | None:
-    """The one-line message of an expected error (exit 2); None for a bug."""
-    from alembic.util.exc import CommandError
+def _failure(exc: Exception) -> tuple[str, int]:
+    """(message, exit code) of an expected error; a bug is raised again."""
+    if isinstance(exc, click.Abort):
+        return "interrupted", EXIT_INTERRUPTED
+    if isinstance(exc, click.ClickException):
+        return exc.format_message(), exc.exit_code
+    if isinstance(exc, CliError):
+        return str(exc), exc.code
+    from alembic.util.exc import CommandError  # only now: they are heavy
     from sqlalchemy import exc as sa_exc
 
     from chatflow_sqlalchemy.exceptions import ChatflowStoreError
 
     if isinstance(exc, sa_exc.ArgumentError):
-        return f"invalid database URL: {exc}"
-    if isinstance(exc, (ChatflowStoreError, CommandError)):
-        return str(exc)
+        return f"invalid database URL: {exc}", EXIT_USAGE
+    if isinstance(exc, (ChatflowStoreError, CommandError, OSError)):
+        return str(exc), EXIT_USAGE
     if isinstance(exc, sa_exc.SQLAlchemyError):
-        return f"database error: {_db_error_reason(exc)}"
+        return f"database error: {_db_error_reason(exc)}", EXIT_USAGE
     if isinstance(exc, ImportError):
-        return f"{exc}; install the database driver for this URL"
-    return str(exc) if isinstance(exc, OSError) else None
-
-
-def _quiet_broken_pipe() -> int:
-    """The reader went away (``sessions export | head``): stop quietly like other tools."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (e.g. under pytest)
-        pass
-    return EXIT_FAILED
+        return f"{exc}; install the database driver for this URL", EXIT_USAGE
+    raise exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2337,7 +2034,6 @@ def main(argv: list[str] | None = None) -> int:
 
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    urls = _urls_in(args)
     try:
         result = cli.main(args=args, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -2349,19 +2045,20 @@ def main(argv: list[str] | None = None) -> int:
         where = exc.ctx.command_path if exc.ctx is not None else PROG
         click.echo(f"error: {clean(exc.format_message())} (see: {where} --help)", err=True)
         return EXIT_USAGE
-    except (click.Abort, KeyboardInterrupt):
-        return _fail("interrupted", EXIT_INTERRUPTED, urls)
-    except click.ClickException as exc:
-        return _fail(exc.format_message(), exc.exit_code, urls)
-    except CliError as exc:
-        return _fail(str(exc), exc.code, urls)
-    except BrokenPipeError:
-        return _quiet_broken_pipe()
+    except BrokenPipeError:  # the reader went away (`sessions export | head`): stop quietly
+        with suppress(OSError, ValueError):  # stdout is not a real file (e.g. under pytest)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        return EXIT_INTERRUPTED
     except Exception as exc:
-        message = _known_error(exc)
-        if message is None:
-            raise
-        return _fail(message, EXIT_USAGE, urls)
+        message, code = _failure(exc)
+        urls = [os.environ.get("CHATFLOW_DATABASE_URL"), *(  # their passwords are hidden
+            value for flag, value in zip(args, [*args[1:], ""], strict=True) if flag == "--url"
+        ), *(arg.split("=", 1)[1] for arg in args if arg.startswith("--url="))]
+        click.echo(f"error: {clean(_redact(_one_line(message), urls))}", err=True)
+        return code
     return result if isinstance(result, int) else EXIT_OK
 
 
