@@ -64,9 +64,6 @@ def test_a_session_made_again_is_unmade_again_by_a_failed_first_turn(any_store: 
     assert store.get("u1") is not None and "u1" in any_store().list_sessions()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, open: the failed turn's user_id stays on the unborn row and refuses another "
-    "user's get_or_create (adoption keeps the owner so that erase_user covers the row)"))
 def test_another_user_may_make_a_session_whose_first_turn_failed(any_store: Opener) -> None:
     """No store shows the session to its former owner; it keeps no other user out either."""
     store = any_store()
@@ -76,6 +73,29 @@ def test_another_user_may_make_a_session_whose_first_turn_failed(any_store: Open
     ctx = store.get_or_create("s2", AGENT, user_id="bob")
     assert store.get("s2") is ctx
     assert store.list_sessions(user_id="bob") == ["s2"]
+    assert store.erase_user("alice") == 0 and store.get("s2") is ctx
+
+
+def test_a_session_remade_without_a_user_has_no_owner(any_store: Opener) -> None:
+    """As if new: the failed turn's user does not own what another caller made."""
+    store = any_store()
+    store.get_or_create("s3", AGENT, user_id="alice")
+    _fail(store, "s3")
+    store.get_or_create("s3", AGENT)
+    assert store.list_sessions(user_id="alice") == [] and store.erase_user("alice") == 0
+    assert store.get("s3") is not None
+
+
+def test_a_fresh_store_lets_another_user_make_it(any_store: Opener) -> None:
+    """The same in a process that never saw the failed turn."""
+    store = any_store()
+    if isinstance(store, SessionStore):
+        pytest.skip("the in-memory store has no other process")
+    store.get_or_create("s4", AGENT, user_id="alice")
+    _fail(store, "s4")
+    fresh = any_store()
+    fresh.get_or_create("s4", AGENT, user_id="bob")
+    assert fresh.list_sessions(user_id="bob") == ["s4"] and fresh.erase_user("alice") == 0
 
 
 def test_the_next_runner_turn_makes_it_with_its_own_agent_and_metadata(

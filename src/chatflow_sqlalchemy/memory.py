@@ -195,14 +195,15 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             validate_user_id(user_id)
         check_metadata(metadata or {})
         with self._lock:
-            owner = self._users.get(session_id)
+            ctx = self._sessions.get(session_id)
+            remade = ctx is not None and session_id in self._unborn and not ctx.in_turn
+            owner = None if remade else self._users.get(session_id)
             if user_id is not None and owner is not None and owner != user_id:
                 raise ValueError(
                     f"session {session_id!r} belongs to another user_id; a session has one "
                     "owner (use a session id of this user's, or erase_user the other one first)"
                 )
             self._check_open()
-            ctx = self._sessions.get(session_id)
             if ctx is None:
                 ctx = SessionContext(
                     session_id, default_agent, max_turns=self.default_max_turns,
@@ -212,10 +213,11 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
                 self._made.add(session_id)
-            elif session_id in self._unborn and not ctx.in_turn:  # made again, as if new
+            elif remade:  # made again, as if new: its agent, metadata and owner
                 ctx.active_agent = default_agent
                 ctx.metadata = dict(metadata or {})  # a write: no longer unborn
                 self._made.add(session_id)
+                self._users.pop(session_id, None)
             if user_id is not None:
                 self._users[session_id] = user_id
             return ctx

@@ -499,7 +499,11 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             self._adopt_unborn(ctx, default_agent, metadata)
 
     def _adopt_unborn(
-        self, ctx: SessionContext, default_agent: Agent, metadata: dict[str, Any]
+        self,
+        ctx: SessionContext,
+        default_agent: Agent,
+        metadata: dict[str, Any],
+        user_id: str | None = None,
     ) -> None:
         """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
 
@@ -509,7 +513,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         """
         if not ctx.unborn or ctx.in_turn:
             return
-        stored = self._adopt(ctx.session_id, default_agent, metadata)
+        stored = self._adopt(ctx.session_id, default_agent, metadata, user_id)
         if not ctx.catch_up(stored, lambda name, _: self._agents(name, default_agent)):
             self._forget(ctx.session_id, ctx)  # another session under the id meanwhile
             raise SessionDeletedError(ctx.session_id)
@@ -553,7 +557,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext:
         ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
         if ctx is not None:
-            self._adopt_unborn(ctx, default_agent, metadata)
+            self._adopt_unborn(ctx, default_agent, metadata, user_id)
             return ctx
         stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
         return self._contexts.publish(self._build_context(stored, session_id, default_agent))
@@ -593,7 +597,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
             stored.made = stored.version == version
         elif stored.agent_name == UNBORN_AGENT:
-            stored = self._adopt(session_id, default_agent, metadata)
+            stored = self._adopt(session_id, default_agent, metadata, user_id)
         return stored
 
     def _create_empty_session(self, session_id: str) -> None:
@@ -615,16 +619,20 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             })
 
     def _adopt(
-        self, session_id: str, agent: Agent, metadata: dict[str, Any]
+        self, session_id: str, agent: Agent, metadata: dict[str, Any], user_id: str | None
     ) -> StoredSession:
-        """Give a session with no agent yet its agent and metadata; return it as stored."""
+        """Give a session with no agent yet its agent, metadata and owner; return it as stored.
+
+        As if new: the owner is ``user_id`` (or none), not the one of a first
+        turn that failed, who kept it only for ``erase_user`` while it was unborn.
+        """
         sealed = self._sealer.seal_metadata(session_id, metadata)
         with self.runtime.transaction(write=True) as conn:
             adopted = conn.execute(
                 update(_sessions)
                 .where(_sessions.c.session_id == session_id,
                        _sessions.c.active_agent_name == UNBORN_AGENT)
-                .values(active_agent_name=agent.name, metadata_json=sealed,
+                .values(active_agent_name=agent.name, metadata_json=sealed, user_id=user_id,
                         version=_sessions.c.version + 1, updated_at=utcnow())
             ).rowcount == 1
             stored = read_session(conn, self._sealer, session_id)
