@@ -767,7 +767,10 @@ def check_serve_options(
     concurrency: int, coalesce_seconds: float, max_attempts: int, retry_seconds: float
 ) -> None:
     """``serve``'s options, checked; a bad one raises ``ValueError`` naming it."""
-    for name, value in (("concurrency", concurrency), ("max_attempts", max_attempts)):
+    counts: tuple[tuple[str, object], ...] = (
+        ("concurrency", concurrency), ("max_attempts", max_attempts)
+    )
+    for name, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name, value in (("coalesce_seconds", coalesce_seconds), ("retry_seconds", retry_seconds)):
