@@ -57,14 +57,6 @@ class GraphAPIError(RuntimeError):
     """A reply did not reach the Graph API, and sending it again is safe: the inbox retries."""
 
 
-@dataclass(frozen=True)
-class _Partial:
-    """A send that stopped: the chunk it stopped at, and why."""
-
-    index: int
-    error: GraphAPIError
-
-
 class _InboxStore(Protocol):
     """A chatflow-sqlalchemy store: it has ``store.inbox``."""
 
@@ -280,9 +272,7 @@ class DurableWhatsAppChannel(WhatsAppChannel):
             _CAPTURE.reset(reset)
         if background.tasks or len(captured) != 1:
             raise RuntimeError(f"chatflow-agent's webhook gave no payload: {_UPGRADE}")
-        return await self._put_all(captured[0])
-
-    async def _put_all(self, payload: dict[str, Any]) -> Response:
+        payload = captured[0]
         messages = _upstream_extract(self, payload)
         if not messages:
             return JSONResponse(content={"status": "ignored_or_status_update"})
@@ -388,7 +378,10 @@ class DurableWhatsAppChannel(WhatsAppChannel):
             Exception: Whatever the turn raised (the inbox retries the batch).
 
         """
-        texts = [item.text for item in batch.items if not _unsupported(item.payload)]
+        texts = [
+            item.text for item in batch.items
+            if not (isinstance(item.payload, dict) and item.payload.get("unsupported") is True)
+        ]
         if not texts:
             return self.unsupported_media_message
         metadata = {"channel": "whatsapp", "phone": batch.session_id,
@@ -420,23 +413,15 @@ class DurableWhatsAppChannel(WhatsAppChannel):
 
         """
         key = reply.message_ids
-        first = self._progress.pop(key, 0)
-        sent = await self._send_text(reply.session_id, reply.text, first)
-        if sent is not None:
-            self._progress[key] = sent.index
-            while len(self._progress) > _PROGRESS_KEPT:
-                self._progress.popitem(last=False)
-            raise sent.error
-
-    async def _send_text(self, phone: str, text: str, first: int = 0) -> _Partial | None:
-        """Send ``text``'s chunks from ``first`` on; where it stopped and why, if it did."""
-        chunks = split_message(text, max_len=WHATSAPP_TEXT_LIMIT)
-        for index in range(first, len(chunks)):
+        chunks = split_message(reply.text, max_len=WHATSAPP_TEXT_LIMIT)
+        for index in range(self._progress.pop(key, 0), len(chunks)):
             try:
-                await self._send_chunk(phone, chunks[index])
-            except GraphAPIError as exc:
-                return _Partial(index, exc)
-        return None
+                await self._send_chunk(reply.session_id, chunks[index])
+            except GraphAPIError:
+                self._progress[key] = index
+                while len(self._progress) > _PROGRESS_KEPT:
+                    self._progress.popitem(last=False)
+                raise
 
     async def _send_chunk(self, phone: str, text: str) -> None:
         outcome = _Outcome()
@@ -453,9 +438,11 @@ class DurableWhatsAppChannel(WhatsAppChannel):
         """Upstream's answer to a failed turn, sent once, when its messages are about to die."""
         if not (self.access_token and self.phone_number_id):
             return
-        failed = await self._send_text(phone, self.fallback_message)
-        if failed is not None:
-            logger.warning("whatsapp: could not send the fallback message: %s", failed.error)
+        try:
+            for chunk in split_message(self.fallback_message, max_len=WHATSAPP_TEXT_LIMIT):
+                await self._send_chunk(phone, chunk)
+        except GraphAPIError as exc:
+            logger.warning("whatsapp: could not send the fallback message: %s", exc)
 
 
 # ------------------------------------------------------------------ helpers
@@ -485,10 +472,6 @@ def _raw_messages(payload: Any, count: int) -> Sequence[Mapping[str, Any]]:
 def _items(parent: Any, key: str) -> list[dict[str, Any]]:
     value = parent.get(key) if isinstance(parent, dict) else None
     return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
-
-
-def _unsupported(payload: Any) -> bool:
-    return isinstance(payload, dict) and payload.get("unsupported") is True
 
 
 def _masked(phone: str) -> str:
