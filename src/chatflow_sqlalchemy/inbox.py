@@ -190,15 +190,7 @@ class InboxStats:
 
 @dataclass
 class BatchFence:
-    """A batch in progress, which a turn run by ``handle`` commits with.
-
-    Attributes:
-        session_id: The batch's session.
-        lease: The session's lease, held by the batch (the turn keeps it).
-        token: The batch's token, on its items' rows.
-        size: How many items the batch holds.
-
-    """
+    """A batch in progress, which a turn run by ``handle`` commits with (under its lease)."""
 
     session_id: str
     lease: Lease
@@ -246,11 +238,7 @@ class InboxRows(Protocol):
         """Store a pending message; False if its id is already in the inbox."""
 
     def ready(self, coalesce_seconds: float, limit: int, busy: Collection[str]) -> list[str]:
-        """Up to ``limit`` sessions, not in ``busy``, with a batch due and a free lease.
-
-        Due: its newest pending message is ``coalesce_seconds`` old, its oldest
-        waited ``MAX_COALESCE_FACTOR`` times that, or a dead holder left some.
-        """
+        """Up to ``limit`` sessions, not in ``busy``, with a batch due and a free lease."""
 
     def take(self, session_id: str) -> Lease | None:
         """Take the session's lease (creating an empty session if none exists yet)."""
@@ -267,12 +255,7 @@ class InboxRows(Protocol):
     def open_batch(
         self, lease: Lease, token: str, max_attempts: int
     ) -> tuple[list[Unsent], list[InboxItem]]:
-        """Recover what a dead holder left, then take the pending messages as one batch.
-
-        Returns the replies answered but not sent (in order), and the
-        batch's items (in flight under ``token``, ordered by ``sent_at`` then
-        arrival, attempts counted).
-        """
+        """Recover what a dead holder left; return its unsent replies and the new batch's items."""
 
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store ``handle``'s reply; the items are done, or wait for ``send`` if ``to_send``."""
@@ -283,11 +266,7 @@ class InboxRows(Protocol):
     def failed(
         self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
     ) -> None:
-        """``handle`` raised: back to pending after ``retry_in`` seconds, or dead.
-
-        Dead after ``max_attempts``, or at once if the batch's turn committed
-        (running it again would repeat it).
-        """
+        """``handle`` raised: back to pending after ``retry_in`` seconds, or dead."""
 
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
         """``send`` kept failing: the items are dead, their reply kept for a retry."""
@@ -617,14 +596,12 @@ class _Worker:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
                 await self._rows.run(self._rows.warm, lease)
                 reply = await self._handle(batch)
-        except asyncio.CancelledError as exc:
-            if self._stopping:  # serve stops (a deploy): not the batch's fault
+        except (asyncio.CancelledError, Exception) as exc:
+            if isinstance(exc, asyncio.CancelledError) and self._stopping:
+                # serve stops (a deploy): not the batch's fault
                 await _shielded(self._rows.run(self._rows.abandon, lease, token))
                 raise
-            await self._failed(lease, token, items, exc)  # cancelled inside handle
-            return
-        except Exception as exc:
-            await self._failed(lease, token, items, exc)
+            await self._failed(lease, token, items, exc)  # a cancellation inside handle too
             return
         finally:
             lease.shared = False  # a task handle started takes its own lease from now on
