@@ -76,35 +76,29 @@ def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnEleme
     ]
 
 
-def _filtered(query: Select[Any], dialect_name: str, filters: ListFilters) -> Select[Any]:
-    query = query.where(_sessions.c.active_agent_name != UNBORN_AGENT)
-    if filters.user_id is not None:
-        query = query.where(_sessions.c.user_id == filters.user_id)
-    if filters.updated_after is not None:
-        query = query.where(_sessions.c.updated_at > filters.updated_after)
-    if filters.forked_from is not None:
-        query = query.where(_sessions.c.forked_from == filters.forked_from)
-    if filters.metadata:
-        query = query.where(*_narrowing(dialect_name, filters.metadata))
-    return query
-
-
 def session_page(conn: Connection, filters: ListFilters) -> list[str]:
     """Session ids matching ``filters``, in listing order."""
-    dialect_name = conn.dialect.name
-    columns = [_sessions.c.session_id]
+    s = _sessions.c
+    query = select(s.session_id, *([s.metadata_json] if filters.metadata else [])).where(
+        s.active_agent_name != UNBORN_AGENT
+    )
+    if filters.user_id is not None:
+        query = query.where(s.user_id == filters.user_id)
+    if filters.updated_after is not None:
+        query = query.where(s.updated_at > filters.updated_after)
+    if filters.forked_from is not None:
+        query = query.where(s.forked_from == filters.forked_from)
     if filters.metadata:
-        columns.append(_sessions.c.metadata_json)
-    query = _filtered(select(*columns), dialect_name, filters)
+        query = query.where(*_narrowing(conn.dialect.name, filters.metadata))
     if not filters.paged:
-        query = query.order_by(_sessions.c.updated_at.desc(), _sessions.c.session_id)
+        query = query.order_by(s.updated_at.desc(), s.session_id)
         return [row.session_id for row in conn.execute(query) if _keep(row, filters)]
-    query = query.order_by(_sessions.c.session_id)
+    query = query.order_by(s.session_id)
     found: list[str] = []
     cursor = filters.after
     batch = None if filters.limit is None else max(filters.limit, 100 if filters.metadata else 0)
     while True:
-        page = query if cursor is None else query.where(_sessions.c.session_id > cursor)
+        page = query if cursor is None else query.where(s.session_id > cursor)
         rows = list(conn.execute(page if batch is None else page.limit(batch)))
         for row in rows:
             if _keep(row, filters):
