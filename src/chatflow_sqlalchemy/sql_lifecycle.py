@@ -131,15 +131,15 @@ def _chunks(ids: list[str]) -> Iterator[list[str]]:
         yield ids[start : start + _ID_CHUNK]
 
 
-def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] = ()) -> int:
-    """Delete sessions with their messages, claims, inbox and rows of ``extra`` tables.
+def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
+    """Delete sessions with their messages, archive, claims and inbox.
 
     In the caller's transaction, so everything about them goes or nothing
     does. Returns how many session rows were deleted.
     """
     erased = 0
     for chunk in _chunks(list(ids)):
-        for table in (_messages, _processed, _archive, _inbox, *extra):
+        for table in (_messages, _processed, _archive, _inbox):
             conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
         erased += conn.execute(
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
@@ -147,14 +147,14 @@ def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] 
     return int(erased)
 
 
-def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ()) -> int:
+def erase_user_rows(conn: Connection, user_id: str) -> int:
     """Delete everything of ``user_id``'s sessions by subquery; return how many sessions.
 
     No read precedes the first write, so a caller without the store's
     up-front write lock (the CLI on SQLite) never upgrades a read snapshot.
     """
     owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
-    for table in (_messages, _processed, _archive, *extra):
+    for table in (_messages, _processed, _archive):
         conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
@@ -276,9 +276,9 @@ def decode_transcript(
 def export_sessions(
     conn: Connection,
     ids: list[str],
-    parse: Any,
-    open_metadata: Any = None,
-    open_summary: Callable[[str, str | None], str | None] | None = None,
+    parse: Callable[..., Message],
+    open_metadata: Callable[[str, Any], Any],
+    open_summary: Callable[[str, str | None], str | None],
 ) -> list[dict[str, Any]]:
     """Everything stored about the sessions ``ids``, as JSON-ready dicts.
 
@@ -291,9 +291,6 @@ def export_sessions(
         return [parse_row(sid, row.id, row.message_json).model_dump(mode="json")
                 for row in conn.execute(query.order_by(*order))]
 
-    def opened(opener: Callable[[str, Any], Any] | None, sid: str, stored: Any) -> Any:
-        return stored if opener is None else opener(sid, stored)
-
     exported: list[dict[str, Any]] = []
     for chunk in _chunks(ids):
         query = select(_sessions).where(_sessions.c.session_id.in_(chunk))
@@ -303,10 +300,10 @@ def export_sessions(
                 "session_id": sid,
                 "user_id": row["user_id"],
                 "active_agent_name": row["active_agent_name"],
-                "metadata": opened(open_metadata, sid, row["metadata_json"]),
+                "metadata": open_metadata(sid, row["metadata_json"]),
                 "created_at": _iso(row["created_at"]),
                 "updated_at": _iso(row["updated_at"]),
-                "summary": opened(open_summary, sid, row["summary"]),
+                "summary": open_summary(sid, row["summary"]),
                 "forked_from": row["forked_from"],
                 "forked_at_turn": row["forked_at_turn"],
                 "messages": decoded(  # system messages first (Role.SYSTEM), then by seq
