@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
@@ -162,7 +162,7 @@ class InboxEntry:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (times as ISO 8601)."""
-        fields = dict(self.__dict__)
+        fields = asdict(self)
         for name in ("received_at", "updated_at", "sent_at"):
             fields[name] = _iso(fields[name])
         return fields
@@ -185,7 +185,7 @@ class InboxStats:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {**self.__dict__, "counts": dict(self.counts)}
+        return asdict(self)
 
 
 @dataclass
@@ -266,7 +266,11 @@ class InboxRows(Protocol):
     def failed(
         self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
     ) -> None:
-        """``handle`` raised: back to pending after ``retry_in`` seconds, or dead."""
+        """``handle`` raised: pending again after ``retry_in`` seconds, or dead.
+
+        Dead after ``max_attempts``, or at once if the batch's turn committed (it
+        must not run twice).
+        """
 
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
         """``send`` kept failing: the items are dead, their reply kept for a retry."""

@@ -173,10 +173,14 @@ class MemoryInbox:
                 del self._leases[lease.session_id]
         lease.released = True
 
+    def _check(self, lease: Lease) -> None:
+        if not self._holds(lease):
+            raise LeaseLostError(lease.session_id)
+
     def _batch(self, token: str, lease: Lease | None = None) -> list[_Row]:
         """The rows of a batch (under ``_lock``), once its ``lease`` is checked."""
-        if lease is not None and not self._holds(lease):
-            raise LeaseLostError(lease.session_id)
+        if lease is not None:
+            self._check(lease)
         return [
             row for row in self._rows.values()
             if row.batch_token == token and row.state == IN_FLIGHT
@@ -188,7 +192,7 @@ class MemoryInbox:
         """Recover a dead holder's messages, gather unsent replies, take the pending batch."""
         now = utcnow()
         with self._lock:
-            self._batch(token, lease)  # (none yet: checks the lease)
+            self._check(lease)
             rows = sorted(
                 (row for row in self._rows.values() if row.session_id == lease.session_id),
                 key=lambda row: row.id,
