@@ -1,42 +1,14 @@
 """The durable inbox: nothing lost after the webhook's 200, bursts answered as one turn.
 
-A webhook puts each inbound message into ``store.inbox`` (durable when
-``put`` returns, idempotent by message id) and answers 200; workers of
-``store.inbox.serve(handle, send=...)`` on any number of processes answer
-them::
-
-    accepted = await store.inbox.aput(message_id, session_id=phone, text=body, sent_at=ts)
-
-    async def handle(batch):      # batch.session_id, batch.items, batch.text
-        result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
-        return result.content     # the reply
-
-    await store.inbox.serve(handle, send=send_reply)
-
-How it holds:
-
-* A worker takes a session with pending messages whose **turn lease** is
-  free (:mod:`chatflow_sqlalchemy.lease`: the session's own lease, one clock,
-  the database's) and keeps it through the batch and its reply. Nothing else
-  is held while ``handle`` runs.
-* The session's pending messages, ordered by the platform's ``sent_at``
-  then arrival, are one **batch**; a session is ready once its newest
-  pending message is ``coalesce_seconds`` old (a burst is one batch), or its
-  oldest one has waited ``MAX_COALESCE_FACTOR`` times that. Messages put
-  while the batch runs wait for the next batch.
-* A turn run by ``handle`` on the batch's session uses the batch's lease and
-  records the reply and the items' answered state in the transaction that
-  writes the turn. A batch whose worker dies after that commit is never
-  handled again: the worker that takes the session over sends the stored
-  reply.
-* ``handle`` raising gives the batch back (retried after a backoff);
-  after ``max_attempts`` its messages are ``dead``, with the error kept. A
-  failed ``send`` is retried with backoff without running the turn again.
-* States: ``pending``, ``in_flight``, ``done`` (answered, no ``send``),
-  ``sent``, ``dead``.
-
-Each store provides the rows (:class:`InboxRows`); this module holds what is
-the same everywhere: validation, the worker loop, the turn's hook.
+A webhook puts each message into ``store.inbox`` (durable when ``put``
+returns, idempotent by message id) and answers 200; workers of
+``store.inbox.serve(handle, send=...)`` answer them, on any number of
+processes. A worker takes a session with pending messages whose turn lease is
+free and keeps the lease through the batch and its reply; a turn run by
+``handle`` records the reply and the items' answered state in the
+transaction that writes it, so a batch is never handled twice. Each store
+provides the rows (:class:`InboxRows`); this module holds what is the same
+everywhere: validation, the worker loop, the turn's hook.
 """
 
 from __future__ import annotations
@@ -51,7 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
@@ -61,26 +33,10 @@ from chatflow_sqlalchemy.exceptions import LeaseLostError
 from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, Lease, check_storable_text
 
 __all__ = [
-    "DEAD",
-    "DONE",
-    "INBOX_STATES",
-    "IN_FLIGHT",
-    "MAX_COALESCE_FACTOR",
-    "PENDING",
-    "PURGE_EVERY_SECONDS",
-    "SENT",
-    "BatchFence",
-    "Inbox",
-    "InboxBatch",
-    "InboxEntry",
-    "InboxItem",
-    "InboxReply",
-    "InboxRows",
-    "InboxStats",
-    "Unsent",
-    "active_batch",
-    "parse_sent_at",
-    "resumed_token",
+    "DEAD", "DONE", "INBOX_STATES", "IN_FLIGHT", "MAX_COALESCE_FACTOR", "PENDING",
+    "PURGE_EVERY_SECONDS", "SENT", "BatchFence", "Inbox", "InboxBatch", "InboxEntry",
+    "InboxItem", "InboxReply", "InboxRows", "InboxStats", "Unsent", "active_batch",
+    "check_serve_options", "parse_sent_at", "resumed_token",
 ]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
@@ -95,17 +51,10 @@ MAX_COALESCE_FACTOR = 10
 """A session whose messages keep coming is served once its oldest one waited this many
 coalesce windows."""
 
-BATCH_LIMIT = 100
-"""At most this many messages in one batch; the rest go to the next."""
-
-_FIRST_POLL, _LAST_POLL = 0.005, 0.25
-"""Backoff of an idle worker between looks for ready sessions (a local put wakes it at once)."""
-
+BATCH_LIMIT = 100  # messages per batch; the rest go to the next
+_FIRST_POLL, _LAST_POLL = 0.005, 0.25  # an idle worker's backoff (a local put wakes it)
 _MAX_RETRY_SECONDS = 3600.0
-
-_SPREAD = 4
-"""A worker looks at this many ready sessions per free slot and tries them in random order."""
-
+_SPREAD = 4  # ready sessions looked at per free slot, tried in random order
 PURGE_EVERY_SECONDS = 300.0
 """How often a worker deletes the done and sent messages past the dedup window."""
 
@@ -182,6 +131,10 @@ class Unsent:
     reply: InboxReply
 
 
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
 @dataclass(frozen=True)
 class InboxEntry:
     """One inbox message as operators see it (``inbox list``).
@@ -209,16 +162,10 @@ class InboxEntry:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (times as ISO 8601)."""
-        return {
-            "message_id": self.message_id,
-            "session_id": self.session_id,
-            "state": self.state,
-            "attempts": self.attempts,
-            "received_at": self.received_at.isoformat(),
-            "updated_at": self.updated_at.isoformat(),
-            "sent_at": None if self.sent_at is None else self.sent_at.isoformat(),
-            "error": self.error,
-        }
+        fields = asdict(self)
+        for name in ("received_at", "updated_at", "sent_at"):
+            fields[name] = _iso(fields[name])
+        return fields
 
 
 @dataclass(frozen=True)
@@ -238,24 +185,12 @@ class InboxStats:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {
-            "counts": dict(self.counts),
-            "oldest_pending_seconds": self.oldest_pending_seconds,
-            "dead_last_hour": self.dead_last_hour,
-        }
+        return asdict(self)
 
 
 @dataclass
 class BatchFence:
-    """A batch in progress: what a turn run by ``handle`` commits with.
-
-    Attributes:
-        session_id: The batch's session.
-        lease: The session's lease, held by the batch (the turn keeps it).
-        token: The batch's token, on its items' rows.
-        size: How many items the batch holds.
-
-    """
+    """A batch in progress, which a turn run by ``handle`` commits with (under its lease)."""
 
     session_id: str
     lease: Lease
@@ -279,7 +214,7 @@ def resumed_token(token: str, n: int) -> str:
 
 
 def active_batch(session_id: str) -> BatchFence | None:
-    """The inbox batch this code runs in, if it is ``session_id``'s (read on the caller's side)."""
+    """The inbox batch this code runs in, if it is ``session_id``'s."""
     batch = _BATCH.get()
     if batch is None or not batch.open or batch.session_id != session_id:
         return None
@@ -289,9 +224,9 @@ def active_batch(session_id: str) -> BatchFence | None:
 class InboxRows(Protocol):
     """What a store provides for its inbox: its rows, and its sessions' leases.
 
-    Every call is one short transaction (or a step of the in-memory store
-    under its lock). Calls that take a ``lease`` do nothing and return False
-    (or raise :class:`LeaseLostError`) once the lease is not held.
+    Every call is one short transaction (or one step under the in-memory
+    store's lock). A call that takes a ``lease`` changes nothing once the
+    lease is lost: it returns False or raises :class:`LeaseLostError`.
     """
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -303,17 +238,13 @@ class InboxRows(Protocol):
         """Store a pending message; False if its id is already in the inbox."""
 
     def ready(self, coalesce_seconds: float, limit: int, busy: Collection[str]) -> list[str]:
-        """Up to ``limit`` sessions, not in ``busy``, with a batch to serve and a free lease."""
+        """Up to ``limit`` sessions, not in ``busy``, with a batch due and a free lease."""
 
     def take(self, session_id: str) -> Lease | None:
         """Take the session's lease (creating an empty session if none exists yet)."""
 
     def warm(self, lease: Lease) -> None:
-        """Load the session's context into the store's cache before ``handle`` runs.
-
-        The Runner's ``get_or_create`` is synchronous and runs on the event
-        loop; with the context cached it reads nothing there.
-        """
+        """Cache the session's context, so the Runner's sync ``get_or_create`` reads nothing."""
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease on; False if it is lost."""
@@ -324,38 +255,34 @@ class InboxRows(Protocol):
     def open_batch(
         self, lease: Lease, token: str, max_attempts: int
     ) -> tuple[list[Unsent], list[InboxItem]]:
-        """Recover what a dead holder left, then take the pending messages as one batch.
-
-        Returns the replies answered but not sent (in order), and the
-        batch's items (marked in flight under ``token``, attempts counted).
-        """
+        """Recover what a dead holder left; return its unsent replies and the new batch's items."""
 
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store ``handle``'s reply; the items are done, or wait for ``send`` if ``to_send``."""
 
     def sent(self, token: str) -> None:
-        """The batch's reply was sent."""
+        """The batch's reply was sent (recorded whatever the lease, since it is true)."""
 
     def failed(
         self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
     ) -> None:
-        """``handle`` raised: back to pending after ``retry_in`` seconds, or dead."""
+        """``handle`` raised: pending again after ``retry_in`` seconds, or dead.
+
+        Dead after ``max_attempts``, or at once if the batch's turn committed (it
+        must not run twice).
+        """
 
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
-        """``send`` kept failing: the items are dead, their reply kept."""
+        """``send`` kept failing: the items are dead, their reply kept for a retry."""
 
     def abandon(self, lease: Lease, token: str) -> None:
-        """``serve`` stopped during ``handle``: its unanswered items are pending again.
-
-        The attempt is not counted; answered items wait for the next holder,
-        which sends their reply.
-        """
+        """``serve`` stopped during ``handle``: unanswered items pending again, uncounted."""
 
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
 
     def retry(self, message_id: str) -> bool:
-        """A dead message (with its batch) back to pending; False if it is not dead."""
+        """A dead message (with its dead batch) back to pending; False if it is not dead."""
 
     def stats(self) -> InboxStats:
         """Counts per state, oldest pending age, dead in the last hour."""
@@ -369,7 +296,7 @@ Send = Callable[[InboxReply], Awaitable[None]]
 
 
 class Inbox:
-    """A store's durable inbox (``store.inbox``); see the module's description.
+    """A store's durable inbox (``store.inbox``): put messages, serve them, inspect them.
 
     Args:
         rows: The store's inbox rows.
@@ -382,10 +309,10 @@ class Inbox:
     def __init__(
         self, rows: InboxRows, *, lease_seconds: float, dedup_seconds: float, system: str
     ) -> None:
-        self._rows = rows
+        self.rows = rows
         self.lease_seconds = lease_seconds
+        self.system = system
         self._dedup_seconds = dedup_seconds
-        self._system = system
         self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._wakers_lock = threading.Lock()
 
@@ -416,8 +343,8 @@ class Inbox:
 
         """
         args = _checked(message_id, session_id, text, sent_at, payload)
-        with telemetry.operation("inbox.put", self._system):
-            return self._received(self._rows.put(*args))
+        with telemetry.operation("inbox.put", self.system):
+            return self._received(self.rows.put(*args))
 
     async def aput(
         self,
@@ -430,13 +357,12 @@ class Inbox:
     ) -> bool:
         """:meth:`put` without blocking the event loop."""
         args = _checked(message_id, session_id, text, sent_at, payload)
-        with telemetry.operation("inbox.put", self._system):
-            return self._received(await self._rows.run(self._rows.put, *args))
+        with telemetry.operation("inbox.put", self.system):
+            return self._received(await self.rows.run(self.rows.put, *args))
 
     def _received(self, accepted: bool) -> bool:
-        """After a put: count an accepted message and wake the local workers."""
         if accepted:
-            telemetry.count("chatflow.inbox.received", 1, self._system)
+            telemetry.count("chatflow.inbox.received", 1, self.system)
             self.wake()
         return accepted
 
@@ -466,57 +392,43 @@ class Inbox:
             ValueError: A bad argument.
 
         """
-        worker = _Worker(
-            self, handle, send, _positive_int(concurrency, "concurrency"),
-            _seconds(coalesce_seconds, "coalesce_seconds", allow_zero=True),
-            _positive_int(max_attempts, "max_attempts"),
-            _seconds(retry_seconds, "retry_seconds", allow_zero=True),
-        )
-        await worker.run()
+        check_serve_options(concurrency, coalesce_seconds, max_attempts, retry_seconds)
+        await _Worker(self, handle, send, concurrency, float(coalesce_seconds), max_attempts,
+                      float(retry_seconds)).run()
 
     def entries(self, *, state: str | None = None, limit: int | None = 100) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state (``inbox list``)."""
-        return self._rows.entries(_checked_state(state), limit)
+        return self.rows.entries(_checked_state(state), limit)
 
     def retry(self, message_id: str) -> bool:
         """Give a dead message another try, with the rest of its batch; False if not dead."""
-        return self._rows.retry(validate_message_id(message_id))
+        return self.rows.retry(validate_message_id(message_id))
 
     def stats(self) -> InboxStats:
         """Counts per state, oldest pending age, dead in the last hour (``inbox stats``)."""
-        return self._rows.stats()
+        return self.rows.stats()
 
     def purge(self) -> int:
         """Delete done and sent messages past the dedup window; return how many."""
-        return self._rows.purge(self._dedup_seconds)
+        return self.rows.purge(self._dedup_seconds)
 
     async def aentries(
         self, *, state: str | None = None, limit: int | None = 100
     ) -> list[InboxEntry]:
         """:meth:`entries` without blocking the event loop."""
-        return await self._rows.run(self._rows.entries, _checked_state(state), limit)
+        return await self.rows.run(self.rows.entries, _checked_state(state), limit)
 
     async def aretry(self, message_id: str) -> bool:
         """:meth:`retry` without blocking the event loop."""
-        return await self._rows.run(self._rows.retry, validate_message_id(message_id))
+        return await self.rows.run(self.rows.retry, validate_message_id(message_id))
 
     async def astats(self) -> InboxStats:
         """:meth:`stats` without blocking the event loop."""
-        return await self._rows.run(self._rows.stats)
+        return await self.rows.run(self.rows.stats)
 
     async def apurge(self) -> int:
         """:meth:`purge` without blocking the event loop."""
-        return await self._rows.run(self._rows.purge, self._dedup_seconds)
-
-    @property
-    def rows(self) -> InboxRows:
-        """The store's inbox rows (what :class:`_Worker` drives)."""
-        return self._rows
-
-    @property
-    def system(self) -> str:
-        """The database, for telemetry."""
-        return self._system
+        return await self.rows.run(self.rows.purge, self._dedup_seconds)
 
     def waker(self) -> asyncio.Event:
         """An event a local ``put`` sets (so a worker here need not poll for it)."""
@@ -543,14 +455,8 @@ class _Worker:
     """One ``serve`` call: finds ready sessions and runs their batches."""
 
     def __init__(
-        self,
-        inbox: Inbox,
-        handle: Handle,
-        send: Send | None,
-        concurrency: int,
-        coalesce_seconds: float,
-        max_attempts: int,
-        retry_seconds: float,
+        self, inbox: Inbox, handle: Handle, send: Send | None, concurrency: int,
+        coalesce_seconds: float, max_attempts: int, retry_seconds: float,
     ) -> None:
         self._inbox = inbox
         self._rows = inbox.rows
@@ -694,14 +600,12 @@ class _Worker:
             with telemetry.operation("inbox.batch", system, **{"inbox.items": len(items)}):
                 await self._rows.run(self._rows.warm, lease)
                 reply = await self._handle(batch)
-        except asyncio.CancelledError as exc:
-            if self._stopping:  # serve stops (a deploy): not the batch's fault
+        except (asyncio.CancelledError, Exception) as exc:
+            if isinstance(exc, asyncio.CancelledError) and self._stopping:
+                # serve stops (a deploy): not the batch's fault
                 await _shielded(self._rows.run(self._rows.abandon, lease, token))
                 raise
-            await self._failed(lease, token, items, exc)  # cancelled inside handle
-            return
-        except Exception as exc:
-            await self._failed(lease, token, items, exc)
+            await self._failed(lease, token, items, exc)  # a cancellation inside handle too
             return
         finally:
             lease.shared = False  # a task handle started takes its own lease from now on
@@ -810,11 +714,9 @@ def _checked(
 def parse_sent_at(value: object) -> datetime | None:
     """The platform's timestamp as an aware UTC ``datetime`` (None stays None).
 
-    Accepts an aware ``datetime``, or epoch seconds as int, float or a string
-    of digits (WhatsApp's ``timestamp``).
-
     Raises:
-        ValueError: A naive datetime, or anything else.
+        ValueError: Neither an aware datetime nor epoch seconds (int, float or
+            a string of digits, WhatsApp's ``timestamp``).
 
     """
     if value is None:
@@ -842,15 +744,18 @@ def _checked_state(state: str | None) -> str | None:
     return state
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-    if value != value or value < 0 or (value == 0 and not allow_zero) or value > 86400:
-        raise ValueError(f"{name} must be between 0 and 86400 seconds, got {value!r}")
-    return float(value)
+def check_serve_options(
+    concurrency: int, coalesce_seconds: float, max_attempts: int, retry_seconds: float
+) -> None:
+    """``serve``'s options, checked; a bad one raises ``ValueError`` naming it."""
+    counts: tuple[tuple[str, object], ...] = (
+        ("concurrency", concurrency), ("max_attempts", max_attempts)
+    )
+    for name, value in counts:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("coalesce_seconds", coalesce_seconds), ("retry_seconds", retry_seconds)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+        if not 0 <= value <= 86400:  # NaN too
+            raise ValueError(f"{name} must be between 0 and 86400 seconds, got {value!r}")

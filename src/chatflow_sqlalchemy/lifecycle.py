@@ -1,11 +1,9 @@
 """Lifecycle and data governance: the rules every store shares, without SQL.
 
 The arguments of ``list_sessions``, ``sweep`` and the retention options are
-checked here, metadata filters are matched here (by JSON type: ``1`` matches
-``1`` and ``1.0`` but neither ``"1"`` nor ``true``), and the TTL and
-transcript arithmetic lives here, so the SQL stores
+checked here and metadata filters matched here, so the SQL stores
 (:mod:`chatflow_sqlalchemy.sql_lifecycle`) and the in-memory store apply the
-same rules. Nothing here imports SQLAlchemy.
+same rules.
 """
 
 from __future__ import annotations
@@ -23,20 +21,14 @@ from chatflow_sqlalchemy.values import (
 )
 
 __all__ = [
-    "EXPORT_FORMAT",
-    "MAX_SESSION_TTL_HOURS",
-    "SWEEP_BATCH",
-    "ListFilters",
-    "json_equal",
-    "matches_metadata",
-    "validate_archive_pruned",
-    "validate_session_ttl",
-    "validate_sweep_limit",
-    "validate_user_id",
+    "EXPORT_FORMAT", "MAX_SESSION_TTL_HOURS", "SWEEP_BATCH", "ListFilters", "json_equal",
+    "matches_metadata", "validate_archive_pruned", "validate_session_ttl",
+    "validate_sweep_limit", "validate_user_id",
 ]
 
-EXPORT_FORMAT = "chatflow-user-export/1"
-"""``format`` of :meth:`export_user` documents; bumped if their shape changes."""
+EXPORT_FORMAT = "chatflow-user-export/1"  # bumped if the shape of export_user's document changes
+SWEEP_BATCH = 500  # sessions removed per sweep transaction: bounds lock time and size
+MAX_SESSION_TTL_HOURS = 876_000  # 100 years, as the dedup window
 
 
 def validate_user_id(user_id: object) -> str:
@@ -46,12 +38,7 @@ def validate_user_id(user_id: object) -> str:
 
 @dataclass(frozen=True)
 class ListFilters:
-    """The validated arguments of ``list_sessions`` (every store builds one).
-
-    Raises:
-        ValueError: From :meth:`build`, naming the bad argument.
-
-    """
+    """The validated arguments of ``list_sessions`` (every store builds one)."""
 
     user_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -76,7 +63,14 @@ class ListFilters:
             validate_user_id(user_id)
         if forked_from is not None:
             validate_id(forked_from, "forked_from")  # a session id: the forks of that session
-        wanted = _validate_metadata_filter(metadata)
+        wanted: dict[str, Any] = {}
+        if metadata is not None:
+            if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+                raise ValueError(
+                    f"metadata must be a dict of str keys to JSON values, got {metadata!r}"
+                )
+            wanted = dict(metadata)
+            check_metadata(wanted)  # refuses what stored metadata cannot hold (NaN, NUL...)
         if updated_after is not None and (
             not isinstance(updated_after, datetime) or updated_after.tzinfo is None
         ):
@@ -99,25 +93,8 @@ class ListFilters:
         return self.limit is not None or self.after is not None
 
 
-def _validate_metadata_filter(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
-        raise ValueError(
-            f"metadata must be a dict of str keys to JSON values, got {metadata!r}"
-        )
-    wanted = dict(metadata)
-    check_metadata(wanted)  # refuses what stored metadata cannot hold (NaN, NUL, depth...)
-    return wanted
-
-
 def json_equal(left: object, right: object) -> bool:
-    """Equality of two decoded JSON values, by JSON type.
-
-    Numbers compare by value (``1 == 1.0``); booleans are not numbers;
-    strings, null, arrays (in order) and objects (key for key) must match
-    exactly.
-    """
+    """Equality of two decoded JSON values by JSON type: ``1`` equals ``1.0``, not ``true``."""
     if isinstance(left, bool) or isinstance(right, bool):
         return isinstance(left, bool) and isinstance(right, bool) and left == right
     if isinstance(left, (int, float)) and isinstance(right, (int, float)):
@@ -140,16 +117,6 @@ def matches_metadata(stored: object, wanted: Mapping[str, Any]) -> bool:
     if not isinstance(stored, dict):
         return not wanted
     return all(key in stored and json_equal(stored[key], value) for key, value in wanted.items())
-
-
-# ---------------------------------------------------------------- retention
-
-SWEEP_BATCH = 500
-"""Sessions removed per sweep transaction: bounds lock time and transaction size."""
-
-
-MAX_SESSION_TTL_HOURS = 876_000
-"""Longest accepted ``session_ttl_hours``: 100 years (as the dedup window)."""
 
 
 def validate_session_ttl(value: object) -> float | None:

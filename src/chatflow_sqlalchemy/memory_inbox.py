@@ -1,9 +1,9 @@
 """The durable inbox of the in-memory store: the same states and rules, in dicts.
 
-Nothing survives the process, so "durable" means: until the store closes.
-Leases are per session, in the process, with the store's
-``turn_lease_seconds`` and the monotonic clock; they let several ``serve``
-loops of one store share its sessions exactly as workers of a SQL store do.
+"Durable" means: until the store closes. Leases are per session, in the
+process, with the store's ``turn_lease_seconds`` and the monotonic clock; they
+let several ``serve`` loops of one store share its sessions as workers of a
+SQL store do.
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from chatflow_sqlalchemy.values import Lease, utcnow
 __all__ = ["MemoryInbox"]
 
 _T = TypeVar("_T")
-_ABANDONED = "the worker handling it stopped (its lease expired)"
 
 
 @dataclass
 class _Row:
-    """One message, mutable, as the SQL stores' row."""
+    """One message, as the SQL stores' row."""
 
     id: int
     message_id: str
@@ -62,15 +61,15 @@ class _Row:
     reply: str | None = None
     error: str | None = None
 
-    def entry(self) -> InboxEntry:
-        return InboxEntry(
-            self.message_id, self.session_id, self.state, self.attempts, self.received_at,
-            self.updated_at, self.sent_at, self.error,
-        )
+    def set(self, state: str, now: datetime, **changes: Any) -> None:
+        self.state, self.updated_at = state, now
+        for name, value in changes.items():
+            setattr(self, name, value)
 
-    def set(self, state: str, now: datetime) -> None:
-        self.state = state
-        self.updated_at = now
+    def dead_or_pending(self, dead: bool, now: datetime, error: str) -> None:
+        """Dead (its batch token kept, for ``retry``), or pending without a batch."""
+        self.set(DEAD if dead else PENDING, now, error=error,
+                 batch_token=self.batch_token if dead else None)
 
 
 class MemoryInbox:
@@ -102,8 +101,7 @@ class MemoryInbox:
     def forget_sessions(self, session_ids: Collection[str]) -> None:
         """Drop the messages of these sessions (their user was erased)."""
         with self._lock:
-            for key in [k for k, row in self._rows.items() if row.session_id in session_ids]:
-                del self._rows[key]
+            self._rows = {k: r for k, r in self._rows.items() if r.session_id not in session_ids}
 
     def put(
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any
@@ -120,7 +118,7 @@ class MemoryInbox:
         return True
 
     def ready(self, coalesce_seconds: float, limit: int, busy: Collection[str]) -> list[str]:
-        """Sessions with a due batch (or a dead holder's messages) and a free lease."""
+        """Sessions whose batch is due and whose lease is free."""
         now = utcnow()
         coalesced = now - timedelta(seconds=coalesce_seconds)
         waited = now - timedelta(seconds=coalesce_seconds * MAX_COALESCE_FACTOR)
@@ -144,17 +142,15 @@ class MemoryInbox:
         with self._lock:
             if not self._free(session_id):
                 return None
-            fence = self._fences.get(session_id, 0) + 1
-            self._fences[session_id] = fence
+            fence = self._fences[session_id] = self._fences.get(session_id, 0) + 1
             owner = secrets.token_hex(16)
             self._leases[session_id] = (owner, fence, time.monotonic() + self._lease_seconds)
         return Lease(session_id, owner, fence, 0)
 
     def _holds(self, lease: Lease) -> bool:
         held = self._leases.get(lease.session_id)
-        return (
-            held is not None and held[0] == lease.owner and held[1] == lease.fence
-            and held[2] > time.monotonic()
+        return held is not None and held[:2] == (lease.owner, lease.fence) and (
+            held[2] > time.monotonic()
         )
 
     def warm(self, lease: Lease) -> None:
@@ -181,11 +177,14 @@ class MemoryInbox:
         if not self._holds(lease):
             raise LeaseLostError(lease.session_id)
 
-    def _of_session(self, session_id: str) -> list[_Row]:
-        return sorted(
-            (row for row in self._rows.values() if row.session_id == session_id),
-            key=lambda row: row.id,
-        )
+    def _batch(self, token: str, lease: Lease | None = None) -> list[_Row]:
+        """The rows of a batch (under ``_lock``), once its ``lease`` is checked."""
+        if lease is not None:
+            self._check(lease)
+        return [
+            row for row in self._rows.values()
+            if row.batch_token == token and row.state == IN_FLIGHT
+        ]
 
     def open_batch(
         self, lease: Lease, token: str, max_attempts: int
@@ -194,21 +193,21 @@ class MemoryInbox:
         now = utcnow()
         with self._lock:
             self._check(lease)
-            rows = self._of_session(lease.session_id)
+            rows = sorted(
+                (row for row in self._rows.values() if row.session_id == lease.session_id),
+                key=lambda row: row.id,
+            )
             for row in rows:
                 if row.state == IN_FLIGHT and row.answered_at is None:
-                    dead = row.attempts >= max_attempts
-                    row.set(DEAD if dead else PENDING, now)
-                    row.error = _ABANDONED
-                    row.batch_token = row.batch_token if dead else None
+                    row.dead_or_pending(row.attempts >= max_attempts, now,
+                                        "the worker handling it stopped (its lease expired)")
             unsent = self._answered(rows, token, now)
             pending = [row for row in rows if row.state == PENDING and row.answered_at is None]
             pending.sort(key=lambda row: (row.sent_at or row.received_at, row.id))
             items = []
             for row in pending[:BATCH_LIMIT]:
-                row.set(IN_FLIGHT, now)
-                row.batch_token, row.not_before = token, None
-                row.attempts += 1
+                row.set(IN_FLIGHT, now, batch_token=token, not_before=None,
+                        attempts=row.attempts + 1)
                 items.append(InboxItem(
                     row.message_id, row.session_id, row.text, row.sent_at, row.received_at,
                     row.payload, row.attempts,
@@ -223,23 +222,16 @@ class MemoryInbox:
         unsent: list[Unsent] = []
         for group in groups.values():
             reply = group[-1].reply
-            if reply is None:
-                for row in group:
-                    row.set(DONE, now)
-                continue
             resumed = resumed_token(token, len(unsent))
             for row in group:
-                row.set(IN_FLIGHT, now)
-                row.batch_token = resumed
-            ids = tuple(row.message_id for row in group)
-            unsent.append(Unsent(resumed, InboxReply(group[0].session_id, reply, ids)))
+                if reply is None:
+                    row.set(DONE, now)
+                else:
+                    row.set(IN_FLIGHT, now, batch_token=resumed)
+            if reply is not None:
+                ids = tuple(row.message_id for row in group)
+                unsent.append(Unsent(resumed, InboxReply(group[0].session_id, reply, ids)))
         return unsent
-
-    def _batch(self, token: str) -> list[_Row]:
-        return [
-            row for row in self._rows.values()
-            if row.batch_token == token and row.state == IN_FLIGHT
-        ]
 
     def answer(self, batch: BatchFence, reply: str | None) -> None:
         """A batch's turn committed: record its reply (under the store's turn).
@@ -250,8 +242,8 @@ class MemoryInbox:
         """
         now = utcnow()
         with self._lock:
-            rows = self._batch(batch.token)
-            if not self._holds(batch.lease) or len(rows) != batch.size:
+            rows = self._batch(batch.token, batch.lease)
+            if len(rows) != batch.size:
                 raise LeaseLostError(batch.session_id)
             for row in rows:
                 row.answered_at, row.reply, row.updated_at = now, reply, now
@@ -263,9 +255,8 @@ class MemoryInbox:
             if not self._holds(lease):
                 return False
             for row in self._batch(token):
-                row.reply = reply
-                row.answered_at = row.answered_at or now
-                row.set(IN_FLIGHT if to_send else DONE, now)
+                row.set(IN_FLIGHT if to_send else DONE, now, reply=reply,
+                        answered_at=row.answered_at or now)
         return True
 
     def sent(self, token: str) -> None:
@@ -278,45 +269,39 @@ class MemoryInbox:
     def failed(
         self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
     ) -> None:
-        """Back to pending after ``retry_in`` seconds, or dead after ``max_attempts``."""
+        """Back to pending after ``retry_in`` seconds, or dead."""
         now = utcnow()
         with self._lock:
-            self._check(lease)
-            for row in self._batch(token):
-                # Dead at once if its turn committed: running it again would repeat it.
+            for row in self._batch(token, lease):
                 dead = row.attempts >= max_attempts or row.answered_at is not None
-                row.set(DEAD if dead else PENDING, now)
-                row.error = error
+                row.dead_or_pending(dead, now, error)
                 row.not_before = now + timedelta(seconds=retry_in)
-                if not dead:
-                    row.batch_token = None
 
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
         """``send`` kept failing: dead, the reply kept."""
         now = utcnow()
         with self._lock:
-            self._check(lease)
-            for row in self._batch(token):
-                row.set(DEAD, now)
-                row.error = error
+            for row in self._batch(token, lease):
+                row.set(DEAD, now, error=error)
 
     def abandon(self, lease: Lease, token: str) -> None:
         """``serve`` stopped during ``handle``: unanswered items pending again, uncounted."""
         now = utcnow()
         with self._lock:
-            self._check(lease)
-            for row in self._batch(token):
+            for row in self._batch(token, lease):
                 if row.answered_at is None:
-                    row.set(PENDING, now)
-                    row.attempts -= 1
-                    row.batch_token = None
+                    row.set(PENDING, now, attempts=row.attempts - 1, batch_token=None)
 
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
         with self._lock:
-            rows = sorted(self._rows.values(), key=lambda row: row.id)
-            found = [row.entry() for row in rows if state is None or row.state == state]
-        return found if limit is None else found[:limit]
+            found = [
+                InboxEntry(row.message_id, row.session_id, row.state, row.attempts,
+                           row.received_at, row.updated_at, row.sent_at, row.error)
+                for row in sorted(self._rows.values(), key=lambda row: row.id)
+                if state is None or row.state == state
+            ]
+        return found[:limit]
 
     def retry(self, message_id: str) -> bool:
         """A dead message, with the rest of its dead batch, back to pending."""
@@ -330,23 +315,20 @@ class MemoryInbox:
                 if other.state == DEAD and (
                     other is row or (token is not None and other.batch_token == token)
                 ):
-                    other.set(PENDING, now)
-                    other.attempts, other.not_before = 0, None
+                    other.set(PENDING, now, attempts=0, not_before=None)
         return True
 
     def stats(self) -> InboxStats:
         """Counts per state, oldest pending age, dead in the last hour."""
         now = utcnow()
         hour_ago = now - timedelta(hours=1)
+        counts = dict.fromkeys(INBOX_STATES, 0)
         with self._lock:
-            counts = dict.fromkeys(INBOX_STATES, 0)
-            oldest: datetime | None = None
-            dead = 0
-            for row in self._rows.values():
+            rows = self._rows.values()
+            for row in rows:
                 counts[row.state] += 1
-                if row.state == PENDING and (oldest is None or row.received_at < oldest):
-                    oldest = row.received_at
-                dead += row.state == DEAD and row.updated_at > hour_ago
+            oldest = min((row.received_at for row in rows if row.state == PENDING), default=None)
+            dead = sum(row.state == DEAD and row.updated_at > hour_ago for row in rows)
         age = None if oldest is None else max(0.0, (now - oldest).total_seconds())
         return InboxStats(counts, age, dead)
 
@@ -354,13 +336,13 @@ class MemoryInbox:
         """Forget done and sent messages older than the dedup window."""
         cutoff = utcnow() - timedelta(seconds=older_than_seconds)
         with self._lock:
-            old = [
-                key for key, row in self._rows.items()
-                if row.state in (DONE, SENT) and row.updated_at < cutoff
-            ]
-            for key in old:
-                del self._rows[key]
-        return len(old)
+            kept = {
+                key: row for key, row in self._rows.items()
+                if row.state not in (DONE, SENT) or row.updated_at >= cutoff
+            }
+            purged = len(self._rows) - len(kept)
+            self._rows = kept
+        return purged
 
 
 def _due(rows: list[_Row], now: datetime, coalesced: datetime, waited: datetime) -> bool:

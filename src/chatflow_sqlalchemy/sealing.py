@@ -1,22 +1,11 @@
 """Encryption at rest in the SQL stores: what is sealed, how rows are opened, key rotation.
 
-Sealed with the store's ``cipher`` (an :class:`~chatflow_sqlalchemy.crypto.AESGCMCipher`),
-each with the session id as associated data:
-
-* ``chatflow_messages.message_json`` (content, tool calls with their
-  arguments, tool results) and the same column of the archive;
-* ``chatflow_sessions.metadata_json``, stored as ``{"_enc": "<token>"}`` (the
-  column stays a JSON object), and ``chatflow_sessions.summary`` (the summary of
-  the turns pruning dropped, see :mod:`~chatflow_sqlalchemy.summaries`);
-* the inbox's message text, payload and reply.
-
-In clear: ids (session, message, webhook), ``seq``, ``role``, timestamps,
-``version``, ``active_agent_name``, ``user_id``, and the webhook claims
-(state, lease, stored reply). The readable ``content`` column copy is left
-NULL for sealed rows, so it holds no plaintext. Every token names its key id.
-
-Metadata filters of ``list_sessions`` cannot look inside sealed metadata:
-a store with a cipher refuses them with ``ValueError``.
+Sealed with the store's ``cipher``, each with the session id as associated
+data: message and archive ``message_json``, session ``metadata_json``
+(stored as ``{"_enc": "<token>"}`` so the column stays a JSON object) and
+``summary``, and the inbox's text, payload and reply. Ids, ``seq``, roles,
+timestamps, versions and claims stay in clear; the readable ``content`` copy
+is NULL for sealed rows. Every token names its key id.
 """
 
 from __future__ import annotations
@@ -36,21 +25,23 @@ if TYPE_CHECKING:
 # The errors are imported where they are raised: they load chatflow-agent, which
 # reading a sealed row (the CLI's read commands) does not need.
 
-__all__ = [
-    "ROTATE_BATCH",
-    "Sealer",
-    "rotate_batch",
-]
+__all__ = ["ROTATE_BATCH", "Sealer", "rotate_batch"]
 
 ROTATE_BATCH = 200
 """Rows re-encrypted per transaction by ``keys rotate``."""
 
 _SEALED_KEY = "_enc"
-
 _sessions = tables.sessions
 _messages = tables.messages
 _archive = tables.message_archive
 _inbox = tables.inbox
+_ROTATE = "encrypt it with chatflow-sqlalchemy keys rotate"
+
+
+def _corrupt(session_id: str, row_id: object, reason: str, table: str) -> Exception:
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    return CorruptRowError(session_id, row_id, reason, table=table)
 
 
 class Sealer:
@@ -59,8 +50,6 @@ class Sealer:
     Args:
         cipher: The cipher, or None (plaintext rows).
         require_encryption: Refuse a plaintext row with ``CorruptRowError``.
-
-    Both come checked (:class:`~chatflow_sqlalchemy.options.StoreOptions`).
 
     """
 
@@ -79,22 +68,15 @@ class Sealer:
 
     def seal_metadata(self, session_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
         """``metadata_json`` as stored."""
-        if self.cipher is None:
-            return metadata
-        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
+        sealed: dict[str, Any] = self.seal_json(session_id, metadata)
+        return sealed
 
     def open_text(self, session_id: str, row_id: object, text: str, table: str) -> str:
         """A stored ``message_json`` in clear; plaintext is refused when encryption is required."""
         if not is_encrypted(text):
             if self.require:
-                from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-                raise CorruptRowError(
-                    session_id, row_id,
-                    "plaintext row while require_encryption=True (encrypt it with "
-                    "chatflow-sqlalchemy keys rotate)", table=table,
-                )
+                raise _corrupt(session_id, row_id, "plaintext row while "
+                               f"require_encryption=True ({_ROTATE})", table)
             return text
         key_id = token_key_id(text)
         if key_id is not None and (self.cipher is None or key_id not in self.cipher.key_ids):
@@ -102,17 +84,15 @@ class Sealer:
 
             raise MissingKeyError(session_id, row_id, key_id, table=table)
         if self.cipher is None:
-            from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-            raise CorruptRowError(session_id, row_id, "malformed encrypted value", table=table)
+            raise _corrupt(session_id, row_id, "malformed encrypted value", table)
         try:
             return self.cipher.decrypt(text, session_id)
         except Exception as exc:  # a CipherError (imported only once one is raised)
-            from chatflow_sqlalchemy.exceptions import CipherError, CorruptRowError
+            from chatflow_sqlalchemy.exceptions import CipherError
 
             if not isinstance(exc, CipherError):
                 raise
-            raise CorruptRowError(session_id, row_id, str(exc), table=table) from exc
+            raise _corrupt(session_id, row_id, str(exc), table) from exc
 
     def open_summary(self, session_id: str, stored: str | None) -> str | None:
         """A stored ``chatflow_sessions.summary`` in clear (None: the session has none)."""
@@ -127,41 +107,25 @@ class Sealer:
         text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
 
-    def open_json(self, session_id: str, row_id: object, stored: Any, table: str) -> Any:
-        """A document :meth:`seal_json` stored, in clear."""
+    def open_json(
+        self, session_id: str, row_id: object, stored: Any, table: str, what: str = "JSON"
+    ) -> Any:
+        """A document :meth:`seal_json` stored, in clear (None stays None)."""
         if isinstance(stored, dict) and set(stored) == {_SEALED_KEY}:
             text = self.open_text(session_id, row_id, stored[_SEALED_KEY], table)
-            return json.loads(text)
+            try:
+                return json.loads(text)
+            except ValueError as exc:
+                raise _corrupt(session_id, row_id, f"sealed {what} is not JSON ({exc})",
+                               table) from exc
         if self.require and stored is not None:
-            from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-            raise CorruptRowError(
-                session_id, row_id, "plaintext JSON while require_encryption=True (encrypt "
-                "it with chatflow-sqlalchemy keys rotate)", table=table,
-            )
+            raise _corrupt(session_id, row_id, f"plaintext {what} while "
+                           f"require_encryption=True ({_ROTATE})", table)
         return stored
 
     def open_metadata(self, session_id: str, stored: Any) -> Any:
         """A stored ``metadata_json`` in clear (a dict, or what was stored if not one)."""
-        if isinstance(stored, dict) and set(stored) == {_SEALED_KEY}:
-            text = self.open_text(session_id, None, stored[_SEALED_KEY], "chatflow_sessions")
-            try:
-                return json.loads(text)
-            except ValueError as exc:
-                from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-                raise CorruptRowError(
-                    session_id, None, f"sealed metadata is not JSON ({exc})",
-                    table="chatflow_sessions",
-                ) from exc
-        if self.require:
-            from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-            raise CorruptRowError(
-                session_id, None, "plaintext metadata while require_encryption=True (encrypt "
-                "it with chatflow-sqlalchemy keys rotate)", table="chatflow_sessions",
-            )
-        return stored
+        return self.open_json(session_id, None, stored, _sessions.name, "metadata")
 
     def parser(self, parse: Callable[[str, object, str], Message]) -> Callable[..., Message]:
         """``parse`` (the store's row decoder) opening each message row first."""
@@ -177,6 +141,13 @@ def _stale(column: Any, primary: str) -> Any:
     return not_(column.startswith(f"{TOKEN_PREFIX}{primary}:", autoescape=True))
 
 
+def _reseal(cipher: AESGCMCipher, text: str, session_id: str) -> str:
+    """``text`` (plaintext or sealed with any key) sealed with the primary key."""
+    if is_encrypted(text):
+        text = cipher.decrypt(text, session_id)
+    return cipher.encrypt(text, session_id)
+
+
 def rotate_batch(
     conn: Connection,
     cipher: AESGCMCipher,
@@ -184,19 +155,15 @@ def rotate_batch(
     batch: int,
     lock: Callable[[Select[Any], Connection], Select[Any]],
 ) -> tuple[int, bool]:
-    """Re-seal up to ``batch`` rows of each table with the primary key.
+    """Re-seal up to ``batch`` rows of each table with the primary key (plaintext rows too).
 
-    Returns ``(rows rewritten, whether more rows may remain)``. ``lock`` is
-    the dialect's :meth:`~chatflow_sqlalchemy.dialect.DialectSupport.lock_batch`
-    (concurrent rotations skip each other's rows where the server can).
-
-    Runs in the caller's (write) transaction. Message and archive rows are
-    never updated by turns (only inserted or deleted), so each is rewritten
-    by id; a session's metadata and summary are rewritten only if its
-    ``version`` is still the one read (every write of either bumps it), so a
-    concurrent turn's are never overwritten. Plaintext rows are sealed too
-    (this is how an existing database is encrypted). ``cursor`` carries the
-    last session id whose row was looked at, from batch to batch of one rotation.
+    Returns ``(rows rewritten, whether more rows may remain)``. Runs in the
+    caller's write transaction; ``lock`` is the dialect's ``lock_batch`` (so
+    concurrent rotations skip each other's rows). Turns only insert or delete
+    message rows, so each is rewritten by id; a session row only if its
+    ``version`` is still the one read, so a concurrent turn's metadata or
+    summary is never overwritten. ``cursor`` carries the last session looked
+    at from batch to batch.
     """
     done, more = 0, False
     for table in (_messages, _archive):
@@ -208,10 +175,7 @@ def rotate_batch(
             conn,
         )).all()
         for row in rows:
-            text = row.message_json
-            if is_encrypted(text):
-                text = cipher.decrypt(text, row.session_id)
-            sealed = cipher.encrypt(text, row.session_id)
+            sealed = _reseal(cipher, row.message_json, row.session_id)
             conn.execute(
                 update(table).where(table.c.id == row.id).values(message_json=sealed, content=None)
             )
@@ -228,33 +192,29 @@ def _rotate_inbox(
     batch: int,
     lock: Callable[[Select[Any], Connection], Select[Any]],
 ) -> int:
-    """Re-seal inbox messages' text, payload and reply, each row only if its reply is unchanged.
+    """Re-seal inbox rows' text, payload and reply; a row only if its reply is unchanged.
 
     Workers write a row's reply and state; its text and payload never change.
     """
     sealer = Sealer(cipher, False)
+    i = _inbox.c
     rows = conn.execute(lock(
-        select(_inbox.c.id, _inbox.c.session_id, _inbox.c.text, _inbox.c.payload,
-               _inbox.c.reply)
-        .where(or_(_stale(_inbox.c.text, cipher.primary),
-                   and_(_inbox.c.reply.is_not(None), _stale(_inbox.c.reply, cipher.primary))))
-        .order_by(_inbox.c.id)
+        select(i.id, i.session_id, i.text, i.payload, i.reply)
+        .where(or_(_stale(i.text, cipher.primary),
+                   and_(i.reply.is_not(None), _stale(i.reply, cipher.primary))))
+        .order_by(i.id)
         .limit(batch),
         conn,
     )).all()
     for row in rows:
-        def reseal(text: str, session_id: str = row.session_id) -> str:
-            if is_encrypted(text):
-                text = cipher.decrypt(text, session_id)
-            return cipher.encrypt(text, session_id)
-
         payload = sealer.open_json(row.session_id, row.id, row.payload, _inbox.name)
-        values = {"text": reseal(row.text), "payload": sealer.seal_json(row.session_id, payload)}
-        unchanged = _inbox.c.reply.is_(None)
+        values = {"text": _reseal(cipher, row.text, row.session_id),
+                  "payload": sealer.seal_json(row.session_id, payload)}
+        unchanged = i.reply.is_(None)
         if row.reply is not None:
-            values["reply"] = reseal(row.reply)
-            unchanged = _inbox.c.reply == row.reply
-        conn.execute(update(_inbox).where(_inbox.c.id == row.id, unchanged).values(values))
+            values["reply"] = _reseal(cipher, row.reply, row.session_id)
+            unchanged = i.reply == row.reply
+        conn.execute(update(_inbox).where(i.id == row.id, unchanged).values(values))
     return len(rows)
 
 
@@ -262,44 +222,28 @@ def _rotate_sessions(
     conn: Connection, cipher: AESGCMCipher, batch: int, cursor: dict[str, str]
 ) -> tuple[int, int]:
     """Re-seal the metadata and summary of up to ``batch`` sessions; (rewritten, looked at)."""
-    query = (
-        select(_sessions.c.session_id, _sessions.c.version, _sessions.c.metadata_json,
-               _sessions.c.summary)
-        .order_by(_sessions.c.session_id)
-        .limit(batch)
-    )
+    c = _sessions.c
+    query = select(c.session_id, c.version, c.metadata_json, c.summary)
     if "session" in cursor:
-        query = query.where(_sessions.c.session_id > cursor["session"])
-    done = 0
-    rows = conn.execute(query).all()
-    for row in rows:
-        cursor["session"] = row.session_id
-        values = _resealed_session(Sealer(cipher, False), row)
-        if not values:
-            continue
-        conn.execute(
-            update(_sessions)
-            .where(and_(_sessions.c.session_id == row.session_id,
-                        _sessions.c.version == row.version))
-            .values(values)
-        )
-        done += 1
-    return done, len(rows)
-
-
-def _resealed_session(sealer: Sealer, row: Any) -> dict[str, Any]:
-    """The session row's values not sealed with the primary key, sealed with it."""
-    cipher = sealer.cipher
-    assert cipher is not None
+        query = query.where(c.session_id > cursor["session"])
+    sealer = Sealer(cipher, False)
     primary = f"{TOKEN_PREFIX}{cipher.primary}:"
-    values: dict[str, Any] = {}
-    stored = row.metadata_json
-    token = stored.get(_SEALED_KEY) if isinstance(stored, dict) else None
-    if not (isinstance(token, str) and token.startswith(primary)):
-        metadata = sealer.open_metadata(row.session_id, stored)
-        values["metadata_json"] = sealer.seal_metadata(row.session_id, metadata)
-    summary = row.summary
-    if summary is not None and not summary.startswith(primary):
-        opened = sealer.open_text(row.session_id, None, summary, _sessions.name)
-        values["summary"] = sealer.seal_text(row.session_id, opened)
-    return values
+    done = 0
+    rows = conn.execute(query.order_by(c.session_id).limit(batch)).all()
+    for row in rows:
+        cursor["session"] = sid = row.session_id
+        values: dict[str, Any] = {}
+        stored = row.metadata_json
+        token = stored.get(_SEALED_KEY) if isinstance(stored, dict) else None
+        if not (isinstance(token, str) and token.startswith(primary)):
+            values["metadata_json"] = sealer.seal_metadata(sid, sealer.open_metadata(sid, stored))
+        if row.summary is not None and not row.summary.startswith(primary):
+            values["summary"] = sealer.seal_text(sid, sealer.open_summary(sid, row.summary) or "")
+        if values:
+            conn.execute(
+                update(_sessions)
+                .where(and_(c.session_id == sid, c.version == row.version))
+                .values(values)
+            )
+            done += 1
+    return done, len(rows)

@@ -1,10 +1,8 @@
 """The durable inbox on the SQL stores: ``chatflow_inbox`` and the sessions' leases.
 
-What the inbox does is described in :mod:`chatflow_sqlalchemy.inbox`; this
-module is its rows (:class:`SQLInbox`, an :class:`~chatflow_sqlalchemy.inbox.InboxRows`)
-in portable Core. Every time a statement stores or compares is the
-database's clock (:class:`~chatflow_sqlalchemy.clock.DatabaseNow`), as for
-the leases. Every call that acts for a batch first checks, in its own
+:class:`SQLInbox` is :class:`~chatflow_sqlalchemy.inbox.InboxRows` in portable
+Core. Every time a statement stores or compares is the database's clock, as
+for the leases, and every call made for a batch first checks, in its own
 transaction, that the batch still holds its session's lease, so a worker
 that lost it changes nothing.
 """
@@ -17,8 +15,10 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import (
     Connection,
+    Executable,
     Float,
     Integer,
+    Update,
     and_,
     bindparam,
     case,
@@ -35,8 +35,8 @@ from sqlalchemy import exc as sa_exc
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.exceptions import CorruptRowError, LeaseLostError, SessionDeletedError
-from chatflow_sqlalchemy.inbox import BATCH_LIMIT as _BATCH_LIMIT
 from chatflow_sqlalchemy.inbox import (
+    BATCH_LIMIT,
     DEAD,
     DONE,
     IN_FLIGHT,
@@ -62,21 +62,22 @@ __all__ = ["ANSWER_BATCH", "SQLInbox"]
 _T = TypeVar("_T")
 
 _i = tables.inbox
-_s = tables.sessions
 _TABLE = _i.name
 _NOW = DatabaseNow(bindparam("now", type_=UTCDateTime()))
-_COALESCED = DatabaseNow(
-    bindparam("coalesced", type_=UTCDateTime()), -bindparam("coalesce_seconds", type_=Float())
-)
-_WAITED = DatabaseNow(
-    bindparam("waited", type_=UTCDateTime()), -bindparam("wait_seconds", type_=Float())
-)
-_RETRY_AT = DatabaseNow(
-    bindparam("retry_at", type_=UTCDateTime()), bindparam("retry_seconds", type_=Float())
-)
-_BEFORE = DatabaseNow(
-    bindparam("cutoff", type_=UTCDateTime()), -bindparam("older_than", type_=Float())
-)
+_ABANDONED_ERROR = "the worker handling it stopped (its lease expired)"
+
+
+def _clock(name: str, seconds: str, sign: int) -> DatabaseNow:
+    """The database's clock moved by ``sign`` times the ``seconds`` parameter."""
+    moved = bindparam(seconds, type_=Float())
+    return DatabaseNow(bindparam(name, type_=UTCDateTime()), -moved if sign < 0 else moved)
+
+
+def _moved(
+    now: datetime, name: str, seconds_name: str, seconds: float, sign: int
+) -> dict[str, Any]:
+    """The parameters of :func:`_clock`: the worker's value and the seconds."""
+    return {name: now + timedelta(seconds=sign * seconds), seconds_name: seconds}
 
 
 def _state(name: str) -> Any:
@@ -84,155 +85,108 @@ def _state(name: str) -> Any:
     return literal_column(f"'{name}'")
 
 
-_OF_BATCH = (_i.c.batch_token == bindparam("token")) & (_i.c.state == _state(IN_FLIGHT))
+def _where(*conditions: Any) -> Update:
+    return update(_i).where(*conditions)
 
-ANSWER_BATCH = (
-    update(_i)
-    .where(_OF_BATCH)
-    .values(answered_at=_NOW, reply=bindparam("reply"), updated_at=_NOW)
+
+_OF_BATCH = (_i.c.batch_token == bindparam("token")) & (_i.c.state == _state(IN_FLIGHT))
+_OF_IDS = _i.c.id.in_(bindparam("ids", expanding=True))
+_OF_SESSION = _i.c.session_id == bindparam("sid")
+_LIVE = _i.c.state.in_([_state(PENDING), _state(IN_FLIGHT)])
+
+ANSWER_BATCH = _where(_OF_BATCH).values(
+    answered_at=_NOW, reply=bindparam("reply"), updated_at=_NOW
 )
 """What a batch's turn adds to its write transaction: the reply, the items answered."""
 
-_PUT = insert(_i).values(
-    received_at=_NOW, updated_at=_NOW, state=_state(PENDING), attempts=0
-)
+_PUT = insert(_i).values(received_at=_NOW, updated_at=_NOW, state=_state(PENDING), attempts=0)
 _READY = (
     select(_i.c.session_id)
-    .select_from(_i.outerjoin(_s, _s.c.session_id == _i.c.session_id))
+    .select_from(_i.outerjoin(tables.sessions, tables.sessions.c.session_id == _i.c.session_id))
     .where(
-        _i.c.state.in_([_state(PENDING), _state(IN_FLIGHT)]),
-        or_(_s.c.session_id.is_(None), free_at(_NOW)),
+        _LIVE,
+        or_(tables.sessions.c.session_id.is_(None), free_at(_NOW)),
         _i.c.session_id.not_in(bindparam("busy", expanding=True)),
     )
     .group_by(_i.c.session_id)
-    .having(
-        or_(
-            func.max(case((_i.c.state == _state(IN_FLIGHT), 1), else_=0)) == 1,
-            and_(
-                func.max(case((_i.c.not_before > _NOW, 1), else_=0)) == 0,
-                or_(
-                    func.max(_i.c.received_at) <= _COALESCED,
-                    func.min(_i.c.received_at) <= _WAITED,
-                ),
+    .having(or_(
+        func.max(case((_i.c.state == _state(IN_FLIGHT), 1), else_=0)) == 1,
+        and_(
+            func.max(case((_i.c.not_before > _NOW, 1), else_=0)) == 0,
+            or_(
+                func.max(_i.c.received_at) <= _clock("coalesced", "coalesce_seconds", -1),
+                func.min(_i.c.received_at) <= _clock("waited", "wait_seconds", -1),
             ),
-        )
-    )
+        ),
+    ))
     .order_by(func.min(_i.c.id))
     .limit(bindparam("limit", type_=Integer()))
 )
-_OF_SESSION = _i.c.session_id == bindparam("sid")
-_ABANDONED = (
-    update(_i)
-    .where(_OF_SESSION, _i.c.state == _state(IN_FLIGHT), _i.c.answered_at.is_(None))
-    .values(
-        state=case((_i.c.attempts >= bindparam("max_attempts"), _state(DEAD)),
-                   else_=_state(PENDING)),
-        error=bindparam("error"),
-        batch_token=case((_i.c.attempts >= bindparam("max_attempts"), _i.c.batch_token),
-                         else_=null()),
-        updated_at=_NOW,
-    )
+
+
+def _dead_if(condition: Any) -> dict[str, Any]:
+    """Dead (its batch token kept, for ``retry``) if ``condition``, else pending."""
+    return {"state": case((condition, _state(DEAD)), else_=_state(PENDING)),
+            "batch_token": case((condition, _i.c.batch_token), else_=null())}
+
+
+_ABANDONED = _where(
+    _OF_SESSION, _i.c.state == _state(IN_FLIGHT), _i.c.answered_at.is_(None)
+).values(
+    error=bindparam("error"), updated_at=_NOW,
+    **_dead_if(_i.c.attempts >= bindparam("max_attempts")),
 )
 _ANSWERED = (
     select(_i.c.id, _i.c.batch_token, _i.c.message_id, _i.c.reply)
-    .where(
-        _OF_SESSION,
-        _i.c.answered_at.is_not(None),
-        _i.c.state.in_([_state(PENDING), _state(IN_FLIGHT)]),
-    )
+    .where(_OF_SESSION, _i.c.answered_at.is_not(None), _LIVE)
     .order_by(_i.c.id)
 )
-_RESUME = (
-    update(_i)
-    .where(_i.c.id.in_(bindparam("ids", expanding=True)))
-    .values(state=_state(IN_FLIGHT), batch_token=bindparam("token"), updated_at=_NOW)
+_RESUME = _where(_OF_IDS).values(
+    state=_state(IN_FLIGHT), batch_token=bindparam("token"), updated_at=_NOW
 )
-_NOTHING_TO_SEND = (
-    update(_i)
-    .where(_i.c.id.in_(bindparam("ids", expanding=True)))
-    .values(state=_state(DONE), updated_at=_NOW)
-)
-_ITEM_COLUMNS = (
-    _i.c.id, _i.c.message_id, _i.c.text, _i.c.sent_at, _i.c.received_at, _i.c.payload,
-    _i.c.attempts,
-)
+_NOTHING_TO_SEND = _where(_OF_IDS).values(state=_state(DONE), updated_at=_NOW)
 _PENDING = (
-    select(*_ITEM_COLUMNS)
+    select(_i.c.id, _i.c.message_id, _i.c.text, _i.c.sent_at, _i.c.received_at, _i.c.payload,
+           _i.c.attempts)
     .where(_OF_SESSION, _i.c.state == _state(PENDING), _i.c.answered_at.is_(None))
     .order_by(func.coalesce(_i.c.sent_at, _i.c.received_at), _i.c.id)
-    .limit(_BATCH_LIMIT)
+    .limit(BATCH_LIMIT)
 )
-_TAKE_ITEMS = (
-    update(_i)
-    .where(_i.c.id.in_(bindparam("ids", expanding=True)))
-    .values(
-        state=_state(IN_FLIGHT),
-        batch_token=bindparam("token"),
-        attempts=_i.c.attempts + 1,
-        not_before=null(),
-        updated_at=_NOW,
-    )
+_TAKE_ITEMS = _where(_OF_IDS).values(
+    state=_state(IN_FLIGHT), batch_token=bindparam("token"), attempts=_i.c.attempts + 1,
+    not_before=null(), updated_at=_NOW,
 )
-_UNREADABLE = (
-    update(_i)
-    .where(_i.c.id == bindparam("row_id"))
-    .values(state=_state(DEAD), error=bindparam("error"), updated_at=_NOW)
+_UNREADABLE = _where(_i.c.id == bindparam("row_id")).values(
+    state=_state(DEAD), error=bindparam("error"), updated_at=_NOW
 )
-_FINISH = (
-    update(_i)
-    .where(_OF_BATCH)
-    .values(
-        reply=bindparam("reply"),
-        answered_at=func.coalesce(_i.c.answered_at, _NOW),
-        state=bindparam("state"),
-        updated_at=_NOW,
-    )
+_FINISH = _where(_OF_BATCH).values(
+    reply=bindparam("reply"), answered_at=func.coalesce(_i.c.answered_at, _NOW),
+    state=bindparam("state"), updated_at=_NOW,
 )
-_SENT = update(_i).where(_OF_BATCH).values(state=_state(SENT), updated_at=_NOW)
-_GIVES_UP = or_(_i.c.attempts >= bindparam("max_attempts"), _i.c.answered_at.is_not(None))
-"""A failed batch's item is dead after its last attempt, or at once if its turn committed
-(running the turn again would repeat it; its reply is withheld until an operator retries)."""
-_FAILED = (
-    update(_i)
-    .where(_OF_BATCH)
-    .values(
-        state=case((_GIVES_UP, _state(DEAD)), else_=_state(PENDING)),
-        batch_token=case((_GIVES_UP, _i.c.batch_token), else_=null()),
-        not_before=_RETRY_AT,
-        error=bindparam("error"),
-        updated_at=_NOW,
-    )
+_SENT = _where(_OF_BATCH).values(state=_state(SENT), updated_at=_NOW)
+# A failed batch's item is dead after its last attempt, or at once if its turn committed
+# (running the turn again would repeat it; its reply is withheld until an operator retries).
+_FAILED = _where(_OF_BATCH).values(
+    not_before=_clock("retry_at", "retry_seconds", 1), error=bindparam("error"), updated_at=_NOW,
+    **_dead_if(or_(_i.c.attempts >= bindparam("max_attempts"), _i.c.answered_at.is_not(None))),
 )
-_UNDELIVERABLE = (
-    update(_i)
-    .where(_OF_BATCH)
-    .values(state=_state(DEAD), error=bindparam("error"), updated_at=_NOW)
+_UNDELIVERABLE = _where(_OF_BATCH).values(
+    state=_state(DEAD), error=bindparam("error"), updated_at=_NOW
 )
-_ABANDON = (
-    update(_i)
-    .where(_OF_BATCH, _i.c.answered_at.is_(None))
-    .values(
-        state=_state(PENDING),
-        attempts=_i.c.attempts - 1,
-        batch_token=null(),
-        updated_at=_NOW,
-    )
+_ABANDON = _where(_OF_BATCH, _i.c.answered_at.is_(None)).values(
+    state=_state(PENDING), attempts=_i.c.attempts - 1, batch_token=null(), updated_at=_NOW
 )
 _DEAD_TOKEN = select(_i.c.batch_token).where(
     _i.c.message_id == bindparam("message_id"), _i.c.state == _state(DEAD)
 )
-_RETRY = (
-    update(_i)
-    .where(
-        _i.c.state == _state(DEAD),
-        or_(_i.c.message_id == bindparam("retry_id"), _i.c.batch_token == bindparam("token")),
-    )
-    .values(state=_state(PENDING), attempts=0, not_before=null(), updated_at=_NOW)
-)
-_ENTRY_COLUMNS = (
+_RETRY = _where(
+    _i.c.state == _state(DEAD),
+    or_(_i.c.message_id == bindparam("retry_id"), _i.c.batch_token == bindparam("token")),
+).values(state=_state(PENDING), attempts=0, not_before=null(), updated_at=_NOW)
+_ENTRIES = select(
     _i.c.message_id, _i.c.session_id, _i.c.state, _i.c.attempts, _i.c.received_at,
     _i.c.updated_at, _i.c.sent_at, _i.c.error,
-)
+).order_by(_i.c.id)
 _COUNTS = select(_i.c.state, func.count()).group_by(_i.c.state)
 _OLDEST_PENDING = select(_NOW.label("now"), func.min(_i.c.received_at)).where(
     _i.c.state == _state(PENDING)
@@ -241,9 +195,9 @@ _DEAD_LAST_HOUR = select(func.count()).where(
     _i.c.state == _state(DEAD),
     _i.c.updated_at > DatabaseNow(bindparam("hour_ago", type_=UTCDateTime()), -3600.0),
 )
-_PURGE = (
-    _i.delete()
-    .where(_i.c.state.in_([_state(DONE), _state(SENT)]), _i.c.updated_at < _BEFORE)
+_PURGE = _i.delete().where(
+    _i.c.state.in_([_state(DONE), _state(SENT)]),
+    _i.c.updated_at < _clock("cutoff", "older_than", -1),
 )
 
 
@@ -293,41 +247,31 @@ class SQLInbox:
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any
     ) -> bool:
         """Insert a pending message; False if the id is in the inbox (its unique key)."""
-        params = {
-            "message_id": message_id,
-            "session_id": session_id,
-            "text": self._sealer.seal_text(session_id, text),
-            "sent_at": sent_at,
-            "payload": self._sealer.seal_json(session_id, payload),
-            "now": utcnow(),
-        }
+        seal = self._sealer
         try:
-            with self._runtime.transaction(single=True) as conn:
-                conn.execute(_PUT, params)
+            self._execute(_PUT, {
+                "message_id": message_id, "session_id": session_id, "sent_at": sent_at,
+                "text": seal.seal_text(session_id, text),
+                "payload": seal.seal_json(session_id, payload),
+            })
         except sa_exc.IntegrityError:
             return False
         return True
 
     def ready(self, coalesce_seconds: float, limit: int, busy: Collection[str]) -> list[str]:
-        """Sessions whose batch is due (a burst over, or a dead holder's left) and lease free."""
+        """Sessions whose batch is due and whose lease is free."""
         now = utcnow()
+        waited = coalesce_seconds * MAX_COALESCE_FACTOR
         params = {
-            "now": now,
-            "coalesced": now - timedelta(seconds=coalesce_seconds),
-            "coalesce_seconds": coalesce_seconds,
-            "waited": now - timedelta(seconds=coalesce_seconds * MAX_COALESCE_FACTOR),
-            "wait_seconds": coalesce_seconds * MAX_COALESCE_FACTOR,
-            "busy": sorted(busy) or [""],
-            "limit": limit,
+            "now": now, "busy": sorted(busy) or [""], "limit": limit,
+            **_moved(now, "coalesced", "coalesce_seconds", coalesce_seconds, -1),
+            **_moved(now, "waited", "wait_seconds", waited, -1),
         }
         with self._runtime.transaction(single=True) as conn:
             return [row[0] for row in conn.execute(_READY, params)]
 
     def take(self, session_id: str) -> Lease | None:
-        """The session's lease, kept by the batch and lent to the store's turns.
-
-        A session first met here is created empty first.
-        """
+        """The session's lease (the session created empty if new), lent to the store's turns."""
         try:
             lease = self._leases.take(session_id)
         except SessionDeletedError:
@@ -355,16 +299,14 @@ class SQLInbox:
         self, lease: Lease, token: str, max_attempts: int
     ) -> tuple[list[Unsent], list[InboxItem]]:
         """Recover a dead holder's messages, gather unsent replies, take the pending batch."""
-        session_id = lease.session_id
-        params = {"sid": session_id, "token": token, "now": utcnow()}
+        params = {"sid": lease.session_id, "token": token, "now": utcnow()}
         with self._runtime.transaction(write=True) as conn:
             self._check(conn, lease)
-            conn.execute(_ABANDONED, {
-                **params, "max_attempts": max_attempts,
-                "error": "the worker handling it stopped (its lease expired)",
-            })
-            unsent = self._answered(conn, session_id, params)
-            items = self._take_pending(conn, session_id, params)
+            conn.execute(
+                _ABANDONED, {**params, "max_attempts": max_attempts, "error": _ABANDONED_ERROR}
+            )
+            unsent = self._answered(conn, lease.session_id, params)
+            items = self._take_pending(conn, lease.session_id, params)
         return unsent, items
 
     def _take_pending(
@@ -374,10 +316,17 @@ class SQLInbox:
         items, taken = [], []
         for row in conn.execute(_PENDING, params).all():
             try:
-                items.append(self._item(session_id, row))
+                items.append(InboxItem(
+                    message_id=row.message_id,
+                    session_id=session_id,
+                    text=self._sealer.open_text(session_id, row.id, row.text, _TABLE),
+                    sent_at=row.sent_at,
+                    received_at=row.received_at,
+                    payload=self._sealer.open_json(session_id, row.id, row.payload, _TABLE),
+                    attempts=row.attempts + 1,
+                ))
             except CorruptRowError as exc:
-                dead = {"row_id": row.id, "error": str(exc), "now": params["now"]}
-                conn.execute(_UNREADABLE, dead)
+                conn.execute(_UNREADABLE, {**params, "row_id": row.id, "error": str(exc)})
                 continue
             taken.append(row.id)
         if taken:
@@ -392,15 +341,14 @@ class SQLInbox:
         unsent: list[Unsent] = []
         for rows in groups.values():
             ids = [row.id for row in rows]
-            reply = rows[-1].reply
-            if reply is None:
+            if rows[-1].reply is None:
                 conn.execute(_NOTHING_TO_SEND, {**params, "ids": ids})
                 continue
             try:
-                text = self._sealer.open_text(session_id, rows[-1].id, reply, _TABLE)
+                text = self._sealer.open_text(session_id, rows[-1].id, rows[-1].reply, _TABLE)
             except CorruptRowError as exc:  # a reply no one can send: never blocks the rest
                 for row in rows:
-                    conn.execute(_UNREADABLE, {"row_id": row.id, "error": str(exc), **params})
+                    conn.execute(_UNREADABLE, {**params, "row_id": row.id, "error": str(exc)})
                 continue
             token = resumed_token(params["token"], len(unsent))
             conn.execute(_RESUME, {**params, "ids": ids, "token": token})
@@ -408,69 +356,42 @@ class SQLInbox:
             unsent.append(Unsent(token, InboxReply(session_id, text, message_ids)))
         return unsent
 
-    def _item(self, session_id: str, row: Any) -> InboxItem:
-        return InboxItem(
-            message_id=row.message_id,
-            session_id=session_id,
-            text=self._sealer.open_text(session_id, row.id, row.text, _TABLE),
-            sent_at=row.sent_at,
-            received_at=row.received_at,
-            payload=self._sealer.open_json(session_id, row.id, row.payload, _TABLE),
-            attempts=row.attempts + 1,
-        )
-
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store the reply; the items are done, or in flight until sent."""
         sealed = None if reply is None else self._sealer.seal_text(lease.session_id, reply)
-        params = {
-            "token": token, "reply": sealed, "now": utcnow(),
-            "state": IN_FLIGHT if to_send else DONE,
-        }
-        with self._runtime.transaction(write=True) as conn:
-            if conn.execute(KEEP_HELD, self._lease_params(lease)).rowcount != 1:
-                return False
-            conn.execute(_FINISH, params)
+        state = IN_FLIGHT if to_send else DONE
+        try:
+            self._fenced(lease, _FINISH, {"token": token, "reply": sealed, "state": state})
+        except LeaseLostError:
+            return False
         return True
 
     def sent(self, token: str) -> None:
         """The reply was sent: recorded whatever the lease, since it is true."""
-        with self._runtime.transaction(single=True) as conn:
-            conn.execute(_SENT, {"token": token, "now": utcnow()})
+        self._execute(_SENT, {"token": token})
 
     def failed(
         self, lease: Lease, token: str, error: str, retry_in: float, max_attempts: int
     ) -> None:
-        """Back to pending after ``retry_in`` seconds, or dead after ``max_attempts``."""
-        now = utcnow()
-        params = {
-            "token": token, "now": now, "error": error, "max_attempts": max_attempts,
-            "retry_at": now + timedelta(seconds=retry_in), "retry_seconds": retry_in,
-        }
-        with self._runtime.transaction(write=True) as conn:
-            self._check(conn, lease)
-            conn.execute(_FAILED, params)
+        """Back to pending after ``retry_in`` seconds, or dead."""
+        self._fenced(lease, _FAILED, {
+            "token": token, "error": error, "max_attempts": max_attempts,
+            **_moved(utcnow(), "retry_at", "retry_seconds", retry_in, 1),
+        })
 
     def undeliverable(self, lease: Lease, token: str, error: str) -> None:
         """``send`` kept failing: the items are dead, their reply kept for a retry."""
-        with self._runtime.transaction(write=True) as conn:
-            self._check(conn, lease)
-            conn.execute(_UNDELIVERABLE, {"token": token, "error": error, "now": utcnow()})
+        self._fenced(lease, _UNDELIVERABLE, {"token": token, "error": error})
 
     def abandon(self, lease: Lease, token: str) -> None:
         """``serve`` stopped during ``handle``: unanswered items pending again, uncounted."""
-        with self._runtime.transaction(write=True) as conn:
-            self._check(conn, lease)
-            conn.execute(_ABANDON, {"token": token, "now": utcnow()})
+        self._fenced(lease, _ABANDON, {"token": token})
 
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
-        query = select(*_ENTRY_COLUMNS).order_by(_i.c.id)
-        if state is not None:
-            query = query.where(_i.c.state == state)
-        if limit is not None:
-            query = query.limit(limit)
+        query = _ENTRIES if state is None else _ENTRIES.where(_i.c.state == state)
         with self._runtime.transaction() as conn:
-            return [InboxEntry(*row) for row in conn.execute(query)]
+            return [InboxEntry(*row) for row in conn.execute(query.limit(limit))]
 
     def retry(self, message_id: str) -> bool:
         """A dead message, with the rest of its dead batch, back to pending."""
@@ -495,15 +416,21 @@ class SQLInbox:
 
     def purge(self, older_than_seconds: float) -> int:
         """Delete done and sent messages older than the dedup window."""
-        params = {"cutoff": utcnow() - timedelta(seconds=older_than_seconds),
-                  "older_than": older_than_seconds}
+        params = _moved(utcnow(), "cutoff", "older_than", older_than_seconds, -1)
+        return self._execute(_PURGE, params)
+
+    def _execute(self, statement: Executable, params: dict[str, Any]) -> int:
+        """One statement on its own (autocommit), at the worker's ``now``; rows it changed."""
         with self._runtime.transaction(single=True) as conn:
-            return int(conn.execute(_PURGE, params).rowcount)
+            return int(conn.execute(statement, {"now": utcnow(), **params}).rowcount)
+
+    def _fenced(self, lease: Lease, statement: Executable, params: dict[str, Any]) -> None:
+        """``statement`` in a write transaction that first checks (and moves on) the lease."""
+        with self._runtime.transaction(write=True) as conn:
+            self._check(conn, lease)
+            conn.execute(statement, {"now": utcnow(), **params})
 
     def _check(self, conn: Connection, lease: Lease) -> None:
-        """First statement of a batch's transaction: the lease still holds (and is moved on)."""
-        if conn.execute(KEEP_HELD, self._lease_params(lease)).rowcount != 1:
+        params = {**lease_params(lease), **self._leases.until_params()}
+        if conn.execute(KEEP_HELD, params).rowcount != 1:
             raise LeaseLostError(lease.session_id)
-
-    def _lease_params(self, lease: Lease) -> dict[str, Any]:
-        return {**lease_params(lease), **self._leases.until_params()}

@@ -1,32 +1,15 @@
-"""Lifecycle and data governance on the SQL stores: per-user scope, filters, pages, GDPR.
+"""Lifecycle and data governance on the SQL stores: scope, filters, pages, sweep, GDPR.
 
-The shared rules (argument checks, metadata matching, TTL arithmetic) are in
-:mod:`chatflow_sqlalchemy.lifecycle`; this module is their SQL.
+The rules are in :mod:`chatflow_sqlalchemy.lifecycle`; this module is their
+SQL, in Core on the shared tables, so every SQL backend gets it.
 
-Kept apart from :mod:`chatflow_sqlalchemy.store` so that the store only
-hooks in (``get_or_create(..., user_id=)``, ``list_sessions(...)``,
-``erase_user``, ``export_user``); every query here is SQLAlchemy Core on the
-shared models, so every SQL backend (and third-party ones) gets it.
-
-Listing order, fixed here and documented:
-
-* without ``limit`` and ``after``: most recently updated first (0.3.4's
-  order, also when filters are given);
-* with ``limit`` or ``after`` (paging): ``session_id`` ascending, and
-  ``after`` is the last id of the previous page. The key of a session never
-  changes, so a walk over all pages returns every session that exists
-  throughout it exactly once, whatever is written meanwhile (an order by
-  ``updated_at`` would move a session written during the walk from a later
-  page to an earlier one, so that it is missed).
-
-Metadata filters (``{key: value}``, all must match) compare values with
-their JSON type: ``1`` matches ``1`` and ``1.0`` but neither ``"1"`` nor
-``true``; objects and arrays must be equal, not merely contain the value. The
-database narrows the rows first (JSONB containment on PostgreSQL, the
-unquoted JSON value of string filters on SQLite and MySQL/MariaDB), and
-every candidate is then checked exactly, so no dialect's loose JSON
-comparison can let a wrong row through; pages are filled in batches until
-``limit`` rows matched.
+Listing order: without ``limit`` and ``after``, most recently updated first
+(0.3.4's order); when paging, ``session_id`` ascending with ``after`` the last
+id of the previous page: a session's key never changes, so a walk over all
+pages returns every session exactly once whatever is written meanwhile.
+Metadata filters are narrowed in SQL (JSONB containment on PostgreSQL, the
+unquoted JSON value of string filters elsewhere) and every candidate is then
+checked exactly, so no dialect's loose JSON comparison lets a wrong row through.
 """
 
 from __future__ import annotations
@@ -55,10 +38,7 @@ from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.lifecycle import (
-    ListFilters,
-    matches_metadata,
-)
+from chatflow_sqlalchemy.lifecycle import ListFilters, matches_metadata
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, UNBORN_AGENT
 
@@ -69,37 +49,17 @@ if TYPE_CHECKING:
 # where it is used, so that the CLI's read commands (users export) run without them.
 
 __all__ = [
-    "SweepCursor",
-    "count_expired",
-    "decode_transcript",
-    "erase_sessions",
-    "erase_user_rows",
-    "expired_query",
-    "export_sessions",
-    "parser_for",
-    "session_page",
-    "sweep_candidates",
-    "transcript_sources",
-    "user_session_ids",
+    "SweepCursor", "count_expired", "decode_transcript", "erase_sessions", "erase_user_rows",
+    "expired_query", "export_sessions", "parser_for", "session_page", "sweep_candidates",
+    "transcript_sources", "user_session_ids",
 ]
 
-_ID_CHUNK = 500
-"""Ids per ``IN (...)`` list: far below every dialect's bound-parameter limit."""
-
-
+_ID_CHUNK = 500  # ids per IN (...) list: far below every dialect's bound-parameter limit
+# Metadata keys whose JSON path every dialect quotes alike (others are checked in Python).
 _SIMPLE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
-"""Metadata keys whose JSON path every dialect quotes alike (others are checked in Python)."""
-
-
 _sessions = tables.sessions
-
-
 _messages = tables.messages
-
-
 _processed = tables.processed_messages
-
-
 _archive = tables.message_archive
 _inbox = tables.inbox
 
@@ -116,35 +76,29 @@ def _narrowing(dialect_name: str, wanted: Mapping[str, Any]) -> list[ColumnEleme
     ]
 
 
-def _filtered(query: Select[Any], dialect_name: str, filters: ListFilters) -> Select[Any]:
-    query = query.where(_sessions.c.active_agent_name != UNBORN_AGENT)
-    if filters.user_id is not None:
-        query = query.where(_sessions.c.user_id == filters.user_id)
-    if filters.updated_after is not None:
-        query = query.where(_sessions.c.updated_at > filters.updated_after)
-    if filters.forked_from is not None:
-        query = query.where(_sessions.c.forked_from == filters.forked_from)
-    if filters.metadata:
-        query = query.where(*_narrowing(dialect_name, filters.metadata))
-    return query
-
-
 def session_page(conn: Connection, filters: ListFilters) -> list[str]:
-    """Session ids matching ``filters``, in the order the module docstring defines."""
-    dialect_name = conn.dialect.name
-    columns = [_sessions.c.session_id]
+    """Session ids matching ``filters``, in listing order."""
+    s = _sessions.c
+    query = select(s.session_id, *([s.metadata_json] if filters.metadata else [])).where(
+        s.active_agent_name != UNBORN_AGENT
+    )
+    if filters.user_id is not None:
+        query = query.where(s.user_id == filters.user_id)
+    if filters.updated_after is not None:
+        query = query.where(s.updated_at > filters.updated_after)
+    if filters.forked_from is not None:
+        query = query.where(s.forked_from == filters.forked_from)
     if filters.metadata:
-        columns.append(_sessions.c.metadata_json)
-    query = _filtered(select(*columns), dialect_name, filters)
+        query = query.where(*_narrowing(conn.dialect.name, filters.metadata))
     if not filters.paged:
-        query = query.order_by(_sessions.c.updated_at.desc(), _sessions.c.session_id)
+        query = query.order_by(s.updated_at.desc(), s.session_id)
         return [row.session_id for row in conn.execute(query) if _keep(row, filters)]
-    query = query.order_by(_sessions.c.session_id)
+    query = query.order_by(s.session_id)
     found: list[str] = []
     cursor = filters.after
     batch = None if filters.limit is None else max(filters.limit, 100 if filters.metadata else 0)
     while True:
-        page = query if cursor is None else query.where(_sessions.c.session_id > cursor)
+        page = query if cursor is None else query.where(s.session_id > cursor)
         rows = list(conn.execute(page if batch is None else page.limit(batch)))
         for row in rows:
             if _keep(row, filters):
@@ -177,17 +131,15 @@ def _chunks(ids: list[str]) -> Iterator[list[str]]:
         yield ids[start : start + _ID_CHUNK]
 
 
-def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] = ()) -> int:
-    """Delete the sessions ``ids`` with their messages, claims, inbox and rows in ``extra``.
+def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
+    """Delete sessions with their messages, archive, claims and inbox.
 
-    Runs in the caller's transaction: the caller commits once, so either
-    everything about these sessions goes or nothing does. ``extra``: more
-    tables with a ``session_id`` column (the transcript archive).
-    Returns how many session rows were deleted.
+    In the caller's transaction, so everything about them goes or nothing
+    does. Returns how many session rows were deleted.
     """
     erased = 0
     for chunk in _chunks(list(ids)):
-        for table in (_messages, _processed, _archive, _inbox, *extra):
+        for table in (_messages, _processed, _archive, _inbox):
             conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
         erased += conn.execute(
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
@@ -195,50 +147,35 @@ def erase_sessions(conn: Connection, ids: Iterable[str], extra: Iterable[Table] 
     return int(erased)
 
 
-def erase_user_rows(conn: Connection, user_id: str, extra: Iterable[Table] = ()) -> int:
-    """Delete everything of ``user_id``'s sessions in the caller's transaction, by subquery.
+def erase_user_rows(conn: Connection, user_id: str) -> int:
+    """Delete everything of ``user_id``'s sessions by subquery; return how many sessions.
 
-    For callers without the store's up-front write lock (the CLI on SQLite):
-    no read precedes the first write, so the transaction never has to
-    upgrade a read snapshot. Returns how many sessions were deleted.
+    No read precedes the first write, so a caller without the store's
+    up-front write lock (the CLI on SQLite) never upgrades a read snapshot.
     """
     owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
-    for table in (_messages, _processed, _archive, *extra):
+    for table in (_messages, _processed, _archive):
         conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
 
-def _not_claimed_now(now: datetime) -> ColumnElement[bool]:
-    """No live acquired webhook claim names the session (its turn may be running).
+def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
+    """Sessions last written before ``cutoff``, under no live lease or claim, oldest first.
 
-    A lease is live by the database's clock, as the claims judge it: a sweeper
-    whose clock runs ahead must not remove a session under a live claim.
+    Live by the database's clock, as leases and claims are judged: a sweeper
+    whose clock runs ahead never removes a session whose turn may be running.
     """
-    database_now = DatabaseNow(bindparam(None, now, type_=UTCDateTime()))
-    live = (
-        select(_processed.c.message_id)
-        .where(
-            _processed.c.session_id == _sessions.c.session_id,
-            _processed.c.state == CLAIM_ACQUIRED,
-            _processed.c.lease_expires_at > database_now,
-        )
-        .exists()
-    )
-    return ~live
-
-
-def _not_leased_now(now: datetime) -> ColumnElement[bool]:
-    """No turn holds the session's lease (by the database's clock): none is running on it."""
     from chatflow_sqlalchemy.lease import free_at
 
-    return free_at(DatabaseNow(bindparam(None, now, type_=UTCDateTime())))
-
-
-def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
-    """Sessions last written before ``cutoff``, under no live lease or claim, oldest first."""
+    database_now = DatabaseNow(bindparam(None, now, type_=UTCDateTime()))
+    claimed = select(_processed.c.message_id).where(
+        _processed.c.session_id == _sessions.c.session_id,
+        _processed.c.state == CLAIM_ACQUIRED,
+        _processed.c.lease_expires_at > database_now,
+    )
     return (
         select(_sessions.c.session_id, _sessions.c.updated_at)
-        .where(_sessions.c.updated_at < cutoff, _not_leased_now(now), _not_claimed_now(now))
+        .where(_sessions.c.updated_at < cutoff, free_at(database_now), ~claimed.exists())
         .order_by(_sessions.c.updated_at, _sessions.c.session_id)
     )
 
@@ -261,11 +198,9 @@ def sweep_candidates(
 ) -> list[str]:
     """Lock and return up to ``batch`` expired sessions after ``cursor``, moving it.
 
-    ``lock`` is the dialect's :meth:`~chatflow_sqlalchemy.dialect.DialectSupport.lock_batch`:
-    with ``FOR UPDATE SKIP LOCKED`` concurrent sweepers take disjoint batches
-    instead of waiting for one another and a session row locked by a writer
-    is passed over. SQLite ignores row locks: there the caller's
-    ``BEGIN IMMEDIATE`` serialises sweepers and writers.
+    ``lock`` is the dialect's ``lock_batch``: with ``SKIP LOCKED`` concurrent
+    sweepers take disjoint batches and pass over rows writers hold (on
+    SQLite the caller's ``BEGIN IMMEDIATE`` serialises them instead).
     """
     query = expired_query(cutoff, now)
     if cursor.updated_at is not None:
@@ -287,12 +222,7 @@ def count_expired(conn: Connection, cutoff: datetime, now: datetime) -> tuple[in
 
 
 def parser_for(table: Table, parse: Callable[..., Message]) -> Callable[..., Message]:
-    """``parse`` (a window-row decoder) for the rows of ``table``.
-
-    The store's decoder names ``chatflow_messages`` in a ``CorruptRowError``;
-    for another table (the archive) the error names that table instead, so
-    that its row id points at the right row.
-    """
+    """``parse`` (a window-row decoder) for ``table``: a ``CorruptRowError`` names that table."""
     if table is _messages:
         return parse
 
@@ -315,18 +245,10 @@ def transcript_sources(
     """``(table name, row id, message_json)`` of archive + window, one per seq, in seq order.
 
     ``waiting``: also the archived rows that wait for the session's summary.
-
     A seq both archived and in the window (restored by a rollback) is taken
     from the window; a seq archived twice, from its latest archive row.
     """
-    rows = _by_seq(conn, session_id, waiting)
-    return [(table, row_id, text) for table, row_id, _, text in rows]
-
-
-def _by_seq(
-    conn: Connection, session_id: str, waiting: bool
-) -> list[tuple[str, int, Any, str]]:
-    by_seq: dict[int, tuple[str, int, Any, str]] = {}
+    by_seq: dict[int, tuple[str, int, str]] = {}
     archived = (
         select(_archive.c.id, _archive.c.seq, _archive.c.message_json)
         .where(_archive.c.session_id == session_id)
@@ -339,111 +261,71 @@ def _by_seq(
     )
     for table, query in ((_archive, archived), (_messages, window)):
         for row in conn.execute(query):
-            by_seq[row.seq] = (table.name, row.id, row.seq, row.message_json)
+            by_seq[row.seq] = (table.name, row.id, row.message_json)
     return [by_seq[seq] for seq in sorted(by_seq)]
 
 
 def decode_transcript(
     session_id: str, rows: list[tuple[str, int, str]], parse: Callable[..., Message]
 ) -> list[Message]:
-    """The messages of :func:`transcript_sources` rows, in order.
-
-    ``parse(session_id, row_id, message_json) -> Message`` decodes a window
-    row (the store's decoder); a corrupt row raises ``CorruptRowError``
-    naming its table (``chatflow_message_archive`` for an archived row) and id.
-    """
+    """The messages of :func:`transcript_sources` rows, decoded by ``parse`` (the store's)."""
     parsers = {table.name: parser_for(table, parse) for table in (_archive, _messages)}
     return [parsers[table](session_id, row_id, text) for table, row_id, text in rows]
+
+
+def export_sessions(
+    conn: Connection,
+    ids: list[str],
+    parse: Callable[..., Message],
+    open_metadata: Callable[[str, Any], Any],
+    open_summary: Callable[[str, str | None], str | None],
+) -> list[dict[str, Any]]:
+    """Everything stored about the sessions ``ids``, as JSON-ready dicts.
+
+    ``parse`` is the store's row decoder (a corrupt row raises, never is left
+    out); ``open_metadata`` and ``open_summary`` open what a cipher sealed.
+    """
+    def decoded(table: Table, sid: str, *order: Any) -> list[dict[str, Any]]:
+        query = select(table.c.id, table.c.message_json).where(table.c.session_id == sid)
+        parse_row = parser_for(table, parse)
+        return [parse_row(sid, row.id, row.message_json).model_dump(mode="json")
+                for row in conn.execute(query.order_by(*order))]
+
+    exported: list[dict[str, Any]] = []
+    for chunk in _chunks(ids):
+        query = select(_sessions).where(_sessions.c.session_id.in_(chunk))
+        for row in conn.execute(query.order_by(_sessions.c.session_id)).mappings():
+            sid = row["session_id"]
+            exported.append({
+                "session_id": sid,
+                "user_id": row["user_id"],
+                "active_agent_name": row["active_agent_name"],
+                "metadata": open_metadata(sid, row["metadata_json"]),
+                "created_at": _iso(row["created_at"]),
+                "updated_at": _iso(row["updated_at"]),
+                "summary": open_summary(sid, row["summary"]),
+                "forked_from": row["forked_from"],
+                "forked_at_turn": row["forked_at_turn"],
+                "messages": decoded(  # system messages first (Role.SYSTEM), then by seq
+                    _messages, sid, case((_messages.c.role == "system", 0), else_=1),
+                    _messages.c.seq,
+                ),
+                "archived_messages": decoded(_archive, sid, _archive.c.seq, _archive.c.id),
+                "webhook_claims": _claims_of(conn, sid),
+            })
+    return exported
 
 
 def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def export_sessions(
-    conn: Connection,
-    ids: list[str],
-    parse: Any,
-    open_metadata: Any = None,
-    open_summary: Callable[[str, str | None], str | None] | None = None,
-) -> list[dict[str, Any]]:
-    """Everything stored about the sessions ``ids``, as JSON-ready dicts.
-
-    ``parse(session_id, row_id, message_json) -> Message`` decodes a message
-    row (the store's decoder: a corrupt row raises ``CorruptRowError``, naming
-    ``chatflow_message_archive`` for an archived row). No corrupt row is
-    left out silently. ``open_metadata(session_id, stored)`` and
-    ``open_summary(session_id, stored)`` open what a cipher sealed (None:
-    exported as stored).
-    """
-    parse_archived = parser_for(_archive, parse)
-    exported: list[dict[str, Any]] = []
-    for chunk in _chunks(ids):
-        rows = conn.execute(
-            select(_sessions).where(_sessions.c.session_id.in_(chunk)).order_by(
-                _sessions.c.session_id
-            )
-        ).mappings()
-        for row in rows:
-            sid = row["session_id"]
-            messages: list[Message] = [
-                parse(sid, msg.id, msg.message_json)
-                for msg in conn.execute(
-                    select(_messages.c.id, _messages.c.message_json)
-                    .where(_messages.c.session_id == sid)
-                    .order_by(
-                        case((_messages.c.role == "system", 0), else_=1),  # Role.SYSTEM
-                        _messages.c.seq,
-                    )
-                )
-            ]
-            exported.append(
-                {
-                    "session_id": sid,
-                    "user_id": row["user_id"],
-                    "active_agent_name": row["active_agent_name"],
-                    "metadata": row["metadata_json"]
-                    if open_metadata is None
-                    else open_metadata(sid, row["metadata_json"]),
-                    "created_at": _iso(row["created_at"]),
-                    "updated_at": _iso(row["updated_at"]),
-                    "summary": row["summary"]
-                    if open_summary is None
-                    else open_summary(sid, row["summary"]),
-                    "forked_from": row["forked_from"],
-                    "forked_at_turn": row["forked_at_turn"],
-                    "messages": [m.model_dump(mode="json") for m in messages],
-                    "archived_messages": [
-                        parse_archived(sid, row.id, row.message_json).model_dump(mode="json")
-                        for row in conn.execute(
-                            select(_archive.c.id, _archive.c.message_json)
-                            .where(_archive.c.session_id == sid)
-                            .order_by(_archive.c.seq, _archive.c.id)
-                        )
-                    ],
-                    "webhook_claims": _claims_of(conn, sid),
-                }
-            )
-    return exported
-
-
 def _claims_of(conn: Connection, session_id: str) -> list[dict[str, Any]]:
+    c = _processed.c
     query = (
-        select(
-            _processed.c.message_id,
-            _processed.c.state,
-            _processed.c.processed_at,
-            _processed.c.response,
-        )
-        .where(_processed.c.session_id == session_id)
-        .order_by(_processed.c.ticket, _processed.c.message_id)
+        select(c.message_id, c.state, c.processed_at, c.response)
+        .where(c.session_id == session_id)
+        .order_by(c.ticket, c.message_id)
     )
-    return [
-        {
-            "message_id": row.message_id,
-            "state": row.state,
-            "processed_at": _iso(row.processed_at),
-            "response": row.response,
-        }
-        for row in conn.execute(query)
-    ]
+    rows = conn.execute(query).mappings()
+    return [{**row, "processed_at": _iso(row["processed_at"])} for row in rows]

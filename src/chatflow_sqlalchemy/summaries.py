@@ -1,31 +1,16 @@
 """Summaries: what a session remembers of the turns pruning dropped from its window.
 
-A store opened with ``summarizer=`` (any async callable
-``(previous_summary, dropped) -> str``) keeps, with each session, one summary
-of every turn its window no longer shows. The model sees it as one SYSTEM
-message after the session's own (``ctx.summary``, ``ctx.history``).
-
-How a summary is made, for every store alike:
-
-1. A turn's write prunes: the dropped messages are kept, waiting for the
-   summary (archived as pending on the SQL stores, in the same transaction),
-   and the store is told the session is :meth:`Summaries.due`.
-2. On the store's own summaries thread (its own event loop, so a turn never
-   waits for it and ``Runner.run``'s short-lived loops do not cancel it), a
-   worker claims the session's summarizing (:meth:`SummaryRows.claim`: one
-   process at a time, until a deadline by the database's clock) and reads the
-   previous summary and the waiting messages. No lease and no connection are
-   held while the summarizer runs.
-3. The new summary is applied as a turn of its own: under the session's lease,
-   only over the summary it was made from (``summary_through`` unchanged), so
-   concurrent workers never lose a summary or fold a turn into it twice. The
-   write that stores it lets go of the messages it covers (kept in the archive
-   with ``archive_pruned=True``, deleted otherwise) and bumps the session's
-   version, so every process shows it at its next turn.
+A store opened with ``summarizer=`` keeps, with each session, one summary of
+every turn its window no longer shows; the model sees it as one SYSTEM
+message after the session's own. A write that prunes keeps the dropped
+messages waiting and marks the session due; on the store's own thread and
+event loop (so no turn waits for it) one process at a time claims the
+session, runs the summarizer holding no lease and no connection, and applies
+the summary as a turn of its own, only over the summary it was made from.
 
 A summarizer that raises, returns something other than a str, or runs past
-:data:`SUMMARY_TIMEOUT_SECONDS` never fails a turn: a warning is logged, the
-claim is given back and the messages wait for the next prune.
+:data:`SUMMARY_TIMEOUT_SECONDS` never fails a turn: a warning is logged and
+the messages wait for the next prune.
 """
 
 from __future__ import annotations
@@ -50,11 +35,7 @@ from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.values import check_storable_text
 
 __all__ = [
-    "SUMMARY_TIMEOUT_SECONDS",
-    "PendingSummary",
-    "Summaries",
-    "Summarizer",
-    "SummaryRows",
+    "SUMMARY_TIMEOUT_SECONDS", "PendingSummary", "Summaries", "Summarizer", "SummaryRows",
     "validate_summarizer",
 ]
 
@@ -66,11 +47,8 @@ Summarizer = Callable[[str | None, list[Message]], Awaitable[str]]
 SUMMARY_TIMEOUT_SECONDS = 120.0
 """How long one summarizer call may run before it counts as failed."""
 
-CLAIM_SECONDS = SUMMARY_TIMEOUT_SECONDS + 30.0
-"""How long a claim to summarize a session holds (a dead worker's lapses after this)."""
-
-CLOSE_GRACE_SECONDS = 10.0
-"""How long closing a store waits for its cancelled summaries to give their claims back."""
+CLAIM_SECONDS = SUMMARY_TIMEOUT_SECONDS + 30.0  # a dead worker's claim lapses after this
+CLOSE_GRACE_SECONDS = 10.0  # how long close waits for cancelled summaries to give claims back
 
 
 def validate_summarizer(summarizer: object) -> Summarizer | None:
@@ -85,38 +63,35 @@ def validate_summarizer(summarizer: object) -> Summarizer | None:
 
 @dataclass(frozen=True)
 class PendingSummary:
-    """What a claimed session's next summary is made from."""
+    """What a claimed session's next summary is made from.
+
+    Attributes:
+        previous: The session's summary now (None before the first).
+        through: The seq ``previous`` covers up to (0: none).
+        dropped: The messages pruned since, oldest first.
+        last_seq: The seq of the newest of them: what the new summary covers.
+        incarnation: Which session of that id it was read from.
+
+    """
 
     previous: str | None
-    """The session's summary now (None before the first)."""
     through: int
-    """The seq ``previous`` covers up to (0: none)."""
     dropped: list[Message]
-    """The messages pruned since, oldest first."""
     last_seq: int
-    """The seq of the newest of them: what the new summary covers up to."""
     incarnation: object = None
-    """Which session of that id it was read from (see :meth:`SummaryRows.incarnation`)."""
 
 
 class SummaryRows(Protocol):
     """Where a store keeps summaries' inputs (the SQL stores' and the in-memory store's)."""
 
     def claim(self, session_id: str) -> PendingSummary | None:
-        """Claim the session's summarizing and read its input.
-
-        None, holding no claim, if another worker holds it or nothing waits.
-        """
+        """Claim the session's summarizing and read its input; None if held or nothing waits."""
 
     def give_up(self, session_id: str) -> None:
         """Give back a claim without a new summary (the messages wait for the next prune)."""
 
     def incarnation(self, ctx: SessionContext) -> object:
-        """What tells ``ctx``'s session from a later one of the same id, as ``claim`` reads it.
-
-        A session deleted (or erased) and created anew while its summary was
-        being made must not get the summary of the one that was deleted.
-        """
+        """What tells ``ctx``'s session from a later one of the same id (as ``claim`` reads it)."""
 
 
 async def _cancel_others() -> None:
@@ -131,9 +106,8 @@ async def _cancel_others() -> None:
 def _run(loop: asyncio.AbstractEventLoop) -> None:
     """The summaries' thread: run ``loop`` until stopped, let what is left end, close it.
 
-    What is left: the cancellation ``close`` asked for, when a summarizer
-    blocked the thread past ``close``'s wait (it runs once unblocked), and
-    what cancelled work started (giving a claim or a lease back).
+    What is left: a cancellation ``close`` asked for while a summarizer blocked
+    the thread, and what cancelled work started (giving a claim or lease back).
     """
     try:
         loop.run_forever()
@@ -207,10 +181,9 @@ class Summaries:
     def close(self) -> None:
         """Stop: summaries in progress are dropped (their messages wait for the next prune).
 
-        Their work is cancelled and awaited before the loop stops, so that each
-        gives its claim back: another store summarizes the session at its next
-        prune, not a claim's lifetime later. A summarizer that will not stop is
-        left behind after :data:`CLOSE_GRACE_SECONDS`.
+        Their work is cancelled and awaited, so each gives its claim back (the
+        next prune anywhere summarizes the session); a summarizer that will not
+        stop is left behind after :data:`CLOSE_GRACE_SECONDS`.
         """
         with self._mutex:
             if self._closed:
@@ -273,8 +246,8 @@ class Summaries:
             if again:
                 self.due(session_id)
 
-    async def _fold(self, ctx: SessionContext, pending: PendingSummary) -> bool:
-        """Make one summary of ``ctx``'s session and apply it; False if that failed."""
+    async def _fold(self, ctx: SessionContext, pending: PendingSummary) -> None:
+        """Make one summary of ``ctx``'s session and apply it; a failure is logged."""
         session_id = ctx.session_id
         with telemetry.operation("summary", self._system) as op:
             op.set("chatflow.messages", len(pending.dropped))
@@ -285,7 +258,7 @@ class Summaries:
                 if not isinstance(summary, str):
                     raise TypeError(f"the summarizer returned {type(summary).__name__}, not str")
                 check_storable_text(summary, "summary")
-                return await self._apply(ctx, pending, summary)
+                await self._apply(ctx, pending, summary)
             except asyncio.CancelledError:
                 await asyncio.to_thread(self._rows.give_up, session_id)
                 raise
@@ -297,14 +270,12 @@ class Summaries:
                 )
                 telemetry.count("chatflow.summaries.failed", 1, self._system)
                 await asyncio.to_thread(self._rows.give_up, session_id)
-                return False
 
     async def _call(self, previous: str | None, dropped: list[Message]) -> object:
         """The summarizer's answer; whatever else it raises but a cancellation is an Exception.
 
-        KeyboardInterrupt or SystemExit raised in a task stop the event loop
-        it runs in (this thread's: every later summary), and another
-        BaseException would skip the failure's handling (the claim stays held).
+        A KeyboardInterrupt or SystemExit would stop this thread's loop (every
+        later summary), and another BaseException would keep the claim held.
         """
         called = self._summarizer(previous, dropped)
         if not inspect.isawaitable(called):
@@ -319,22 +290,19 @@ class Summaries:
         except BaseException as exc:
             raise RuntimeError(f"the summarizer raised {type(exc).__name__}: {exc}") from exc
 
-    async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> bool:
+    async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> None:
         """Store ``summary`` as a turn of ``ctx``, over the summary it was made from.
 
-        Only to the session it was made from: ``ctx`` was taken before the
-        claim, and its session must be the one the claim read (not a new one
-        under the id of one deleted meanwhile).
+        Only if ``ctx`` (taken before the claim) is the session the claim read,
+        not a new one under the id of one deleted meanwhile.
         """
-        session_id = ctx.session_id
         applied = False
         if self._rows.incarnation(ctx) == pending.incarnation:
             with contextlib.suppress(SessionDeletedError):  # deleted meanwhile
                 applied = await ctx.aapply_summary(summary, pending.through, pending.last_seq)
-        if not applied:
+        if applied:
+            telemetry.count("chatflow.summaries.written", 1, self._system)
+        else:
             # A claim that went with its session's row is gone already; giving back
             # another worker's at worst lets a summary be made twice, never applied twice.
-            await asyncio.to_thread(self._rows.give_up, session_id)
-        else:
-            telemetry.count("chatflow.summaries.written", 1, self._system)
-        return applied
+            await asyncio.to_thread(self._rows.give_up, ctx.session_id)

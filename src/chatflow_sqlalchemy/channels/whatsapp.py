@@ -1,52 +1,16 @@
 """chatflow-agent's WhatsApp channel on the durable inbox: nothing lost after the 200.
 
-chatflow-agent's ``WhatsAppChannel`` records a message id, answers 200 and
-runs the turn in a background task, so a crash loses the turn and the
-platform never redelivers it. :class:`DurableWhatsAppChannel` keeps
-everything of it but that step:
+Upstream's ``WhatsAppChannel`` records a message id, answers 200 and runs the
+turn in a background task, so a crash loses the turn for good.
+:class:`DurableWhatsAppChannel` keeps all of it but that step: its webhook
+puts each message into ``store.inbox`` before answering 200 (503 if a put
+fails, so Meta delivers again), and its workers answer the inbox through the
+channel's runner and upstream's sender. The guide (docs/webhooks.md) says
+which sends are retried and how media and failed turns are answered.
 
-* **The webhook** is upstream's own ``POST /webhook`` (Content-Length and
-  body limits, the ``X-Hub-Signature-256`` check, JSON decoding, the
-  extraction of ``(wamid, phone, text)``). Where upstream would record the
-  id and queue a background task, each message is put into
-  ``store.inbox`` (session id: the sender's phone; ``sent_at``: the
-  message's WhatsApp ``timestamp``), and the 200 goes out once every put
-  has committed. A redelivered wamid is refused by the inbox. A put that
-  fails answers 503, so the platform delivers again.
-* **The workers** (:meth:`DurableWhatsAppChannel.serve`) answer the inbox:
-  a burst from one phone is one turn of the channel's runner (under
-  upstream's ``llm_timeout_seconds``), and the reply goes out through
-  upstream's sender (chunking, its 429 backoff, the 24-hour window hook).
-  A reply whose send failed is sent again by the inbox without running the
-  turn again; a worker killed at any point is taken over when its
-  session's lease expires, and a turn stored before the kill is never run
-  twice.
-* **Media**: a message upstream cannot read (no text) is stored with the
-  payload marker ``"unsupported": True``; a batch holding only such
-  messages is answered with ``unsupported_media_message`` (durably, like a
-  reply) without a turn, and in a batch with text they are left out of the
-  turn's message.
-* **A failed turn** (the runner raised, or ran past ``llm_timeout_seconds``)
-  raises, so the inbox retries the batch with backoff. On the attempt that
-  makes its messages dead, ``fallback_message`` is sent first (best
-  effort, as upstream sends it), and the messages stay dead with their
-  error for ``inbox retry``.
-
-Sends the inbox retries: a connection that could not be made (after
-upstream's own retries), HTTP 429 once upstream's backoff gave up, and HTTP
-5xx. Not retried, as upstream decides: other 4xx answers (a bad token, the
-24-hour window, whose hook upstream runs), and a request that went out but
-got no answer (Meta may have delivered it; sending again could duplicate).
-
-The upstream seams. chatflow-agent gives no public hook for the dispatch
-step, so this module touches upstream's private names, all in the section
-"upstream seams" below and checked against the installed chatflow-agent by
-``tests/test_durable_whatsapp.py``: the ``POST /webhook`` route's endpoint
-(called, then replaced on the app), ``_extract_messages`` (overridden to
-capture the payload upstream verified, and called for the extraction),
-``_send_single_outbound_whatsapp`` (one chunk, with its retries) and
-``_httpx`` (the httpx module upstream builds its clients from, given event
-hooks that observe each send and, with ``graph_api_url``, redirect it).
+chatflow-agent has no public hook for the dispatch step, so the private names
+of upstream this module uses are all in the "upstream seams" section below,
+each checked on the installed version by ``tests/test_durable_whatsapp.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +23,6 @@ import signal
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
 import httpx
@@ -69,7 +32,13 @@ from fastapi import BackgroundTasks, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from chatflow_sqlalchemy.inbox import Inbox, InboxBatch, InboxReply, parse_sent_at
+from chatflow_sqlalchemy.inbox import (
+    Inbox,
+    InboxBatch,
+    InboxReply,
+    check_serve_options,
+    parse_sent_at,
+)
 
 __all__ = ["WHATSAPP_TEXT_LIMIT", "DurableWhatsAppChannel", "GraphAPIError"]
 
@@ -78,23 +47,14 @@ logger = logging.getLogger("chatflow_sqlalchemy")
 WHATSAPP_TEXT_LIMIT = 4096
 """The longest text body WhatsApp accepts: longer replies go out in chunks, as upstream's."""
 
-GRAPH_API_HOST = "graph.facebook.com"
-"""The host upstream sends to; ``graph_api_url`` replaces it (and only it)."""
-
-_PROGRESS_KEPT = 1024
-"""Replies whose partial send is remembered (chunks delivered), so a retry resumes."""
+GRAPH_API_HOST = "graph.facebook.com"  # what graph_api_url replaces (and only it)
+_PROGRESS_KEPT = 1024  # replies whose partial send is remembered, so a retry resumes
+_UPGRADE = ("this version of chatflow-sqlalchemy does not support the installed chatflow-agent; "
+            "install chatflow-agent>=0.3.4,<0.4")
 
 
 class GraphAPIError(RuntimeError):
     """A reply did not reach the Graph API, and sending it again is safe: the inbox retries."""
-
-
-@dataclass(frozen=True)
-class _Partial:
-    """A send that stopped: the chunk it stopped at, and why."""
-
-    index: int
-    error: GraphAPIError
 
 
 class _InboxStore(Protocol):
@@ -104,37 +64,24 @@ class _InboxStore(Protocol):
 
 
 # ------------------------------------------------------------------ upstream seams
-#
-# Everything of chatflow-agent's WhatsAppChannel this module uses that is not
-# public. tests/test_durable_whatsapp.py checks each one on the installed version.
+# Everything of upstream's WhatsAppChannel used here that is not public.
 
+# Set while upstream's webhook runs for us: _extract_messages puts the checked payload here.
 _CAPTURE: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
     "chatflow_whatsapp_capture", default=None
 )
-"""Set while upstream's webhook runs for us: ``_extract_messages`` puts the checked payload here."""
 
 
 def _take_upstream_webhook(app: FastAPI) -> Callable[..., Awaitable[Response]]:
-    """Remove upstream's ``POST /webhook`` route from ``app``; return its endpoint.
-
-    The endpoint is called as ``endpoint(request=..., background_tasks=...)``.
-
-    Raises:
-        RuntimeError: The installed chatflow-agent has no such route.
-
-    """
+    """Remove upstream's ``POST /webhook`` route; return its endpoint."""
     for route in list(app.router.routes):
-        if not isinstance(route, APIRoute) or route.path != "/webhook":
-            continue
-        if "POST" in (route.methods or ()):
+        if isinstance(route, APIRoute) and route.path == "/webhook" and "POST" in (
+            route.methods or ()
+        ):
             app.router.routes.remove(route)
             endpoint: Callable[..., Awaitable[Response]] = route.endpoint
             return endpoint
-    raise RuntimeError(
-        "chatflow-agent's WhatsAppChannel has no POST /webhook route: this version of "
-        "chatflow-sqlalchemy does not support the installed chatflow-agent; install "
-        "chatflow-agent>=0.3.4,<0.4"
-    )
+    raise RuntimeError(f"chatflow-agent's WhatsAppChannel has no POST /webhook: {_UPGRADE}")
 
 
 def _upstream_extract(
@@ -158,8 +105,6 @@ def _install_httpx(channel: WhatsAppChannel, module: Any) -> None:
 
 
 # ------------------------------------------------------------------ observing a send
-
-
 @dataclass
 class _Outcome:
     """What became of one chunk's send, as the HTTP client saw it (its last request)."""
@@ -246,16 +191,12 @@ def _graph_base(url: str | None) -> httpx.URL | None:
 
 
 # ------------------------------------------------------------------ the channel
-
-
 class DurableWhatsAppChannel(WhatsAppChannel):
     """chatflow-agent's ``WhatsAppChannel`` whose messages go through ``store.inbox``.
 
-    See the module's description for what changes and what does not.
-    ``channel.app`` is upstream's FastAPI app: ``GET /webhook`` and
-    ``/health`` are upstream's, ``POST /webhook`` puts into the inbox, and
-    its lifespan runs the workers (``channel.run()``, or any ASGI server
-    serving ``channel.app``). The runner must use ``store`` as its
+    ``channel.app`` is upstream's FastAPI app whose ``POST /webhook`` puts into
+    the inbox and whose lifespan runs the workers (``channel.run()``, or any
+    ASGI server serving ``channel.app``). The runner must use ``store`` as its
     ``session_store``: its turn then records the reply with the inbox batch.
 
     Args:
@@ -295,7 +236,7 @@ class DurableWhatsAppChannel(WhatsAppChannel):
                 f"store must be a chatflow-sqlalchemy store (it has store.inbox), got "
                 f"{type(store).__name__}; open one with chatflow_sqlalchemy.open_store(url)"
             )
-        _check_options(concurrency, coalesce_seconds, max_attempts, retry_seconds)
+        check_serve_options(concurrency, coalesce_seconds, max_attempts, retry_seconds)
         self.store = store
         self.in_app_workers = in_app_workers
         self.concurrency = concurrency
@@ -308,14 +249,11 @@ class DurableWhatsAppChannel(WhatsAppChannel):
         self.app.add_api_route("/webhook", self._receive, methods=["POST"])
         self.app.router.lifespan_context = self._lifespan(self.app.router.lifespan_context)
 
-    # -------------------------------------------------------------- the webhook
-
     def _extract_messages(self, payload: dict[str, Any]) -> list[tuple[str, str, str | None]]:
-        """Upstream's extraction; while our webhook runs, capture the payload instead.
+        """Upstream's extraction; while our webhook runs, capture the checked payload instead.
 
-        Upstream's ``POST /webhook`` calls this once the request passed its
-        checks; returning nothing there makes it answer without recording
-        or queueing anything, and :meth:`_receive` puts the messages.
+        Returning nothing makes upstream answer without recording or queueing
+        anything; :meth:`_receive` then puts the messages.
         """
         captured = _CAPTURE.get()
         if captured is None:
@@ -333,14 +271,8 @@ class DurableWhatsAppChannel(WhatsAppChannel):
         finally:
             _CAPTURE.reset(reset)
         if background.tasks or len(captured) != 1:
-            raise RuntimeError(
-                "chatflow-agent's webhook did not hand over its payload: this version of "
-                "chatflow-sqlalchemy does not support the installed chatflow-agent; install "
-                "chatflow-agent>=0.3.4,<0.4"
-            )
-        return await self._put_all(captured[0])
-
-    async def _put_all(self, payload: dict[str, Any]) -> Response:
+            raise RuntimeError(f"chatflow-agent's webhook gave no payload: {_UPGRADE}")
+        payload = captured[0]
         messages = _upstream_extract(self, payload)
         if not messages:
             return JSONResponse(content={"status": "ignored_or_status_update"})
@@ -357,9 +289,14 @@ class DurableWhatsAppChannel(WhatsAppChannel):
         marker = {"channel": "whatsapp", "type": str(raw.get("type", "text")),
                   "unsupported": text is None}
         try:
+            sent_at = parse_sent_at(raw.get("timestamp"))
+        except ValueError:
+            sent_at = None
+        # No NUL character, no lone surrogate: what every database can hold.
+        storable = (text or "").replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
+        try:
             return await self.store.inbox.aput(
-                wamid, session_id=phone, text=_storable(text or ""),
-                sent_at=_sent_at(raw.get("timestamp")), payload=marker,
+                wamid, session_id=phone, text=storable, sent_at=sent_at, payload=marker
             )
         except ValueError as exc:  # an id or phone no store can hold: a redelivery would fail too
             logger.error("whatsapp: message %s from %s refused: %s", wamid, _masked(phone), exc)
@@ -371,8 +308,6 @@ class DurableWhatsAppChannel(WhatsAppChannel):
                 status_code=503,
                 detail="the message could not be stored; deliver it again later",
             ) from exc
-
-    # -------------------------------------------------------------- the workers
 
     async def serve(self) -> None:
         """Answer the inbox's messages until cancelled: a worker-only process runs this.
@@ -443,7 +378,10 @@ class DurableWhatsAppChannel(WhatsAppChannel):
             Exception: Whatever the turn raised (the inbox retries the batch).
 
         """
-        texts = [item.text for item in batch.items if not _unsupported(item.payload)]
+        texts = [
+            item.text for item in batch.items
+            if not (isinstance(item.payload, dict) and item.payload.get("unsupported") is True)
+        ]
         if not texts:
             return self.unsupported_media_message
         metadata = {"channel": "whatsapp", "phone": batch.session_id,
@@ -475,23 +413,15 @@ class DurableWhatsAppChannel(WhatsAppChannel):
 
         """
         key = reply.message_ids
-        first = self._progress.pop(key, 0)
-        sent = await self._send_text(reply.session_id, reply.text, first)
-        if sent is not None:
-            self._progress[key] = sent.index
-            while len(self._progress) > _PROGRESS_KEPT:
-                self._progress.popitem(last=False)
-            raise sent.error
-
-    async def _send_text(self, phone: str, text: str, first: int = 0) -> _Partial | None:
-        """Send ``text``'s chunks from ``first`` on; where it stopped and why, if it did."""
-        chunks = split_message(text, max_len=WHATSAPP_TEXT_LIMIT)
-        for index in range(first, len(chunks)):
+        chunks = split_message(reply.text, max_len=WHATSAPP_TEXT_LIMIT)
+        for index in range(self._progress.pop(key, 0), len(chunks)):
             try:
-                await self._send_chunk(phone, chunks[index])
-            except GraphAPIError as exc:
-                return _Partial(index, exc)
-        return None
+                await self._send_chunk(reply.session_id, chunks[index])
+            except GraphAPIError:
+                self._progress[key] = index
+                while len(self._progress) > _PROGRESS_KEPT:
+                    self._progress.popitem(last=False)
+                raise
 
     async def _send_chunk(self, phone: str, text: str) -> None:
         outcome = _Outcome()
@@ -508,33 +438,20 @@ class DurableWhatsAppChannel(WhatsAppChannel):
         """Upstream's answer to a failed turn, sent once, when its messages are about to die."""
         if not (self.access_token and self.phone_number_id):
             return
-        failed = await self._send_text(phone, self.fallback_message)
-        if failed is not None:
-            logger.warning("whatsapp: could not send the fallback message: %s", failed.error)
+        try:
+            for chunk in split_message(self.fallback_message, max_len=WHATSAPP_TEXT_LIMIT):
+                await self._send_chunk(phone, chunk)
+        except GraphAPIError as exc:
+            logger.warning("whatsapp: could not send the fallback message: %s", exc)
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _check_options(
-    concurrency: object, coalesce_seconds: object, max_attempts: object, retry_seconds: object
-) -> None:
-    """Refuse, when the channel is built, what ``store.inbox.serve`` would refuse at startup."""
-    for name, value in (("concurrency", concurrency), ("max_attempts", max_attempts)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("coalesce_seconds", coalesce_seconds), ("retry_seconds", retry_seconds)):
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not 0 <= value <= 86400):
-            raise ValueError(f"{name} must be a number of seconds from 0 to 86400, got {value!r}")
-
-
 def _raw_messages(payload: Any, count: int) -> Sequence[Mapping[str, Any]]:
     """The message objects behind upstream's extraction, in its order (``{}`` if they differ).
 
-    Upstream keeps only ``(wamid, phone, text)``; the message's ``timestamp``
-    and ``type`` are read here, from the same walk (Cloud API messages that
-    have a sender, else the generic payload itself).
+    Upstream keeps only ``(wamid, phone, text)``; ``timestamp`` and ``type``
+    are read here by the same walk (messages that have a sender, else the
+    generic payload itself).
     """
     found = [
         message
@@ -555,23 +472,6 @@ def _raw_messages(payload: Any, count: int) -> Sequence[Mapping[str, Any]]:
 def _items(parent: Any, key: str) -> list[dict[str, Any]]:
     value = parent.get(key) if isinstance(parent, dict) else None
     return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
-
-
-def _sent_at(value: Any) -> datetime | None:
-    """WhatsApp's ``timestamp`` (epoch seconds as digits); None if absent or unreadable."""
-    try:
-        return parse_sent_at(value)
-    except ValueError:
-        return None
-
-
-def _storable(text: str) -> str:
-    """``text`` as every database can hold it: no NUL character, no lone surrogate."""
-    return text.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
-
-
-def _unsupported(payload: Any) -> bool:
-    return isinstance(payload, dict) and payload.get("unsupported") is True
 
 
 def _masked(phone: str) -> str:
