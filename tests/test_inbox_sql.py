@@ -8,6 +8,7 @@ at rest, the session the inbox creates for its lease, and the purge.
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,20 @@ def test_done_and_sent_messages_are_purged_after_the_dedup_window(open_store: An
     assert {e.message_id for e in store.inbox.entries(limit=None)} == {
         "old", "new", "waiting", "pending"
     }
+
+
+def test_a_deeply_nested_payload_is_stored_as_given(open_store: Any) -> None:
+    # A payload json.dumps takes (here 450 levels) is stored on every backend;
+    # PostgreSQL's jsonb serializer, looking for floats it must write out in
+    # full, recursed two frames per level and raised RecursionError from put.
+    payload: Any = {"value": 1.5}
+    for _ in range(450):
+        payload = {"changes": [payload]}
+    store = open_store()
+    assert store.inbox.put("m1", session_id="alice", text="hi", payload=payload) is True
+    with store.engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT payload FROM chatflow_inbox WHERE message_id = 'm1'")
+        ).scalar_one()
+    stored = json.loads(stored) if isinstance(stored, str) else stored
+    assert stored == payload

@@ -1,6 +1,8 @@
-"""The in-memory store is a context manager like the SQL stores: ``with`` and ``async with``."""
+"""The in-memory store's lifecycle matches the SQL stores': ``with``, ``async with``, ``clear``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Message, Role
@@ -43,3 +45,38 @@ async def test_same_lifecycle_as_the_sql_store(kind: str, tmp_path: object) -> N
     for call in (store.list_sessions, lambda: store.get("s"), lambda: store.delete("s")):
         with pytest.raises(RuntimeError, match="this session store is closed"):
             call()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_clear_forgets_what_waited_for_the_summary(kind: str) -> None:
+    # Turns a failed summarizer left waiting belong to the cleared session: a new
+    # session under the same id must never have them summarized into its own.
+    seen: list[list[str]] = []
+    failing = [True]
+
+    async def summarizer(previous: str | None, dropped: list[Any]) -> str:
+        seen.append([m.content for m in dropped])
+        if failing[0]:
+            raise RuntimeError("summarizer down")
+        return "summary"
+
+    options: dict[str, Any] = {"default_max_turns": 1, "summarizer": summarizer}
+    store = SessionStore(**options) if kind == "memory" else SQLiteSessionStore(
+        ":memory:", **options
+    )
+    with store:
+        ctx = store.get_or_create("s", BOT)
+        for i in range(4):
+            ctx.add_message(Message(role=Role.USER, content=f"old-{i}"))
+            ctx.add_message(Message(role=Role.MODEL, content=f"old-reply-{i}"))
+        assert store.wait_for_summaries(30)
+        store.clear()
+        failing[0] = False
+        seen.clear()
+        ctx = store.get_or_create("s", BOT)
+        for i in range(2):
+            ctx.add_message(Message(role=Role.USER, content=f"new-{i}"))
+            ctx.add_message(Message(role=Role.MODEL, content=f"new-reply-{i}"))
+        assert store.wait_for_summaries(30)
+        assert seen == [["new-0", "new-reply-0"]]
+        assert ctx.summary == "summary"

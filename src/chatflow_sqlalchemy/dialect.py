@@ -239,10 +239,13 @@ class DialectSupport:
         Insert the id as ``acquired``, or take the row over when it is
         ``released``, its lease expired, or it is older than the dedup TTL
         (keeping its ``ticket``, drawing a new ``token``). Bind parameters:
-        ``message_id``, ``token``, ``session_id``, ``lease_seconds`` and
-        ``ttl_seconds`` for the database's clock (``clock.CLAIM_NOW`` and
-        friends), plus the session lease's (:mod:`chatflow_sqlalchemy.lease`)
-        for a backend that takes it too. :meth:`read_claim` reads the result;
+        ``message_id``, ``token``, ``session_id``; the worker's clock values
+        ``now``, ``cutoff``, ``lease`` (the lease expiry) and ``horizon`` (see
+        :class:`AcquiredClaim`); ``lease_seconds`` and ``ttl_seconds`` for the
+        database's clock (``clock.CLAIM_NOW``, ``CLAIM_LEASE``, ``CLAIM_CUTOFF``,
+        ``CLAIM_HORIZON``); and the session lease's (``holder_token``,
+        ``lease_now``, ``lease_until``: :mod:`chatflow_sqlalchemy.lease`) for a
+        backend that takes it too. :meth:`read_claim` reads the result;
         :func:`on_conflict_acquire` builds it where ``ON CONFLICT`` exists.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement acquire_claim()")

@@ -22,9 +22,10 @@ class ChatflowStoreError(ChatFlowError):
 
 
 class SessionDeletedError(ChatflowStoreError):
-    """A live session context was used after its session was deleted (by any process).
+    """A live session context was used after ``delete`` or ``clear`` removed its session.
 
-    Fetch a fresh context with ``store.get_or_create`` to start over.
+    In this process or another one: fetch a fresh context with
+    ``store.get_or_create`` to start over.
     """
 
     def __init__(self, session_id: str) -> None:
@@ -83,7 +84,9 @@ class SchemaAheadError(SchemaError):
 class CorruptRowError(ChatflowStoreError):
     """A stored row cannot be decoded; the message names its table, session and row id.
 
-    ``row_id`` is None for a ``chatflow_sessions`` row; ``reason`` says what is wrong.
+    ``table`` is ``chatflow_messages`` (``row_id``: the message's id),
+    ``chatflow_message_archive`` (an archived message) or ``chatflow_sessions``
+    (``row_id`` None: the session id is its key); ``reason`` says what is wrong.
     """
 
     def __init__(

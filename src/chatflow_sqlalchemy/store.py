@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from chatflow_agent import Agent, Message
@@ -1119,28 +1118,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         if self._summaries is not None:
             self._summaries.close()
         self.runtime.close()
-
-    def __enter__(self) -> SQLAlchemySessionStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> SQLAlchemySessionStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Async :meth:`close` (waits for in-flight work off the loop)."""

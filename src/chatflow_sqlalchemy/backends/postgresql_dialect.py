@@ -103,11 +103,21 @@ def _exponent_integral(number: float) -> bool:
 
 
 def _any_exponent_integral(value: Any) -> bool:
-    if isinstance(value, float):
-        return _exponent_integral(value)
-    if isinstance(value, dict):
-        value = list(value.values())
-    return isinstance(value, (list, tuple)) and any(_any_exponent_integral(v) for v in value)
+    """Whether ``value`` holds such a float, walked without recursion.
+
+    A loop, so any nesting ``json.dumps`` takes passes here too; a container
+    seen before is skipped, leaving a cycle for ``json.dumps`` to report.
+    """
+    pending, seen = [value], set()
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float):
+            if _exponent_integral(item):
+                return True
+        elif isinstance(item, (dict, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            pending.extend(item.values() if isinstance(item, dict) else item)
+    return False
 
 
 def _processed_row() -> dict[str, Any]:

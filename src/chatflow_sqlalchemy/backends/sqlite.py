@@ -82,8 +82,9 @@ class SQLiteSessionStore(SQLAlchemySessionStore):
             (``auto_migrate=False`` also creates no file or directory).
 
     WAL, ``synchronous=NORMAL`` and a busy timeout are set internally, with no
-    other knob (as upstream). A new file is created 0600 and missing
-    directories 0700, whatever the umask; an existing file keeps its mode.
+    other knob (``busy_timeout=`` is a ``TypeError``, as upstream). A new file
+    is created 0600 and missing directories 0700, whatever the umask; an
+    existing file keeps its mode.
 
     """
 
