@@ -367,6 +367,8 @@ class ClaimBackend(Protocol):
 
     def finish(self, claim: WebhookClaim) -> bool: ...
 
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool: ...
+
     def release(self, claim: WebhookClaim) -> None: ...
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool: ...
@@ -439,6 +441,12 @@ class WebhookClaim:
         if value is not None:
             _check_reply(value, "claim.response")
         self._response = value
+
+    @property
+    def stored_with_turn(self) -> bool:
+        """The claim's turn marked it done in its own write, with this very reply."""
+        fence = self._fence
+        return fence is not None and fence.committed and fence.reply == self._response
 
     # ------------------------------------------------------------ backend side
 
@@ -535,7 +543,8 @@ class WebhookClaim:
             await asyncio.gather(task, return_exceptions=True)
         self._reset_var()
         finish = self._finish_or_release(failed)
-        if not await self._backend.run(finish):
+        local = not failed and self._backend.finishes_in_memory(self)
+        if not (finish() if local else await self._backend.run(finish)):
             from chatflow_sqlalchemy.exceptions import ClaimLostError
 
             raise ClaimLostError(self.message_id)
@@ -885,6 +894,10 @@ class MemoryClaims:
             row.response = claim.response
             self._store._remember(claim.message_id, time.monotonic())
             return True
+
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool:
+        """Always: this backend does no I/O."""
+        return True
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""

@@ -32,7 +32,7 @@ from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailab
 from chatflow_sqlalchemy.iopool import IOPool
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 __all__ = ["ASYNC_INSTALL_HINT", "StoreRuntime", "create_store_engine", "describe", "merged"]
 
@@ -133,6 +133,7 @@ class StoreRuntime:
         self.aengine: AsyncEngine | None = None
         """The AsyncEngine of a native-async store, once needed (its async API runs on it)."""
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._arunner: AsyncSession | None = None
         self._thread_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self.pool: IOPool | None = None
         """The private thread pool, once the async API needed it."""
@@ -253,9 +254,9 @@ class StoreRuntime:
         """
         if self.ephemeral:
             return fn(*args)
-        engine = await self._async_engine_for_loop() if self.native_async else None
-        if engine is not None:
-            return await _in_greenlet(engine, fn, *args)
+        runner = await self._greenlet_runner() if self.native_async else None
+        if runner is not None:
+            return await runner.run_sync(_on_async_facade, fn, *args)
         return await self._io_pool().run(fn, *args)
 
     def _make_async_engine(self) -> AsyncEngine:
@@ -276,6 +277,31 @@ class StoreRuntime:
             raise BackendImportError(
                 f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
             ) from exc
+
+    async def _greenlet_runner(self) -> AsyncSession | None:
+        """The running loop's way into SQLAlchemy's greenlet, or None: use the thread pool.
+
+        ``AsyncSession.run_sync`` is SQLAlchemy's documented way to run a sync
+        callable in its greenlet, where sync statements on the AsyncEngine's
+        facade await the async driver. The session itself is never used for
+        statements: it connects only when used, so it holds no connection
+        while the callable checks out its own (unlike
+        ``AsyncConnection.run_sync``, which holds one for the whole call).
+        One is made per AsyncEngine and reused by every call, since building
+        a session (and its ORM session) per call costs more than the hop.
+        """
+        runner, loop = self._arunner, asyncio.get_running_loop()
+        if runner is not None and self._aloop is loop and loop not in self._thread_loops:
+            return runner  # the owning loop is running: no hand-over can happen meanwhile
+        engine = await self._async_engine_for_loop()
+        if engine is None:
+            return None
+        from sqlalchemy.ext.asyncio import AsyncSession
+
+        with self._lock:
+            if self._arunner is None or self._arunner.bind is not engine:
+                self._arunner = AsyncSession(engine)
+            return self._arunner
 
     async def _async_engine_for_loop(self) -> AsyncEngine | None:
         """The AsyncEngine for the running loop, or None: use the thread pool from this loop.
@@ -350,20 +376,6 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task = loop.create_task(engine.dispose())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
-
-
-async def _in_greenlet(engine: AsyncEngine, fn: Callable[..., _T], *args: Any) -> _T:
-    """Run ``fn`` in a greenlet on ``engine``'s sync facade, by SQLAlchemy's documented way.
-
-    ``AsyncSession.run_sync`` runs a sync callable in SQLAlchemy's greenlet,
-    where sync statements on the AsyncEngine's facade await the async
-    driver. The session itself is never used: it connects only when used,
-    so it holds no connection while ``fn`` checks out its own (unlike
-    ``AsyncConnection.run_sync``, which holds one for the whole call).
-    """
-    from sqlalchemy.ext.asyncio import AsyncSession
-
-    return await AsyncSession(engine).run_sync(_on_async_facade, fn, *args)
 
 
 def _on_async_facade(_session: Any, fn: Callable[..., _T], *args: Any) -> _T:

@@ -137,6 +137,12 @@ class Turns:
             del self._offered[lease.session_id]
             return True
 
+    def is_offered(self, lease: Lease) -> bool:
+        """Whether ``lease`` still waits for a turn (no turn has used it yet)."""
+        with self._offered_lock:
+            offered = self._offered.get(lease.session_id)
+            return offered is not None and offered[0] is lease
+
     def _take_offered(self, session_id: str) -> tuple[Lease | None, float]:
         with self._offered_lock:
             lease, since = self._offered.pop(session_id, (None, 0.0))
@@ -161,7 +167,9 @@ class Turns:
         self._held[id(ctx)] = held
         lease = held.lease
         try:
-            if not await self._store._run_blocking(
+            # A context already at the lease's version has nothing to catch up: no hop.
+            current = lease.version is not None and ctx.is_current(lease.version)
+            if not current and not await self._store._run_blocking(
                 self._store._refresh, ctx, (True, lease.version)
             ):
                 raise SessionDeletedError(ctx.session_id)
