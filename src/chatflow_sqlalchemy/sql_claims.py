@@ -65,6 +65,8 @@ class _Turns(Protocol):
 
     def withdraw(self, lease: Lease) -> bool: ...
 
+    def is_offered(self, lease: Lease) -> bool: ...
+
 
 class _Store(Protocol):
     """What the claim backend needs of its store (the store passes itself)."""
