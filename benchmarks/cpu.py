@@ -4,8 +4,9 @@ Run: ``python -m benchmarks.cpu [--stores ours-pg-claim,raw-pg-claim,...]
 [--sessions S] [--turns T] [--rounds R] [--profile FILE]``.
 
 On a shared, loaded machine wall-clock ratios move with the neighbours; the
-CPU this process spends per turn (``time.process_time``: every thread of it,
-the store's I/O threads included) moves much less, and it is what the layer
+CPU this process spends per turn (``os.times``, user and system: the same
+clock as ``time.process_time``, every thread of it, the store's I/O threads
+included) moves much less, and it is what the layer
 adds over its floor. Each round runs every store on a fresh database, one
 process, S sessions x T webhook turns round-robin, the stores interleaved;
 it prints the median CPU ms and wall ms per turn, and statements per turn
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import tempfile
@@ -74,14 +76,16 @@ async def _drive(adapter: Any, refs: list[TurnRef], warm: int,
 
             profiler = Profiler(adapter.store if hasattr(adapter, "store") else None)
         with _counted(adapter) as count, profiler or nullcontext():
-            cpu, wall = time.process_time(), time.perf_counter()
+            times, wall = os.times(), time.perf_counter()
             for ref, payload in timed:
                 await adapter.turn(ref, payload)
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            wall = time.perf_counter() - wall
+            user, system = os.times().user - times.user, os.times().system - times.system
         if profiler is not None and profile:
             profiler.stats().dump_stats(profile)
         per = 1000 / len(timed)
-        return {"cpu ms": cpu * per, "wall ms": wall * per,
+        return {"cpu ms": (user + system) * per, "user ms": user * per,
+                "system ms": system * per, "wall ms": wall * per,
                 "statements": count[0] / len(timed) if count else float("nan")}
     finally:
         await adapter.close()
@@ -143,14 +147,16 @@ def main(argv: list[str] | None = None) -> int:
 def _print(results: dict[str, list[dict[str, float]]]) -> None:
     print(f"per turn, medians of {len(next(iter(results.values())))} rounds "
           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
-    print("| store | client CPU ms | wall ms | statements |")
+    print("| store | client CPU ms (user + system) | wall ms | statements |")
     print("|---|---|---|---|")
     for store, rounds in results.items():
         cpu = statistics.median(r["cpu ms"] for r in rounds)
+        user = statistics.median(r["user ms"] for r in rounds)
+        system = statistics.median(r["system ms"] for r in rounds)
         wall = statistics.median(r["wall ms"] for r in rounds)
         stmts = statistics.median(r["statements"] for r in rounds)
         shown = "-" if stmts != stmts else f"{stmts:.2f}"
-        print(f"| `{store}` | {cpu:.3f} | {wall:.3f} | {shown} |")
+        print(f"| `{store}` | {cpu:.3f} ({user:.3f} + {system:.3f}) | {wall:.3f} | {shown} |")
 
 
 if __name__ == "__main__":

@@ -158,11 +158,29 @@ class StoreRuntime:
     def _async_engine(self) -> AsyncEngine:
         """The AsyncEngine, created on first need (call with ``_lock`` held)."""
         if self.aengine is None:
-            self.aengine = self._make_async_engine()
+            level = self._transaction_level()
+            self.aengine = self._make_async_engine(level is not None)
             facade = self.aengine.sync_engine
             self.support.prepare_engine(facade)
-            self._aengines = self._engine_modes(facade)
+            self._aengines = self._engine_modes(facade, level)
         return self.aengine
+
+    def _transaction_level(self) -> str | None:
+        """The isolation level of transactions, when the AsyncEngine's pool runs in autocommit.
+
+        Nearly every statement of the async API runs alone in autocommit (a
+        claim, a lease, a turn's write on PostgreSQL). Switching a pooled
+        connection to autocommit and back costs two driver calls per
+        statement, so where autocommit is an isolation level the AsyncEngine's
+        connections stay in it and the rarer transactions name the level of
+        the store's engine instead (the caller's ``isolation_level``, else the
+        database's default). None: keep the pool as it is.
+        """
+        if self.support.autocommit_options() != {"isolation_level": "AUTOCOMMIT"}:
+            return None
+        given = merged(self.support.engine_options(self.url), self._engine_options)
+        level = given.get("isolation_level") or self.engine.dialect.default_isolation_level
+        return level if isinstance(level, str) and level != "AUTOCOMMIT" else None
 
     def _wants_native_async(self) -> bool:
         """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
@@ -186,8 +204,17 @@ class StoreRuntime:
             )
         return False
 
-    def _engine_modes(self, engine: Engine) -> tuple[Engine, Engine, Engine]:
-        """The engine as used for reads, for writes, and for single autocommit statements."""
+    def _engine_modes(
+        self, engine: Engine, level: str | None = None
+    ) -> tuple[Engine, Engine, Engine]:
+        """The engine as used for reads, for writes, and for single autocommit statements.
+
+        ``level``: the engine's connections run in autocommit; transactions
+        run at this isolation level.
+        """
+        if level is not None:
+            reads = engine.execution_options(isolation_level=level)
+            return reads, reads.execution_options(chatflow_write=True), engine
         return (
             engine,
             engine.execution_options(chatflow_write=True),
@@ -259,8 +286,10 @@ class StoreRuntime:
             return await runner.run_sync(_on_async_facade, fn, *args)
         return await self._io_pool().run(fn, *args)
 
-    def _make_async_engine(self) -> AsyncEngine:
+    def _make_async_engine(self, autocommit: bool = False) -> AsyncEngine:
         """Create the AsyncEngine of a native-async store, with the store's engine options.
+
+        ``autocommit``: its connections run in autocommit (see :meth:`_transaction_level`).
 
         Raises:
             BackendImportError: The async driver is not installed (names the extra).
@@ -272,6 +301,8 @@ class StoreRuntime:
         assert url is not None
         try:
             options = merged(self.support.engine_options(url), self._engine_options)
+            if autocommit:  # see _transaction_level
+                options["isolation_level"] = "AUTOCOMMIT"
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
