@@ -303,6 +303,10 @@ class StoreRuntime:
             options = merged(self.support.engine_options(url), self._engine_options)
             if autocommit:  # see _transaction_level
                 options["isolation_level"] = "AUTOCOMMIT"
+                if url.get_backend_name() == "postgresql":
+                    # The store has no hstore columns: without this, every new connection
+                    # looks the type up in a transaction of its own (BEGIN ... COMMIT).
+                    options.setdefault("use_native_hstore", False)
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
