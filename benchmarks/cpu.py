@@ -10,7 +10,9 @@ included) moves much less, and it is what the layer
 adds over its floor. Each round runs every store on a fresh database, one
 process, S sessions x T webhook turns round-robin, the stores interleaved;
 it prints the median CPU ms and wall ms per turn, and statements per turn
-(counted on the store's engines; floors show ``-``). ``--profile`` writes a
+(counted on the store's engines; floors show ``-``), and Python function calls
+per turn from one more pass under cProfile: a count the machine's load does
+not move, to compare two versions of the code. ``--profile`` writes a
 cProfile of the first store's last round (all threads merged).
 """
 
@@ -62,14 +64,27 @@ def _refs(sessions: int, turns: int, label: str) -> list[TurnRef]:
             for k in range(sessions * turns)]
 
 
+async def _count_calls(adapter: Any, timed: list[tuple[TurnRef, Any]]) -> float:
+    """Python function calls per turn (cProfile, every thread): a deterministic proxy for CPU."""
+    from benchmarks.profiling import Profiler
+
+    profiler = Profiler(getattr(adapter, "store", None))
+    with profiler:
+        for ref, payload in timed:
+            await adapter.turn(ref, payload)
+    return float(profiler.stats().total_calls) / len(timed)  # type: ignore[attr-defined]
+
+
 async def _drive(adapter: Any, refs: list[TurnRef], warm: int,
-                 profile: str | None) -> dict[str, float]:
+                 profile: str | None, calls: bool = False) -> dict[str, float]:
     payloads = [adapter.payload(ref) for ref in refs]
     await adapter.open()
     try:
         for ref, payload in zip(refs[:warm], payloads[:warm], strict=True):
             await adapter.turn(ref, payload)
         timed = list(zip(refs[warm:], payloads[warm:], strict=True))
+        if calls:  # a pass of its own: the profiler's cost must not reach the timings
+            return {"calls": await _count_calls(adapter, timed)}
         profiler: Any = None
         if profile:
             from benchmarks.profiling import Profiler
@@ -92,7 +107,8 @@ async def _drive(adapter: Any, refs: list[TurnRef], warm: int,
 
 
 def measure(name: str, sessions: int, turns: int, label: str, folder: Path,
-            pg_url: str | None, profile: str | None = None) -> dict[str, float]:
+            pg_url: str | None, profile: str | None = None,
+            calls: bool = False) -> dict[str, float]:
     """One store, one fresh database: CPU and wall ms per turn after a warm-up turn each."""
     from benchmarks.pg import create_schema, drop_schema
     from benchmarks.stores import Target, adapter_class
@@ -108,7 +124,7 @@ def measure(name: str, sessions: int, turns: int, label: str, folder: Path,
     try:
         cls.prepare(target)
         refs = _refs(sessions, turns + 1, label)
-        return asyncio.run(_drive(cls(target), refs, sessions, profile))
+        return asyncio.run(_drive(cls(target), refs, sessions, profile, calls))
     finally:
         if schema is not None and pg_url is not None:
             drop_schema(pg_url, schema)
@@ -138,17 +154,20 @@ def main(argv: list[str] | None = None) -> int:
                 results[store].append(measure(
                     store, args.sessions, args.turns, f"cpu{round_}_{index}", folder, pg_url,
                     args.profile if last else None))
+        counted = {store: measure(store, args.sessions, args.turns, f"calls{index}", folder,
+                                  pg_url, calls=True)["calls"]
+                   for index, store in enumerate(stores)}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    _print(results)
+    _print(results, counted)
     return 0
 
 
-def _print(results: dict[str, list[dict[str, float]]]) -> None:
+def _print(results: dict[str, list[dict[str, float]]], counted: dict[str, float]) -> None:
     print(f"per turn, medians of {len(next(iter(results.values())))} rounds "
           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
-    print("| store | client CPU ms (user + system) | wall ms | statements |")
-    print("|---|---|---|---|")
+    print("| store | client CPU ms (user + system) | wall ms | statements | Python calls |")
+    print("|---|---|---|---|---|")
     for store, rounds in results.items():
         cpu = statistics.median(r["cpu ms"] for r in rounds)
         user = statistics.median(r["user ms"] for r in rounds)
@@ -156,7 +175,8 @@ def _print(results: dict[str, list[dict[str, float]]]) -> None:
         wall = statistics.median(r["wall ms"] for r in rounds)
         stmts = statistics.median(r["statements"] for r in rounds)
         shown = "-" if stmts != stmts else f"{stmts:.2f}"
-        print(f"| `{store}` | {cpu:.3f} ({user:.3f} + {system:.3f}) | {wall:.3f} | {shown} |")
+        print(f"| `{store}` | {cpu:.3f} ({user:.3f} + {system:.3f}) | {wall:.3f} | {shown} "
+              f"| {counted[store]:.0f} |")
 
 
 if __name__ == "__main__":
