@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -24,6 +25,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import sqlalchemy
 from sqlalchemy import URL, Connection, Engine, create_engine
 from sqlalchemy import exc as sa_exc
 
@@ -42,6 +44,15 @@ ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
 
 _IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", default=False)
 """True while store code runs in a greenlet on the AsyncEngine's sync facade."""
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+_RESTORES_AUTOCOMMIT = _version(sqlalchemy.__version__) >= (2, 0, 20)
+"""A pooled connection gets its engine-level AUTOCOMMIT back after a transaction at another
+level (SQLAlchemy issue 10147); before 2.0.20 it kept that level, and each later autocommit
+statement would cost a COMMIT round trip: the AsyncEngine's pool then stays as it was."""
 
 _READ, _WRITE, _SINGLE = 0, 1, 2
 """Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
@@ -176,6 +187,8 @@ class StoreRuntime:
         the store's engine instead (the caller's ``isolation_level``, else the
         database's default). None: keep the pool as it is.
         """
+        if not _RESTORES_AUTOCOMMIT:
+            return None
         if self.support.autocommit_options() != {"isolation_level": "AUTOCOMMIT"}:
             return None
         given = merged(self.support.engine_options(self.url), self._engine_options)
@@ -326,7 +339,8 @@ class StoreRuntime:
         a session (and its ORM session) per call costs more than the hop.
         """
         runner, loop = self._arunner, asyncio.get_running_loop()
-        if runner is not None and self._aloop is loop and loop not in self._thread_loops:
+        owned = runner is not None and self._aloop is loop and not self.closed
+        if owned and loop not in self._thread_loops:
             return runner  # the owning loop is running: no hand-over can happen meanwhile
         engine = await self._async_engine_for_loop()
         if engine is None:
