@@ -59,7 +59,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from types import TracebackType
@@ -358,6 +358,33 @@ class ClaimInfo:
     has_response: bool
 
 
+class Renewal:
+    """A lease renewed every ``interval`` seconds while a block runs; only a timer until then.
+
+    Most blocks end before their first renewal is due: they pay for a timer,
+    not for a task. The first beat starts ``beat()`` as a task, which renews
+    at once and then keeps its own pace. :meth:`stop` cancels either, and
+    waits for a renewal under way to end.
+    """
+
+    __slots__ = ("_task", "_timer")
+
+    def __init__(self, interval: float, beat: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(interval, self._start, beat)
+
+    def _start(self, beat: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._task = asyncio.get_running_loop().create_task(beat())
+
+    async def stop(self) -> None:
+        """Stop renewing; a cancellation of the caller still raises."""
+        self._timer.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+
 class ClaimBackend(Protocol):
     """What a store provides to :class:`WebhookClaim` (sync calls; ``run`` for async)."""
 
@@ -366,6 +393,8 @@ class ClaimBackend(Protocol):
     def renew(self, claim: WebhookClaim) -> bool: ...
 
     def finish(self, claim: WebhookClaim) -> bool: ...
+
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool: ...
 
     def release(self, claim: WebhookClaim) -> None: ...
 
@@ -421,7 +450,7 @@ class WebhookClaim:
         self._session_version: int | None = None
         self._entered = False
         self._var_token: contextvars.Token[WebhookClaim | None] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._renewal: Renewal | None = None
         self._stop = threading.Event()
 
     @property
@@ -439,6 +468,12 @@ class WebhookClaim:
         if value is not None:
             _check_reply(value, "claim.response")
         self._response = value
+
+    @property
+    def stored_with_turn(self) -> bool:
+        """The claim's turn marked it done in its own write, with this very reply."""
+        fence = self._fence
+        return fence is not None and fence.committed and fence.reply == self._response
 
     # ------------------------------------------------------------ backend side
 
@@ -487,7 +522,7 @@ class WebhookClaim:
         if not self.acquired:
             return self
         self._var_token = _ACTIVE.set(self)
-        self._task = asyncio.get_running_loop().create_task(self._renew_loop())
+        self._renewal = Renewal(self.lease_seconds / 3, self._renew_loop)
         try:
             await self._await_earlier_claims()
         except BaseException:
@@ -529,28 +564,29 @@ class WebhookClaim:
             await self._aclose(failed=exc is not None)
 
     async def _aclose(self, *, failed: bool) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None:
+            await renewal.stop()
         self._reset_var()
         finish = self._finish_or_release(failed)
-        if not await self._backend.run(finish):
+        local = not failed and self._backend.finishes_in_memory(self)
+        if not (finish() if local else await self._backend.run(finish)):
             from chatflow_sqlalchemy.exceptions import ClaimLostError
 
             raise ClaimLostError(self.message_id)
 
     async def _renew_loop(self) -> None:
+        """Renew now, then every third of the lease (started by :class:`Renewal`)."""
         while True:
-            await asyncio.sleep(self.lease_seconds / 3)
             try:
                 held = await self._backend.run(self._backend.renew, self)
             except Exception as exc:  # the database is away: try again at the next beat
                 logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
-                continue
+                held = True
             if not held:
                 self._mark_lost()
                 return
+            await asyncio.sleep(self.lease_seconds / 3)
 
     async def _await_earlier_claims(self) -> None:
         if self.session_id is None or not self.earlier_seen:
@@ -885,6 +921,10 @@ class MemoryClaims:
             row.response = claim.response
             self._store._remember(claim.message_id, time.monotonic())
             return True
+
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool:
+        """Always: this backend does no I/O."""
+        return True
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""

@@ -74,6 +74,8 @@ TAKE_VALUES: dict[str, Any] = {
 }
 """What taking the lease sets (``holder_token``, ``lease_until``, ``turn_lease_seconds``)."""
 _TAKE = update(_s).where(_SESSION, LEASE_FREE).values(TAKE_VALUES)
+_TAKE_RETURNING = _TAKE.returning(_s.c.version, _s.c.lease_fence)
+"""The take where UPDATE returns rows: built once, so SQLAlchemy's compiled cache hits at once."""
 _TAKEN = select(_s.c.version, _s.c.lease_fence).where(
     _SESSION, _s.c.lease_owner == bindparam("holder_token")
 )
@@ -131,9 +133,7 @@ class SessionLeases:
         params = {"sid": session_id, **self.take_params()}
         if self._returning:
             with self._runtime.transaction(single=True) as conn:
-                row = conn.execute(
-                    _TAKE.returning(_s.c.version, _s.c.lease_fence), params
-                ).first()
+                row = conn.execute(_TAKE_RETURNING, params).first()
         else:
             with self._runtime.transaction(write=True) as conn:
                 taken = conn.execute(_TAKE, params).rowcount == 1

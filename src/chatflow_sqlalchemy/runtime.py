@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -24,6 +25,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import sqlalchemy
 from sqlalchemy import URL, Connection, Engine, create_engine
 from sqlalchemy import exc as sa_exc
 
@@ -32,7 +34,7 @@ from chatflow_sqlalchemy.exceptions import BackendImportError, DatabaseUnavailab
 from chatflow_sqlalchemy.iopool import IOPool
 
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 __all__ = ["ASYNC_INSTALL_HINT", "StoreRuntime", "create_store_engine", "describe", "merged"]
 
@@ -42,6 +44,15 @@ ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
 
 _IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", default=False)
 """True while store code runs in a greenlet on the AsyncEngine's sync facade."""
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+_RESTORES_AUTOCOMMIT = _version(sqlalchemy.__version__) >= (2, 0, 20)
+"""A pooled connection gets its engine-level AUTOCOMMIT back after a transaction at another
+level (SQLAlchemy issue 10147); before 2.0.20 it kept that level, and each later autocommit
+statement would cost a COMMIT round trip: the AsyncEngine's pool then stays as it was."""
 
 _READ, _WRITE, _SINGLE = 0, 1, 2
 """Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
@@ -133,6 +144,7 @@ class StoreRuntime:
         self.aengine: AsyncEngine | None = None
         """The AsyncEngine of a native-async store, once needed (its async API runs on it)."""
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._arunner: AsyncSession | None = None
         self._thread_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self.pool: IOPool | None = None
         """The private thread pool, once the async API needed it."""
@@ -157,11 +169,31 @@ class StoreRuntime:
     def _async_engine(self) -> AsyncEngine:
         """The AsyncEngine, created on first need (call with ``_lock`` held)."""
         if self.aengine is None:
-            self.aengine = self._make_async_engine()
+            level = self._transaction_level()
+            self.aengine = self._make_async_engine(level is not None)
             facade = self.aengine.sync_engine
             self.support.prepare_engine(facade)
-            self._aengines = self._engine_modes(facade)
+            self._aengines = self._engine_modes(facade, level)
         return self.aengine
+
+    def _transaction_level(self) -> str | None:
+        """The isolation level of transactions, when the AsyncEngine's pool runs in autocommit.
+
+        Nearly every statement of the async API runs alone in autocommit (a
+        claim, a lease, a turn's write on PostgreSQL). Switching a pooled
+        connection to autocommit and back costs two driver calls per
+        statement, so where autocommit is an isolation level the AsyncEngine's
+        connections stay in it and the rarer transactions name the level of
+        the store's engine instead (the caller's ``isolation_level``, else the
+        database's default). None: keep the pool as it is.
+        """
+        if not _RESTORES_AUTOCOMMIT:
+            return None
+        if self.support.autocommit_options() != {"isolation_level": "AUTOCOMMIT"}:
+            return None
+        given = merged(self.support.engine_options(self.url), self._engine_options)
+        level = given.get("isolation_level") or self.engine.dialect.default_isolation_level
+        return level if isinstance(level, str) and level != "AUTOCOMMIT" else None
 
     def _wants_native_async(self) -> bool:
         """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
@@ -185,8 +217,17 @@ class StoreRuntime:
             )
         return False
 
-    def _engine_modes(self, engine: Engine) -> tuple[Engine, Engine, Engine]:
-        """The engine as used for reads, for writes, and for single autocommit statements."""
+    def _engine_modes(
+        self, engine: Engine, level: str | None = None
+    ) -> tuple[Engine, Engine, Engine]:
+        """The engine as used for reads, for writes, and for single autocommit statements.
+
+        ``level``: the engine's connections run in autocommit; transactions
+        run at this isolation level.
+        """
+        if level is not None:
+            reads = engine.execution_options(isolation_level=level)
+            return reads, reads.execution_options(chatflow_write=True), engine
         return (
             engine,
             engine.execution_options(chatflow_write=True),
@@ -253,13 +294,15 @@ class StoreRuntime:
         """
         if self.ephemeral:
             return fn(*args)
-        engine = await self._async_engine_for_loop() if self.native_async else None
-        if engine is not None:
-            return await _in_greenlet(engine, fn, *args)
+        runner = await self._greenlet_runner() if self.native_async else None
+        if runner is not None:
+            return await runner.run_sync(_on_async_facade, fn, *args)
         return await self._io_pool().run(fn, *args)
 
-    def _make_async_engine(self) -> AsyncEngine:
+    def _make_async_engine(self, autocommit: bool = False) -> AsyncEngine:
         """Create the AsyncEngine of a native-async store, with the store's engine options.
+
+        ``autocommit``: its connections run in autocommit (see :meth:`_transaction_level`).
 
         Raises:
             BackendImportError: The async driver is not installed (names the extra).
@@ -271,11 +314,43 @@ class StoreRuntime:
         assert url is not None
         try:
             options = merged(self.support.engine_options(url), self._engine_options)
+            if autocommit:  # see _transaction_level
+                options["isolation_level"] = "AUTOCOMMIT"
+                if url.get_backend_name() == "postgresql":
+                    # The store has no hstore columns: without this, every new connection
+                    # looks the type up in a transaction of its own (BEGIN ... COMMIT).
+                    options.setdefault("use_native_hstore", False)
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
                 f"{url.drivername} needs its async driver: {ASYNC_INSTALL_HINT} ({exc})"
             ) from exc
+
+    async def _greenlet_runner(self) -> AsyncSession | None:
+        """The running loop's way into SQLAlchemy's greenlet, or None: use the thread pool.
+
+        ``AsyncSession.run_sync`` is SQLAlchemy's documented way to run a sync
+        callable in its greenlet, where sync statements on the AsyncEngine's
+        facade await the async driver. The session itself is never used for
+        statements: it connects only when used, so it holds no connection
+        while the callable checks out its own (unlike
+        ``AsyncConnection.run_sync``, which holds one for the whole call).
+        One is made per AsyncEngine and reused by every call, since building
+        a session (and its ORM session) per call costs more than the hop.
+        """
+        runner, loop = self._arunner, asyncio.get_running_loop()
+        owned = runner is not None and self._aloop is loop and not self.closed
+        if owned and loop not in self._thread_loops:
+            return runner  # the owning loop is running: no hand-over can happen meanwhile
+        engine = await self._async_engine_for_loop()
+        if engine is None:
+            return None
+        from sqlalchemy.ext.asyncio import AsyncSession
+
+        with self._lock:
+            if self._arunner is None or self._arunner.bind is not engine:
+                self._arunner = AsyncSession(engine)
+            return self._arunner
 
     async def _async_engine_for_loop(self) -> AsyncEngine | None:
         """The AsyncEngine for the running loop, or None: use the thread pool from this loop.
@@ -350,20 +425,6 @@ def _dispose_from_sync_code(engine: AsyncEngine) -> None:
         task = loop.create_task(engine.dispose())
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
-
-
-async def _in_greenlet(engine: AsyncEngine, fn: Callable[..., _T], *args: Any) -> _T:
-    """Run ``fn`` in a greenlet on ``engine``'s sync facade, by SQLAlchemy's documented way.
-
-    ``AsyncSession.run_sync`` runs a sync callable in SQLAlchemy's greenlet,
-    where sync statements on the AsyncEngine's facade await the async
-    driver. The session itself is never used: it connects only when used,
-    so it holds no connection while ``fn`` checks out its own (unlike
-    ``AsyncConnection.run_sync``, which holds one for the whole call).
-    """
-    from sqlalchemy.ext.asyncio import AsyncSession
-
-    return await AsyncSession(engine).run_sync(_on_async_facade, fn, *args)
 
 
 def _on_async_facade(_session: Any, fn: Callable[..., _T], *args: Any) -> _T:

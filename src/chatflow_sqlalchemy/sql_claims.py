@@ -65,6 +65,8 @@ class _Turns(Protocol):
 
     def withdraw(self, lease: Lease) -> bool: ...
 
+    def is_offered(self, lease: Lease) -> bool: ...
+
 
 class _Store(Protocol):
     """What the claim backend needs of its store (the store passes itself)."""
@@ -238,8 +240,7 @@ class SQLClaims:
         ``claim.response``).
         """
         try:
-            fence = claim._fence
-            if fence is not None and fence.committed and fence.reply == claim.response:
+            if claim.stored_with_turn:
                 return True
             params = {
                 "claim_id": claim.message_id,
@@ -250,6 +251,17 @@ class SQLClaims:
             return bool(self._execute(_FINISH, params).rowcount == 1)
         finally:
             self._withdraw_session_lease(claim)
+
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool:
+        """Whether :meth:`finish` sends nothing: its turn stored this reply with the claim.
+
+        Nor is there a session lease to give back (none was taken with the
+        claim, or a turn used it), so the caller may finish on the loop.
+        """
+        if not claim.stored_with_turn:
+            return False
+        lease = self._offered.get(claim)
+        return lease is None or not self._store.turns.is_offered(lease)
 
     def renew(self, claim: WebhookClaim) -> bool:
         """Extend the lease while the token holds; False once it is gone."""

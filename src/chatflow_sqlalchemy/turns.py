@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
-from chatflow_sqlalchemy.claims import ClaimFence, active_fence
+from chatflow_sqlalchemy.claims import ClaimFence, Renewal, active_fence
 from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence, active_batch
@@ -65,7 +65,7 @@ class _Held:
     def __init__(
         self,
         lease: Lease,
-        renewal: asyncio.Task[None] | None,
+        renewal: Renewal | None,
         batch: BatchFence | None = None,
     ) -> None:
         self.lease = lease
@@ -75,8 +75,7 @@ class _Held:
     async def stop_renewing(self) -> None:
         """Cancel the renewal and wait for it; a cancellation of the caller still raises."""
         if self.renewal is not None:
-            self.renewal.cancel()
-            await asyncio.wait([self.renewal])
+            await self.renewal.stop()
 
     @property
     def ours(self) -> bool:
@@ -137,6 +136,12 @@ class Turns:
             del self._offered[lease.session_id]
             return True
 
+    def is_offered(self, lease: Lease) -> bool:
+        """Whether ``lease`` still waits for a turn (no turn has used it yet)."""
+        with self._offered_lock:
+            offered = self._offered.get(lease.session_id)
+            return offered is not None and offered[0] is lease
+
     def _take_offered(self, session_id: str) -> tuple[Lease | None, float]:
         with self._offered_lock:
             lease, since = self._offered.pop(session_id, (None, 0.0))
@@ -154,14 +159,16 @@ class Turns:
             held = _Held(batch.lease, None, batch)
         else:
             lease = await self._offered_lease(ctx.session_id) or await self._take(ctx.session_id)
-            renewal = None if lease.kept else asyncio.get_running_loop().create_task(
-                self._renew(lease)
+            renewal = None if lease.kept else Renewal(
+                self.leases.lease_seconds / 3, lambda: self._renew(lease)
             )
             held = _Held(lease, renewal)
         self._held[id(ctx)] = held
         lease = held.lease
         try:
-            if not await self._store._run_blocking(
+            # A context already at the lease's version has nothing to catch up: no hop.
+            current = lease.version is not None and ctx.is_current(lease.version)
+            if not current and not await self._store._run_blocking(
                 self._store._refresh, ctx, (True, lease.version)
             ):
                 raise SessionDeletedError(ctx.session_id)
@@ -264,20 +271,20 @@ class Turns:
         orphan.add_done_callback(self._orphans.discard)
 
     async def _renew(self, lease: Lease) -> None:
-        """Renew ``lease`` every third of its length until cancelled or lost."""
+        """Renew ``lease`` now, then every third of its length until cancelled or lost."""
         interval = self.leases.lease_seconds / 3
         while True:
-            await asyncio.sleep(interval)
             try:
                 held = await self._store._run_blocking(self.leases.renew, lease)
             except Exception as exc:  # the next renewal or the write will tell
                 logger.warning("could not renew the lease of session %r: %s",
                                lease.session_id, exc)
-                continue
+                held = True
             if not held:
                 logger.warning("lost the lease of session %r: its turn will not be written",
                                lease.session_id)
                 return
+            await asyncio.sleep(interval)
 
     async def _give_back(self, lease: Lease, made: int | None = None) -> None:
         """Release ``lease``, even if the caller is cancelled meanwhile.

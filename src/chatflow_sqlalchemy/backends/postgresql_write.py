@@ -97,6 +97,7 @@ class _Shape:
     settle_keep: bool
     archive: bool
     clear: bool
+    prune: bool
     upsert: bool
     fence: bool
     by_day: bool
@@ -186,6 +187,8 @@ def _messages_diff(shape: _Shape, swapped: Any) -> list[Any]:
             index_elements=[_messages.c.session_id, _messages.c.seq],
             set_={name: new[name] for name in ("role", "content", "message_json", "created_at")},
         )
+    if not (shape.clear or shape.prune):  # most turns delete nothing: nothing to plan
+        return [added.cte("added")]
     return [delete(_messages).where(*mine).cte("pruned"), added.cte("added")]
 
 
@@ -241,7 +244,8 @@ def execute_write(connection: Connection, write: SessionWrite) -> bool:
         metadata="metadata" in write.swap, lease=write.lease is not None,
         keep=write.keep_lease, summary=write.summary is not None,
         settle_keep=bool(write.summary and write.summary["keep"]),
-        archive=bool(write.archived or write.waiting), clear=write.clear, upsert=bool(again),
+        archive=bool(write.archived or write.waiting), clear=write.clear,
+        prune=bool(write.gone), upsert=bool(again),
         fence=fence is not None, by_day=by_day, batch=batch is not None,
     )
     return bool(connection.execute(_statement(shape), params).scalar_one() == 1)
