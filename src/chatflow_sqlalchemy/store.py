@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from chatflow_agent import Agent, Message
-from sqlalchemy import URL, Engine, delete, select, update
+from sqlalchemy import URL, Connection, Engine, delete, select, update
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import telemetry
@@ -491,10 +491,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _record_owner(self, session_id: str, user_id: str) -> None:
         """Make ``user_id`` the session's owner, unless it already has another one."""
+        owner_of = select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
         with self.runtime.transaction() as conn:
-            owner = conn.execute(
-                select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
-            ).scalar()
+            owner = conn.execute(owner_of).scalar()
         if owner is None:
             with self.runtime.transaction(write=True) as conn:
                 conn.execute(
@@ -502,9 +501,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                     .where(_sessions.c.session_id == session_id, _sessions.c.user_id.is_(None))
                     .values(user_id=user_id)
                 )
-                owner = conn.execute(
-                    select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
-                ).scalar()
+                owner = conn.execute(owner_of).scalar()
         if owner is not None and owner != user_id:
             raise ValueError(
                 f"session {session_id!r} belongs to another user_id; a session has one owner "
@@ -539,20 +536,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         says this store (not another writer) made it: a failed turn may unmake it.
         """
         if stored is None:
-            now, version = utcnow(), first_version()
             with self.runtime.transaction(write=True) as conn:
-                conn.execute(
-                    self._insert_session,
-                    {
-                        "session_id": session_id,
-                        "active_agent_name": default_agent.name,
-                        "metadata_json": self._sealer.seal_metadata(session_id, metadata),
-                        "version": version,
-                        "created_at": now,
-                        "updated_at": now,
-                        "user_id": user_id,
-                    },
-                )
+                version = self._insert(conn, session_id, default_agent.name, metadata, user_id)
                 stored = read_session(conn, self._sealer, session_id)
             assert stored is not None
             # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
@@ -563,17 +548,29 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _create_empty_session(self, session_id: str) -> None:
         """A session for the inbox to lease before its first turn; ``get_or_create`` adopts it."""
-        now = utcnow()
         with self.runtime.transaction(write=True) as conn:
-            conn.execute(self._insert_session, {
-                "session_id": session_id,
-                "active_agent_name": UNBORN_AGENT,
-                "metadata_json": self._sealer.seal_metadata(session_id, {}),
-                "version": first_version(),
-                "created_at": now,
-                "updated_at": now,
-                "user_id": None,
-            })
+            self._insert(conn, session_id, UNBORN_AGENT, {}, None)
+
+    def _insert(
+        self,
+        conn: Connection,
+        session_id: str,
+        agent_name: str,
+        metadata: dict[str, Any],
+        user_id: str | None,
+    ) -> int:
+        """Insert the session's row unless it exists; return the version it was given."""
+        now, version = utcnow(), first_version()
+        conn.execute(self._insert_session, {
+            "session_id": session_id,
+            "active_agent_name": agent_name,
+            "metadata_json": self._sealer.seal_metadata(session_id, metadata),
+            "version": version,
+            "created_at": now,
+            "updated_at": now,
+            "user_id": user_id,
+        })
+        return version
 
     def _adopt(
         self, session_id: str, agent: Agent, metadata: dict[str, Any], user_id: str | None
