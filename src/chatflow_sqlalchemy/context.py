@@ -1,22 +1,11 @@
 """The session context: a conversation's history window, active agent and metadata.
 
-:class:`SessionContext` subclasses ``chatflow_agent.SessionContext`` and keeps
-its public behaviour (turn-safe pruning, rollback, the ``lock`` the Runner
-holds around a turn) while fixing what upstream gets wrong:
-
-* pruning is incremental: each message costs O(1) amortised bookkeeping
-  instead of regrouping the whole history;
-* ``rollback_to`` restores the exact earlier state (history *and* active
-  agent), also when the rolled-back messages pruned older turns;
-* mutation is thread-safe, and a context whose session was deleted raises
-  :class:`~chatflow_sqlalchemy.exceptions.SessionDeletedError`.
-
-A context created directly (or by the in-memory store) lives only in memory.
-A context handed out by a SQL store is *attached*: the store persists every
-change. Outside ``session.lock`` each change is written at once; inside it
-(one Runner turn) changes are buffered and written in one transaction when
-the lock is released, so a failed turn rolls back as a plain discard and a
-crash mid-turn leaves no partial turn behind.
+:class:`SessionContext` keeps upstream's public behaviour, with incremental
+pruning, exact ``rollback_to``, thread-safe mutation and
+:class:`~chatflow_sqlalchemy.exceptions.SessionDeletedError` for a deleted
+session. A context a store hands out is *attached*: each change outside
+``session.lock`` is written at once, a turn's changes in one transaction
+when the lock is released (a failed turn is a plain discard).
 """
 
 from __future__ import annotations
@@ -80,13 +69,8 @@ SUMMARY_TIMESTAMP = datetime(1970, 1, 1, tzinfo=timezone.utc)
 """The summary message's timestamp: fixed, so a reload shows the very same message."""
 
 
-
 def validate_agent(agent: Agent) -> Agent:
-    """Return ``agent`` if its name fits the session's ``active_agent_name`` column.
-
-    Checked before a session is created or switches agent, so a name no
-    backend can store never reaches the database (the rule of :func:`validate_id`).
-    """
+    """Return ``agent`` if its name can be stored as the session's agent (:func:`validate_id`)."""
     try:
         validate_id(agent.name, "agent name")
     except ValueError as exc:
@@ -107,11 +91,8 @@ def validate_max_turns(value: object, name: str = "max_turns") -> int:
 def dump_message(message: Message) -> str:
     """A message as the JSON stored in ``message_json``, which reads back equal.
 
-    Tool arguments and results may hold NaN or infinities (a data tool's
-    output); pydantic writes those as ``null`` by default, so messages with
-    tool calls or results are written with the ``NaN``/``Infinity``
-    constants, which :meth:`Message.model_validate_json` reads back. Other
-    messages (no floats) take pydantic's faster path; both give the same text.
+    Tool calls and results may hold NaN or infinities, which pydantic writes as
+    ``null`` by default: those are written as ``NaN``/``Infinity`` constants.
     """
     if message.tool_calls is None and message.tool_results is None:
         return message.model_dump_json()
@@ -172,12 +153,10 @@ class DurableState:
     agent_name: str
     metadata_json: str
     incarnation: object = None
-    """What tells this session apart from a later one under the same id (the row's
-    ``created_at``); a writer that finds another incarnation writes nothing."""
+    """The row's ``created_at``: tells this session from a later one under the same id."""
     hidden: frozenset[int] = frozenset()
-    """Rows held back from memory: a trailing tool call without its result, written
-    outside a turn by a writer that may have died. Deleted by the next write that
-    appends a message after them."""
+    """Rows held back from memory (a trailing tool call without its result, see
+    :func:`repair_window`); deleted by the next write that appends after them."""
     summary: str | None = None
     summary_through: int = 0
     """The highest seq folded into ``summary`` (0: none)."""
@@ -209,15 +188,12 @@ class StoredSession:
 
 @dataclass(frozen=True)
 class PendingWrite:
-    """What a context changed since the database last saw it: one write's worth.
+    """What a context changed since the database last saw it: one transaction's worth.
 
-    From :meth:`SessionContext.writing` (or ``rebase``), run by the store as one
-    transaction, handed back to :meth:`SessionContext.applied` once committed.
-    ``version`` and ``incarnation`` are what the write expects of the session
-    row; ``metadata``, ``metadata_json`` and ``summary`` (text, seq it runs
-    through) are None when unchanged; ``gone`` are the rows to delete (also
-    hidden ones no result can follow any more), ``pruned`` those of them
-    pruning dropped; ``tail`` is the window's last message if the write adds it.
+    ``version`` and ``incarnation`` are what the write expects of the row;
+    ``metadata``, ``metadata_json`` and ``summary`` are None when unchanged;
+    ``gone`` are the rows to delete, ``pruned`` those of them pruning dropped;
+    ``tail`` is the window's last message if the write adds it.
     """
 
     session_id: str
@@ -242,13 +218,9 @@ def repair_window(
 ) -> tuple[list[Message], list[int], set[int]]:
     """The window memory shows of the stored rows, and the seqs of the rows it hides.
 
-    * Leading non-USER messages (only a file written by upstream holds them)
-      are dropped; their rows are deleted by the next write.
-    * A trailing tool call without its result is hidden (returned as hidden):
-      it was written outside a turn by a writer that died or is still running
-      the tool. The context that wrote it (``shown``: the seqs a context shows
-      already) keeps it, so its result lands after it; the rows are deleted
-      only when a later message makes the result impossible.
+    Leading non-USER messages (an upstream file) are dropped. A trailing tool
+    call without its result (its writer died or still runs the tool) is hidden,
+    unless in ``shown`` (the seqs the context that wrote it shows already).
     """
     end = len(messages)
     while end > 0 and _is_call(messages[end - 1]) and seqs[end - 1] not in shown:
@@ -273,12 +245,9 @@ def _is_call(message: Message | None) -> bool:
 class _TrackedDict(dict[str, Any]):
     """A dict that tells its context about top-level changes, so they get persisted.
 
-    Values are checked to be JSON-serialisable before they are stored, so a bad
-    value raises ``ValueError`` and changes nothing. Nested changes
-    (``metadata["a"]["b"] = 1``) are not seen at once; they are persisted with
-    the next write of the session (any message, or the end of the turn), unless
-    the context catches up with another writer first (it then shows what the
-    database holds). Assign the top-level key to have a nested change written now.
+    A value that is not JSON-serialisable raises ``ValueError`` and changes
+    nothing. Nested changes (``metadata["a"]["b"] = 1``) go with the session's
+    next write; assign the top-level key to have one written now.
     """
 
     def __init__(self, owner: SessionContext, data: dict[str, Any]) -> None:
@@ -330,13 +299,10 @@ class _TrackedDict(dict[str, Any]):
 class _AnyLoopLock:
     """A FIFO lock awaited from any event loop in any thread.
 
-    A context can outlive an event loop (``Runner.run`` uses ``asyncio.run``
-    on every call) and be shared by threads that each run their own loop (a
-    sync web server calling ``Runner.run`` per request). An ``asyncio.Lock``
-    is bound to one loop, and a waiter parked in one loop and woken from
-    another thread would never resume. Here each waiter parks on a future of
-    its own loop and is handed the lock with that loop's
-    ``call_soon_threadsafe``; a thread lock guards the state.
+    A context outlives loops (``Runner.run`` runs ``asyncio.run`` per call) and
+    is shared by threads with loops of their own, which an ``asyncio.Lock``
+    (bound to one loop) cannot serve: each waiter parks on a future of its own
+    loop and is handed the lock through ``call_soon_threadsafe``.
     """
 
     __slots__ = ("_held", "_mutex", "_waiters")
@@ -409,12 +375,11 @@ _OPEN_TURNS: ContextVar[frozenset[int]] = ContextVar("chatflow_open_turns", defa
 
 
 class TurnLock:
-    """The object behind ``session.lock``: an ``asyncio.Lock`` that also frames a turn.
+    """``session.lock``: serialises the session's turns in the process, and frames each.
 
-    ``async with session.lock:`` serialises turns of this session within the
-    process. On entry the context catches up with what other processes
-    committed (and the store may take a cross-process lock); on exit the
-    turn's changes are written in one transaction.
+    On entry the context catches up (the store may take a cross-process
+    lease); on exit the turn's changes are written in one transaction, or
+    discarded whole if the block raised.
     """
 
     def __init__(self, ctx: SessionContext) -> None:
@@ -442,11 +407,7 @@ class TurnLock:
             self._lock.release()
 
     async def discard_async(self) -> None:
-        """Close the turn without writing anything, and let the next turn in.
-
-        Memory goes back to the state the turn began with (history, active
-        agent, metadata); what the database holds is untouched.
-        """
+        """Close the turn without writing: memory goes back to how the turn began."""
         try:
             await self._ctx._adiscard_turn()
         finally:
@@ -466,8 +427,6 @@ class TurnLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # A turn that ends by any exception (an error, a cancellation such as
-        # asyncio.wait_for's timeout, KeyboardInterrupt) is discarded as a whole.
         if exc_type is None:
             await self.release_async()
         else:
@@ -510,9 +469,7 @@ class SessionContext(_UpstreamSessionContext):
         self._turn_start: _TurnSnapshot | None = None
         self._cleared = False
         self._in_turn = False
-        # Writes pending (a turn closed, not yet written) or in progress: a refresh
-        # must not install over them (a native-async refresh re-enters the mutex).
-        self._writing = 0
+        self._writing = 0  # writes pending or running: a refresh must not install over them
         self._stale = False
         self._durable: DurableState | None = None
         self._turn_lock: TurnLock | None = None
@@ -524,8 +481,7 @@ class SessionContext(_UpstreamSessionContext):
         self._summary_message: Message | None = None
         self._forked_from: str | None = None
         self._forked_at_turn: int | None = None
-        # What the first use must read (defer_load): guarded by a lock of its own that
-        # is never held across I/O, so that a loop's thread never waits for a read.
+        # What the first use must read (defer_load), under a lock never held across I/O.
         self._deferred_load: Callable[[], object] | None = None
         self._deferred_catch_up = False
         self._recreate: Callable[[], object] | None = None
@@ -635,8 +591,7 @@ class SessionContext(_UpstreamSessionContext):
     def summary(self) -> str | None:
         """The summary of the turns pruning dropped (the store's ``summarizer``), or None.
 
-        The model sees it as one SYSTEM message after the session's own
-        SYSTEM messages, at the head of ``history``.
+        ``history`` shows it as a SYSTEM message after the session's own.
         """
         self.ensure_loaded()
         return self._summary
@@ -652,13 +607,9 @@ class SessionContext(_UpstreamSessionContext):
     def defer_load(self, load: Callable[[], object]) -> None:
         """Hand this context out before its session is read: ``load`` fills it on first use.
 
-        For a store asked for a context on a thread whose event loop is
-        running (the Runner's sync ``get_or_create``), where waiting on the
-        database would block the loop. The turn's start runs ``load`` off the
-        loop (:meth:`TurnLock.acquire`); any other first use (reading
-        ``history``, ``metadata``, ``active_agent``..., or a change) runs it
-        where it is. ``load`` reads or creates the session and installs it
-        here; until it succeeded, every use tries it again.
+        For ``get_or_create`` on a running loop's thread. A turn's start runs
+        ``load`` off the loop, any other first use in place; until it succeeds,
+        every use tries it again.
         """
         with self._defer_lock:
             self._deferred_load, self._deferred_catch_up = load, False
@@ -668,12 +619,9 @@ class SessionContext(_UpstreamSessionContext):
     ) -> None:
         """Catch up with the database on first use (``catch_up``), as :meth:`defer_load` loads.
 
-        A turn's start catches up by itself, so a turn drops it instead of
-        running it; should the turn find the session deleted meanwhile (by
-        another process), it runs ``recreate`` (off the loop), which creates
-        the session anew in this context, and starts again. Ignored while a
-        turn is open (the turn shows its own state) or a first load is
-        pending (it reads everything anyway).
+        A turn's start catches up itself and drops it, running ``recreate``
+        instead if it finds the session deleted meanwhile. Ignored during a
+        turn or while a first load is pending.
         """
         with self._defer_lock:
             if self._in_turn or self._loading or self._deferred_load is not None:
@@ -696,11 +644,7 @@ class SessionContext(_UpstreamSessionContext):
         return self._deferred_load is None
 
     def ensure_loaded(self) -> None:
-        """Run the deferred first load now, if there is one (see :meth:`defer_load`).
-
-        While another thread runs it, wait for it: what this context holds
-        before its load ends is not the session's.
-        """
+        """Run the deferred first load now, if any, or wait for the thread running it."""
         if self._deferred_load is None and not self._loading:
             return
         with self._mutex:  # one load at a time, and no other use of the state meanwhile
@@ -756,9 +700,7 @@ class SessionContext(_UpstreamSessionContext):
     def clear_history(self) -> None:
         """Drop every message of the session, SYSTEM messages included.
 
-        A clear wins over what it cleared: if another writer added messages
-        before this change is written, they are dropped too (after a clear the
-        session holds no message older than it).
+        Messages another writer added before the clear is written go too.
         """
         with self._mutex:
             self._check_alive()
@@ -775,11 +717,10 @@ class SessionContext(_UpstreamSessionContext):
     def rollback_to(self, checkpoint_len: int) -> None:
         """Restore the state the session had when ``len(history) == checkpoint_len``.
 
-        Inside ``session.lock`` a checkpoint taken at the start of the turn
-        restores exactly the pre-turn history and active agent, even when the
-        turn's messages pruned older turns. Otherwise the most recent recorded
-        state of that length is restored; with none recorded, the history is
-        truncated as upstream does. Rollback never undoes tool side effects.
+        Inside ``session.lock`` the turn's starting length restores exactly the
+        pre-turn history and active agent, even if the turn pruned older turns.
+        Otherwise the latest recorded state of that length is restored, else the
+        history is truncated as upstream does. Tool side effects stay.
 
         Raises:
             SessionDeletedError: If the session was deleted.
@@ -803,9 +744,8 @@ class SessionContext(_UpstreamSessionContext):
     def rewind(self, turns: int = 1) -> None:
         """Remove the last ``turns`` complete turns, in memory and in the store alike.
 
-        Runs as a turn of its own (see :meth:`arewind`); call :meth:`arewind`
-        from a running event loop. Edit-and-regenerate is a rewind, then a
-        new turn with the edited message.
+        Runs as a turn of its own (:meth:`arewind`, which a running loop must
+        await). Edit-and-regenerate: rewind, then a turn with the edited message.
 
         Raises:
             ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
@@ -824,10 +764,8 @@ class SessionContext(_UpstreamSessionContext):
     async def arewind(self, turns: int = 1) -> None:
         """Async :meth:`rewind`: takes the session's turn, removes the turns, writes.
 
-        The turn fences it like any other (on a SQL store it holds the
-        session's lease and catches up first), and waits for a turn other
-        tasks or threads have open; removed messages go to the archive on a
-        store with ``archive_pruned=True``.
+        It waits for a turn other tasks have open, and is fenced like any turn;
+        removed messages are archived with ``archive_pruned=True``.
 
         Raises:
             ValueError: ``turns`` is not a positive int, or the window holds fewer turns.
@@ -858,11 +796,7 @@ class SessionContext(_UpstreamSessionContext):
                 self._reindex()
 
     def _prune_history(self) -> None:
-        """Regroup the whole history into whole turns (upstream's full algorithm).
-
-        Normal appends prune incrementally; this is for callers that changed
-        ``history`` by hand and want it made canonical again.
-        """
+        """Regroup the whole history into whole turns (after editing ``history`` by hand)."""
         with self._mutex:
             self._check_alive()
             undo = self._push_undo()
@@ -891,25 +825,19 @@ class SessionContext(_UpstreamSessionContext):
         if self._owner is None or self._in_turn:
             fn(*args)  # nothing to write now: memory only, or buffered until the turn ends
             return
-        # Async writers of one context take turns: on a native-async store they
-        # share the loop thread, where the thread mutex cannot tell them apart.
+        # On a native-async store writers share the loop thread: the mutex cannot order them.
         async with self._async_writer:
             await self._owner._run_blocking(fn, *args)
 
     # ------------------------------------------------------------ persistence
-    # The interface a store persists the context through: a store reads and
-    # changes the context's state only by these methods.
+    # A store reads and changes the context's state only by these methods.
 
     def attach(self, owner: ContextOwner) -> None:
         """Have ``owner`` (the store that hands this context out) persist its changes."""
         self._owner = owner
 
     def mark_deleted(self) -> None:
-        """The session is gone: every later use of this context raises SessionDeletedError.
-
-        A deferred load still pending is dropped: run later, it would create
-        the deleted session again.
-        """
+        """The session is gone: later uses raise SessionDeletedError (a pending load is dropped)."""
         with self._defer_lock:
             self._deleted = True
             self._deferred_load, self._deferred_catch_up, self._recreate = None, False, None
@@ -930,32 +858,19 @@ class SessionContext(_UpstreamSessionContext):
         return None if durable is None else durable.incarnation
 
     def window(self) -> list[tuple[int, Message]]:
-        """The window's messages with their seqs, in order, without the summary's message.
-
-        Read without the mutex: a store calls it under its own lock (taken after the mutex).
-        """
+        """The window's messages with their seqs, without the summary's (read without the mutex)."""
         pairs = zip(self._seqs, self._history, strict=True)
         return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
 
     @property
     def made_version(self) -> int | None:
-        """The version this context's store made its session at, if nothing was written since.
-
-        Made: created, or adopted with no agent yet (see
-        :data:`~chatflow_sqlalchemy.values.UNBORN_AGENT`). None once this
-        context wrote or read a later version, or if another store made it.
-        """
+        """The version this context's store made (or adopted) its session at, if still current."""
         durable = self._durable
         return durable.version if durable is not None and durable.made else None
 
     @property
     def unborn(self) -> bool:
-        """True if the session, as last read, has no agent yet: ``get`` does not show it.
-
-        The inbox made it for its lease, or its first turn failed before
-        anything was written; the next write (or ``get_or_create``) gives it
-        its agent.
-        """
+        """True if the session, as last read, has no agent yet: ``get`` does not show it."""
         durable = self._durable
         return durable is not None and durable.agent_name == UNBORN_AGENT
 
@@ -965,22 +880,16 @@ class SessionContext(_UpstreamSessionContext):
         return durable is not None and durable.version == version and not self._stale
 
     def load(self, stored: StoredSession, agent: Agent) -> None:
-        """Take ``stored`` whole, memory or not: a first read, or the session made anew.
-
-        Unlike :meth:`catch_up`, a later session under the same id is taken too
-        (a context whose session another process deleted and created again).
-        """
+        """Take ``stored`` whole: a first read, or the session made anew (any incarnation)."""
         with self._mutex:
             self._install(stored, agent, frozenset())
 
     def catch_up(self, stored: StoredSession | None, agents: AgentLookup) -> bool:
         """Take what the database holds (``stored``); False if that session is gone.
 
-        Gone: ``stored`` is None, or is a later session under the same id.
-        Memory that is newer stays: during a turn or a write, or once this
-        context wrote ``stored``'s version (or a later one) itself; its write
-        rebases it. An unsaved trailing tool call (or one another writer
-        deleted) stays too, after the rows, to be written with its result.
+        Gone: ``stored`` is None, or a later session under the same id. Newer
+        memory (a turn, a write, a version written here) stays; so does an
+        unsaved trailing tool call, to be written with its result.
         """
         with self._mutex:
             if stored is None or self._other_incarnation(stored):
@@ -997,8 +906,6 @@ class SessionContext(_UpstreamSessionContext):
     @contextmanager
     def writing(self) -> Iterator[PendingWrite | None]:
         """Hold the context (its mutex) for one write; yield what it changed, None if nothing.
-
-        A catch-up meanwhile (a native-async one re-enters the mutex) leaves memory alone.
 
         Raises:
             SessionDeletedError: If the session was deleted.
@@ -1035,10 +942,8 @@ class SessionContext(_UpstreamSessionContext):
     def rebase(self, stored: StoredSession | None, agents: AgentLookup) -> PendingWrite:
         """Another writer moved the session: take its rows, replay the unsaved changes on them.
 
-        New messages go after its rows as whole turns; an unsaved clear (or a
-        replaced history) drops what it added too; this context's agent,
-        metadata and summary win where it changed them (a summary only over
-        the one it was made from).
+        New messages go after its rows; an unsaved clear drops what it added;
+        this context's agent, metadata and summary win where it changed them.
 
         Returns:
             What to write now.
@@ -1103,12 +1008,7 @@ class SessionContext(_UpstreamSessionContext):
         return last
 
     def settle_window(self, gone: Iterable[int]) -> tuple[list[int], bool]:
-        """For a store that keeps the window itself: what left it, seen once.
-
-        ``gone``: the seqs that left the window since the store last looked.
-        Returns those pruning dropped (see :meth:`_pruned`), and whether the
-        history was cleared since; the clear is then taken as seen.
-        """
+        """Of ``gone`` (seqs that left the window), those pruning dropped; and a clear, once."""
         cleared, self._cleared = self._cleared, False
         return self._pruned(gone), cleared
 
@@ -1119,13 +1019,10 @@ class SessionContext(_UpstreamSessionContext):
         *,
         max_turns: int,
     ) -> SessionContext:
-        """A new context, not attached to a store, that starts as a fork of this one.
+        """A new, unattached context that starts as a fork of this one (its state outside a turn).
 
-        It takes what this context holds outside a turn (as a SQL store copies
-        what is committed): what ``cut`` takes of the window's messages and
-        seqs (the summary's left out; it returns them and how many turns they
-        hold), the summary, agent and metadata. New messages take seqs above
-        the source's.
+        ``cut`` takes the window's messages and seqs and returns those kept and
+        their turns; the summary, agent and metadata are copied.
 
         Raises:
             SessionDeletedError: If the session was deleted.
@@ -1211,9 +1108,7 @@ class SessionContext(_UpstreamSessionContext):
                 async with self._async_writer:
                     await self._owner._aend_turn(self)
             except BaseException:
-                # Not written (or not known to be): memory shows what the database
-                # held when the turn began, never an unsaved turn, and is checked
-                # against the database again before the next one.
+                # Not known written: back to the turn's start, checked again before the next.
                 self._discard_to(start, stale=True)
                 raise
             finally:
@@ -1245,10 +1140,8 @@ class SessionContext(_UpstreamSessionContext):
     def _changed(self, undo: Checkpoint | None = None) -> None:
         """Persist now, or leave it for the end of the turn.
 
-        If writing fails, the change is undone in memory (``undo`` is the state
-        before it; metadata goes back to what was last written) and the context
-        is marked stale, so the store reloads it from the database before its
-        next use: memory never claims what the database does not hold.
+        A failed write undoes the change in memory (to ``undo``) and marks the
+        context stale, to be reloaded before its next use.
         """
         if self._owner is None or self._in_turn:
             return
@@ -1410,9 +1303,7 @@ class SessionContext(_UpstreamSessionContext):
         self._seqs = seqs
         self.active_agent = agent
         self._replace_metadata(stored.metadata)
-        # A seq names one message in the transcript (archive and window merged by
-        # seq): never reuse an archived one (a rewound turn's, or one a fork copied
-        # to wait for its summary) for a new message.
+        # A seq names one transcript message: never reuse an archived one.
         self._next_seq = max(
             self._next_seq,
             max(durable.seqs | durable.hidden, default=0) + 1,
@@ -1466,12 +1357,7 @@ class SessionContext(_UpstreamSessionContext):
         )
 
     def _pruned(self, gone: Iterable[int]) -> list[int]:
-        """Of the rows leaving the window (``gone``), those pruning dropped, in order.
-
-        Pruning drops the oldest turns, so a pruned row's seq is below every
-        kept non-SYSTEM row's; rows removed by a rollback (newer than what is
-        kept) or by ``clear_history`` (nothing kept) are not pruned.
-        """
+        """Of the rows leaving the window (``gone``), those pruning dropped: older than all kept."""
         if len(self._seqs) <= self._n_system:
             return []
         oldest_kept = self._seqs[self._n_system]
@@ -1485,13 +1371,9 @@ class SessionContext(_UpstreamSessionContext):
         return self._history[-1]
 
     def _orphaned_tool_call(self, stored: StoredSession) -> Message | None:
-        """The stored trailing tool call whose row another writer deleted, if any.
+        """Our saved trailing tool call whose row another writer deleted, if any.
 
-        A process that wrote a tool call outside a turn and is running the tool
-        still holds the call; another process that loaded the session meanwhile
-        hid the unanswered call and, when it appended a message, deleted it. The
-        call then goes after the other writer's rows again, so the result that
-        follows it is never stored without its call.
+        It goes after that writer's rows again, so its result is never stored without it.
         """
         durable = self._durable
         if durable is None:
@@ -1505,22 +1387,12 @@ class SessionContext(_UpstreamSessionContext):
         return message if _is_call(message) and self._seqs[index] not in stored.seqs else None
 
     def _other_incarnation(self, stored: StoredSession) -> bool:
-        """True if ``stored`` is a later session under this id (deleted and created anew).
-
-        Versions cannot tell: a new session starts at a random version. The
-        row's ``created_at`` can, and is read only when the version has moved.
-        """
+        """True if ``stored`` is a later session under this id (told by ``created_at``)."""
         known = self.incarnation
         return known is not None and stored.created_at is not None and stored.created_at != known
 
     def _holds_newer_than(self, stored: StoredSession) -> bool:
-        """True if installing ``stored`` would throw away what a turn or a write holds.
-
-        The unsaved messages of an open turn, or of a write pending or running
-        (a native-async refresh re-enters the mutex), stay: their write rebases
-        them. A context that wrote meanwhile is newer than what was read
-        before. A stale context holds nothing worth keeping.
-        """
+        """True if installing ``stored`` would throw away what a turn or a write holds."""
         durable = self._durable
         if durable is None or self._stale:
             return False
@@ -1535,11 +1407,7 @@ class SessionContext(_UpstreamSessionContext):
     # -------------------------------------------------------------- summary
 
     def _is_summary(self, message: Message) -> bool:
-        """True if ``message`` is the summary's SYSTEM message this context shows, or a copy.
-
-        A copy too: ``history = [m.model_copy() for m in history]`` (a redaction
-        pass, a JSON round trip) must not store the summary as a message.
-        """
+        """True if ``message`` is the summary's SYSTEM message this context shows, or a copy."""
         shown = self._summary_message
         return shown is not None and (message is shown or message == shown)
 
@@ -1572,10 +1440,8 @@ class SessionContext(_UpstreamSessionContext):
     async def aapply_summary(self, summary: str, based_on: int, through: int) -> bool:
         """Take ``summary`` (of the turns up to seq ``through``) as a turn of its own.
 
-        Only over the summary it was made from (``based_on``, what
-        ``summary_through`` was then): False, changing nothing, if another
-        summary came first, or if a message it covers is back in the window (a
-        rollback undid its prune: the model would see it twice).
+        False, changing nothing, if ``summary_through`` is no longer ``based_on``
+        or a message it covers is back in the window.
         """
         async with self.lock:
             with self._mutex:

@@ -1,24 +1,9 @@
 """The generic SQLAlchemy session store: the public façade over its parts.
 
-Every query is written once against SQLAlchemy Core; backends only
-contribute a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`. The store
-is assembled from rooms with one job each:
-
-* :mod:`~chatflow_sqlalchemy.runtime`: engines, transactions, and how the
-  async API runs the same sync code (threads, the loop, or greenlets);
-* :mod:`~chatflow_sqlalchemy.rows`: the session and message statements and codecs;
-* :mod:`~chatflow_sqlalchemy.contexts`: one live context per session, agents by name;
-* :mod:`~chatflow_sqlalchemy.context`: the session itself, and what it has pending
-  (the store reads and changes it only through its persistence interface);
-* :mod:`~chatflow_sqlalchemy.writer`: the one write algorithm (compare-and-swap, rebase);
-* :mod:`~chatflow_sqlalchemy.turns`: the start and end of a turn (the session's lease);
-* :mod:`~chatflow_sqlalchemy.sql_claims` and :mod:`~chatflow_sqlalchemy.sql_lifecycle`:
-  webhook claims and data governance.
-
-Per logical operation one transaction: outside ``session.lock`` each context
-change is written at once; inside it (one Runner turn) the turn's messages,
-prunes, handoff and metadata are written in one transaction when the lock is
-released.
+Every query is written once against SQLAlchemy Core; backends only contribute
+a :class:`~chatflow_sqlalchemy.dialect.DialectSupport`. One transaction per
+logical operation: a context change outside ``session.lock`` at once, a whole
+Runner turn when the lock is released.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from chatflow_agent import Agent, Message
-from sqlalchemy import URL, Engine, delete, select, update
+from sqlalchemy import URL, Connection, Engine, delete, select, update
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import telemetry
@@ -159,14 +144,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ``engine`` you pass is used as it is (a ``ValueError`` with both).
         **options: The other store options, by keyword: ``session_ttl_hours``,
             ``archive_pruned``, ``turn_lease_seconds``, ``summarizer``,
-            ``auto_migrate``, ``cipher``, ``require_encryption`` (each
-            described at :class:`~chatflow_sqlalchemy.options.StoreOptions`).
-            Any other keyword is a ``TypeError`` naming them.
+            ``auto_migrate``, ``cipher``, ``require_encryption`` (see
+            :class:`~chatflow_sqlalchemy.options.StoreOptions`); any other
+            keyword is a ``TypeError``.
 
-    The schema is created or upgraded on open (under a cross-process lock); a
-    database migrated by a newer version raises
-    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`. What was
-    migrated is logged at INFO on the ``chatflow_sqlalchemy`` logger.
+    The schema is created or upgraded on open (under a cross-process lock,
+    logged at INFO); a database migrated by a newer version raises
+    :class:`~chatflow_sqlalchemy.exceptions.SchemaAheadError`.
 
     Raises:
         ValueError: For invalid parameters (or an unreadable ``CHATFLOW_AUTO_MIGRATE``).
@@ -205,10 +189,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         engine: Engine | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
-        """Open the store with ``options`` on ``engine``, or on an engine made from ``url``.
+        """Open the store with ``options`` on ``engine``, or on one made from ``url``.
 
-        What every constructor ends with, once it has built its options (a
-        backend's store class calls it with its URL instead of ``__init__``).
+        Every constructor ends with it (a backend's class calls it instead of ``__init__``).
         """
         self.options = options
         self.auto_migrate = auto_migrate_enabled(options.auto_migrate)
@@ -305,11 +288,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def engines(self) -> tuple[Engine, ...]:
         """Every engine this store runs statements on, for engine events and instrumentation.
 
-        ``store.engine``; on a native-async store (PostgreSQL,
-        ``sqlite+aiosqlite``) the sync facade of its ``AsyncEngine``, where
-        the async API's statements run. ``event.listen(engine, ...)`` on each
-        of them, or ``SQLAlchemyInstrumentor().instrument(engines=store.engines)``,
-        sees every statement the store sends.
+        ``store.engine``, plus on a native-async store the sync facade of its
+        ``AsyncEngine``. Listening on each (``event.listen`` or
+        ``SQLAlchemyInstrumentor().instrument(engines=store.engines)``) sees every statement.
         """
         return self.runtime.engines
 
@@ -346,8 +327,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> bool:
         """Catch ``ctx`` up with the database; False if its session is gone.
 
-        ``claimed`` is the version a claim of this store read for the session
-        (see :meth:`_claimed_version`), used instead of reading it again.
+        ``claimed``: the version a claim already read (:meth:`_claimed_version`).
         """
         read, version = claimed
         if not read:
@@ -364,7 +344,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         with self.runtime.transaction(single=True) as conn:
             row = conn.execute(SELECT_VERSION, {"session_id": session_id}).first()
         return None if row is None else int(row[0])
-
 
     # ------------------------------------------------------------ store API
 
@@ -383,15 +362,11 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         none yet). The same context object is returned for a session while
         anyone holds it, so its ``lock`` serialises turns within the process.
 
-        Called on a thread whose event loop is running (``Runner.run_async``
-        calls it so), it never waits on the database, which would block the
-        loop: the context it returns is read (the session created, the
-        owner checked) or caught up when first used, by the turn's start off
-        the loop (``async with session.lock``), or in place by any other use.
-        Errors of that read (``DatabaseUnavailableError``, a ``user_id``
-        other than the session's own) are raised there. Only a ``user_id``
-        for a session whose context is live (shared, so its owner is checked
-        at the call) still reads on the loop; the Runner passes none.
+        Called on a thread whose event loop is running (``Runner.run_async``),
+        it does not wait on the database: the context is read (and the owner
+        checked) on first use, off the loop by the turn's start, and that
+        read raises its errors (``DatabaseUnavailableError``, another owner).
+        Only a ``user_id`` for a live context still reads on the loop.
         ``aget_or_create`` reads before it returns, off the loop.
 
         Raises:
@@ -417,11 +392,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return ctx
 
     def _on_a_running_loop(self) -> bool:
-        """Called on an event loop's own thread (not in the store's greenlets off it).
-
-        In-memory SQLite is exempt: its statements run on the loop anyway
-        (:meth:`StoreRuntime.run_blocking`), and wait on no I/O.
-        """
+        """Called on an event loop's own thread (not in-memory SQLite: it waits on no I/O)."""
         if self.runtime.ephemeral or self.runtime.in_async_facade():
             return False
         try:
@@ -439,13 +410,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext | None:
         """:meth:`get_or_create` without I/O: the context reads on first use.
 
-        A live context is returned as it is, to catch up on first use (a
-        turn's start catches up anyway), or to be created anew in it if its
-        session was deleted meanwhile. Otherwise a new context, published at
-        once so that every caller gets this one, whose first use reads or
-        creates the session and checks ``user_id``. None for a live context
-        and a ``user_id``: the owner of a context others share is checked
-        at the call (a failed check must not fail their next use).
+        A live context catches up (or is made anew) on first use; a new one is
+        published at once and loads on first use. None for a live context and a
+        ``user_id``: a shared context's owner is checked at the call, so a failed
+        check does not fail the others' next use.
         """
         ctx = self._contexts.get(session_id)
         if ctx is None:
@@ -485,10 +453,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         default_agent: Agent,
         metadata: dict[str, Any],
     ) -> None:
-        """The deferred catch-up of a live context; a session deleted meanwhile is made anew.
-
-        What :meth:`get_or_create` does at once for a caller off the loop.
-        """
+        """The deferred catch-up of a live context; a session deleted meanwhile is made anew."""
         read, version = claimed
         if not read:
             version = self._read_version(ctx.session_id)
@@ -506,9 +471,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> None:
         """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
 
-        Its first turn failed before anything was written (:meth:`_adiscard_turn`),
-        and the session is made again, as for a context read anew. A turn in
-        progress keeps its own view: its write gives the session its agent.
+        Its first turn failed unwritten (:meth:`_adiscard_turn`); a turn in
+        progress keeps its own view, and its write gives the session its agent.
         """
         if not ctx.unborn or ctx.in_turn:
             return
@@ -527,10 +491,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _record_owner(self, session_id: str, user_id: str) -> None:
         """Make ``user_id`` the session's owner, unless it already has another one."""
+        owner_of = select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
         with self.runtime.transaction() as conn:
-            owner = conn.execute(
-                select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
-            ).scalar()
+            owner = conn.execute(owner_of).scalar()
         if owner is None:
             with self.runtime.transaction(write=True) as conn:
                 conn.execute(
@@ -538,9 +501,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                     .where(_sessions.c.session_id == session_id, _sessions.c.user_id.is_(None))
                     .values(user_id=user_id)
                 )
-                owner = conn.execute(
-                    select(_sessions.c.user_id).where(_sessions.c.session_id == session_id)
-                ).scalar()
+                owner = conn.execute(owner_of).scalar()
         if owner is not None and owner != user_id:
             raise ValueError(
                 f"session {session_id!r} belongs to another user_id; a session has one owner "
@@ -571,26 +532,12 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> StoredSession:
         """The session as stored (``stored``, just read), created if it does not exist.
 
-        A session with no agent yet (the inbox made it, or its first turn
-        failed) takes ``default_agent`` and ``metadata``, as if created here;
-        one created here, ``user_id``. Made here (not by another writer
-        meanwhile), it says so (``made``): a failed turn may unmake it.
+        A session with no agent yet is adopted as if created here. ``made``
+        says this store (not another writer) made it: a failed turn may unmake it.
         """
         if stored is None:
-            now, version = utcnow(), first_version()
             with self.runtime.transaction(write=True) as conn:
-                conn.execute(
-                    self._insert_session,
-                    {
-                        "session_id": session_id,
-                        "active_agent_name": default_agent.name,
-                        "metadata_json": self._sealer.seal_metadata(session_id, metadata),
-                        "version": version,
-                        "created_at": now,
-                        "updated_at": now,
-                        "user_id": user_id,
-                    },
-                )
+                version = self._insert(conn, session_id, default_agent.name, metadata, user_id)
                 stored = read_session(conn, self._sealer, session_id)
             assert stored is not None
             # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
@@ -600,31 +547,35 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return stored
 
     def _create_empty_session(self, session_id: str) -> None:
-        """A session for the inbox to lease before its first turn (no agent chosen yet).
-
-        The first ``get_or_create`` gives it its agent and metadata, as if it
-        created it (:meth:`_adopt`).
-        """
-        now = utcnow()
+        """A session for the inbox to lease before its first turn; ``get_or_create`` adopts it."""
         with self.runtime.transaction(write=True) as conn:
-            conn.execute(self._insert_session, {
-                "session_id": session_id,
-                "active_agent_name": UNBORN_AGENT,
-                "metadata_json": self._sealer.seal_metadata(session_id, {}),
-                "version": first_version(),
-                "created_at": now,
-                "updated_at": now,
-                "user_id": None,
-            })
+            self._insert(conn, session_id, UNBORN_AGENT, {}, None)
+
+    def _insert(
+        self,
+        conn: Connection,
+        session_id: str,
+        agent_name: str,
+        metadata: dict[str, Any],
+        user_id: str | None,
+    ) -> int:
+        """Insert the session's row unless it exists; return the version it was given."""
+        now, version = utcnow(), first_version()
+        conn.execute(self._insert_session, {
+            "session_id": session_id,
+            "active_agent_name": agent_name,
+            "metadata_json": self._sealer.seal_metadata(session_id, metadata),
+            "version": version,
+            "created_at": now,
+            "updated_at": now,
+            "user_id": user_id,
+        })
+        return version
 
     def _adopt(
         self, session_id: str, agent: Agent, metadata: dict[str, Any], user_id: str | None
     ) -> StoredSession:
-        """Give a session with no agent yet its agent, metadata and owner; return it as stored.
-
-        As if new: the owner is ``user_id`` (or none), not the one of a first
-        turn that failed, who kept it only for ``erase_user`` while it was unborn.
-        """
+        """Give a session with no agent yet its agent, metadata and owner, as if new."""
         sealed = self._sealer.seal_metadata(session_id, metadata)
         with self.runtime.transaction(write=True) as conn:
             adopted = conn.execute(
@@ -646,11 +597,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return self._get(session_id, (False, None))
 
     def _warm(self, session_id: str, version: int) -> None:
-        """Cache the context of a session an inbox batch holds, read at ``version``.
-
-        Run off the event loop before ``handle``: the Runner's ``get_or_create``
-        then finds it and reads nothing on the loop.
-        """
+        """Cache, off the loop, the context of a session an inbox batch holds at ``version``."""
         self._get(session_id, (True, version))
 
     def _get(self, session_id: str, claimed: tuple[bool, int | None]) -> SessionContext | None:
@@ -675,13 +622,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return None, self._load(session_id)
 
     def _claimed_version(self, session_id: str) -> tuple[bool, int | None]:
-        """The version this store's active claim read for ``session_id``, taken once.
+        """The version this store's active claim (or inbox batch) read for ``session_id``, once.
 
-        The turn's lease reads the version again before the turn (it catches
-        up with a session written elsewhere since, and finds one deleted
-        since), so the claim block's ``get_or_create`` needs no round trip of
-        its own. Inside an inbox batch of the session, the version its lease
-        read. ``(False, None)`` otherwise.
+        The turn's lease reads it again anyway, so ``get_or_create`` inside the
+        claim needs no round trip. ``(False, None)`` when there is none.
         """
         batch = active_batch(session_id)
         if batch is not None:
@@ -718,11 +662,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> list[str]:
         """Session ids, filtered and paged (see :mod:`chatflow_sqlalchemy.lifecycle`).
 
-        Without arguments: every id, most recently updated first (as 0.3.4).
-        ``user_id``, ``metadata`` (key -> value, all must match, compared by
-        JSON type), ``updated_after`` and ``forked_from`` (the forks of that
-        session, see :meth:`fork`) filter; ``limit`` and ``after`` (the last
-        id of the previous page) page by keyset in ``session_id`` order.
+        Without arguments: every id, most recently updated first.
+        ``user_id``, ``metadata`` (every key -> value must match, by JSON type),
+        ``updated_after`` and ``forked_from`` filter; ``limit`` and ``after``
+        (the last id of the previous page) page in ``session_id`` order.
 
         Raises:
             ValueError: For an invalid argument (the message says which).
@@ -745,20 +688,17 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> SessionContext:
         """A new session ``new_session_id`` that starts as a copy of ``session_id``; its context.
 
-        The fork holds the source's SYSTEM messages and its first ``at_turn``
-        complete turns of the window (all of them when None), its summary, active
-        agent, metadata and ``user_id`` (so ``erase_user`` and ``export_user``
-        cover the forks of a user's sessions). Its context's ``forked_from`` and
-        ``forked_at_turn`` (the number of turns taken) say where it came from,
-        also after a reload. It is written in one transaction, from the source as
-        committed (a turn of the source still running is not in it); the source
-        is unchanged. Edit-and-branch: fork at a turn, then run a new turn on the fork.
+        The fork holds the source's SYSTEM messages and its window's first
+        ``at_turn`` complete turns (all when None), its summary, active agent,
+        metadata and ``user_id`` (so ``erase_user`` covers forks). Its context's
+        ``forked_from`` and ``forked_at_turn`` say where it came from. It is
+        copied in one transaction from the source as committed; the source is
+        unchanged.
 
         Raises:
-            ValueError: An invalid argument, no session ``session_id`` (unknown
-                sessions are a ``ValueError``, as every other argument this store
-                cannot use), ``new_session_id`` exists (nothing is written), or
-                ``at_turn`` is negative or more than the window's turns.
+            ValueError: An invalid argument, no session ``session_id``,
+                ``new_session_id`` exists (nothing is written), or ``at_turn``
+                is negative or more than the window's turns.
             CorruptRowError: A row of the source cannot be decoded (or opened).
 
         """
@@ -802,12 +742,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
         Inbox messages done or sent longer ago than the dedup window go too.
 
-        A session is expired when not updated for ``session_ttl_hours``. Each
-        batch of at most ``SWEEP_BATCH`` sessions is one transaction. Never
-        removed: a session whose turn is in progress (under a live lease, by
-        the database's clock) or that a live webhook claim holds. Many
-        processes may sweep at once: each session is removed by exactly one
-        of them.
+        A session is expired when not updated for ``session_ttl_hours``; each
+        batch is one transaction. A session under a live turn lease or webhook
+        claim stays. Concurrent sweepers remove each session exactly once.
 
         Raises:
             ValueError: The store has no ``session_ttl_hours``, or ``limit`` is invalid.
@@ -835,9 +772,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> tuple[list[str], list[str]]:
         """One sweep transaction: (candidates found, sessions removed).
 
-        Sweepers racing on the same rows can be chosen as a deadlock victim
-        (InnoDB); the database rolled that transaction back whole, so it is
-        run again, a bounded number of times.
+        A deadlock victim (racing sweepers on InnoDB) was rolled back whole: it is retried.
         """
         start = (cursor.updated_at, cursor.session_id)
         for attempt in range(_SWEEP_DEADLOCK_RETRIES):
@@ -879,8 +814,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         """Re-encrypt every row not sealed with the cipher's primary key; return how many.
 
         Online: each batch (at most ``batch`` rows per table) is one short write
-        transaction, and turns keep running between them. Plaintext rows are
-        encrypted too. What ``chatflow-sqlalchemy keys rotate`` runs.
+        transaction. Plaintext rows are encrypted too.
 
         Raises:
             ValueError: The store has no cipher, or ``batch`` is not a positive int.
@@ -957,10 +891,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def record_processed_message(self, message_id: str) -> bool:
         """Atomically claim ``message_id``: True only for its first caller within the TTL.
 
-        One ``INSERT ... ON CONFLICT`` statement decides, so concurrent threads
-        and processes racing on the same id get exactly one True. An expired
-        claim can be taken again. At most every five minutes, expired ids are
-        purged (in bounded batches; whole days on PostgreSQL).
+        One ``INSERT ... ON CONFLICT`` decides, so racing callers get exactly
+        one True; an expired claim can be taken again.
         """
         validate_message_id(message_id)
         now = utcnow()
@@ -971,12 +903,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return claimed
 
     def purge_processed_messages(self) -> int:
-        """Delete expired processed ids; return how many went.
-
-        What the backend removes whole goes first (PostgreSQL drops the
-        expired day partitions), then the rest in batches of 1000 (there:
-        the expired part of the cutoff's own day).
-        """
+        """Delete expired processed ids (whole partitions first where the backend has them)."""
         now = utcnow()
         cutoff = now - self._dedup_ttl
         total = self._drop_expired(cutoff, now)
@@ -1018,11 +945,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return self._claims_backend
 
     def _purge_now_and_then(self, now: datetime) -> None:
-        """The dedup upkeep that claims do on their way: at most every five minutes.
-
-        Backends that expire whole (day partitions) drop what expired and
-        prepare the days ahead; the others delete one bounded batch.
-        """
+        """The dedup upkeep claims do on their way, at most every five minutes."""
         if now - self._last_purge < _PURGE_INTERVAL:
             return
         self._last_purge = now
@@ -1054,14 +977,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> None:
         """Write what ``ctx`` changed since the database last saw it, in one transaction.
 
-        ``fence``: the webhook claim of the turn being written; it is marked
-        done in the same transaction, or nothing is written and
-        :class:`ClaimLostError` is raised (the context is reloaded).
-        ``lease``: the turn's lease, given back by the same transaction, or
-        nothing is written and :class:`LeaseLostError` is raised. A turn
-        that changed nothing leaves its lease to the caller. ``batch``: the
-        inbox batch the turn runs for; its reply is recorded in the same
-        transaction, which keeps the lease.
+        The same transaction marks ``fence`` (the turn's webhook claim) done and
+        gives ``lease`` back, or writes nothing (``ClaimLostError``,
+        ``LeaseLostError``); it records ``batch``'s reply and keeps its lease.
         """
         self._claimed_version(ctx.session_id)  # stale once written: no later call may use it
         with ctx.writing() as pending:
@@ -1091,10 +1009,8 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     async def _adiscard_turn(self, ctx: SessionContext) -> None:
         """A turn ended by an exception: nothing is written, the lease goes back.
 
-        A session this store made for it (:attr:`SessionContext.made_version`)
-        and that nothing was written to has no agent again (unborn): ``get``
-        and ``list_sessions`` no longer show it, in any process, while a turn
-        waiting for it still runs and gives it its agent.
+        A session this store made for it and never wrote to is unborn again
+        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
         """
         await self.turns.discard(ctx, ctx.made_version)
 
@@ -1103,8 +1019,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def wait_for_summaries(self, timeout: float | None = None) -> bool:
         """Wait until no summary is being made; False if ``timeout`` seconds passed first.
 
-        Summaries are made in the background after the turns that pruned;
-        a job that exits right after its last turn calls this first.
+        Summaries are made in the background: a job that exits after its last turn waits first.
         """
         return True if self._summaries is None else self._summaries.wait(timeout)
 
