@@ -99,7 +99,7 @@ def test_a_fresh_store_lets_another_user_make_it(any_store: Opener) -> None:
 
 
 def test_the_next_runner_turn_makes_it_with_its_own_agent_and_metadata(
-    any_store: Opener, request: pytest.FixtureRequest,
+    any_store: Opener,
 ) -> None:
     """As in a process that never saw the failed turn: the session is new to this turn.
 
@@ -107,10 +107,6 @@ def test_the_next_runner_turn_makes_it_with_its_own_agent_and_metadata(
     store defers the catch-up of a cached context to the turn's start.
     """
     store = any_store()
-    if not isinstance(store, SessionStore):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "known, open: on a running loop the turn's start drops the deferred catch-up "
-            "that would adopt the unborn session, so the turn keeps the failed turn's agent")))
     _fail(store, "r2", metadata={"a": 1})
     runner = Runner(starting_agent=OTHER, engine=ScriptedEngine(), session_store=store)
     reply = asyncio.run(runner.run_async("r2", "hi", metadata={"b": 2}))

@@ -629,14 +629,15 @@ class SessionContext(_UpstreamSessionContext):
             self._deferred_load, self._deferred_catch_up = catch_up, True
             self._recreate = recreate
 
-    def _drop_catch_up(self) -> Callable[[], object] | None:
-        """A turn starts: it catches up itself. The dropped catch-up's ``recreate``, if any."""
+    def _drop_catch_up(self) -> tuple[Callable[[], object] | None, Callable[[], object] | None]:
+        """A turn starts: it catches up itself. The dropped catch-up and its ``recreate``."""
         with self._defer_lock:
             recreate, self._recreate = self._recreate, None
             if not self._deferred_catch_up:
-                return None
+                return None, None
+            catch_up = self._deferred_load
             self._deferred_load, self._deferred_catch_up = None, False
-            return recreate
+            return catch_up, recreate
 
     @property
     def loaded(self) -> bool:
@@ -1052,9 +1053,12 @@ class SessionContext(_UpstreamSessionContext):
     # ------------------------------------------------------------------ turns
 
     async def _abegin_turn(self) -> None:
+        catch_up = None
         if self._owner is not None:
             async with self._async_writer:
-                recreate = self._drop_catch_up()
+                catch_up, recreate = self._drop_catch_up()
+                if self.made_version is None:  # only what this context made is made anew
+                    catch_up = None
                 if self._deferred_load is not None:  # read off the loop, never on it
                     await self._owner._run_blocking(self.ensure_loaded)
                 with self._mutex:
@@ -1067,6 +1071,9 @@ class SessionContext(_UpstreamSessionContext):
                     await self._owner._run_blocking(self._locked, recreate)  # as get_or_create
                     await self._owner._abegin_turn(self)
         try:
+            if catch_up is not None and self.unborn:  # its first turn failed: as if new
+                assert self._owner is not None
+                await self._owner._run_blocking(self._locked, catch_up)
             self._open_turn()
         except BaseException:
             if self._owner is not None:  # what the store took for the turn goes back
