@@ -342,3 +342,18 @@ def test_export_points_at_the_show_command_that_shows_a_corrupt_archived_row(
     assert hint.endswith("sessions show 't' --all"), line
     code, out, _ = run(capsys, "sessions", "show", "t", "--all", "--url", url)
     assert code == 1 and f"CORRUPT ROW id {row_id} in chatflow_message_archive" in out
+
+
+def test_users_erase_erases_the_users_inbox_messages_as_erase_user_does(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's erase leaves no inbox message of the user's sessions (the user's own words)."""
+    _seed(url)
+    with open_store(url) as store:
+        store.inbox.put("in-alice", session_id="s0", text="my card is 4111")
+        store.inbox.put("in-bob", session_id="s5", text="hello from bob")
+    code, out, _ = run(capsys, "users", "erase", "alice", "--url", url, "--yes", "--json")
+    assert code == 0 and json.loads(out) == {"user_id": "alice", "erased": 4}
+    with open_store(url) as store:
+        left = [(e.message_id, e.session_id) for e in store.inbox.entries(limit=None)]
+    assert left == [("in-bob", "s5")], "users erase left the user's inbox messages behind"

@@ -56,6 +56,32 @@ def test_require_encryption_refuses_a_plaintext_message_row(tmp_path: Path) -> N
         assert info.value.table == "chatflow_messages"
 
 
+def test_keys_rotate_seals_metadata_holding_json_null_and_strict_stores_name_the_fix(
+    tmp_path: Path,
+) -> None:
+    """Metadata in clear is sealed by ``keys rotate`` whatever JSON it holds, ``null`` too.
+
+    A store with ``require_encryption`` refuses it until then, naming ``keys rotate``.
+    """
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    k1 = AESGCMCipher({"k1": os.urandom(32)}, "k1")
+    with open_store(url, cipher=k1) as store:
+        store.get_or_create("n", _agent(), {"a": 1})
+        with store.engine.begin() as conn:  # metadata written in clear by something else
+            conn.execute(text("UPDATE chatflow_sessions SET metadata_json = 'null'"))
+    with (
+        open_store(url, cipher=k1, require_encryption=True) as strict,
+        pytest.raises(CorruptRowError, match="keys rotate"),
+    ):
+        strict.get("n")
+    with open_store(url, cipher=k1) as store:
+        assert store.rotate_keys() == 1
+        assert store.rotate_keys() == 0, "the row was left in clear"
+        with store.engine.connect() as conn:
+            stored = conn.execute(text("SELECT metadata_json FROM chatflow_sessions")).scalar()
+        assert "null" not in str(stored) and "cfenc:" in str(stored)
+
+
 def test_a_turn_on_a_session_swept_elsewhere_fails_at_its_start(tmp_path: Path) -> None:
     # SQLite has no turn locks: the turn's first statement moves updated_at. When that
     # touch finds no row (another store swept the session since get_or_create checked

@@ -67,9 +67,11 @@ class Sealer:
         return text if self.cipher is None else self.cipher.encrypt(text, session_id)
 
     def seal_metadata(self, session_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
-        """``metadata_json`` as stored."""
-        sealed: dict[str, Any] = self.seal_json(session_id, metadata)
-        return sealed
+        """``metadata_json`` as stored: sealed whatever it holds (``keys rotate`` seals a null)."""
+        if self.cipher is None:
+            return metadata
+        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
 
     def open_text(self, session_id: str, row_id: object, text: str, table: str) -> str:
         """A stored ``message_json`` in clear; plaintext is refused when encryption is required."""
@@ -102,15 +104,13 @@ class Sealer:
 
     def seal_json(self, session_id: str, value: Any) -> Any:
         """A JSON document as stored (an inbox message's ``payload``); None stays None."""
-        if self.cipher is None or value is None:
-            return value
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        return {_SEALED_KEY: self.cipher.encrypt(text, session_id)}
+        return value if value is None else self.seal_metadata(session_id, value)
 
     def open_json(
-        self, session_id: str, row_id: object, stored: Any, table: str, what: str = "JSON"
+        self, session_id: str, row_id: object, stored: Any, table: str, what: str = "JSON",
+        *, nullable: bool = True,
     ) -> Any:
-        """A document :meth:`seal_json` stored, in clear (None stays None)."""
+        """A document :meth:`seal_json` stored, in clear (None stays None if ``nullable``)."""
         if isinstance(stored, dict) and set(stored) == {_SEALED_KEY}:
             text = self.open_text(session_id, row_id, stored[_SEALED_KEY], table)
             try:
@@ -118,14 +118,14 @@ class Sealer:
             except ValueError as exc:
                 raise _corrupt(session_id, row_id, f"sealed {what} is not JSON ({exc})",
                                table) from exc
-        if self.require and stored is not None:
+        if self.require and (stored is not None or not nullable):
             raise _corrupt(session_id, row_id, f"plaintext {what} while "
                            f"require_encryption=True ({_ROTATE})", table)
         return stored
 
     def open_metadata(self, session_id: str, stored: Any) -> Any:
         """A stored ``metadata_json`` in clear (a dict, or what was stored if not one)."""
-        return self.open_json(session_id, None, stored, _sessions.name, "metadata")
+        return self.open_json(session_id, None, stored, _sessions.name, "metadata", nullable=False)
 
     def parser(self, parse: Callable[[str, object, str], Message]) -> Callable[..., Message]:
         """``parse`` (the store's row decoder) opening each message row first."""

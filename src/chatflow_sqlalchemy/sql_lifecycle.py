@@ -150,11 +150,12 @@ def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
 def erase_user_rows(conn: Connection, user_id: str) -> int:
     """Delete everything of ``user_id``'s sessions by subquery; return how many sessions.
 
-    No read precedes the first write, so a caller without the store's
-    up-front write lock (the CLI on SQLite) never upgrades a read snapshot.
+    The same rows as :func:`erase_sessions` (the inbox too). No read precedes
+    the first write, so a caller without the store's up-front write lock (the
+    CLI on SQLite) never upgrades a read snapshot.
     """
     owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
-    for table in (_messages, _processed, _archive):
+    for table in (_messages, _processed, _archive, _inbox):
         conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
