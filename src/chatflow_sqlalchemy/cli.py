@@ -1777,7 +1777,7 @@ def _validated(user_id: str) -> None:
 def users_erase(user_id: str) -> None:
     """Erase every session of USER_ID (asks first).
 
-    Its sessions go with their messages and claims, in one transaction.
+    Its sessions go with their messages, claims and inbox messages, in one transaction.
     Asks first unless --yes. Workers with a live context of an erased
     session get SessionDeletedError on their next read or write.
     """
