@@ -329,6 +329,56 @@ def test_stopping_serve_while_it_sends_a_recovered_reply_does_not_count_new_mess
     assert [b.message_ids for b in seen] == [("m2",)]
 
 
+def test_stopping_serve_while_it_gives_a_lease_back_waits_for_the_give_back(
+    tmp_path: Path,
+) -> None:
+    """serve returns only once the work it shields from its stop is done: no task of
+    the inbox outlives it (an app's lifespan checks that its workers left nothing).
+
+    The lease's give-back runs on a pool thread held at a gate; serve is stopped
+    meanwhile. The gate opens only after serve had many loop iterations to return."""
+    store = SQLiteSessionStore(tmp_path / "x.db")
+    store.inbox.put("m1", session_id="alice", text="hello")
+    rows = store.inbox.rows
+    original, entered, gate, given_back = rows.release, threading.Event(), threading.Event(), []
+
+    def gated_release(lease: Any) -> None:
+        entered.set()
+        gate.wait(_HANG_GUARD)
+        original(lease)
+        given_back.append(lease.session_id)
+
+    rows.release = gated_release
+
+    async def handle(batch: InboxBatch) -> str:
+        return "hi"
+
+    async def open_gate_later() -> None:
+        for _ in range(200):  # loop iterations, not time: serve, if it does not wait, is done
+            await asyncio.sleep(0)
+        gate.set()
+
+    async def scenario() -> None:
+        before = asyncio.all_tasks()
+        serving = asyncio.ensure_future(store.inbox.serve(handle, **_FAST))
+        try:
+            await _until(lambda: asyncio.sleep(0, entered.is_set()), "the give-back")
+            opener = asyncio.ensure_future(open_gate_later())
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            assert given_back == ["alice"], "serve returned before the lease was given back"
+            await opener
+            assert asyncio.all_tasks() == before, "a task of serve outlived it"
+        finally:
+            gate.set()
+            await _stop(serving)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
 # --------------------------------------------------------------------------- data governance
 
 

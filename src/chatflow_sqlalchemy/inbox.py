@@ -467,7 +467,8 @@ class _Worker:
         self._max_attempts = max_attempts
         self._retry = retry_seconds
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._orphans: set[asyncio.Future[None]] = set()
+        self._orphans: set[asyncio.Future[Any]] = set()
+        """Work a stop does not cancel (a take, a give-back, a record): run waits for it."""
         self._stopping = False
 
     async def run(self) -> None:
@@ -491,6 +492,8 @@ class _Worker:
                 task.cancel()
             if running:
                 await asyncio.wait(running)
+            while self._orphans:  # a take that finishes now starts its give-back: loop
+                await asyncio.wait(set(self._orphans))
 
     async def _purge(self) -> None:
         try:
@@ -530,7 +533,7 @@ class _Worker:
 
     async def _take(self, session_id: str) -> Lease | None:
         """Take the lease; one taken as the worker is cancelled is given back."""
-        take = asyncio.ensure_future(self._rows.run(self._rows.take, session_id))
+        take = self._keep(self._rows.run(self._rows.take, session_id))
         try:
             return await asyncio.shield(take)
         except asyncio.CancelledError:
@@ -545,13 +548,28 @@ class _Worker:
             return
         lease = take.result()
         if lease is not None:
-            orphan = asyncio.ensure_future(self._rows.run(self._rows.release, lease))
-            self._orphans.add(orphan)
-            orphan.add_done_callback(self._orphans.discard)
+            self._keep(self._rows.run(self._rows.release, lease))
+
+    def _keep(self, work: Awaitable[_T]) -> asyncio.Future[_T]:
+        """Run ``work`` as a task of its own that :meth:`run` waits for before it returns.
+
+        Cancelling the caller does not stop it (see :meth:`_shielded`), and
+        no task of the worker outlives ``serve``: the app's lifespan (or a
+        test) that stops it finds the inbox's work done, not still running
+        (a lease given back, a reply recorded as sent).
+        """
+        task = asyncio.ensure_future(work)
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+        return task
+
+    async def _shielded(self, work: Awaitable[_T]) -> _T:
+        """Finish ``work`` even if the caller is cancelled meanwhile (the caller still is)."""
+        return await asyncio.shield(self._keep(work))
 
     async def _serve_session(self, lease: Lease) -> None:
         """Send what a dead holder answered, then run one batch; always give the lease back."""
-        renewal = asyncio.get_running_loop().create_task(self._renew(lease))
+        renewal = self._keep(self._renew(lease))  # cancelled below; run waits for its end
         try:
             token = secrets.token_hex(16)
             unsent, items = await self._rows.run(
@@ -562,7 +580,7 @@ class _Worker:
                     await self._deliver(lease, answered.token, answered.reply)
             except BaseException:  # the new messages were not handled: not an attempt
                 if items:
-                    await _shielded(self._rows.run(self._rows.abandon, lease, token))
+                    await self._shielded(self._rows.run(self._rows.abandon, lease, token))
                 raise
             if items:
                 await self._run_batch(lease, token, tuple(items))
@@ -575,7 +593,7 @@ class _Worker:
         finally:
             renewal.cancel()
             try:
-                await _shielded(self._rows.run(self._rows.release, lease))
+                await self._shielded(self._rows.run(self._rows.release, lease))
             except Exception as exc:
                 logger.warning("inbox: could not give back session %r (its lease expires on "
                                "its own): %s", lease.session_id, exc)
@@ -603,7 +621,7 @@ class _Worker:
         except (asyncio.CancelledError, Exception) as exc:
             if isinstance(exc, asyncio.CancelledError) and self._stopping:
                 # serve stops (a deploy): not the batch's fault
-                await _shielded(self._rows.run(self._rows.abandon, lease, token))
+                await self._shielded(self._rows.run(self._rows.abandon, lease, token))
                 raise
             await self._failed(lease, token, items, exc)  # a cancellation inside handle too
             return
@@ -617,7 +635,7 @@ class _Worker:
         reply = reply or None  # an empty reply is nothing to send
         to_send = self._send is not None and reply is not None
         finish = self._rows.run(self._rows.finish, lease, token, reply, to_send)
-        if not await _shielded(finish):  # handle's work is kept even if serve stops now
+        if not await self._shielded(finish):  # handle's work is kept even if serve stops now
             raise LeaseLostError(lease.session_id)
         telemetry.count("chatflow.inbox.answered", len(items), system)
         if to_send:
@@ -662,14 +680,9 @@ class _Worker:
                     delay = min(delay * 2, _MAX_RETRY_SECONDS)
                 continue
             # Sent: recorded even if serve is stopping meanwhile, or it would be sent again.
-            await _shielded(self._rows.run(self._rows.sent, token))
+            await self._shielded(self._rows.run(self._rows.sent, token))
             return
         await self._rows.run(self._rows.undeliverable, lease, token, f"send failed: {error}")
-
-
-async def _shielded(work: Awaitable[_T]) -> _T:
-    """Finish ``work`` even if the caller is cancelled meanwhile (the caller still is)."""
-    return await asyncio.shield(asyncio.ensure_future(work))
 
 
 async def _until_woken(wake: asyncio.Event, timeout: float) -> None:
