@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the store's machinery: read_claims (``dedup list``) needs n
     from chatflow_sqlalchemy.claims import WebhookClaim
     from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.lease import SessionLeases
-    from chatflow_sqlalchemy.runtime import StoreRuntime
+    from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -142,6 +142,7 @@ class SQLClaims:
 
     Args:
         runtime: Where the statements run.
+        run_blocking: The store's way to run blocking work off the loop.
         support: The dialect's hooks (the acquire statement, and reading its row).
         turns: The store's turns, offered a session lease taken with a claim.
         dedup_ttl: The store's dedup window.
@@ -152,12 +153,14 @@ class SQLClaims:
     def __init__(
         self,
         runtime: StoreRuntime,
+        run_blocking: RunBlocking,
         support: DialectSupport,
         turns: _Turns,
         dedup_ttl: timedelta,
         upkeep: Callable[[datetime], None],
     ) -> None:
         self._runtime = runtime
+        self._run_blocking = run_blocking
         self._support = support
         self._turns = turns
         self._dedup_ttl = dedup_ttl
@@ -170,7 +173,7 @@ class SQLClaims:
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
-        return await self._runtime.run_blocking(fn, *args)
+        return await self._run_blocking(fn, *args)
 
     def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
         with self._runtime.transaction(single=True) as conn:

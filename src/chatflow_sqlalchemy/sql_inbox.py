@@ -52,7 +52,7 @@ from chatflow_sqlalchemy.inbox import (
     resumed_token,
 )
 from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
-from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
@@ -212,6 +212,7 @@ class SQLInbox:
 
     Args:
         runtime: Where the statements run.
+        run_blocking: The store's way to run blocking work off the loop.
         leases: The store's session leases (the turns' own).
         turns: The store's turns, lent a batch's lease while its ``handle`` runs.
         sealer: Seals text and replies as the store seals message content.
@@ -223,6 +224,7 @@ class SQLInbox:
     def __init__(
         self,
         runtime: StoreRuntime,
+        run_blocking: RunBlocking,
         leases: SessionLeases,
         turns: _Turns,
         sealer: Sealer,
@@ -231,6 +233,7 @@ class SQLInbox:
         warm: Callable[[str, int], None],
     ) -> None:
         self._runtime = runtime
+        self._run_blocking = run_blocking
         self._leases = leases
         self._turns = turns
         self._sealer = sealer
@@ -239,7 +242,7 @@ class SQLInbox:
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
-        return await self._runtime.run_blocking(fn, *args)
+        return await self._run_blocking(fn, *args)
 
     def put(
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any

@@ -26,7 +26,7 @@ from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence, active_batch
 from chatflow_sqlalchemy.lease import SessionLeases
-from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 from chatflow_sqlalchemy.values import Lease
 
 __all__ = ["CatchUp", "Turns", "Write"]
@@ -78,15 +78,22 @@ class Turns:
     Args:
         runtime: Where the store's statements run.
         leases: The store's session leases.
+        run_blocking: The store's way to run blocking work off the loop.
         catch_up: The store's catch-up of a context at a lease's version.
         write: The store's write of a context's turn.
 
     """
 
     def __init__(
-        self, runtime: StoreRuntime, leases: SessionLeases, catch_up: CatchUp, write: Write
+        self,
+        runtime: StoreRuntime,
+        leases: SessionLeases,
+        run_blocking: RunBlocking,
+        catch_up: CatchUp,
+        write: Write,
     ) -> None:
         self._runtime = runtime
+        self._run_blocking = run_blocking
         self._catch_up = catch_up
         self._write = write
         self.leases = leases
@@ -161,7 +168,7 @@ class Turns:
         try:
             # A context already at the lease's version has nothing to catch up: no hop.
             current = lease.version is not None and ctx.is_current(lease.version)
-            if not current and not await self._runtime.run_blocking(
+            if not current and not await self._run_blocking(
                 self._catch_up, ctx, (True, lease.version)
             ):
                 raise SessionDeletedError(ctx.session_id)
@@ -183,7 +190,7 @@ class Turns:
         try:
             await held.stop_renewing()
             fence = active_fence(ctx.session_id)
-            await self._runtime.run_blocking(
+            await self._run_blocking(
                 self._write, ctx, fence, held.lease, held.batch
             )
             made = None
@@ -220,7 +227,7 @@ class Turns:
         lease, age = self._take_offered(session_id)
         if lease is None or age < self.leases.lease_seconds / 3:
             return lease
-        if await self._runtime.run_blocking(self.leases.renew, lease):
+        if await self._run_blocking(self.leases.renew, lease):
             return lease
         return None
 
@@ -246,7 +253,7 @@ class Turns:
         The take commits on the server whether or not its caller still waits,
         so it runs as a task of its own that a cancellation does not stop.
         """
-        take = asyncio.ensure_future(self._runtime.run_blocking(self.leases.take, session_id))
+        take = asyncio.ensure_future(self._run_blocking(self.leases.take, session_id))
         try:
             return await asyncio.shield(take)
         except asyncio.CancelledError:
@@ -268,7 +275,7 @@ class Turns:
         interval = self.leases.lease_seconds / 3
         while True:
             try:
-                held = await self._runtime.run_blocking(self.leases.renew, lease)
+                held = await self._run_blocking(self.leases.renew, lease)
             except Exception as exc:  # the next renewal or the write will tell
                 logger.warning("could not renew the lease of session %r: %s",
                                lease.session_id, exc)
@@ -294,7 +301,7 @@ class Turns:
     async def _run_safely(self, fn: Callable[..., object], lease: Lease, *args: Any) -> None:
         """``fn(lease, *args)`` off the loop: a failure is logged (the lease expires on its own)."""
         try:
-            await self._runtime.run_blocking(fn, lease, *args)
+            await self._run_blocking(fn, lease, *args)
         except Exception as exc:
             logger.warning("could not give back the lease of session %r (it expires on its "
                            "own): %s", lease.session_id, exc)
