@@ -233,10 +233,10 @@ def test_a_handler_cancelled_while_acquiring_does_not_leave_the_id_held(tmp_path
         started, go_on = threading.Event(), threading.Event()
         acquire = claim._backend.acquire
 
-        def slow_acquire(c: Any) -> None:
+        def slow_acquire(c: Any) -> Any:
             started.set()
             go_on.wait(60)
-            acquire(c)
+            return acquire(c)
 
         claim._backend.acquire = slow_acquire
         entered: list[bool] = []

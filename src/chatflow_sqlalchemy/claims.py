@@ -59,7 +59,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from types import TracebackType
@@ -87,6 +87,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "MAX_DEDUP_TTL_HOURS",
     "MAX_LEASE_SECONDS",
+    "Acquisition",
     "ClaimFence",
     "ClaimInfo",
     "ClaimStatus",
@@ -385,10 +386,38 @@ class Renewal:
             await asyncio.wait([task])
 
 
+@dataclass(frozen=True)
+class Acquisition:
+    """What a backend's acquire decided; the claim applies it to itself.
+
+    Attributes:
+        acquired: This delivery holds the id under the claim's token.
+        done: Not acquired: the id is processed (else another worker holds it).
+        response: The stored reply of a done id.
+        ticket: The claim's place in its session's order.
+        partition_day: The day of the row, where claims are partitioned by day.
+        session_version: The claimed session's version, read with the acquire
+            (None: no such session, or not read).
+        version_read: Whether ``session_version`` was read.
+        earlier_seen: Whether an earlier claim of the session was in flight
+            when this one was taken (True where the acquire did not look).
+
+    """
+
+    acquired: bool
+    done: bool = False
+    response: str | None = None
+    ticket: int | None = None
+    partition_day: date | None = None
+    session_version: int | None = None
+    version_read: bool = False
+    earlier_seen: bool = True
+
+
 class ClaimBackend(Protocol):
     """What a store provides to :class:`WebhookClaim` (sync calls; ``run`` for async)."""
 
-    def acquire(self, claim: WebhookClaim) -> None: ...
+    def acquire(self, claim: WebhookClaim) -> Acquisition: ...
 
     def renew(self, claim: WebhookClaim) -> bool: ...
 
@@ -444,7 +473,7 @@ class WebhookClaim:
         self.lost = False
         self.earlier_seen = True
         """Whether an earlier claim of the session was in flight when this one was taken
-        (backends that check it together with the acquire set it; True: look again)."""
+        (True also where the acquire did not look: look again)."""
         self._fence: ClaimFence | None = None
         self._version_read = False
         self._session_version: int | None = None
@@ -475,13 +504,8 @@ class WebhookClaim:
         fence = self._fence
         return fence is not None and fence.committed and fence.reply == self._response
 
-    # ------------------------------------------------------------ backend side
-
-    def _new_token(self) -> str:
-        self.token = secrets.token_hex(16)
-        return self.token
-
-    def _lease_until(self, now: datetime) -> datetime:
+    def lease_until(self, now: datetime) -> datetime:
+        """When a lease taken or renewed at ``now`` lapses."""
         return now + timedelta(seconds=self.lease_seconds)
 
     def order_horizon(self, now: datetime) -> datetime:
@@ -494,17 +518,21 @@ class WebhookClaim:
         """
         return now - timedelta(seconds=self.lease_seconds)
 
-    def _set_acquired(self, ticket: int | None, partition_day: date | None = None) -> None:
+    def _apply(self, got: Acquisition) -> None:
+        """Take on what the acquire decided (the token was sent with it)."""
+        if not got.acquired:
+            self.token = None
+            self.status = "done" if got.done else "in_flight"
+            self._response = got.response if got.done else None  # as stored: not checked again
+            return
         assert self.token is not None
         self.acquired = True
         self.status = "acquired"
-        self.ticket = ticket
-        self._fence = ClaimFence(self.message_id, self.token, partition_day=partition_day)
-
-    def _set_taken(self, done: bool, response: str | None) -> None:
-        self.acquired = False
-        self.status = "done" if done else "in_flight"
-        self._response = response if done else None  # as stored: not checked again
+        self.ticket = got.ticket
+        self._fence = ClaimFence(self.message_id, self.token, partition_day=got.partition_day)
+        self._version_read = got.version_read and self.session_id is not None
+        self._session_version = got.session_version
+        self.earlier_seen = got.earlier_seen
 
     # ------------------------------------------------------------ async use
 
@@ -542,7 +570,8 @@ class WebhookClaim:
 
     def _acquire_in_place(self, place: _Place) -> None:
         try:
-            self._backend.acquire(self)
+            self.token = secrets.token_hex(16)  # a fresh fencing token for each acquire
+            self._apply(self._backend.acquire(self))
         finally:
             _CALL_ORDER.leave(place)  # here, not on the loop: a stopped loop holds nobody
 
@@ -844,10 +873,26 @@ class MemoryClaims:
 
     Rows live beside the store's dedup stamps, under the store's lock; an id
     whose stamp expired or was evicted is forgotten here too.
+
+    Args:
+        lock: The store's lock, held by every read and change of the rows.
+        stamps: The store's dedup stamps (``time.monotonic()`` of each id's last claim).
+        ttl_seconds: The store's dedup window.
+        remember: Stamps an id now, as the store's own claims do (evicting the oldest).
+
     """
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
+    def __init__(
+        self,
+        lock: threading.RLock,
+        stamps: Mapping[str, float],
+        ttl_seconds: float,
+        remember: Callable[[str, float], None],
+    ) -> None:
+        self._lock = lock
+        self._stamps = stamps
+        self._ttl_seconds = ttl_seconds
+        self._remember = remember
         self.rows: dict[str, _HeldInMemory] = {}
         self._tickets = 0
 
@@ -856,36 +901,34 @@ class MemoryClaims:
         return fn(*args)
 
     def _live(self, message_id: str, now: float) -> tuple[bool, _HeldInMemory | None]:
-        stamp = self._store._processed.get(message_id)
-        if stamp is None or now - stamp > self._store._ttl_seconds:
+        stamp = self._stamps.get(message_id)
+        if stamp is None or now - stamp > self._ttl_seconds:
             self.rows.pop(message_id, None)
             return False, None
         return True, self.rows.get(message_id)
 
-    def acquire(self, claim: WebhookClaim) -> None:
+    def acquire(self, claim: WebhookClaim) -> Acquisition:
         """Take the claim, or say why not (as the SQL statement decides)."""
         now = time.monotonic()
-        with self._store._lock:
+        with self._lock:
             live, row = self._live(claim.message_id, now)
             if live and row is None:  # recorded with record_processed_message
-                claim._set_taken(True, None)
-                return
+                return Acquisition(False, done=True)
             if row is not None and not (
                 row.state == CLAIM_RELEASED
                 or (row.state == CLAIM_ACQUIRED and row.lease_until < now)
             ):
-                claim._set_taken(row.state == CLAIM_DONE, row.response)
-                return
+                return Acquisition(False, done=row.state == CLAIM_DONE, response=row.response)
             if row is None:
                 self._tickets += 1
             stamp = utcnow()
+            ticket = row.ticket if row is not None else self._tickets
             self.rows[claim.message_id] = _HeldInMemory(
-                CLAIM_ACQUIRED, claim._new_token(), claim.session_id,
-                row.ticket if row is not None else self._tickets,
+                CLAIM_ACQUIRED, claim.token, claim.session_id, ticket,
                 now + claim.lease_seconds, stamp, stamp,
             )
-            self._store._remember(claim.message_id, now)
-            claim._set_acquired(self.rows[claim.message_id].ticket)
+            self._remember(claim.message_id, now)
+            return Acquisition(True, ticket=ticket)
 
     def _mine(self, claim: WebhookClaim) -> _HeldInMemory | None:
         row = self.rows.get(claim.message_id)
@@ -893,7 +936,7 @@ class MemoryClaims:
 
     def renew(self, claim: WebhookClaim) -> bool:
         """Extend the lease while the token holds."""
-        with self._store._lock:
+        with self._lock:
             row = self._mine(claim)
             if row is None or row.state != CLAIM_ACQUIRED:
                 return False
@@ -902,7 +945,7 @@ class MemoryClaims:
 
     def commit_turn(self, fence: ClaimFence) -> bool:
         """The in-memory fence of a turn: mark the claim done if the token holds."""
-        with self._store._lock:
+        with self._lock:
             row = self.rows.get(fence.message_id)
             if row is None or row.token != fence.token:
                 return False
@@ -913,13 +956,13 @@ class MemoryClaims:
 
     def finish(self, claim: WebhookClaim) -> bool:
         """Mark the claim done with its reply."""
-        with self._store._lock:
+        with self._lock:
             row = self._mine(claim)
             if row is None:
                 return False
             row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
             row.response = claim.response
-            self._store._remember(claim.message_id, time.monotonic())
+            self._remember(claim.message_id, time.monotonic())
             return True
 
     def finishes_in_memory(self, claim: WebhookClaim) -> bool:
@@ -928,7 +971,7 @@ class MemoryClaims:
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""
-        with self._store._lock:
+        with self._lock:
             row = self._mine(claim)
             if row is not None and row.state == CLAIM_ACQUIRED:
                 row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
@@ -936,7 +979,7 @@ class MemoryClaims:
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""
         horizon = time.monotonic() - claim.lease_seconds  # as order_horizon
-        with self._store._lock:
+        with self._lock:
             return any(
                 row.session_id == claim.session_id
                 and claim.ticket is not None
@@ -949,7 +992,7 @@ class MemoryClaims:
     def list(self, limit: int | None) -> list[ClaimInfo]:
         """Rows for ``dedup list``, most recently changed first."""
         now, wall = time.monotonic(), utcnow()
-        with self._store._lock:
+        with self._lock:
             items = sorted(self.rows.items(), key=lambda item: item[1].updated_at, reverse=True)
         infos = [
             claim_info(
@@ -963,7 +1006,7 @@ class MemoryClaims:
 
     def free(self, message_id: str) -> bool:
         """Release a held claim whoever holds it."""
-        with self._store._lock:
+        with self._lock:
             row = self.rows.get(message_id)
             if row is None or row.state != CLAIM_ACQUIRED:
                 return False

@@ -152,7 +152,9 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
-        self._claim_rows = MemoryClaims(self)
+        self._claim_rows = MemoryClaims(
+            self._lock, self._processed, self._ttl_seconds, self._remember
+        )
         self._summary_rows = _MemorySummaryRows(self)
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, self._summary_rows, self.get, "memory"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import sqlalchemy
 from sqlalchemy import URL, Connection, Engine, create_engine
@@ -36,9 +36,28 @@ from chatflow_sqlalchemy.iopool import IOPool
 if TYPE_CHECKING:  # the asyncio extension needs greenlet: imported only where it is used
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-__all__ = ["ASYNC_INSTALL_HINT", "StoreRuntime", "create_store_engine", "describe", "merged"]
+__all__ = [
+    "ASYNC_INSTALL_HINT",
+    "RunBlocking",
+    "StoreRuntime",
+    "create_store_engine",
+    "describe",
+    "merged",
+]
 
 _T = TypeVar("_T")
+
+
+class RunBlocking(Protocol):
+    """A store's way to run blocking work off the loop, handed to its parts.
+
+    It is the store's own, which a backend may bound in time (the PostgreSQL store does).
+    """
+
+    async def __call__(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, off the event loop."""
+        ...
+
 
 ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
 

@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 
 from chatflow_sqlalchemy import tables, telemetry
-from chatflow_sqlalchemy.claims import ClaimInfo, claim_info
+from chatflow_sqlalchemy.claims import Acquisition, ClaimInfo, claim_info
 from chatflow_sqlalchemy.clock import CLAIM_HORIZON, CLAIM_LEASE, CLAIM_NOW, DatabaseNow
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASED, Lease, utcnow
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the store's machinery: read_claims (``dedup list``) needs n
     from chatflow_sqlalchemy.claims import WebhookClaim
     from chatflow_sqlalchemy.dialect import DialectSupport
     from chatflow_sqlalchemy.lease import SessionLeases
-    from chatflow_sqlalchemy.runtime import StoreRuntime
+    from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -66,26 +66,6 @@ class _Turns(Protocol):
     def withdraw(self, lease: Lease) -> bool: ...
 
     def is_offered(self, lease: Lease) -> bool: ...
-
-
-class _Store(Protocol):
-    """What the claim backend needs of its store (the store passes itself)."""
-
-    @property
-    def support(self) -> DialectSupport: ...
-
-    @property
-    def runtime(self) -> StoreRuntime: ...
-
-    @property
-    def turns(self) -> _Turns: ...
-
-    @property
-    def _dedup_ttl(self) -> timedelta: ...
-
-    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
-
-    def _purge_now_and_then(self, now: datetime) -> None: ...
 
 
 _processed = tables.processed_messages
@@ -158,11 +138,34 @@ _LIST = select(
 
 
 class SQLClaims:
-    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine."""
+    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine.
 
-    def __init__(self, store: _Store) -> None:
-        self._store = store
-        self._acquire = store.support.acquire_claim(_processed)
+    Args:
+        runtime: Where the statements run.
+        run_blocking: The store's way to run blocking work off the loop.
+        support: The dialect's hooks (the acquire statement, and reading its row).
+        turns: The store's turns, offered a session lease taken with a claim.
+        dedup_ttl: The store's dedup window.
+        upkeep: The store's dedup upkeep, called after each acquire.
+
+    """
+
+    def __init__(
+        self,
+        runtime: StoreRuntime,
+        run_blocking: RunBlocking,
+        support: DialectSupport,
+        turns: _Turns,
+        dedup_ttl: timedelta,
+        upkeep: Callable[[datetime], None],
+    ) -> None:
+        self._runtime = runtime
+        self._run_blocking = run_blocking
+        self._support = support
+        self._turns = turns
+        self._dedup_ttl = dedup_ttl
+        self._upkeep = upkeep
+        self._acquire = support.acquire_claim(_processed)
         # Session leases taken with a claim and not yet used by a turn, per claim.
         self._offered: weakref.WeakKeyDictionary[WebhookClaim, Lease] = (
             weakref.WeakKeyDictionary()
@@ -170,46 +173,51 @@ class SQLClaims:
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
-        return await self._store._run_blocking(fn, *args)
+        return await self._run_blocking(fn, *args)
 
     def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
-        with self._store.runtime.transaction(single=True) as conn:
+        with self._runtime.transaction(single=True) as conn:
             return conn.execute(statement, params)
 
-    def acquire(self, claim: WebhookClaim) -> None:
+    def acquire(self, claim: WebhookClaim) -> Acquisition:
         """Take the claim in one statement, or read why not (done, or in flight)."""
         now = utcnow()
         params = {
             "message_id": claim.message_id,
             "now": now,
-            "cutoff": now - self._store._dedup_ttl,
-            "token": claim._new_token(),
-            "lease": claim._lease_until(now),
+            "cutoff": now - self._dedup_ttl,
+            "token": claim.token,
+            "lease": claim.lease_until(now),
             "session_id": claim.session_id,
             "claim_id": claim.message_id,
             "claim_token": claim.token,
             "horizon": claim.order_horizon(now),
             "lease_seconds": claim.lease_seconds,
-            "ttl_seconds": self._store._dedup_ttl.total_seconds(),
+            "ttl_seconds": self._dedup_ttl.total_seconds(),
         }
         # The session's turn lease, for a backend that takes it with the claim.
-        params.update(self._store.turns.leases.take_params())
-        with telemetry.operation("claim", self._store.runtime.system) as op:
-            self._acquire_in_one_call(claim, params, now)
-            op.set("chatflow.claim.status", claim.status)
-        self._store._purge_now_and_then(now)
+        params.update(self._turns.leases.take_params())
+        with telemetry.operation("claim", self._runtime.system) as op:
+            got = self._acquire_in_one_call(claim, params)
+            op.set("chatflow.claim.status", _status(got))
+        self._upkeep(now)
+        return got
 
-    def _acquire_in_one_call(
-        self, claim: WebhookClaim, params: dict[str, Any], now: datetime
-    ) -> None:
-        with self._store.runtime.transaction(single=True) as conn:
-            got = self._store.support.read_claim(conn.execute(self._acquire, params))
+    def _acquire_in_one_call(self, claim: WebhookClaim, params: dict[str, Any]) -> Acquisition:
+        ordered = claim.session_id is not None
+        with self._runtime.transaction(single=True) as conn:
+            got = self._support.read_claim(conn.execute(self._acquire, params))
+            if not got.acquired:
+                row = conn.execute(_STATUS, params).first()
+                if row is None or row.state != CLAIM_DONE:
+                    return Acquisition(False)
+                return Acquisition(False, done=True, response=row.response)
             ticket = got.ticket
-            if got.acquired and ticket is None and claim.session_id is not None:
+            if ticket is None and ordered:
                 ticket = conn.execute(_TICKET, params).scalar()
-            row = None if got.acquired else conn.execute(_STATUS, params).first()
-            if got.acquired and ticket is not None and claim.session_id is not None:
-                claim.earlier_seen = (
+            earlier_seen = True
+            if ticket is not None and ordered:
+                earlier_seen = (
                     got.earlier_in_flight
                     if got.earlier_in_flight is not None
                     # A statement of its own: it must see claims committed after the
@@ -217,20 +225,18 @@ class SQLClaims:
                     else conn.execute(_EARLIER_IN_FLIGHT, {**params, "ticket": ticket}).first()
                     is not None
                 )
-        if got.acquired:
-            claim._set_acquired(ticket, got.partition_day)
-            claim._version_read = got.session_checked and claim.session_id is not None
-            claim._session_version = got.session_version
-            if got.lease_fence is not None and claim.session_id is not None:
-                assert got.session_version is not None
-                lease = Lease(
-                    claim.session_id, params["holder_token"], got.lease_fence,
-                    got.session_version,
-                )
-                self._offered[claim] = lease
-                self._store.turns.offer(lease)
-        else:
-            claim._set_taken(row is not None and row.state == CLAIM_DONE, row and row.response)
+        if got.lease_fence is not None and claim.session_id is not None:
+            assert got.session_version is not None
+            lease = Lease(
+                claim.session_id, params["holder_token"], got.lease_fence, got.session_version
+            )
+            self._offered[claim] = lease
+            self._turns.offer(lease)
+        return Acquisition(
+            True, ticket=ticket, partition_day=got.partition_day,
+            session_version=got.session_version, version_read=got.session_checked,
+            earlier_seen=earlier_seen,
+        )
 
     def finish(self, claim: WebhookClaim) -> bool:
         """Mark the claim done with its reply; False if the token is gone.
@@ -261,14 +267,14 @@ class SQLClaims:
         if not claim.stored_with_turn:
             return False
         lease = self._offered.get(claim)
-        return lease is None or not self._store.turns.is_offered(lease)
+        return lease is None or not self._turns.is_offered(lease)
 
     def renew(self, claim: WebhookClaim) -> bool:
         """Extend the lease while the token holds; False once it is gone."""
         params = {
             "claim_id": claim.message_id,
             "claim_token": claim.token,
-            "lease": claim._lease_until(utcnow()),
+            "lease": claim.lease_until(utcnow()),
             "lease_seconds": claim.lease_seconds,
         }
         return bool(self._execute(_RENEW, params).rowcount == 1)
@@ -284,9 +290,9 @@ class SQLClaims:
     def _withdraw_session_lease(self, claim: WebhookClaim) -> None:
         """The lease the acquire took, if no turn used it, goes back (best effort)."""
         lease = self._offered.pop(claim, None)
-        if lease is not None and self._store.turns.withdraw(lease):
+        if lease is not None and self._turns.withdraw(lease):
             try:
-                self._store.turns.leases.release(lease)
+                self._turns.leases.release(lease)
             except Exception as exc:  # it expires on its own
                 logger.warning("could not give back the lease of session %r: %s",
                                lease.session_id, exc)
@@ -301,18 +307,22 @@ class SQLClaims:
             "horizon": claim.order_horizon(utcnow()),
             "lease_seconds": claim.lease_seconds,
         }
-        with self._store.runtime.transaction(single=True) as conn:
+        with self._runtime.transaction(single=True) as conn:
             return conn.execute(_EARLIER_IN_FLIGHT, params).first() is not None
 
     def list(self, limit: int | None) -> list[ClaimInfo]:
         """Rows for ``dedup list``, most recently changed first."""
-        with self._store.runtime.transaction() as conn:
+        with self._runtime.transaction() as conn:
             return read_claims(conn, limit=limit)
 
     def free(self, message_id: str) -> bool:
         """Release a held claim whoever holds it (``dedup release``); False if none is held."""
-        with self._store.runtime.transaction(write=True) as conn:
+        with self._runtime.transaction(write=True) as conn:
             return free_claim(conn, message_id)
+
+
+def _status(got: Acquisition) -> str:
+    return "acquired" if got.acquired else "done" if got.done else "in_flight"
 
 
 def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:

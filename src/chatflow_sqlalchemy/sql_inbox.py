@@ -52,7 +52,7 @@ from chatflow_sqlalchemy.inbox import (
     resumed_token,
 )
 from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
-from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 from chatflow_sqlalchemy.sealing import Sealer
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
@@ -207,41 +207,42 @@ class _Turns(Protocol):
     def unlend(self, lease: Lease) -> None: ...
 
 
-class _Store(Protocol):
-    """What the inbox rows need of their store (the store passes itself)."""
-
-    @property
-    def turns(self) -> _Turns: ...
-
-    @property
-    def runtime(self) -> StoreRuntime: ...
-
-    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
-
-    def _create_empty_session(self, session_id: str) -> None: ...
-
-    def _warm(self, session_id: str, version: int) -> None: ...
-
-
 class SQLInbox:
     """:class:`~chatflow_sqlalchemy.inbox.InboxRows` on a SQL store.
 
     Args:
-        store: The store (its runtime, and how it creates a session).
+        runtime: Where the statements run.
+        run_blocking: The store's way to run blocking work off the loop.
         leases: The store's session leases (the turns' own).
+        turns: The store's turns, lent a batch's lease while its ``handle`` runs.
         sealer: Seals text and replies as the store seals message content.
+        create_empty: Creates a session with no agent yet, for a lease before its first turn.
+        warm: Caches the context of a session held at a version.
 
     """
 
-    def __init__(self, store: _Store, leases: SessionLeases, sealer: Sealer) -> None:
-        self._store = store
-        self._runtime = store.runtime
+    def __init__(
+        self,
+        runtime: StoreRuntime,
+        run_blocking: RunBlocking,
+        leases: SessionLeases,
+        turns: _Turns,
+        sealer: Sealer,
+        *,
+        create_empty: Callable[[str], None],
+        warm: Callable[[str, int], None],
+    ) -> None:
+        self._runtime = runtime
+        self._run_blocking = run_blocking
         self._leases = leases
+        self._turns = turns
         self._sealer = sealer
+        self._create_empty = create_empty
+        self._warm = warm
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run blocking work as the store's async API does."""
-        return await self._store._run_blocking(fn, *args)
+        return await self._run_blocking(fn, *args)
 
     def put(
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any
@@ -275,16 +276,16 @@ class SQLInbox:
         try:
             lease = self._leases.take(session_id)
         except SessionDeletedError:
-            self._store._create_empty_session(session_id)
+            self._create_empty(session_id)
             lease = self._leases.take(session_id)
         if lease is not None:
             lease.kept = True
-            self._store.turns.lend(lease)
+            self._turns.lend(lease)
         return lease
 
     def warm(self, lease: Lease) -> None:
         """Cache the session's context (read at the lease's version) before ``handle``."""
-        self._store._warm(lease.session_id, lease.version)
+        self._warm(lease.session_id, lease.version)
 
     def renew(self, lease: Lease) -> bool:
         """Move the lease on; False if lost."""
@@ -292,7 +293,7 @@ class SQLInbox:
 
     def release(self, lease: Lease) -> None:
         """Give the lease back."""
-        self._store.turns.unlend(lease)
+        self._turns.unlend(lease)
         self._leases.release(lease)
 
     def open_batch(

@@ -243,7 +243,9 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             io_workers=self._blocking_io_workers,
         )
         leases = SessionLeases(self.runtime, self.turn_lease_seconds)
-        self.turns = Turns(self, self.runtime, leases)
+        self.turns = Turns(
+            self.runtime, leases, self._run_blocking, self._refresh, self._flush_context
+        )
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, SQLSummaries(self.runtime, self._sealer), self.get,
             self.runtime.system, on_loop=self.runtime.keep_on_threads,
@@ -253,7 +255,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             leases=leases, summaries=self._summaries,
         )
         self.inbox = Inbox(
-            SQLInbox(self, leases, self._sealer),
+            SQLInbox(
+                self.runtime, self._run_blocking, leases, self.turns, self._sealer,
+                create_empty=self._create_empty_session, warm=self._warm,
+            ),
             lease_seconds=self.turn_lease_seconds,
             dedup_seconds=self._dedup_ttl.total_seconds(),
             system=self.runtime.system,
@@ -941,7 +946,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def _claims(self) -> SQLClaims:
         """The claim statements of this store (built on first use)."""
         if self._claims_backend is None:
-            self._claims_backend = SQLClaims(self)
+            self._claims_backend = SQLClaims(
+                self.runtime, self._run_blocking, self.support, self.turns, self._dedup_ttl,
+                self._purge_now_and_then,
+            )
         return self._claims_backend
 
     def _purge_now_and_then(self, now: datetime) -> None:

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import ClaimFence, Renewal, active_fence
@@ -26,33 +26,22 @@ from chatflow_sqlalchemy.context import SessionContext
 from chatflow_sqlalchemy.exceptions import SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence, active_batch
 from chatflow_sqlalchemy.lease import SessionLeases
-from chatflow_sqlalchemy.runtime import StoreRuntime
+from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
 from chatflow_sqlalchemy.values import Lease
 
-__all__ = ["Turns"]
+__all__ = ["CatchUp", "Turns", "Write"]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
-
-_T = TypeVar("_T")
 
 _FIRST_POLL, _LAST_POLL = 0.002, 0.025
 """Backoff while another turn holds the lease: a freed lease is noticed within the last."""
 
 
-class _Store(Protocol):
-    """What turns need of their store."""
+CatchUp = Callable[[SessionContext, tuple[bool, int | None]], bool]
+"""Brings a context up to the database at a lease's version; False if the session is gone."""
 
-    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
-
-    def _refresh(self, ctx: SessionContext, claimed: tuple[bool, int | None] = ...) -> bool: ...
-
-    def _flush_context(
-        self,
-        ctx: SessionContext,
-        fence: ClaimFence | None = None,
-        lease: Lease | None = None,
-        batch: BatchFence | None = None,
-    ) -> None: ...
+Write = Callable[[SessionContext, ClaimFence | None, Lease | None, BatchFence | None], None]
+"""Writes a context's pending turn with its claim fence, lease and inbox batch."""
 
 
 class _Held:
@@ -87,15 +76,26 @@ class Turns:
     """Begins and ends the turns of one store's contexts.
 
     Args:
-        store: The store whose contexts these are.
         runtime: Where the store's statements run.
         leases: The store's session leases.
+        run_blocking: The store's way to run blocking work off the loop.
+        catch_up: The store's catch-up of a context at a lease's version.
+        write: The store's write of a context's turn.
 
     """
 
-    def __init__(self, store: _Store, runtime: StoreRuntime, leases: SessionLeases) -> None:
-        self._store = store
+    def __init__(
+        self,
+        runtime: StoreRuntime,
+        leases: SessionLeases,
+        run_blocking: RunBlocking,
+        catch_up: CatchUp,
+        write: Write,
+    ) -> None:
         self._runtime = runtime
+        self._run_blocking = run_blocking
+        self._catch_up = catch_up
+        self._write = write
         self.leases = leases
         self._held: dict[int, _Held] = {}  # by id() of the context in its turn
         self._orphans: set[asyncio.Task[Any]] = set()
@@ -168,8 +168,8 @@ class Turns:
         try:
             # A context already at the lease's version has nothing to catch up: no hop.
             current = lease.version is not None and ctx.is_current(lease.version)
-            if not current and not await self._store._run_blocking(
-                self._store._refresh, ctx, (True, lease.version)
+            if not current and not await self._run_blocking(
+                self._catch_up, ctx, (True, lease.version)
             ):
                 raise SessionDeletedError(ctx.session_id)
         except BaseException:
@@ -190,8 +190,8 @@ class Turns:
         try:
             await held.stop_renewing()
             fence = active_fence(ctx.session_id)
-            await self._store._run_blocking(
-                self._store._flush_context, ctx, fence, held.lease, held.batch
+            await self._run_blocking(
+                self._write, ctx, fence, held.lease, held.batch
             )
             made = None
         finally:
@@ -227,7 +227,7 @@ class Turns:
         lease, age = self._take_offered(session_id)
         if lease is None or age < self.leases.lease_seconds / 3:
             return lease
-        if await self._store._run_blocking(self.leases.renew, lease):
+        if await self._run_blocking(self.leases.renew, lease):
             return lease
         return None
 
@@ -253,7 +253,7 @@ class Turns:
         The take commits on the server whether or not its caller still waits,
         so it runs as a task of its own that a cancellation does not stop.
         """
-        take = asyncio.ensure_future(self._store._run_blocking(self.leases.take, session_id))
+        take = asyncio.ensure_future(self._run_blocking(self.leases.take, session_id))
         try:
             return await asyncio.shield(take)
         except asyncio.CancelledError:
@@ -275,7 +275,7 @@ class Turns:
         interval = self.leases.lease_seconds / 3
         while True:
             try:
-                held = await self._store._run_blocking(self.leases.renew, lease)
+                held = await self._run_blocking(self.leases.renew, lease)
             except Exception as exc:  # the next renewal or the write will tell
                 logger.warning("could not renew the lease of session %r: %s",
                                lease.session_id, exc)
@@ -301,7 +301,7 @@ class Turns:
     async def _run_safely(self, fn: Callable[..., object], lease: Lease, *args: Any) -> None:
         """``fn(lease, *args)`` off the loop: a failure is logged (the lease expires on its own)."""
         try:
-            await self._store._run_blocking(fn, lease, *args)
+            await self._run_blocking(fn, lease, *args)
         except Exception as exc:
             logger.warning("could not give back the lease of session %r (it expires on its "
                            "own): %s", lease.session_id, exc)
