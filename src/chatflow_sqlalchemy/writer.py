@@ -16,6 +16,9 @@ executed again, the same way. A write that loses to other writers
 :data:`MAX_WRITE_ATTEMPTS` times in a row gives up with
 :class:`~chatflow_sqlalchemy.exceptions.WriteConflictError` (nothing of it
 written), rather than retry for as long as something keeps moving the session.
+A claim's row looked for by its day (see
+:attr:`~chatflow_sqlalchemy.claims.ClaimFence.partition_day`) and not found
+there while still held is looked for in every day once.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ class SessionWriter:
         write = self._build(pending, fence, reply, lease, answer)
         attempts = 1
         while not self._execute(write):
-            pending = self._explain(ctx, write, pending, attempts)
+            pending = self._explain(ctx, write, pending, fence, attempts)
             write = self._build(pending, fence, reply, lease, answer)
             attempts += 1
         ctx.applied(pending)
@@ -192,6 +195,7 @@ class SessionWriter:
         ctx: SessionContext,
         write: SessionWrite,
         pending: PendingWrite,
+        fence: ClaimFence | None,
         attempts: int,
     ) -> PendingWrite:
         """Tell why ``write`` (attempt ``attempts`` of ``pending``) missed; what to write now.
@@ -200,7 +204,9 @@ class SessionWriter:
         checked against: what was lost is raised; when the version moved, the
         context is rebased on the rows read in the same transaction (after
         :data:`MAX_WRITE_ATTEMPTS` attempts, :class:`WriteConflictError` is
-        raised instead).
+        raised instead). When nothing moved, ``fence``'s row was not in the
+        days the backend looked in (a clock that ran ahead moved it later):
+        the write looks for it in every day.
         """
         statement, params = probe(write)
         sid = write.swap["sid"]
@@ -212,7 +218,10 @@ class SessionWriter:
                 if attempts >= MAX_WRITE_ATTEMPTS:
                     raise WriteConflictError(sid, attempts)
                 return self._rebase(conn, ctx)
-        raise RuntimeError(f"a write of session {sid!r} did not stand, for no reason")
+        if fence is None or fence.partition_day is None:
+            raise RuntimeError(f"a write of session {sid!r} did not stand, for no reason")
+        fence.partition_day = None
+        return pending
 
     def _answer(self, batch: BatchFence, reply: str | None) -> dict[str, Any]:
         """The inbox batch's answer: its token and size, the reply (sealed)."""
