@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from chatflow_agent import Agent, Message, Role
 
-from chatflow_sqlalchemy import PostgresSessionStore, migrate
+from chatflow_sqlalchemy import DEFAULT_DEDUP_TTL_HOURS, PostgresSessionStore, migrate
 from chatflow_sqlalchemy.backends import postgresql_claims as pg_claims
 from chatflow_sqlalchemy.cli import main as cli_main
 from chatflow_sqlalchemy.rows import processed
@@ -644,3 +644,73 @@ def test_the_upkeep_with_nothing_to_drop_takes_no_table_lock(
                 assert store.record_processed_message(uuid.uuid4().hex) is True
         holder.rollback()
     assert "left as they are" not in caplog.text
+
+
+def _claimed_reply(store: Any, mid: str, sid: str, between: Any = None) -> None:
+    """A claimed turn of ``sid`` that stores its reply with the claim; ``between`` runs mid-turn."""
+    bot = Agent(name="Bot", instructions="")
+
+    async def turn() -> None:
+        async with store.claim(mid, session_id=sid) as claim:
+            assert claim.acquired
+            if between is not None:
+                between()
+            ctx = store.get_or_create(sid, bot)
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content="hello"))
+                ctx.add_message(Message(role=Role.MODEL, content="answer"))
+            claim.response = "answer"
+
+    asyncio.run(turn())
+
+
+def test_a_claim_row_of_a_day_ahead_of_the_workers_clock_still_fences_the_turns_write(
+    store: Any,
+) -> None:
+    """A row left days ahead (a worker whose clock ran ahead released it) is taken over and kept.
+
+    The id's row stays in its own day's partition, ahead of this worker's
+    today; the turn's write still finds it there, commits the claim with the
+    reply and stores the turn, in one statement.
+    """
+    engine = store.engine
+    session_updates: list[str] = []
+    for seen in store.engines:
+        sa.event.listen(
+            seen, "before_cursor_execute",
+            lambda *a: session_updates.append(a[2]) if _writes_session(a[2]) else None,
+        )
+    ahead = _today() + timedelta(5)
+    _put(engine, "ahead", ahead, datetime.now(timezone.utc) + timedelta(days=5), "released")
+    _claimed_reply(store, "ahead", "s-ahead")
+    assert len(session_updates) == 1, "the write was one statement"
+    with store.claim("ahead") as again:
+        assert not again.acquired and again.status == "done" and again.response == "answer"
+    assert [m.content for m in store.get("s-ahead").history] == ["hello", "answer"]
+    assert [day for _, day in _rows(engine, "ahead")] == [ahead]
+
+
+def test_a_claim_row_moved_past_the_writers_tomorrow_by_another_clocks_purge_still_fences(
+    store: Any,
+) -> None:
+    """A purge on a worker whose clock runs days ahead moves the claim's row past this one's day.
+
+    The turn's write misses the row in the days it looks in first, then
+    finds it wherever it is: the claim is committed with the reply, the turn
+    stored, the row kept in the day the purge moved it to.
+    """
+    engine = store.engine
+    old_day = _today() - timedelta(20)
+    _put(engine, "far", old_day, datetime.now(timezone.utc) - timedelta(hours=2), "released")
+    later = datetime.now(timezone.utc) + timedelta(days=3)  # within the dedup window
+    cutoff = later - timedelta(hours=DEFAULT_DEDUP_TTL_HOURS)
+
+    def purge_with_a_clock_ahead() -> None:
+        with engine.begin() as conn:
+            pg_claims.drop_expired_days(conn, cutoff, later)
+
+    _claimed_reply(store, "far", "s-far", between=purge_with_a_clock_ahead)
+    with store.claim("far") as again:
+        assert not again.acquired and again.status == "done" and again.response == "answer"
+    assert [m.content for m in store.get("s-far").history] == ["hello", "answer"]
+    assert [day for _, day in _rows(engine, "far")] == [pg_claims.utc_day(later)]

@@ -233,7 +233,9 @@ class ClaimFence:
             the turn added, see :func:`reply_of`); the block's exit stores
             ``claim.response`` only if it differs.
         partition_day: The day partition the claim's row was in when taken
-            (see :class:`~chatflow_sqlalchemy.dialect.AcquiredClaim`), or None.
+            (see :class:`~chatflow_sqlalchemy.dialect.AcquiredClaim`), or None:
+            none known, or the turn's write did not find the row from that day
+            on (it then looks in every day).
 
     """
 

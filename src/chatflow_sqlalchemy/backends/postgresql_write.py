@@ -82,8 +82,8 @@ _NOW = bindparam("now", type_=UTCDateTime())
 _CLAIM_DAYS = _processed.c.partition_day.between(
     bindparam("claim_day", type_=Date), bindparam("claim_day_until", type_=Date)
 )
-"""Where the claim's row can be: its day when taken, up to a day past now (see
-:func:`execute_write`)."""
+"""Where the claim's row can be: its day when taken, up to a day past now or past
+that day (see :func:`execute_write`)."""
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,13 @@ def execute_write(connection: Connection, write: SessionWrite) -> bool:
         params.update(fence)  # the parameters of FENCE_CLAIM
     if fence is not None and by_day:
         # Rows only move to a later day: the purge moves the live rows of a
-        # dropped day to its own today (a day of slack for its clock).
-        params["claim_day_until"] = utc_day(fence["claim_now"]) + timedelta(days=1)
+        # dropped day to its own today (a day of slack for its clock). A row
+        # of a day ahead of this clock (left by a clock that ran ahead) is
+        # looked for in its own day; one moved past both is not found, and
+        # the writer looks for it in every day.
+        params["claim_day_until"] = max(
+            fence["claim_day"], utc_day(fence["claim_now"])
+        ) + timedelta(days=1)
     if batch is not None:
         params.update(batch, batch_size=batch["size"])  # and those of ANSWER_BATCH
     shape = _Shape(
