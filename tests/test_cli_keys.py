@@ -128,3 +128,22 @@ def test_rotate_asks_before_encrypting_plaintext_rows(
     code, out, err = run(capsys, "--url", url, "keys", "rotate", "--json")
     assert code == 0, err
     assert json.loads(out) == {"primary": "k2", "rewritten": 2}
+
+
+def test_users_export_opens_the_users_sealed_inbox_messages(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inbox's sealed text and payload are exported in clear with the key, never without."""
+    _write(url, AESGCMCipher({"k1": K1}, "k1"))
+    with open_store(url, cipher=AESGCMCipher({"k1": K1}, "k1")) as store:
+        store.inbox.put("in-1", session_id="e", text="my card is 4111", payload={"n": 1})
+    monkeypatch.setenv("CHATFLOW_KEYS", ENV_K1)
+    code, out, err = run(capsys, "--url", url, "users", "export", "u")
+    assert code == 0, err
+    assert [(m["text"], m["payload"]) for m in json.loads(out)["inbox"]] == [
+        ("my card is 4111", {"n": 1})
+    ]
+    monkeypatch.setenv("CHATFLOW_KEYS", ENV_K2)
+    code, out, err = run(capsys, "--url", url, "users", "export", "u")
+    assert code == 1 and "'k1', not in CHATFLOW_KEYS" in _one_error(err)
+    assert "4111" not in out + err

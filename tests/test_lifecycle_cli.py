@@ -357,3 +357,22 @@ def test_users_erase_erases_the_users_inbox_messages_as_erase_user_does(
     with open_store(url) as store:
         left = [(e.message_id, e.session_id) for e in store.inbox.entries(limit=None)]
     assert left == [("in-bob", "s5")], "users erase left the user's inbox messages behind"
+
+
+def test_users_export_holds_the_inbox_messages_users_erase_removes(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's export is the store's: the user's inbox messages too, none of another's."""
+    _seed(url)
+    with open_store(url) as store:
+        store.inbox.put("in-alice", session_id="s0", text="my card is 4111", payload={"n": 1})
+        store.inbox.put("in-bob", session_id="s5", text="hello from bob")
+        expected = store.export_user("alice")
+    code, out, _ = run(capsys, "users", "export", "alice", "--url", url)
+    assert code == 0
+    document = json.loads(out)
+    assert [(m["message_id"], m["text"], m["payload"]) for m in document["inbox"]] == [
+        ("in-alice", "my card is 4111", {"n": 1})
+    ], "users export left out the inbox messages users erase deletes"
+    del document["exported_at"], expected["exported_at"]
+    assert document == expected

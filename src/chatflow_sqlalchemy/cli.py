@@ -1825,15 +1825,14 @@ def users_export(user_id: str, target: Path | None) -> None:
 
     {"format", "user_id", "exported_at", "sessions": [{"session_id",
     "user_id", "active_agent_name", "metadata", "created_at", "updated_at",
-    "messages", "archived_messages", "webhook_claims"}]} -- what
-    store.export_user returns. Encrypted rows are opened with the keys of
+    "messages", "archived_messages", "webhook_claims"}], "inbox": [{"message_id",
+    "session_id", "state", "text", "payload", ...}]} -- what store.export_user
+    returns: what users erase removes. Encrypted rows are opened with the keys of
     $CHATFLOW_KEYS. A corrupt row stops the export (FILE is then left as it was).
     The document is JSON already; with --output and --json the summary is
     {"user_id", "exported", "output"}.
     """
-    from chatflow_sqlalchemy.lifecycle import EXPORT_FORMAT
-    from chatflow_sqlalchemy.sql_lifecycle import export_sessions, user_session_ids
-    from chatflow_sqlalchemy.values import utcnow
+    from chatflow_sqlalchemy.sql_lifecycle import export_user_document
 
     if target is not None:
         _check_output(target)  # before reading anything
@@ -1841,23 +1840,19 @@ def users_export(user_id: str, target: Path | None) -> None:
     sealer = _sealer()
     with _reading() as (_url, conn):
         try:
-            found = export_sessions(
-                conn, user_session_ids(conn, user_id), sealer.parser(_parse_for_export),
-                sealer.open_metadata, sealer.open_summary,
-            )
+            document = export_user_document(conn, user_id, sealer, _parse_for_export)
         except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
             _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
-    document = {"format": EXPORT_FORMAT, "user_id": user_id,
-                "exported_at": utcnow().isoformat(), "sessions": found}
     text = _json_text(document, indent=2) + "\n"
     if target is None:
         sys.stdout.write(text)
         return
     _write_output(target, lambda sink: sink.write(text))
-    _emit({"user_id": user_id, "exported": len(found), "output": str(target)},
-          f"exported {len(found)} session(s) of user {clean(repr(user_id))} to "
-          f"{clean(str(target))}")
+    found = len(document["sessions"])
+    _emit({"user_id": user_id, "exported": found, "output": str(target)},
+          f"exported {found} session(s) and {len(document['inbox'])} inbox message(s) of "
+          f"user {clean(repr(user_id))} to {clean(str(target))}")
 
 
 def _holds_plaintext(engine: Engine) -> bool:

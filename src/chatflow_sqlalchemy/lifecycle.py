@@ -9,24 +9,28 @@ same rules.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
 from chatflow_sqlalchemy.values import (
     check_metadata,
+    utcnow,
     validate_id,
     validate_page_limit,
     validate_session_id,
 )
 
 __all__ = [
-    "EXPORT_FORMAT", "MAX_SESSION_TTL_HOURS", "SWEEP_BATCH", "ListFilters", "json_equal",
-    "matches_metadata", "validate_archive_pruned", "validate_session_ttl",
-    "validate_sweep_limit", "validate_user_id",
+    "EXPORT_FORMAT", "MAX_SESSION_TTL_HOURS", "SWEEP_BATCH", "ExportedInboxMessage",
+    "ListFilters", "export_document", "json_equal", "matches_metadata",
+    "validate_archive_pruned", "validate_session_ttl", "validate_sweep_limit",
+    "validate_user_id",
 ]
 
-EXPORT_FORMAT = "chatflow-user-export/1"  # bumped if the shape of export_user's document changes
+# Bumped if the shape of export_user's document changes incompatibly; a key added
+# beside the others (as "inbox" was) keeps it, so readers of the first documents still work.
+EXPORT_FORMAT = "chatflow-user-export/1"
 SWEEP_BATCH = 500  # sessions removed per sweep transaction: bounds lock time and size
 MAX_SESSION_TTL_HOURS = 876_000  # 100 years, as the dedup window
 
@@ -91,6 +95,49 @@ class ListFilters:
     def paged(self) -> bool:
         """Paging (``limit`` or ``after`` given): keyset order by ``session_id``."""
         return self.limit is not None or self.after is not None
+
+
+@dataclass(frozen=True)
+class ExportedInboxMessage:
+    """One durable-inbox message of a user's session, as ``export_user`` holds it.
+
+    The user's own words (``text``, the platform's ``payload``) and what
+    became of them (``state``, ``attempts``, the ``reply`` stored for them,
+    the ``error`` of a failed attempt): every store builds its ``inbox``
+    entries from this, so they hold the same keys.
+    """
+
+    message_id: str
+    session_id: str
+    state: str
+    text: str
+    payload: Any
+    sent_at: datetime | None
+    received_at: datetime
+    updated_at: datetime
+    attempts: int
+    reply: str | None
+    error: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (times as ISO 8601)."""
+        fields = asdict(self)
+        for name in ("sent_at", "received_at", "updated_at"):
+            fields[name] = None if fields[name] is None else fields[name].isoformat()
+        return fields
+
+
+def export_document(
+    user_id: str, sessions: list[dict[str, Any]], inbox: list[ExportedInboxMessage]
+) -> dict[str, Any]:
+    """``export_user``'s document: one shape for every store and ``users export``."""
+    return {
+        "format": EXPORT_FORMAT,
+        "user_id": user_id,
+        "exported_at": utcnow().isoformat(),
+        "sessions": sessions,
+        "inbox": [message.as_dict() for message in inbox],
+    }
 
 
 def json_equal(left: object, right: object) -> bool:

@@ -40,8 +40,8 @@ from chatflow_sqlalchemy.forks import (
 )
 from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
 from chatflow_sqlalchemy.lifecycle import (
-    EXPORT_FORMAT,
     ListFilters,
+    export_document,
     matches_metadata,
     validate_sweep_limit,
     validate_user_id,
@@ -439,7 +439,11 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     def erase_user(self, user_id: str) -> int:
         """Erase ``user_id``'s sessions, claims and inbox messages at once; return how many."""
         validate_user_id(user_id)
-        return self._erase(lambda: {sid for sid, uid in self._users.items() if uid == user_id})
+        return self._erase(lambda: self._owned(user_id))
+
+    def _owned(self, user_id: str) -> set[str]:
+        """Every session of ``user_id``'s, unborn ones too: what erasure removes (hold the lock)."""
+        return {sid for sid, uid in self._users.items() if uid == user_id}
 
     def sweep(self, limit: int | None = None) -> int:
         """Remove expired sessions (and their claims), never one in a turn or held by a claim."""
@@ -481,18 +485,14 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         return len(ids)
 
     def export_user(self, user_id: str) -> dict[str, Any]:
-        """Everything held about ``user_id`` (the SQL stores' document)."""
+        """Everything held about ``user_id`` (the SQL stores' document): what erasure removes."""
         validate_user_id(user_id)
         with self._lock:
             self._check_open()
-            ids = sorted(sid for sid, owner in self._users.items() if owner == user_id)
-            sessions = [self._export_session(sid, user_id) for sid in ids]
-        return {
-            "format": EXPORT_FORMAT,
-            "user_id": user_id,
-            "exported_at": utcnow().isoformat(),
-            "sessions": sessions,
-        }
+            owned = self._owned(user_id)
+            sessions = [self._export_session(sid, user_id) for sid in sorted(owned)]
+            inbox = self._inbox_rows.exported(owned)
+        return export_document(user_id, sessions, inbox)
 
     def _export_session(self, session_id: str, user_id: str) -> dict[str, Any]:
         ctx = self._sessions[session_id]

@@ -34,6 +34,7 @@ from chatflow_sqlalchemy.inbox import (
     Unsent,
     resumed_token,
 )
+from chatflow_sqlalchemy.lifecycle import ExportedInboxMessage
 from chatflow_sqlalchemy.values import Lease, utcnow
 
 __all__ = ["MemoryInbox"]
@@ -102,6 +103,19 @@ class MemoryInbox:
         """Drop the messages of these sessions (their user was erased)."""
         with self._lock:
             self._rows = {k: r for k, r in self._rows.items() if r.session_id not in session_ids}
+
+    def exported(self, session_ids: Collection[str]) -> list[ExportedInboxMessage]:
+        """The messages of these sessions (their user's export), in arrival order."""
+        with self._lock:
+            rows = sorted((r for r in self._rows.values() if r.session_id in session_ids),
+                          key=lambda row: row.id)
+            return [
+                ExportedInboxMessage(
+                    row.message_id, row.session_id, row.state, row.text, row.payload, row.sent_at,
+                    row.received_at, row.updated_at, row.attempts, row.reply, row.error,
+                )
+                for row in rows
+            ]
 
     def put(
         self, message_id: str, session_id: str, text: str, sent_at: datetime | None, payload: Any

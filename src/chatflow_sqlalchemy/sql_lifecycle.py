@@ -38,20 +38,27 @@ from sqlalchemy.dialects import postgresql
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.lifecycle import ListFilters, matches_metadata
+from chatflow_sqlalchemy.lifecycle import (
+    ExportedInboxMessage,
+    ListFilters,
+    export_document,
+    matches_metadata,
+)
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, UNBORN_AGENT
 
 if TYPE_CHECKING:
     from chatflow_agent import Message
 
+    from chatflow_sqlalchemy.sealing import Sealer
+
 # chatflow-agent, the errors and the lease load the store's machinery: each is imported
 # where it is used, so that the CLI's read commands (users export) run without them.
 
 __all__ = [
     "SweepCursor", "count_expired", "decode_transcript", "erase_sessions", "erase_user_rows",
-    "expired_query", "export_sessions", "parser_for", "session_page", "sweep_candidates",
-    "transcript_sources", "user_session_ids",
+    "expired_query", "export_sessions", "export_user_document", "owned_sessions", "parser_for",
+    "session_page", "sweep_candidates", "transcript_sources", "user_session_ids",
 ]
 
 _ID_CHUNK = 500  # ids per IN (...) list: far below every dialect's bound-parameter limit
@@ -114,13 +121,18 @@ def _keep(row: Any, filters: ListFilters) -> bool:
     return not filters.metadata or matches_metadata(row.metadata_json, filters.metadata)
 
 
+def owned_sessions(user_id: str) -> Select[Any]:
+    """The ids of every session row of ``user_id``'s (unborn ones too): what erasure removes.
+
+    The one predicate of ``user_id``'s data: erasure and export both select
+    the user's sessions, and what is stored with them, through it.
+    """
+    return select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
+
+
 def user_session_ids(conn: Connection, user_id: str, *, lock: bool = False) -> list[str]:
     """The ids of ``user_id``'s sessions, in id order (``lock``: row-locked until commit)."""
-    query = (
-        select(_sessions.c.session_id)
-        .where(_sessions.c.user_id == user_id)
-        .order_by(_sessions.c.session_id)
-    )
+    query = owned_sessions(user_id).order_by(_sessions.c.session_id)
     if lock:
         query = query.with_for_update()
     return list(conn.execute(query).scalars())
@@ -154,9 +166,9 @@ def erase_user_rows(conn: Connection, user_id: str) -> int:
     the first write, so a caller without the store's up-front write lock (the
     CLI on SQLite) never upgrades a read snapshot.
     """
-    owned = select(_sessions.c.session_id).where(_sessions.c.user_id == user_id)
+    owned = owned_sessions(user_id).scalar_subquery()
     for table in (_messages, _processed, _archive, _inbox):
-        conn.execute(delete(table).where(table.c.session_id.in_(owned.scalar_subquery())))
+        conn.execute(delete(table).where(table.c.session_id.in_(owned)))
     return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
 
 
@@ -315,6 +327,42 @@ def export_sessions(
                 "webhook_claims": _claims_of(conn, sid),
             })
     return exported
+
+
+def export_user_document(
+    conn: Connection, user_id: str, sealer: Sealer, parse: Callable[..., Message]
+) -> dict[str, Any]:
+    """``export_user``'s document: the user's sessions and inbox messages, opened by ``sealer``.
+
+    ``parse`` decodes a message row (the store's, or the CLI's lighter one).
+    Raises ``CorruptRowError`` for a row that cannot be decoded or opened.
+    """
+    sessions = export_sessions(
+        conn, user_session_ids(conn, user_id), sealer.parser(parse),
+        sealer.open_metadata, sealer.open_summary,
+    )
+    return export_document(user_id, sessions, _inbox_of(conn, user_id, sealer))
+
+
+def _inbox_of(conn: Connection, user_id: str, sealer: Sealer) -> list[ExportedInboxMessage]:
+    """The inbox messages of ``user_id``'s sessions (those erasure deletes), in arrival order."""
+    i = _inbox.c
+    query = (
+        select(i.id, i.message_id, i.session_id, i.state, i.text, i.payload, i.sent_at,
+               i.received_at, i.updated_at, i.attempts, i.reply, i.error)
+        .where(i.session_id.in_(owned_sessions(user_id).scalar_subquery()))
+        .order_by(i.id)
+    )
+    found = []
+    for row in conn.execute(query):
+        sid, name = row.session_id, _inbox.name
+        reply = None if row.reply is None else sealer.open_text(sid, row.id, row.reply, name)
+        found.append(ExportedInboxMessage(
+            row.message_id, sid, row.state, sealer.open_text(sid, row.id, row.text, name),
+            sealer.open_json(sid, row.id, row.payload, name), row.sent_at, row.received_at,
+            row.updated_at, row.attempts, reply, row.error,
+        ))
+    return found
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -49,7 +49,6 @@ from chatflow_sqlalchemy.forks import session_exists, validate_fork
 from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
 from chatflow_sqlalchemy.lease import SessionLeases
 from chatflow_sqlalchemy.lifecycle import (
-    EXPORT_FORMAT,
     SWEEP_BATCH,
     ListFilters,
     validate_sweep_limit,
@@ -88,7 +87,7 @@ from chatflow_sqlalchemy.sql_lifecycle import (
     SweepCursor,
     decode_transcript,
     erase_sessions,
-    export_sessions,
+    export_user_document,
     session_page,
     sweep_candidates,
     transcript_sources,
@@ -848,7 +847,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         return timedelta(hours=self.session_ttl_hours)
 
     def export_user(self, user_id: str) -> dict[str, Any]:
-        """Everything held about ``user_id``: sessions, messages, claims (JSON-serialisable).
+        """Everything held about ``user_id`` (JSON-serialisable): what ``erase_user`` removes.
+
+        Its sessions with their messages, archive and claims, and the inbox
+        messages of its sessions; in clear when a cipher sealed them.
 
         Raises:
             ValueError: For an invalid ``user_id``.
@@ -857,16 +859,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         """
         validate_user_id(user_id)
         with self.runtime.transaction() as conn:
-            sessions = export_sessions(
-                conn, user_session_ids(conn, user_id), self._sealer.parser(parse_message),
-                self._sealer.open_metadata, self._sealer.open_summary,
-            )
-        return {
-            "format": EXPORT_FORMAT,
-            "user_id": user_id,
-            "exported_at": utcnow().isoformat(),
-            "sessions": sessions,
-        }
+            return export_user_document(conn, user_id, self._sealer, parse_message)
 
     def clear(self) -> None:
         """Delete every session and message (processed webhook ids are kept)."""

@@ -21,9 +21,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from chatflow_agent import Agent, Message, Role, ToolCall, ToolResult
+from chatflow_agent import Agent, Message, Role, Runner, ToolCall, ToolResult
 
 from chatflow_sqlalchemy.exceptions import CorruptRowError, SessionDeletedError
+from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 from chatflow_sqlalchemy.testing.harness import (
     Capability,
     StoreHarness,
@@ -314,6 +315,44 @@ class ErasureAndExportTests:
                         {"p": f"{user}-%"},
                     ).scalar()
                     assert left == 0, f"{table} still holds rows of the erased user"
+
+    def _unborn(self, store: Any, session_id: str, user: str) -> None:
+        """A session of ``user``'s made for a first turn that failed: unborn again."""
+        store.get_or_create(session_id, _agent(), {"phone": "+5511"}, user_id=user)
+        runner = Runner(starting_agent=_agent(), session_store=store, engine=ScriptedEngine())
+        with pytest.raises(RuntimeError, match="scripted engine failure"):
+            asyncio.run(runner.run_async(session_id, "fail"))
+        assert store.get(session_id) is None
+
+    def test_export_holds_the_inbox_messages_erase_removes(self, store: Any) -> None:
+        """The user's own words waiting in the inbox are theirs: exported, then erased."""
+        user, other = _uid(), _uid()
+        self._populate(store, user)
+        self._populate(store, other)
+        self._unborn(store, f"{user}-new", user)  # its message waits for a retry
+        store.inbox.put(f"{user}-in1", session_id=f"{user}-chat", text="my address is 1 Main St",
+                        sent_at=1_700_000_000, payload={"from": "+5511"})
+        store.inbox.put(f"{user}-in2", session_id=f"{user}-new", text="my card is 4111")
+        store.inbox.put(f"{other}-in", session_id=f"{other}-chat", text="not the user's")
+        store.inbox.put(f"{user}-stray", session_id=f"{user}-none", text="no session yet")
+        exported = store.export_user(user)
+        assert json.loads(json.dumps(exported)) == exported
+        inbox = {m["message_id"]: m for m in exported.get("inbox", [])}
+        assert sorted(inbox) == [f"{user}-in1", f"{user}-in2"], (
+            "export_user must hold the inbox messages erase_user deletes, and no others"
+        )
+        first = inbox[f"{user}-in1"]
+        assert (first["session_id"], first["text"], first["payload"], first["state"]) == (
+            f"{user}-chat", "my address is 1 Main St", {"from": "+5511"}, "pending"
+        )
+        assert datetime.fromisoformat(first["sent_at"]).timestamp() == 1_700_000_000
+        assert first["received_at"] and first["attempts"] == 0
+        assert inbox[f"{user}-in2"]["session_id"] == f"{user}-new"
+        store.erase_user(user)
+        assert store.export_user(user)["inbox"] == []
+        left = {entry.message_id for entry in store.inbox.entries(limit=None)}
+        assert not left & set(inbox), "erase_user left an exported inbox message behind"
+        assert {f"{other}-in", f"{user}-stray"} <= left
 
     @requires(Capability.PERSISTENT)
     def test_live_context_in_another_store_sees_the_erasure(self, harness: StoreHarness) -> None:
@@ -718,6 +757,12 @@ class EncryptionTests:
             assert "+5511999" not in str(meta) and "cfenc:1:k1:" in str(meta)
             assert _shape(store.transcript(sid)) == _shape(added)
             assert store.export_user("u-enc")["sessions"][0]["metadata"] == {"phone": "+5511999"}
+            store.inbox.put(f"{sid}-in", session_id=sid, text="card 4111", payload={"n": "+55"})
+            (raw,) = _raw(store, "SELECT text, payload FROM chatflow_inbox "
+                          "WHERE message_id = :m", m=f"{sid}-in")
+            assert "4111" not in raw[0] and "+55" not in str(raw[1]), "the inbox is sealed"
+            (item,) = store.export_user("u-enc")["inbox"]
+            assert (item["text"], item["payload"]) == ("card 4111", {"n": "+55"})
             with pytest.raises(ValueError, match="encrypted metadata"):
                 store.list_sessions(metadata={"phone": "+5511999"})
             if harness.has(Capability.PERSISTENT):
