@@ -34,7 +34,6 @@ if TYPE_CHECKING:
         SchemaAheadError,
         SchemaError,
         SessionDeletedError,
-        WriteConflictError,
     )
     from chatflow_sqlalchemy.inbox import Inbox, InboxBatch, InboxItem, InboxReply
     from chatflow_sqlalchemy.memory import SessionStore
@@ -60,7 +59,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "BackendImportError", "BackendNotFoundError", "ChatflowStoreError", "ClaimLostError",
         "CorruptRowError", "DatabaseUnavailableError", "DatabaseURLError",
         "DuplicateBackendError", "LeaseLostError", "SchemaAheadError", "SchemaError",
-        "SessionDeletedError", "WriteConflictError",
+        "SessionDeletedError",
     ),
 }
 _LAZY = {name: f"chatflow_sqlalchemy.{module}" for module, names in _MODULES.items()
@@ -72,8 +71,8 @@ __all__ = [
     "DatabaseUnavailableError", "DuplicateBackendError", "Inbox", "InboxBatch", "InboxItem",
     "InboxReply", "LeaseLostError", "PostgresSessionStore", "SQLAlchemySessionStore",
     "SQLiteSessionStore", "SchemaAheadError", "SchemaError", "SessionContext",
-    "SessionDeletedError", "SessionStore", "Summarizer", "WebhookClaim", "WriteConflictError",
-    "__version__", "available_backends", "open_store", "register",
+    "SessionDeletedError", "SessionStore", "Summarizer", "WebhookClaim", "__version__",
+    "available_backends", "open_store", "register",
 ]
 
 

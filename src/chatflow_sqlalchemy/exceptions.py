@@ -13,7 +13,7 @@ __all__ = [
     "BackendImportError", "BackendNotFoundError", "ChatflowStoreError", "CipherError",
     "ClaimLostError", "CorruptRowError", "DatabaseURLError", "DatabaseUnavailableError",
     "DuplicateBackendError", "LeaseLostError", "MigrationPluginError", "MissingKeyError",
-    "SchemaAheadError", "SchemaError", "SessionDeletedError", "WriteConflictError",
+    "SchemaAheadError", "SchemaError", "SessionDeletedError",
 ]
 
 
@@ -161,26 +161,6 @@ class ClaimLostError(LeaseLostError):
         )
         self.message_id = message_id
         self.session_id = None
-
-
-class WriteConflictError(LeaseLostError):
-    """A write lost to other writers of its session every time it was tried (nothing written).
-
-    A :class:`LeaseLostError`, so the handlers of a turn that could not be
-    written catch it: run the turn again. If it keeps happening, something
-    keeps updating the session's row.
-    """
-
-    def __init__(self, session_id: str, attempts: int) -> None:
-        ChatflowStoreError.__init__(
-            self,
-            f"session {session_id!r} was moved by another writer before each of {attempts} "
-            "attempts to write it; nothing of this write was written: run the turn again, and "
-            "if this repeats, stop what keeps updating that session's row in chatflow_sessions "
-            "(a process writing it in a loop, or a trigger or tool changing its version)",
-        )
-        self.session_id = session_id
-        self.attempts = attempts
 
 
 class MigrationPluginError(ChatflowStoreError):

@@ -12,11 +12,7 @@ not stand, one read tells why: the session is gone, the lease or the claim
 or the inbox batch was lost (the matching error is raised), or another writer
 moved the session; the context is then rebased on the fresh rows, its new
 messages appended after them as whole turns, and the write is built and
-executed again, the same way. A write that loses to other writers
-:data:`MAX_WRITE_ATTEMPTS` times in a row gives up with
-:class:`~chatflow_sqlalchemy.exceptions.WriteConflictError` (nothing of it
-written), rather than retry for as long as something keeps moving the session.
-A claim's row looked for by its day (see
+executed again, the same way. A claim's row looked for by its day (see
 :attr:`~chatflow_sqlalchemy.claims.ClaimFence.partition_day`) and not found
 there while still held is looked for in every day once.
 """
@@ -35,12 +31,7 @@ from chatflow_sqlalchemy.claims import ClaimFence, reply_of
 from chatflow_sqlalchemy.context import PendingWrite, SessionContext
 from chatflow_sqlalchemy.contexts import AgentResolver
 from chatflow_sqlalchemy.dialect import DialectSupport, SessionWrite
-from chatflow_sqlalchemy.exceptions import (
-    ClaimLostError,
-    LeaseLostError,
-    SessionDeletedError,
-    WriteConflictError,
-)
+from chatflow_sqlalchemy.exceptions import ClaimLostError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import BatchFence
 from chatflow_sqlalchemy.lease import SessionLeases, lease_params
 from chatflow_sqlalchemy.rows import message_row, read_session
@@ -50,16 +41,9 @@ from chatflow_sqlalchemy.sql_write import portable_steps, probe
 from chatflow_sqlalchemy.summaries import Summaries
 from chatflow_sqlalchemy.values import Lease, utcnow
 
-__all__ = ["MAX_WRITE_ATTEMPTS", "SessionWriter"]
+__all__ = ["SessionWriter"]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
-
-MAX_WRITE_ATTEMPTS = 8
-"""Attempts of one write before it gives up on a session other writers keep moving.
-
-Turns hold the session's lease, so only writes outside a turn compete with
-them: losing this many times in a row means something keeps updating the
-session row (a process in a loop, a trigger, a tool editing ``version``)."""
 
 
 class _Missed(Exception):
@@ -118,8 +102,6 @@ class SessionWriter:
             SessionDeletedError: The session is gone (or is another one now).
             LeaseLostError: ``lease`` is no longer held; nothing was written.
             ClaimLostError: ``fence``'s claim is no longer held; nothing was written.
-            WriteConflictError: Other writers moved the session before each of
-                :data:`MAX_WRITE_ATTEMPTS` attempts; nothing was written.
 
         """
         # A claim's reply, also refused before the turn is written if it cannot be
@@ -129,11 +111,9 @@ class SessionWriter:
             reply = None
         answer = None if batch is None else self._answer(batch, reply_of(pending.tail))
         write = self._build(pending, fence, reply, lease, answer)
-        attempts = 1
         while not self._execute(write):
-            pending = self._explain(ctx, write, pending, fence, attempts)
+            pending = self._explain(ctx, write, pending, fence)
             write = self._build(pending, fence, reply, lease, answer)
-            attempts += 1
         ctx.applied(pending)
         if fence is not None:
             fence.reply = reply
@@ -196,17 +176,15 @@ class SessionWriter:
         write: SessionWrite,
         pending: PendingWrite,
         fence: ClaimFence | None,
-        attempts: int,
     ) -> PendingWrite:
-        """Tell why ``write`` (attempt ``attempts`` of ``pending``) missed; what to write now.
+        """Tell why ``write`` of ``pending`` missed: raise what was lost; else what to write now.
 
         One read, under the session row's write lock, of what the write was
         checked against: what was lost is raised; when the version moved, the
-        context is rebased on the rows read in the same transaction (after
-        :data:`MAX_WRITE_ATTEMPTS` attempts, :class:`WriteConflictError` is
-        raised instead). When nothing moved, ``fence``'s row was not in the
-        days the backend looked in (a clock that ran ahead moved it later):
-        the write looks for it in every day.
+        context is rebased on the rows read in the same transaction. When
+        nothing moved, ``fence``'s row was not in the days the backend looked
+        in (a clock that ran ahead moved it later): the write looks for it in
+        every day.
         """
         statement, params = probe(write)
         sid = write.swap["sid"]
@@ -215,8 +193,6 @@ class SessionWriter:
             _raise_lost(write, row, pending.incarnation)
             assert row is not None
             if row.version != write.swap["expected"]:
-                if attempts >= MAX_WRITE_ATTEMPTS:
-                    raise WriteConflictError(sid, attempts)
                 return self._rebase(conn, ctx)
         if fence is None or fence.partition_day is None:
             raise RuntimeError(f"a write of session {sid!r} did not stand, for no reason")
