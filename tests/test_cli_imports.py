@@ -28,8 +28,8 @@ KEYS = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 """``$CHATFLOW_KEYS`` of the encrypted database."""
 
 HEAVY = (
-    "chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "chatflow_sqlalchemy.store",
-    "chatflow_sqlalchemy.runtime",
+    "chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "sqlalchemy.ext.asyncio",
+    "psycopg", "chatflow_sqlalchemy.store", "chatflow_sqlalchemy.runtime",
 )
 """What a read command must not import (a module or its package): a store and its runtime too."""
 
