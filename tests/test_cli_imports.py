@@ -27,8 +27,11 @@ from chatflow_sqlalchemy.testing import ScriptedEngine
 KEYS = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 """``$CHATFLOW_KEYS`` of the encrypted database."""
 
-HEAVY = ("chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "chatflow_sqlalchemy.store")
-"""What a read command must not import (a module or its package)."""
+HEAVY = (
+    "chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "sqlalchemy.ext.asyncio",
+    "psycopg", "chatflow_sqlalchemy.store", "chatflow_sqlalchemy.runtime",
+)
+"""What a read command must not import (a module or its package): a store and its runtime too."""
 
 READ_COMMANDS = (
     ["sessions", "list"],
@@ -46,6 +49,10 @@ READ_COMMANDS = (
     ["dedup", "list", "--json"],
     ["users", "export", "u1"],
     ["sessions", "sweep", "--dry-run", "--ttl-hours", "1"],
+    ["inbox", "list"],
+    ["inbox", "list", "--state", "pending", "--json"],
+    ["inbox", "stats"],
+    ["inbox", "stats", "--json"],
 )
 
 ENCRYPTED_READ_COMMANDS = (
@@ -54,6 +61,7 @@ ENCRYPTED_READ_COMMANDS = (
     ["sessions", "export"],
     ["users", "export", "u1"],
     ["dedup", "list"],
+    ["inbox", "list"],
 )
 """Read on a database whose rows are sealed, with their key in ``$CHATFLOW_KEYS``."""
 
@@ -69,7 +77,7 @@ _PROBE = (
 
 
 def _conversation(path: Path, cipher: AESGCMCipher | None = None) -> str:
-    """A SQLite file at head: a conversation of user u1 written by the real Runner, a claim."""
+    """A SQLite file at head: a conversation of user u1 by the real Runner, a claim, an inbox."""
     import asyncio
 
     from chatflow_agent import Agent, Runner
@@ -81,6 +89,7 @@ def _conversation(path: Path, cipher: AESGCMCipher | None = None) -> str:
         asyncio.run(runner.run_async("wa:1", "hello", metadata={"plan": "pro"}))
         with store.claim("wamid.1", session_id="wa:1"):
             pass
+        store.inbox.put("wamid.2", session_id="wa:1", text="later", sent_at=1700000000)
     return f"sqlite:///{path}"
 
 
@@ -120,7 +129,7 @@ def test_a_read_command_on_sealed_rows_imports_nothing_heavy(
 
 def test_the_probe_sees_what_a_command_imports(database: str) -> None:
     """The same probe on a command that opens a store finds chatflow-agent (the test can fail)."""
-    loaded = _loaded(["--url", database, "inbox", "stats"])
+    loaded = _loaded(["--url", database, "inbox", "purge"])  # removes nothing: none answered
     assert "chatflow_agent" in loaded
     assert "chatflow_sqlalchemy.store" in loaded
 

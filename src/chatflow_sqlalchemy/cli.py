@@ -1623,16 +1623,15 @@ def dedup_purge(ttl: float) -> None:
 
 
 @contextmanager
-def _inbox(*, write: bool = False, ttl: float | None = None) -> Iterator[tuple[URL, Engine, Inbox]]:
-    """The inbox of an existing database at head, through a store on the CLI's own engine.
+def _inbox(*, ttl: float | None = None) -> Iterator[tuple[URL, Engine, Inbox]]:
+    """The inbox of an existing database at head, to write, through a store on the CLI's engine.
 
-    Without ``write`` the engine is the query-only one of the read commands, so
-    the store can only read (SQLite refuses any write); it never migrates.
+    The store never migrates. ``inbox list`` and ``stats`` read the rows without a store.
     """
     from chatflow_sqlalchemy.store import SQLAlchemySessionStore
 
     with (
-        _database(write=write) as (url, engine),
+        _database(write=True) as (url, engine),
         SQLAlchemySessionStore(
             engine=engine, auto_migrate=False, dedup_ttl_hours=ttl or _ttl()
         ) as store,
@@ -1661,9 +1660,11 @@ def inbox_list(state: str | None, limit: int) -> None:
     done (answered, no send), sent (answered and sent), dead (failed
     max_attempts times; the error says why: retry it with inbox retry).
     """
-    with _inbox() as (_url, _engine, rows):
-        entries = rows.entries(state=state, limit=limit)
-        counts = rows.stats().counts
+    from chatflow_sqlalchemy.sql_inbox import read_entries, read_stats
+
+    with _reading() as (_url, conn):
+        entries = read_entries(conn, state, limit)
+        counts = read_stats(conn).counts
     total = counts.get(state, 0) if state is not None else sum(counts.values())
     if _emit({"state": state, "total": total, "messages": [e.as_dict() for e in entries]}):
         return
@@ -1702,7 +1703,7 @@ def inbox_retry(message_id: str) -> None:
 
     _checked(validate_message_id, message_id)
     shown, c = clean(repr(message_id)), tables.inbox.c
-    with _inbox(write=True) as (url, engine, rows):
+    with _inbox() as (url, engine, rows):
         if not rows.retry(message_id):  # why not: no such message, or it is not dead
             with _read_conn(engine) as conn:
                 state = conn.execute(select(c.state).where(c.message_id == message_id)).scalar()
@@ -1727,8 +1728,10 @@ def inbox_stats() -> None:
     Also the age of the oldest pending message (by the database's clock)
     and how many messages died in the last hour.
     """
-    with _inbox() as (_url, _engine, rows):
-        stats = rows.stats()
+    from chatflow_sqlalchemy.sql_inbox import read_stats
+
+    with _reading() as (_url, conn):
+        stats = read_stats(conn)
     if _emit(stats.as_dict()):
         return
     _table(("STATE", "MESSAGES"), [(state, str(n)) for state, n in stats.counts.items()])
@@ -1754,7 +1757,7 @@ def inbox_purge(ttl: float) -> None:
 
     _checked(validate_dedup_ttl, ttl, what="--ttl-hours: ")  # the store's own bound
     c = tables.inbox.c
-    with _inbox(write=True, ttl=ttl) as (_url, engine, rows):
+    with _inbox(ttl=ttl) as (_url, engine, rows):
         risk = "a redelivery could then be answered twice"
         answered = c.state.in_(["done", "sent"])
         _confirm_purge(engine, ttl, "answered message(s)", risk, c.updated_at, answered)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -34,7 +34,6 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
-from chatflow_sqlalchemy.exceptions import CorruptRowError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import (
     BATCH_LIMIT,
     DEAD,
@@ -51,13 +50,19 @@ from chatflow_sqlalchemy.inbox import (
     Unsent,
     resumed_token,
 )
-from chatflow_sqlalchemy.lease import KEEP_HELD, SessionLeases, free_at, lease_params
-from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
-from chatflow_sqlalchemy.sealing import Sealer
+from chatflow_sqlalchemy.lease import KEEP_HELD, free_at, lease_params
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
 
-__all__ = ["ANSWER_BATCH", "SQLInbox"]
+# The errors (chatflow_sqlalchemy.exceptions loads chatflow-agent) are imported where they
+# are raised or caught, and the store's machinery only for types: read_entries and
+# read_stats (the CLI's inbox list and stats) run without either.
+if TYPE_CHECKING:
+    from chatflow_sqlalchemy.lease import SessionLeases
+    from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
+    from chatflow_sqlalchemy.sealing import Sealer
+
+__all__ = ["ANSWER_BATCH", "SQLInbox", "read_entries", "read_stats"]
 
 _T = TypeVar("_T")
 
@@ -273,6 +278,8 @@ class SQLInbox:
 
     def take(self, session_id: str) -> Lease | None:
         """The session's lease (the session created empty if new), lent to the store's turns."""
+        from chatflow_sqlalchemy.exceptions import SessionDeletedError
+
         try:
             lease = self._leases.take(session_id)
         except SessionDeletedError:
@@ -314,6 +321,8 @@ class SQLInbox:
         self, conn: Connection, session_id: str, params: dict[str, Any]
     ) -> list[InboxItem]:
         """Mark the pending messages in flight; one that cannot be read is dead at once."""
+        from chatflow_sqlalchemy.exceptions import CorruptRowError
+
         items, taken = [], []
         for row in conn.execute(_PENDING, params).all():
             try:
@@ -336,6 +345,8 @@ class SQLInbox:
 
     def _answered(self, conn: Connection, session_id: str, params: dict[str, Any]) -> list[Unsent]:
         """Replies stored and not sent, each taken under a token of ours; empty ones are done."""
+        from chatflow_sqlalchemy.exceptions import CorruptRowError
+
         groups: dict[str | None, list[Any]] = {}
         for row in conn.execute(_ANSWERED, params):
             groups.setdefault(row.batch_token, []).append(row)
@@ -359,6 +370,8 @@ class SQLInbox:
 
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store the reply; the items are done, or in flight until sent."""
+        from chatflow_sqlalchemy.exceptions import LeaseLostError
+
         sealed = None if reply is None else self._sealer.seal_text(lease.session_id, reply)
         state = IN_FLIGHT if to_send else DONE
         try:
@@ -390,9 +403,8 @@ class SQLInbox:
 
     def entries(self, state: str | None, limit: int | None) -> list[InboxEntry]:
         """Messages in arrival order, optionally of one state."""
-        query = _ENTRIES if state is None else _ENTRIES.where(_i.c.state == state)
         with self._runtime.transaction() as conn:
-            return [InboxEntry(*row) for row in conn.execute(query.limit(limit))]
+            return read_entries(conn, state, limit)
 
     def retry(self, message_id: str) -> bool:
         """A dead message, with the rest of its dead batch, back to pending."""
@@ -405,15 +417,8 @@ class SQLInbox:
 
     def stats(self) -> InboxStats:
         """Counts per state, oldest pending age (database clock), dead in the last hour."""
-        now = utcnow()
         with self._runtime.transaction() as conn:
-            counts = dict.fromkeys(INBOX_STATES, 0)
-            counts.update({state: int(n) for state, n in conn.execute(_COUNTS)})
-            clock, oldest = conn.execute(_OLDEST_PENDING, {"now": now}).one()
-            dead = conn.execute(_DEAD_LAST_HOUR, {"hour_ago": now - timedelta(hours=1)})
-            dead_last_hour = int(dead.scalar() or 0)
-        age = None if oldest is None else max(0.0, (clock - oldest).total_seconds())
-        return InboxStats(counts, age, dead_last_hour)
+            return read_stats(conn)
 
     def purge(self, older_than_seconds: float) -> int:
         """Delete done and sent messages older than the dedup window."""
@@ -434,4 +439,30 @@ class SQLInbox:
     def _check(self, conn: Connection, lease: Lease) -> None:
         params = {**lease_params(lease), **self._leases.until_params()}
         if conn.execute(KEEP_HELD, params).rowcount != 1:
+            from chatflow_sqlalchemy.exceptions import LeaseLostError
+
             raise LeaseLostError(lease.session_id)
+
+
+def read_entries(conn: Connection, state: str | None, limit: int | None) -> list[InboxEntry]:
+    """``inbox list`` on a connection (a read-only one will do): messages in arrival order.
+
+    ``state``, if given, is one of the inbox's states (checked by the caller).
+    """
+    query = _ENTRIES if state is None else _ENTRIES.where(_i.c.state == state)
+    return [InboxEntry(*row) for row in conn.execute(query.limit(limit))]
+
+
+def read_stats(conn: Connection) -> InboxStats:
+    """``inbox stats`` on a connection (a read-only one will do).
+
+    The oldest pending message's age and the last hour are the database's clock, as
+    the leases are.
+    """
+    now = utcnow()
+    counts = dict.fromkeys(INBOX_STATES, 0)
+    counts.update({state: int(n) for state, n in conn.execute(_COUNTS)})
+    clock, oldest = conn.execute(_OLDEST_PENDING, {"now": now}).one()
+    dead = conn.execute(_DEAD_LAST_HOUR, {"hour_ago": now - timedelta(hours=1)})
+    age = None if oldest is None else max(0.0, (clock - oldest).total_seconds())
+    return InboxStats(counts, age, int(dead.scalar() or 0))
