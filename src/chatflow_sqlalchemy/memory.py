@@ -291,17 +291,17 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 if self.archive_pruned or self._summaries is not None:
                     self._keep_what_left(ctx)
 
-    async def _abegin_turn(self, ctx: SessionContext) -> None:
+    async def _start_turn(self, ctx: SessionContext) -> None:
         self._check_open()
         fenced = active_fence(ctx.session_id) or active_batch(ctx.session_id)
         if fenced is not None:  # kept to discard a fenced-out turn
             self._turn_starts[id(ctx)] = ctx.checkpoint()
 
-    async def _aend_turn(self, ctx: SessionContext) -> None:
+    async def _finish_turn(self, ctx: SessionContext) -> None:
         try:
             self._end_turn(ctx)
         except BaseException:  # not kept: a turn that failed, as on the SQL stores
-            await self._adiscard_turn(ctx)
+            await self._drop_turn(ctx)
             raise
 
     def _end_turn(self, ctx: SessionContext) -> None:
@@ -317,7 +317,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._answer_batch(ctx, batch, start)
         self._flush_context(ctx)
 
-    async def _adiscard_turn(self, ctx: SessionContext) -> None:
+    async def _drop_turn(self, ctx: SessionContext) -> None:
         """A failed turn: forget its start; a session it alone made is unborn (as on SQL)."""
         self._turn_starts.pop(id(ctx), None)
         with self._lock:
@@ -640,15 +640,15 @@ class _MemoryContextOwner:
 
     async def begin_turn(self, ctx: SessionContext) -> None:
         """Keep the turn's start, to discard a fenced-out turn."""
-        await self._store._abegin_turn(ctx)
+        await self._store._start_turn(ctx)
 
     async def end_turn(self, ctx: SessionContext) -> None:
         """Keep the turn, with its claim or inbox batch."""
-        await self._store._aend_turn(ctx)
+        await self._store._finish_turn(ctx)
 
     async def discard_turn(self, ctx: SessionContext) -> None:
         """Forget the turn; a session it alone made is unborn."""
-        await self._store._adiscard_turn(ctx)
+        await self._store._drop_turn(ctx)
 
     async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` directly: the store does no I/O."""
