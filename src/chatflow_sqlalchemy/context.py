@@ -110,17 +110,22 @@ AgentLookup = Callable[[str, Agent | None], Agent]
 
 
 class ContextOwner(Protocol):
-    """What an attached context needs from its store (implemented by the SQL store)."""
+    """What an attached context needs from the store that hands it out."""
 
-    def _flush_context(self, ctx: SessionContext) -> None: ...
+    def flush(self, ctx: SessionContext) -> None:
+        """Write what ``ctx`` changed outside a turn."""
 
-    async def _abegin_turn(self, ctx: SessionContext) -> None: ...
+    async def begin_turn(self, ctx: SessionContext) -> None:
+        """Take the session for a turn of ``ctx`` and catch it up."""
 
-    async def _aend_turn(self, ctx: SessionContext) -> None: ...
+    async def end_turn(self, ctx: SessionContext) -> None:
+        """Write the turn and give the session back."""
 
-    async def _adiscard_turn(self, ctx: SessionContext) -> None: ...
+    async def discard_turn(self, ctx: SessionContext) -> None:
+        """Give the session back after a failed turn, writing nothing of it."""
 
-    async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T: ...
+    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking work off the event loop, as the store's async API does."""
 
 
 @dataclass
@@ -828,7 +833,7 @@ class SessionContext(_UpstreamSessionContext):
             return
         # On a native-async store writers share the loop thread: the mutex cannot order them.
         async with self._async_writer:
-            await self._owner._run_blocking(fn, *args)
+            await self._owner.run_blocking(fn, *args)
 
     # ------------------------------------------------------------ persistence
     # A store reads and changes the context's state only by these methods.
@@ -1060,24 +1065,24 @@ class SessionContext(_UpstreamSessionContext):
                 if self.made_version is None:  # only what this context made is made anew
                     catch_up = None
                 if self._deferred_load is not None:  # read off the loop, never on it
-                    await self._owner._run_blocking(self.ensure_loaded)
+                    await self._owner.run_blocking(self.ensure_loaded)
                 with self._mutex:
                     self._check_alive()
                 try:
-                    await self._owner._abegin_turn(self)
+                    await self._owner.begin_turn(self)
                 except SessionDeletedError:
                     if recreate is None or self._deleted:
                         raise
-                    await self._owner._run_blocking(self._locked, recreate)  # as get_or_create
-                    await self._owner._abegin_turn(self)
+                    await self._owner.run_blocking(self._locked, recreate)  # as get_or_create
+                    await self._owner.begin_turn(self)
         try:
             if catch_up is not None and self.unborn:  # its first turn failed: as if new
                 assert self._owner is not None
-                await self._owner._run_blocking(self._locked, catch_up)
+                await self._owner.run_blocking(self._locked, catch_up)
             self._open_turn()
         except BaseException:
             if self._owner is not None:  # what the store took for the turn goes back
-                await self._owner._adiscard_turn(self)
+                await self._owner.discard_turn(self)
             raise
 
     def _locked(self, fn: Callable[[], object]) -> None:
@@ -1113,7 +1118,7 @@ class SessionContext(_UpstreamSessionContext):
         if self._owner is not None:
             try:
                 async with self._async_writer:
-                    await self._owner._aend_turn(self)
+                    await self._owner.end_turn(self)
             except BaseException:
                 # Not known written: back to the turn's start, checked again before the next.
                 self._discard_to(start, stale=True)
@@ -1125,7 +1130,7 @@ class SessionContext(_UpstreamSessionContext):
     async def _adiscard_turn(self) -> None:
         self._discard_to(self._close_turn(), stale=False)
         if self._owner is not None:
-            await self._owner._adiscard_turn(self)
+            await self._owner.discard_turn(self)
 
     def _discard_to(self, start: _TurnSnapshot | None, *, stale: bool) -> None:
         """Put back everything a turn changed (history, agent, metadata, what is durable)."""
@@ -1154,7 +1159,7 @@ class SessionContext(_UpstreamSessionContext):
             return
         durable = self._durable
         try:
-            self._owner._flush_context(self)
+            self._owner.flush(self)
         except BaseException:
             if undo is not None:
                 self._restore(undo)

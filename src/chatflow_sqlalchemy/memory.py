@@ -152,6 +152,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
+        self._context_owner = _MemoryContextOwner(self)
         self._claim_rows = MemoryClaims(
             self._lock, self._processed, self._ttl_seconds, self._remember
         )
@@ -211,7 +212,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                     session_id, default_agent, max_turns=self.default_max_turns,
                     metadata=dict(metadata or {}),
                 )
-                ctx.attach(self)
+                ctx.attach(self._context_owner)
                 self._sessions[session_id] = ctx
                 self._touch(session_id)
                 self._made.add(session_id)
@@ -290,17 +291,17 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 if self.archive_pruned or self._summaries is not None:
                     self._keep_what_left(ctx)
 
-    async def _abegin_turn(self, ctx: SessionContext) -> None:
+    async def _start_turn(self, ctx: SessionContext) -> None:
         self._check_open()
         fenced = active_fence(ctx.session_id) or active_batch(ctx.session_id)
         if fenced is not None:  # kept to discard a fenced-out turn
             self._turn_starts[id(ctx)] = ctx.checkpoint()
 
-    async def _aend_turn(self, ctx: SessionContext) -> None:
+    async def _finish_turn(self, ctx: SessionContext) -> None:
         try:
             self._end_turn(ctx)
         except BaseException:  # not kept: a turn that failed, as on the SQL stores
-            await self._adiscard_turn(ctx)
+            await self._drop_turn(ctx)
             raise
 
     def _end_turn(self, ctx: SessionContext) -> None:
@@ -316,7 +317,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._answer_batch(ctx, batch, start)
         self._flush_context(ctx)
 
-    async def _adiscard_turn(self, ctx: SessionContext) -> None:
+    async def _drop_turn(self, ctx: SessionContext) -> None:
         """A failed turn: forget its start; a session it alone made is unborn (as on SQL)."""
         self._turn_starts.pop(id(ctx), None)
         with self._lock:
@@ -423,7 +424,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 raise no_such_session(session_id)  # deleted meanwhile
             if new_session_id in self._sessions:
                 raise session_exists(new_session_id)
-            ctx.attach(self)
+            ctx.attach(self._context_owner)
             self._sessions[new_session_id] = ctx
             owner = self._users.get(session_id)
             if owner is not None:
@@ -623,3 +624,32 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     async def aclose(self) -> None:
         """Async :meth:`close`."""
         self.close()
+
+
+class _MemoryContextOwner:
+    """The in-memory store as its contexts see it (a :class:`~.context.ContextOwner`)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+
+    def flush(self, ctx: SessionContext) -> None:
+        """Note the session as written (no I/O)."""
+        self._store._flush_context(ctx)
+
+    async def begin_turn(self, ctx: SessionContext) -> None:
+        """Keep the turn's start, to discard a fenced-out turn."""
+        await self._store._start_turn(ctx)
+
+    async def end_turn(self, ctx: SessionContext) -> None:
+        """Keep the turn, with its claim or inbox batch."""
+        await self._store._finish_turn(ctx)
+
+    async def discard_turn(self, ctx: SessionContext) -> None:
+        """Forget the turn; a session it alone made is unborn."""
+        await self._store._drop_turn(ctx)
+
+    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` directly: the store does no I/O."""
+        return fn(*args)

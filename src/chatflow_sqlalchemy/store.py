@@ -242,6 +242,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             io_workers=self._blocking_io_workers,
         )
         leases = SessionLeases(self.runtime, self.turn_lease_seconds)
+        self._context_owner = _ContextOwner(self)
         self.turns = Turns(
             self.runtime, leases, self._run_blocking, self._refresh, self._flush_context
         )
@@ -323,7 +324,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def _new_context(self, session_id: str, agent: Agent) -> SessionContext:
         """An empty context of this store's (``load`` fills it)."""
         ctx = SessionContext(session_id, agent, max_turns=self.default_max_turns)
-        ctx.attach(self)
+        ctx.attach(self._context_owner)
         return ctx
 
     def _refresh(
@@ -475,7 +476,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> None:
         """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
 
-        Its first turn failed unwritten (:meth:`_adiscard_turn`); a turn in
+        Its first turn failed unwritten (:meth:`_ContextOwner.discard_turn`); a turn in
         progress keeps its own view, and its write gives the session its agent.
         """
         if not ctx.unborn or ctx.in_turn:
@@ -1001,20 +1002,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             if fence is not None:
                 fence.committed = True
 
-    async def _abegin_turn(self, ctx: SessionContext) -> None:
-        await self.turns.begin(ctx)
-
-    async def _aend_turn(self, ctx: SessionContext) -> None:
-        await self.turns.end(ctx)
-
-    async def _adiscard_turn(self, ctx: SessionContext) -> None:
-        """A turn ended by an exception: nothing is written, the lease goes back.
-
-        A session this store made for it and never wrote to is unborn again
-        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
-        """
-        await self.turns.discard(ctx, ctx.made_version)
-
     # ------------------------------------------------------------ lifecycle
 
     def wait_for_summaries(self, timeout: float | None = None) -> bool:
@@ -1046,3 +1033,35 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {describe(self.url)}>"
 
+
+class _ContextOwner:
+    """The store as its contexts see it (a :class:`~.context.ContextOwner`)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: SQLAlchemySessionStore) -> None:
+        self._store = store
+
+    def flush(self, ctx: SessionContext) -> None:
+        """Write what ``ctx`` changed outside a turn."""
+        self._store._flush_context(ctx)
+
+    async def begin_turn(self, ctx: SessionContext) -> None:
+        """Take the session's lease and catch ``ctx`` up."""
+        await self._store.turns.begin(ctx)
+
+    async def end_turn(self, ctx: SessionContext) -> None:
+        """Write the turn in the transaction that gives the lease back."""
+        await self._store.turns.end(ctx)
+
+    async def discard_turn(self, ctx: SessionContext) -> None:
+        """A turn ended by an exception: nothing is written, the lease goes back.
+
+        A session this store made for it and never wrote to is unborn again
+        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
+        """
+        await self._store.turns.discard(ctx, ctx.made_version)
+
+    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """The store's own, bounded in time where its backend bounds it."""
+        return await self._store._run_blocking(fn, *args)
