@@ -170,6 +170,53 @@ async def test_async_store_context_manager_closes(tmp_path: Path) -> None:
         store.list_sessions()
 
 
+@pytest.mark.parametrize("base", ["memory", "sqlite", pytest.param("postgresql",
+                                                                   marks=pytest.mark.postgres)])
+async def test_a_subclass_run_blocking_runs_its_contexts_async_writes(
+    base: str, tmp_path: Path
+) -> None:
+    """A store subclass's ``_run_blocking`` is how its contexts run their async writes too.
+
+    The contexts reach their store through an owner object: it hands the work to
+    the store's own method, so an override (the PostgreSQL store's time bound is
+    one) is honoured on every store, the in-memory one included.
+    """
+    ran: list[str] = []
+
+    def counting(cls: Any) -> Any:
+        class Counting(cls):  # type: ignore[misc, valid-type]
+            async def _run_blocking(self, fn: Any, *args: Any) -> Any:
+                ran.append(getattr(fn, "__name__", repr(fn)))
+                return await super()._run_blocking(fn, *args)
+
+        return Counting
+
+    if base == "postgresql":
+        from chatflow_sqlalchemy import PostgresSessionStore
+
+        url = postgres_url()
+        with fresh_schema(url) as schema:
+            store = counting(PostgresSessionStore)(
+                url, connect_args=schema_connect_args(schema)
+            )
+            await _add_one_async(store, ran)
+        return
+    store = (counting(SessionStore)() if base == "memory"
+             else counting(SQLiteSessionStore)(tmp_path / "sub.db"))
+    await _add_one_async(store, ran)
+
+
+async def _add_one_async(store: Any, ran: list[str]) -> None:
+    try:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        ran.clear()
+        await ctx.aadd_message(Message(role=Role.USER, content="hi"))
+        assert ran == ["add_message"]
+        assert [m.content for m in store.get("s").history] == ["hi"]
+    finally:
+        await store.aclose()
+
+
 @pytest.mark.postgres
 async def test_postgres_async_runs_natively_on_the_loop_without_threads() -> None:
     import greenlet

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import pytest
 from chatflow_agent import Agent
-from sqlalchemy import Table, update
+from sqlalchemy import Engine, Table, event, update
 
 from chatflow_sqlalchemy import open_store
 from chatflow_sqlalchemy.cli import main
@@ -406,6 +406,41 @@ def test_list_and_stats_leave_the_file_byte_for_byte(
         assert code == 0, (argv, err)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inbox.db"]
+
+
+def test_stats_on_sqlite_read_one_snapshot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A message that dies while ``inbox stats`` reads is counted once, as it was.
+
+    Another store marks the only pending message dead right after the counts are
+    read: the oldest pending age and the dead of the last hour are read from the
+    same snapshot as the counts, so they agree with them (SQLite; a server database
+    reads each statement at its own time, as the store's ``stats`` does).
+    """
+    url = f"sqlite:///{tmp_path / 'inbox.db'}"
+    moved: list[str] = []
+    with open_store(url) as store:
+        store.inbox.put("m-1", session_id="s-1", text="hello")
+
+        def dies_meanwhile(*args: Any) -> None:  # (conn, cursor, statement, ...)
+            if "GROUP BY" in args[2] and not moved:
+                moved.append(args[2])
+                with store.engine.begin() as conn:
+                    conn.execute(update(cast(Table, ChatflowInboxItem.__table__)).values(
+                        state="dead", error="died meanwhile", updated_at=utcnow()
+                    ))
+
+        event.listen(Engine, "after_cursor_execute", dies_meanwhile)
+        try:
+            stats = read_json(capsys, url, "inbox", "stats")
+        finally:
+            event.remove(Engine, "after_cursor_execute", dies_meanwhile)
+    assert moved, "the message died while the stats were read"
+    assert stats["counts"]["pending"] == 1 and stats["counts"]["dead"] == 0
+    assert stats["oldest_pending_seconds"] is not None and stats["dead_last_hour"] == 0
+    after = read_json(capsys, url, "inbox", "stats")
+    assert after["counts"]["dead"] == 1 and after["oldest_pending_seconds"] is None
 
 
 def test_read_commands_refuse_an_old_schema_and_change_nothing(

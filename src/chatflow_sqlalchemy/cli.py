@@ -256,11 +256,13 @@ def _read_only_sqlite(url: URL, path: Path) -> Engine:
 
     ``mode=rw`` never creates the file and, unlike ``mode=ro``, lets the last
     connection remove the ``-wal``/``-shm`` files, so a read leaves the folder as it was.
+    Each transaction begins with ``BEGIN`` (pysqlite would run every ``SELECT`` on its
+    own), so the reads of one :func:`_read_conn` see one snapshot, as in a store.
     """
     import sqlite3
     from urllib.parse import quote
 
-    from sqlalchemy import create_engine
+    from sqlalchemy import create_engine, event
     from sqlalchemy.pool import NullPool
 
     from chatflow_sqlalchemy.backends.sqlite_files import BUSY_TIMEOUT_MS
@@ -268,12 +270,15 @@ def _read_only_sqlite(url: URL, path: Path) -> Engine:
     uri = f"file:{quote(str(path.resolve()))}?mode=rw"
 
     def connect() -> sqlite3.Connection:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA query_only = ON")
         return conn
 
-    return create_engine(url.set(database=str(path), query={}), creator=connect, poolclass=NullPool)
+    engine = create_engine(url.set(database=str(path), query={}), creator=connect,
+                           poolclass=NullPool)
+    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
+    return engine
 
 
 @contextmanager

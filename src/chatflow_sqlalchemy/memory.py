@@ -651,5 +651,5 @@ class _MemoryContextOwner:
         await self._store._drop_turn(ctx)
 
     async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` directly: the store does no I/O."""
-        return fn(*args)
+        """The store's own (``fn(*args)`` directly: it does no I/O), as its async API runs it."""
+        return await self._store._run_blocking(fn, *args)
