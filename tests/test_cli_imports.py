@@ -30,8 +30,10 @@ KEYS = f"k1:{base64.b64encode(os.urandom(32)).decode()}"
 HEAVY = (
     "chatflow_agent", "alembic", "pydantic", "sqlalchemy.orm", "sqlalchemy.ext.asyncio",
     "psycopg", "chatflow_sqlalchemy.store", "chatflow_sqlalchemy.runtime",
+    "chatflow_sqlalchemy.inbox", "chatflow_sqlalchemy.sql_inbox",
 )
-"""What a read command must not import (a module or its package): a store and its runtime too."""
+"""What a read command must not import (a module or its package): a store and its runtime too,
+and the inbox's worker and store rows (``inbox list`` and ``stats`` need only their reads)."""
 
 READ_COMMANDS = (
     ["sessions", "list"],

@@ -50,7 +50,8 @@ UPGRADE_HINT = f"run: {PROG} db upgrade"
 UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
 """How a database holding upstream's tables without a revision is described, everywhere."""
 INBOX_STATES = ("pending", "in_flight", "done", "sent", "dead")
-"""The inbox's states (``chatflow_sqlalchemy.inbox.INBOX_STATES``, not imported: it is heavy)."""
+"""The inbox's states (``chatflow_sqlalchemy.inbox_reads.INBOX_STATES``, not imported here:
+click builds the option when the CLI loads)."""
 
 EXIT_CODES_EPILOG = (
     "\b\nExit codes:\n"
@@ -1665,7 +1666,7 @@ def inbox_list(state: str | None, limit: int) -> None:
     done (answered, no send), sent (answered and sent), dead (failed
     max_attempts times; the error says why: retry it with inbox retry).
     """
-    from chatflow_sqlalchemy.sql_inbox import read_entries, read_stats
+    from chatflow_sqlalchemy.inbox_reads import read_entries, read_stats
 
     with _reading() as (_url, conn):
         entries = read_entries(conn, state, limit)
@@ -1733,7 +1734,7 @@ def inbox_stats() -> None:
     Also the age of the oldest pending message (by the database's clock)
     and how many messages died in the last hour.
     """
-    from chatflow_sqlalchemy.sql_inbox import read_stats
+    from chatflow_sqlalchemy.inbox_reads import read_stats
 
     with _reading() as (_url, conn):
         stats = read_stats(conn)

@@ -23,12 +23,22 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import validate_message_id
+from chatflow_sqlalchemy.inbox_reads import (
+    DEAD,
+    DONE,
+    IN_FLIGHT,
+    INBOX_STATES,
+    PENDING,
+    SENT,
+    InboxEntry,
+    InboxStats,
+)
 from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, Lease, check_storable_text
 
 # chatflow_sqlalchemy.exceptions loads chatflow-agent: LeaseLostError is imported where it
@@ -44,10 +54,6 @@ __all__ = [
 logger = logging.getLogger("chatflow_sqlalchemy")
 
 _T = TypeVar("_T")
-
-PENDING, IN_FLIGHT, DONE, SENT, DEAD = "pending", "in_flight", "done", "sent", "dead"
-INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
-"""Every state an inbox message can be in, in the order it goes through them."""
 
 MAX_COALESCE_FACTOR = 10
 """A session whose messages keep coming is served once its oldest one waited this many
@@ -131,63 +137,6 @@ class Unsent:
 
     token: str
     reply: InboxReply
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-@dataclass(frozen=True)
-class InboxEntry:
-    """One inbox message as operators see it (``inbox list``).
-
-    Attributes:
-        message_id: The platform's id.
-        session_id: Its session.
-        state: One of :data:`INBOX_STATES`.
-        attempts: Batches that took it.
-        received_at: When it was stored.
-        updated_at: Its last change of state.
-        sent_at: The platform's timestamp, if given.
-        error: Why its last attempt failed, if it did.
-
-    """
-
-    message_id: str
-    session_id: str
-    state: str
-    attempts: int
-    received_at: datetime
-    updated_at: datetime
-    sent_at: datetime | None = None
-    error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (times as ISO 8601)."""
-        fields = asdict(self)
-        for name in ("received_at", "updated_at", "sent_at"):
-            fields[name] = _iso(fields[name])
-        return fields
-
-
-@dataclass(frozen=True)
-class InboxStats:
-    """Counts for operators (``inbox stats``).
-
-    Attributes:
-        counts: Messages per state (every state present, zero included).
-        oldest_pending_seconds: Age of the oldest pending message, None if none.
-        dead_last_hour: Messages that died in the last hour.
-
-    """
-
-    counts: dict[str, int]
-    oldest_pending_seconds: float | None
-    dead_last_hour: int
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return asdict(self)
 
 
 @dataclass

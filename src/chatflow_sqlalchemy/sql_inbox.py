@@ -39,7 +39,6 @@ from chatflow_sqlalchemy.inbox import (
     DEAD,
     DONE,
     IN_FLIGHT,
-    INBOX_STATES,
     MAX_COALESCE_FACTOR,
     PENDING,
     SENT,
@@ -50,6 +49,7 @@ from chatflow_sqlalchemy.inbox import (
     Unsent,
     resumed_token,
 )
+from chatflow_sqlalchemy.inbox_reads import read_entries, read_stats
 from chatflow_sqlalchemy.lease import KEEP_HELD, free_at, lease_params
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
     from chatflow_sqlalchemy.sealing import Sealer
 
-__all__ = ["ANSWER_BATCH", "SQLInbox", "read_entries", "read_stats"]
+__all__ = ["ANSWER_BATCH", "SQLInbox"]
 
 _T = TypeVar("_T")
 
@@ -188,18 +188,6 @@ _RETRY = _where(
     _i.c.state == _state(DEAD),
     or_(_i.c.message_id == bindparam("retry_id"), _i.c.batch_token == bindparam("token")),
 ).values(state=_state(PENDING), attempts=0, not_before=null(), updated_at=_NOW)
-_ENTRIES = select(
-    _i.c.message_id, _i.c.session_id, _i.c.state, _i.c.attempts, _i.c.received_at,
-    _i.c.updated_at, _i.c.sent_at, _i.c.error,
-).order_by(_i.c.id)
-_COUNTS = select(_i.c.state, func.count()).group_by(_i.c.state)
-_OLDEST_PENDING = select(_NOW.label("now"), func.min(_i.c.received_at)).where(
-    _i.c.state == _state(PENDING)
-)
-_DEAD_LAST_HOUR = select(func.count()).where(
-    _i.c.state == _state(DEAD),
-    _i.c.updated_at > DatabaseNow(bindparam("hour_ago", type_=UTCDateTime()), -3600.0),
-)
 _PURGE = _i.delete().where(
     _i.c.state.in_([_state(DONE), _state(SENT)]),
     _i.c.updated_at < _clock("cutoff", "older_than", -1),
@@ -442,27 +430,3 @@ class SQLInbox:
             from chatflow_sqlalchemy.exceptions import LeaseLostError
 
             raise LeaseLostError(lease.session_id)
-
-
-def read_entries(conn: Connection, state: str | None, limit: int | None) -> list[InboxEntry]:
-    """``inbox list`` on a connection (a read-only one will do): messages in arrival order.
-
-    ``state``, if given, is one of the inbox's states (checked by the caller).
-    """
-    query = _ENTRIES if state is None else _ENTRIES.where(_i.c.state == state)
-    return [InboxEntry(*row) for row in conn.execute(query.limit(limit))]
-
-
-def read_stats(conn: Connection) -> InboxStats:
-    """``inbox stats`` on a connection (a read-only one will do).
-
-    The oldest pending message's age and the last hour are the database's clock, as
-    the leases are.
-    """
-    now = utcnow()
-    counts = dict.fromkeys(INBOX_STATES, 0)
-    counts.update({state: int(n) for state, n in conn.execute(_COUNTS)})
-    clock, oldest = conn.execute(_OLDEST_PENDING, {"now": now}).one()
-    dead = conn.execute(_DEAD_LAST_HOUR, {"hour_ago": now - timedelta(hours=1)})
-    age = None if oldest is None else max(0.0, (clock - oldest).total_seconds())
-    return InboxStats(counts, age, int(dead.scalar() or 0))
