@@ -29,17 +29,19 @@ from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import validate_message_id
-from chatflow_sqlalchemy.inbox_reads import (
+from chatflow_sqlalchemy.values import (
     DEAD,
     DONE,
     IN_FLIGHT,
     INBOX_STATES,
     PENDING,
     SENT,
+    SESSION_ID_MAX_LENGTH,
     InboxEntry,
     InboxStats,
+    Lease,
+    check_storable_text,
 )
-from chatflow_sqlalchemy.values import SESSION_ID_MAX_LENGTH, Lease, check_storable_text
 
 # chatflow_sqlalchemy.exceptions loads chatflow-agent: LeaseLostError is imported where it
 # is raised or caught, so that the CLI's inbox reads (InboxEntry, InboxStats) run without it.

@@ -1,31 +1,23 @@
-"""What operators read of the inbox (``inbox list``, ``inbox stats``), and how.
+"""What operators read of the inbox (``inbox list``, ``inbox stats``): the statements.
 
-Its states, the values read and the statements that read them, kept apart from
-the worker (:mod:`chatflow_sqlalchemy.inbox`) and the store's inbox rows
-(:mod:`chatflow_sqlalchemy.sql_inbox`), so the CLI's read commands load neither.
+Kept apart from the worker (:mod:`chatflow_sqlalchemy.inbox`) and the store's inbox
+rows (:mod:`chatflow_sqlalchemy.sql_inbox`), so the CLI's read commands load neither;
+the values they return live in :mod:`chatflow_sqlalchemy.values`, which the in-memory
+store (no SQLAlchemy) shares.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import timedelta
 
 from sqlalchemy import Connection, bindparam, func, literal_column, select
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
 from chatflow_sqlalchemy.tables import UTCDateTime
-from chatflow_sqlalchemy.values import utcnow
+from chatflow_sqlalchemy.values import DEAD, INBOX_STATES, PENDING, InboxEntry, InboxStats, utcnow
 
-__all__ = [
-    "DEAD", "DONE", "INBOX_STATES", "IN_FLIGHT", "PENDING", "SENT", "InboxEntry", "InboxStats",
-    "read_entries", "read_stats",
-]
-
-PENDING, IN_FLIGHT, DONE, SENT, DEAD = "pending", "in_flight", "done", "sent", "dead"
-INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
-"""Every state an inbox message can be in, in the order it goes through them."""
+__all__ = ["read_entries", "read_stats"]
 
 _i = tables.inbox
 _ENTRIES = select(
@@ -40,63 +32,6 @@ _DEAD_LAST_HOUR = select(func.count()).where(
     _i.c.state == literal_column(f"'{DEAD}'"),
     _i.c.updated_at > DatabaseNow(bindparam("hour_ago", type_=UTCDateTime()), -3600.0),
 )
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-@dataclass(frozen=True)
-class InboxEntry:
-    """One inbox message as operators see it (``inbox list``).
-
-    Attributes:
-        message_id: The platform's id.
-        session_id: Its session.
-        state: One of :data:`INBOX_STATES`.
-        attempts: Batches that took it.
-        received_at: When it was stored.
-        updated_at: Its last change of state.
-        sent_at: The platform's timestamp, if given.
-        error: Why its last attempt failed, if it did.
-
-    """
-
-    message_id: str
-    session_id: str
-    state: str
-    attempts: int
-    received_at: datetime
-    updated_at: datetime
-    sent_at: datetime | None = None
-    error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (times as ISO 8601)."""
-        fields = asdict(self)
-        for name in ("received_at", "updated_at", "sent_at"):
-            fields[name] = _iso(fields[name])
-        return fields
-
-
-@dataclass(frozen=True)
-class InboxStats:
-    """Counts for operators (``inbox stats``).
-
-    Attributes:
-        counts: Messages per state (every state present, zero included).
-        oldest_pending_seconds: Age of the oldest pending message, None if none.
-        dead_last_hour: Messages that died in the last hour.
-
-    """
-
-    counts: dict[str, int]
-    oldest_pending_seconds: float | None
-    dead_last_hour: int
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return asdict(self)
 
 
 def read_entries(conn: Connection, state: str | None, limit: int | None) -> list[InboxEntry]:

@@ -5,15 +5,40 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 __all__ = [
-    "CLAIM_ACQUIRED", "CLAIM_DONE", "CLAIM_RELEASED", "DEFAULT_DEDUP_TTL_HOURS",
-    "DEFAULT_TURN_LEASE_SECONDS", "MAX_PAGE_LIMIT", "METADATA_MAX_DEPTH",
-    "SESSION_ID_MAX_LENGTH", "TOKEN_PREFIX", "TURN_LEASE_BOUNDS", "UNBORN_AGENT", "Lease",
-    "check_metadata", "check_storable_text", "dump_metadata", "is_encrypted", "utcnow",
-    "validate_id", "validate_page_limit", "validate_session_id", "validate_turn_lease_seconds",
+    "CLAIM_ACQUIRED",
+    "CLAIM_DONE",
+    "CLAIM_RELEASED",
+    "DEAD",
+    "DEFAULT_DEDUP_TTL_HOURS",
+    "DEFAULT_TURN_LEASE_SECONDS",
+    "DONE",
+    "INBOX_STATES",
+    "IN_FLIGHT",
+    "MAX_PAGE_LIMIT",
+    "METADATA_MAX_DEPTH",
+    "PENDING",
+    "SENT",
+    "SESSION_ID_MAX_LENGTH",
+    "TOKEN_PREFIX",
+    "TURN_LEASE_BOUNDS",
+    "UNBORN_AGENT",
+    "InboxEntry",
+    "InboxStats",
+    "Lease",
+    "check_metadata",
+    "check_storable_text",
+    "dump_metadata",
+    "is_encrypted",
+    "utcnow",
+    "validate_id",
+    "validate_page_limit",
+    "validate_session_id",
+    "validate_turn_lease_seconds",
 ]
 
 SESSION_ID_MAX_LENGTH = 255
@@ -224,3 +249,66 @@ def dump_metadata(metadata: object) -> str:
             "(PostgreSQL cannot store it in JSON): remove it or encode the value first"
         )
     return text
+
+
+# ------------------------------------------------------------ the inbox, as operators read it
+
+PENDING, IN_FLIGHT, DONE, SENT, DEAD = "pending", "in_flight", "done", "sent", "dead"
+INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
+"""Every state an inbox message can be in, in the order it goes through them."""
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+@dataclass(frozen=True)
+class InboxEntry:
+    """One inbox message as operators see it (``inbox list``).
+
+    Attributes:
+        message_id: The platform's id.
+        session_id: Its session.
+        state: One of :data:`INBOX_STATES`.
+        attempts: Batches that took it.
+        received_at: When it was stored.
+        updated_at: Its last change of state.
+        sent_at: The platform's timestamp, if given.
+        error: Why its last attempt failed, if it did.
+
+    """
+
+    message_id: str
+    session_id: str
+    state: str
+    attempts: int
+    received_at: datetime
+    updated_at: datetime
+    sent_at: datetime | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (times as ISO 8601)."""
+        fields = asdict(self)
+        for name in ("received_at", "updated_at", "sent_at"):
+            fields[name] = _iso(fields[name])
+        return fields
+
+
+@dataclass(frozen=True)
+class InboxStats:
+    """Counts for operators (``inbox stats``).
+
+    Attributes:
+        counts: Messages per state (every state present, zero included).
+        oldest_pending_seconds: Age of the oldest pending message, None if none.
+        dead_last_hour: Messages that died in the last hour.
+
+    """
+
+    counts: dict[str, int]
+    oldest_pending_seconds: float | None
+    dead_last_hour: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return asdict(self)
