@@ -50,7 +50,7 @@ UPGRADE_HINT = f"run: {PROG} db upgrade"
 UPSTREAM_LABEL = "chatflow-agent 0.3.4 tables (unversioned)"
 """How a database holding upstream's tables without a revision is described, everywhere."""
 INBOX_STATES = ("pending", "in_flight", "done", "sent", "dead")
-"""The inbox's states (``chatflow_sqlalchemy.inbox_reads.INBOX_STATES``, not imported here:
+"""The inbox's states (``chatflow_sqlalchemy.values.INBOX_STATES``, not imported here:
 click builds the option when the CLI loads)."""
 
 EXIT_CODES_EPILOG = (

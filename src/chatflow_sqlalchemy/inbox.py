@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from chatflow_sqlalchemy import telemetry
 from chatflow_sqlalchemy.claims import validate_message_id
+from chatflow_sqlalchemy.exceptions import LeaseLostError
 from chatflow_sqlalchemy.values import (
     DEAD,
     DONE,
@@ -42,9 +43,6 @@ from chatflow_sqlalchemy.values import (
     Lease,
     check_storable_text,
 )
-
-# chatflow_sqlalchemy.exceptions loads chatflow-agent: LeaseLostError is imported where it
-# is raised or caught, so that the CLI's inbox reads (InboxEntry, InboxStats) run without it.
 
 __all__ = [
     "DEAD", "DONE", "INBOX_STATES", "IN_FLIGHT", "MAX_COALESCE_FACTOR", "PENDING",
@@ -523,8 +521,6 @@ class _Worker:
 
     async def _serve_session(self, lease: Lease) -> None:
         """Send what a dead holder answered, then run one batch; always give the lease back."""
-        from chatflow_sqlalchemy.exceptions import LeaseLostError
-
         renewal = self._keep(self._renew(lease))  # cancelled below; run waits for its end
         try:
             token = secrets.token_hex(16)
@@ -565,8 +561,6 @@ class _Worker:
                 logger.warning("inbox: could not renew session %r: %s", lease.session_id, exc)
 
     async def _run_batch(self, lease: Lease, token: str, items: tuple[InboxItem, ...]) -> None:
-        from chatflow_sqlalchemy.exceptions import LeaseLostError
-
         batch = InboxBatch(lease.session_id, items)
         fence = BatchFence(lease.session_id, lease, token, len(items))
         system = self._inbox.system
@@ -616,8 +610,6 @@ class _Worker:
 
     async def _deliver(self, lease: Lease, token: str, reply: InboxReply) -> None:
         """``send`` the reply, retried with backoff; dead after ``max_attempts`` failures."""
-        from chatflow_sqlalchemy.exceptions import LeaseLostError
-
         if self._send is None:  # a reply stored by a worker that had a send
             await self._rows.run(self._rows.finish, lease, token, reply.text, False)
             return

@@ -34,6 +34,7 @@ from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy import tables
 from chatflow_sqlalchemy.clock import DatabaseNow
+from chatflow_sqlalchemy.exceptions import CorruptRowError, LeaseLostError, SessionDeletedError
 from chatflow_sqlalchemy.inbox import (
     BATCH_LIMIT,
     DEAD,
@@ -54,9 +55,6 @@ from chatflow_sqlalchemy.lease import KEEP_HELD, free_at, lease_params
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
 
-# The errors (chatflow_sqlalchemy.exceptions loads chatflow-agent) are imported where they
-# are raised or caught, and the store's machinery only for types: read_entries and
-# read_stats (the CLI's inbox list and stats) run without either.
 if TYPE_CHECKING:
     from chatflow_sqlalchemy.lease import SessionLeases
     from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
@@ -266,8 +264,6 @@ class SQLInbox:
 
     def take(self, session_id: str) -> Lease | None:
         """The session's lease (the session created empty if new), lent to the store's turns."""
-        from chatflow_sqlalchemy.exceptions import SessionDeletedError
-
         try:
             lease = self._leases.take(session_id)
         except SessionDeletedError:
@@ -309,8 +305,6 @@ class SQLInbox:
         self, conn: Connection, session_id: str, params: dict[str, Any]
     ) -> list[InboxItem]:
         """Mark the pending messages in flight; one that cannot be read is dead at once."""
-        from chatflow_sqlalchemy.exceptions import CorruptRowError
-
         items, taken = [], []
         for row in conn.execute(_PENDING, params).all():
             try:
@@ -333,8 +327,6 @@ class SQLInbox:
 
     def _answered(self, conn: Connection, session_id: str, params: dict[str, Any]) -> list[Unsent]:
         """Replies stored and not sent, each taken under a token of ours; empty ones are done."""
-        from chatflow_sqlalchemy.exceptions import CorruptRowError
-
         groups: dict[str | None, list[Any]] = {}
         for row in conn.execute(_ANSWERED, params):
             groups.setdefault(row.batch_token, []).append(row)
@@ -358,8 +350,6 @@ class SQLInbox:
 
     def finish(self, lease: Lease, token: str, reply: str | None, to_send: bool) -> bool:
         """Store the reply; the items are done, or in flight until sent."""
-        from chatflow_sqlalchemy.exceptions import LeaseLostError
-
         sealed = None if reply is None else self._sealer.seal_text(lease.session_id, reply)
         state = IN_FLIGHT if to_send else DONE
         try:
@@ -427,6 +417,4 @@ class SQLInbox:
     def _check(self, conn: Connection, lease: Lease) -> None:
         params = {**lease_params(lease), **self._leases.until_params()}
         if conn.execute(KEEP_HELD, params).rowcount != 1:
-            from chatflow_sqlalchemy.exceptions import LeaseLostError
-
             raise LeaseLostError(lease.session_id)

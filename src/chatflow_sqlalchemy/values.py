@@ -257,6 +257,7 @@ PENDING, IN_FLIGHT, DONE, SENT, DEAD = "pending", "in_flight", "done", "sent", "
 INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
 """Every state an inbox message can be in, in the order it goes through them."""
 
+
 def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
