@@ -415,6 +415,11 @@ class Acquisition:
     version_read: bool = False
     earlier_seen: bool = True
 
+    @property
+    def status(self) -> ClaimStatus:
+        """The claim's status as decided: acquired, done or in flight."""
+        return "acquired" if self.acquired else "done" if self.done else "in_flight"
+
 
 class ClaimBackend(Protocol):
     """What a store provides to :class:`WebhookClaim` (sync calls; ``run`` for async)."""
@@ -524,12 +529,12 @@ class WebhookClaim:
         """Take on what the acquire decided (the token was sent with it)."""
         if not got.acquired:
             self.token = None
-            self.status = "done" if got.done else "in_flight"
+            self.status = got.status
             self._response = got.response if got.done else None  # as stored: not checked again
             return
         assert self.token is not None
         self.acquired = True
-        self.status = "acquired"
+        self.status = got.status
         self.ticket = got.ticket
         self._fence = ClaimFence(self.message_id, self.token, partition_day=got.partition_day)
         self._version_read = got.version_read and self.session_id is not None

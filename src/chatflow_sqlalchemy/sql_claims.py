@@ -199,7 +199,7 @@ class SQLClaims:
         params.update(self._turns.leases.take_params())
         with telemetry.operation("claim", self._runtime.system) as op:
             got = self._acquire_in_one_call(claim, params)
-            op.set("chatflow.claim.status", _status(got))
+            op.set("chatflow.claim.status", got.status)
         self._upkeep(now)
         return got
 
@@ -319,10 +319,6 @@ class SQLClaims:
         """Release a held claim whoever holds it (``dedup release``); False if none is held."""
         with self._runtime.transaction(write=True) as conn:
             return free_claim(conn, message_id)
-
-
-def _status(got: Acquisition) -> str:
-    return "acquired" if got.acquired else "done" if got.done else "in_flight"
 
 
 def read_claims(conn: Connection, *, limit: int | None = 100) -> list[ClaimInfo]:
