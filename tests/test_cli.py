@@ -1259,3 +1259,18 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert_one_error_line(result.stderr, result.stdout)
     assert "sekret" not in result.stdout + result.stderr
+
+
+def test_the_console_script_is_run_and_passes_on_mains_exit_code(tmp_path: Path) -> None:
+    """The script runs ``cli.run`` (the collector tuned for a short process), not ``main``."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="chatflow-sqlalchemy")
+    assert script.value == "chatflow_sqlalchemy.cli:run"
+    env = {k: v for k, v in os.environ.items() if k != "CHATFLOW_DATABASE_URL"}
+    missing = url_of(tmp_path / "missing.db")
+    for args, code in ((["--version"], 0), (["--url", missing, "sessions", "list"], 2)):
+        result = subprocess.run([sys.executable, "-m", "chatflow_sqlalchemy.cli", *args],
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == code, result.stderr
+    assert not (tmp_path / "missing.db").exists()
