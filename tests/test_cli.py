@@ -737,6 +737,27 @@ def test_sessions_delete(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert orphans == 0
 
 
+def test_sessions_delete_takes_the_sessions_claims_and_inbox_messages(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with SQLiteSessionStore(str(db)) as store:
+        with store.claim("wamid.other", session_id=OTHER) as claim:
+            claim.response = "a reply to OTHER"
+        with store.claim("wamid.kept", session_id=SESSION) as claim:
+            claim.response = "kept"
+        store.inbox.put("in.other", session_id=OTHER, text="my address is 1 Main St")
+        store.inbox.put("in.kept", session_id=SESSION, text="kept")
+    url = url_of(db)
+    code, _, err = run(capsys, "--url", url, "sessions", "delete", OTHER, "--yes")
+    assert code == 0, err
+    code, out, _ = run(capsys, "--url", url, "dedup", "list", "--json")
+    assert code == 0
+    assert {row["message_id"] for row in json.loads(out)["ids"]} == {"wamid.kept"}
+    code, out, _ = run(capsys, "--url", url, "inbox", "list", "--json")
+    assert code == 0
+    assert {row["message_id"] for row in json.loads(out)["messages"]} == {"in.kept"}
+
+
 def test_destructive_commands_refuse_without_yes_and_without_a_terminal(
     db: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

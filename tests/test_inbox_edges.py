@@ -818,33 +818,37 @@ def test_two_turns_in_one_handle_both_commit_and_the_last_answer_is_the_stored_r
     assert _user_texts(store, "alice") == ["hello", "and again"]
 
 
-def test_a_session_deleted_under_a_running_batch_is_answered_once_on_its_new_self(
+def test_a_session_deleted_under_a_running_batch_takes_the_batch_with_it(
     open_store: Any,
 ) -> None:
-    """A session deleted under a running batch is answered once, on its new incarnation.
+    """A session deleted under a running batch takes the batch's messages with it.
 
-    The batch's turn fails its fenced write instead of writing into the new session;
-    the next take recovers the batch and answers it once, at the cost of one attempt."""
+    ``delete`` removes the session's inbox messages too ("delete my data"): the
+    batch's turn fails its fenced write instead of writing into a new session,
+    nothing of it is answered or sent, and a message put afterwards is answered
+    once, on the session made anew."""
     store = open_store()
     store.inbox.put("m1", session_id="alice", text="hello")
     runner = _runner(store)
-    attempts: list[int] = []
+    attempts: list[tuple[str, int]] = []
     sent: list[InboxReply] = []
 
     async def handle(batch: InboxBatch) -> str:
-        attempts.append(batch.items[0].attempts)
+        attempts.append((batch.text, batch.items[0].attempts))
         if len(attempts) == 1:
             await asyncio.to_thread(store.delete, batch.session_id)  # "delete my data"
+            await store.inbox.aput("m2", session_id="alice", text="again")
         result = await runner.run_async(session_id=batch.session_id, user_message=batch.text)
         return str(result.content)
 
     async def send(reply: InboxReply) -> None:
         sent.append(reply)
 
-    asyncio.run(_serve_until(store, handle, {"m1": "sent"}, send=send))
-    assert attempts == [1, 2]
-    assert [reply.message_ids for reply in sent] == [("m1",)]
-    assert _user_texts(store, "alice") == ["hello"]
+    asyncio.run(_serve_until(store, handle, {"m2": "sent"}, send=send))
+    assert attempts == [("hello", 1), ("again", 1)]
+    assert [reply.message_ids for reply in sent] == [("m2",)]
+    assert "m1" not in asyncio.run(_states(store))
+    assert _user_texts(store, "alice") == ["again"]
 
 
 @pytest.mark.parametrize("hop", ["to_thread", "run_in_executor"])

@@ -1,7 +1,8 @@
-"""Edges of sweep ``limit`` and ``require_encryption`` that the conformance kit leaves open.
+"""Edges of sweep ``limit``, ``require_encryption`` and ``delete`` the conformance kit leaves open.
 
 On a real SQLite file: ``sweep(limit=N)`` removes exactly N of more expired
-sessions, and a plaintext message row under sealed metadata is refused.
+sessions, a plaintext message row under sealed metadata is refused, and a
+``delete`` one part of which fails removes nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from chatflow_agent import Agent, Message, Role
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from chatflow_sqlalchemy import open_store
 from chatflow_sqlalchemy.crypto import AESGCMCipher
@@ -38,6 +40,34 @@ def test_sweep_limit_removes_exactly_that_many(tmp_path: Path) -> None:
         assert len(store.list_sessions()) == 3
         assert store.sweep(limit=1) == 1
         assert store.sweep() == 2
+
+
+def test_a_delete_that_fails_in_part_removes_nothing(tmp_path: Path) -> None:
+    """``delete`` removes a session, its messages, claims and inbox messages in one transaction.
+
+    A trigger refuses to delete inbox rows (the last part deleted): the session
+    keeps its messages and its claim too, and the store keeps serving it.
+    """
+    with open_store(f"sqlite:///{tmp_path / 'd.db'}") as store:
+        store.get_or_create("d", _agent()).add_message(Message(role=Role.USER, content="hi"))
+        with store.claim("wamid.d", session_id="d") as claim:
+            claim.response = "hello"
+        store.inbox.put("in.d", session_id="d", text="my address")
+        refuse = ("CREATE TRIGGER keep BEFORE DELETE ON chatflow_inbox "
+                  "BEGIN SELECT RAISE(ABORT, 'kept'); END")
+        with store.engine.begin() as conn:
+            conn.execute(text(refuse))
+        with pytest.raises(DBAPIError, match="kept"):
+            store.delete("d")
+        ctx = store.get("d")
+        assert ctx is not None and [m.content for m in ctx.history] == ["hi"]
+        assert store.is_message_processed("wamid.d")
+        assert [e.message_id for e in store.inbox.entries(limit=None)] == ["in.d"]
+        with store.engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER keep"))
+        assert store.delete("d") is True
+        assert store.get("d") is None and not store.is_message_processed("wamid.d")
+        assert store.inbox.entries(limit=None) == []
 
 
 def test_require_encryption_refuses_a_plaintext_message_row(tmp_path: Path) -> None:

@@ -962,11 +962,16 @@ class MemoryClaims:
             return True
 
     def finish(self, claim: WebhookClaim) -> bool:
-        """Mark the claim done with its reply."""
+        """Mark the claim done with its reply.
+
+        False once the claim is no longer ours, unless its turn already stored
+        this very reply with it (then, as on the SQL stores, there is nothing
+        left to write: its session may have been deleted since).
+        """
         with self._lock:
             row = self._mine(claim)
             if row is None:
-                return False
+                return claim.stored_with_turn
             row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
             row.response = claim.response
             self._remember(claim.message_id, time.monotonic())

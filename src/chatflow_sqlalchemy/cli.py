@@ -1196,13 +1196,15 @@ def sessions_show(session_id: str, whole: bool) -> None:
 @_command(sessions, "delete", yes=True)
 @click.argument("session_id")
 def sessions_delete(session_id: str) -> None:
-    """Delete a session and its history (asks first).
+    """Delete a session and everything stored with it (asks first).
 
-    Asks for confirmation unless --yes.
+    Its history, archive, webhook claims and inbox messages, in one transaction,
+    as store.delete does. Asks for confirmation unless --yes.
     """
-    from sqlalchemy import delete, select
+    from sqlalchemy import select
 
     from chatflow_sqlalchemy import tables
+    from chatflow_sqlalchemy.sql_lifecycle import delete_session
 
     _validate_session_id(session_id)
     table, shown = tables.sessions, clean(repr(session_id))
@@ -1211,9 +1213,9 @@ def sessions_delete(session_id: str) -> None:
         with _read_conn(engine) as conn:
             if conn.execute(select(table.c.session_id).where(where)).first() is None:
                 raise _no_session(session_id, url)
-        _confirm(f"Delete session {shown} and its history?")
+        _confirm(f"Delete session {shown} with its history, claims and inbox messages?")
         with engine.begin() as conn:
-            if not conn.execute(delete(table).where(where)).rowcount:
+            if not delete_session(conn, session_id):
                 raise _no_session(session_id, url)
     _emit({"session_id": session_id, "deleted": True}, f"deleted session {shown}")
 

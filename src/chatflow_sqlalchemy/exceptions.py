@@ -132,14 +132,18 @@ class DatabaseUnavailableError(ChatflowStoreError):
 
 
 class LeaseLostError(ChatflowStoreError):
-    """A turn's lease on its session expired or was taken over before the turn was written.
+    """A turn's lease on its session was lost before the turn was written.
 
-    Nothing of the turn was written; run it again if it is still wanted.
+    It expired, was taken over, or went with its session (``delete``,
+    ``erase_user``). Nothing of the turn was written; run it again if it is
+    still wanted.
     """
 
     session_id: str | None
 
-    def __init__(self, session_id: str, reason: str = "it expired or was taken over") -> None:
+    def __init__(
+        self, session_id: str, reason: str = "it expired, was taken over or was deleted"
+    ) -> None:
         super().__init__(
             f"the turn's lease on session {session_id!r} was lost ({reason}); nothing of the "
             "turn was written: run it again, or raise turn_lease_seconds if turns outlive it"
@@ -150,10 +154,13 @@ class LeaseLostError(ChatflowStoreError):
 class ClaimLostError(LeaseLostError):
     """A webhook claim's lease was lost before its work committed (nothing was written).
 
-    Another worker now owns the delivery: answer the platform without a reply.
+    Another worker now owns the delivery, or the claim went with its deleted
+    session: answer the platform without a reply.
     """
 
-    def __init__(self, message_id: str, reason: str = "its lease was taken over") -> None:
+    def __init__(
+        self, message_id: str, reason: str = "its lease was taken over or its session deleted"
+    ) -> None:
         ChatflowStoreError.__init__(
             self,
             f"webhook claim {message_id!r} is no longer held ({reason}); the turn was not "

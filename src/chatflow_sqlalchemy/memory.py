@@ -351,15 +351,13 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             return None if session_id in self._unborn else self._sessions.get(session_id)
 
     def delete(self, session_id: str) -> bool:
-        """Delete the session; its live contexts then raise SessionDeletedError."""
+        """Delete the session with its claims and inbox messages (as the SQL stores).
+
+        Its live contexts then raise SessionDeletedError. Returns whether the
+        session existed (its claims and inbox messages go either way).
+        """
         validate_session_id(session_id)
-        with self._lock:
-            self._check_open()
-            ctx = self._drop(session_id)
-        if ctx is None:
-            return False
-        ctx.mark_deleted()
-        return True
+        return self._erase(lambda: {session_id}) == 1
 
     def list_sessions(
         self,
@@ -470,7 +468,11 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         return self._erase(expired)
 
     def _erase(self, pick: Callable[[], set[str]]) -> int:
-        """Delete the sessions ``pick`` names (under the lock), their claims and inbox messages."""
+        """Delete the sessions ``pick`` names (under the lock), their claims and inbox messages.
+
+        Returns how many of them existed; the claims and inbox messages of the
+        others go too.
+        """
         with self._lock:
             self._check_open()
             ids = pick()
@@ -480,10 +482,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                     del self._claim_rows.rows[message_id]
                     self._processed.pop(message_id, None)
             self._inbox_rows.forget_sessions(ids)
-        for ctx in contexts:
-            if ctx is not None:
-                ctx.mark_deleted()
-        return len(ids)
+        erased = [ctx for ctx in contexts if ctx is not None]
+        for ctx in erased:
+            ctx.mark_deleted()
+        return len(erased)
 
     def export_user(self, user_id: str) -> dict[str, Any]:
         """Everything held about ``user_id`` (the SQL stores' document): what erasure removes."""

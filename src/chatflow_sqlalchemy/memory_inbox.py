@@ -100,9 +100,16 @@ class MemoryInbox:
             self._leases.clear()
 
     def forget_sessions(self, session_ids: Collection[str]) -> None:
-        """Drop the messages of these sessions (their user was erased)."""
+        """Drop the messages and leases of these sessions (deleted, erased or swept).
+
+        A lease goes with its session, as on the SQL stores (it is kept on the
+        session's row): a batch in flight then finds it lost and records,
+        answers and sends nothing.
+        """
         with self._lock:
             self._rows = {k: r for k, r in self._rows.items() if r.session_id not in session_ids}
+            for session_id in session_ids:
+                self._leases.pop(session_id, None)
 
     def exported(self, session_ids: Collection[str]) -> list[ExportedInboxMessage]:
         """The messages of these sessions (their user's export), in arrival order."""

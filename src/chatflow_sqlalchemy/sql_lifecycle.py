@@ -56,9 +56,10 @@ if TYPE_CHECKING:
 # where it is used, so that the CLI's read commands (users export) run without them.
 
 __all__ = [
-    "SweepCursor", "count_expired", "decode_transcript", "erase_sessions", "erase_user_rows",
-    "expired_query", "export_sessions", "export_user_document", "owned_sessions", "parser_for",
-    "session_page", "sweep_candidates", "transcript_sources", "user_session_ids",
+    "SweepCursor", "count_expired", "decode_transcript", "delete_session", "erase_sessions",
+    "erase_user_rows", "expired_query", "export_sessions", "export_user_document",
+    "owned_sessions", "parser_for", "session_page", "sweep_candidates", "transcript_sources",
+    "user_session_ids",
 ]
 
 _ID_CHUNK = 500  # ids per IN (...) list: far below every dialect's bound-parameter limit
@@ -157,6 +158,24 @@ def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
         ).rowcount
     return int(erased)
+
+
+def delete_session(conn: Connection, session_id: str) -> bool:
+    """Delete one session with everything stored for it; True if its row existed.
+
+    ``store.delete`` and ``sessions delete``, in the caller's transaction: the
+    session row, then what :func:`erase_sessions` removes (messages, archive,
+    claims, inbox), so everything goes or nothing does. The row goes first,
+    so it is locked before any of its claim or inbox rows, in the order every
+    writer of the session takes them (a turn's write, an inbox batch's
+    fence): the two cannot deadlock. And no read precedes the first write,
+    so a caller without the store's up-front write lock (the CLI on SQLite)
+    never upgrades a read snapshot. The claims and inbox messages of the id
+    go even when it has no session row (a message no worker has taken yet).
+    """
+    existed = conn.execute(delete(_sessions).where(_sessions.c.session_id == session_id))
+    erase_sessions(conn, [session_id])
+    return bool(existed.rowcount)
 
 
 def erase_user_rows(conn: Connection, user_id: str) -> int:

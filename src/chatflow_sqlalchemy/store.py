@@ -86,6 +86,7 @@ from chatflow_sqlalchemy.sql_inbox import SQLInbox
 from chatflow_sqlalchemy.sql_lifecycle import (
     SweepCursor,
     decode_transcript,
+    delete_session,
     erase_sessions,
     export_user_document,
     session_page,
@@ -648,12 +649,29 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             return stored
 
     def delete(self, session_id: str) -> bool:
-        """Delete a session and its messages; live contexts then raise SessionDeletedError."""
+        """Delete a session and everything stored for it, in one transaction.
+
+        Its messages, archive, webhook claims (with their stored replies) and
+        inbox messages go with it, as :meth:`erase_user` removes them: nothing
+        of it is left for a later session under the same id, or its owner, to
+        export or erase. Live contexts of the session then raise
+        ``SessionDeletedError``; a turn, claim or inbox batch in flight for it
+        writes nothing (``LeaseLostError`` or ``ClaimLostError``).
+
+        Returns:
+            Whether the session existed (its claims and inbox messages go either way).
+
+        """
         validate_session_id(session_id)
         with self.runtime.transaction(write=True) as conn:
-            result = conn.execute(delete(_sessions).where(_sessions.c.session_id == session_id))
+            existed = delete_session(conn, session_id)
+        self._deleted(session_id)
+        return existed
+
+    def _deleted(self, session_id: str) -> None:
+        """Forget what this store holds of a deleted session: its context, an offered lease."""
         self._forget(session_id)
-        return bool(result.rowcount)
+        self.turns.forget_offered(session_id)
 
     def list_sessions(
         self,
@@ -739,7 +757,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ids = user_session_ids(conn, user_id, lock=True)
             erased = erase_sessions(conn, ids)
         for session_id in ids:
-            self._forget(session_id)
+            self._deleted(session_id)
         return erased
 
     def sweep(self, limit: int | None = None) -> int:

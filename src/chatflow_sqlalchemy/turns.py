@@ -136,6 +136,15 @@ class Turns:
             del self._offered[lease.session_id]
             return True
 
+    def forget_offered(self, session_id: str) -> None:
+        """The session was deleted: a lease offered on its row went with it.
+
+        A turn begun since on a session made anew under the id takes a lease
+        of its own, so one that then fails leaves no empty session behind.
+        """
+        with self._offered_lock:
+            self._offered.pop(session_id, None)
+
     def is_offered(self, lease: Lease) -> bool:
         """Whether ``lease`` still waits for a turn (no turn has used it yet)."""
         with self._offered_lock:

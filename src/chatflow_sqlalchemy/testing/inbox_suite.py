@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from chatflow_agent import Agent, Role, Runner
 
+from chatflow_sqlalchemy.exceptions import ChatflowStoreError
 from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
 from chatflow_sqlalchemy.testing.claim_workers import ReplyModel, reply_to
 from chatflow_sqlalchemy.testing.harness import (
@@ -434,6 +435,52 @@ class InboxTests:
             store, reply, lambda: _states(store, [mid]) == {mid: "sent"}, send=send
         ))
         assert sent == [InboxReply(sid, "hi", (mid,))]
+
+    @pytest.mark.parametrize("when", ["before the turn", "after the turn"])
+    def test_deleting_the_session_of_a_batch_in_flight_keeps_and_sends_nothing_of_it(
+        self, store: Any, when: str
+    ) -> None:
+        """``store.delete`` during ``handle``: the batch fails cleanly; the session starts over.
+
+        Its inbox messages go with the session; its turn, if it ran, is not
+        kept and its reply is not sent. A message the user sends afterwards
+        is a new batch, on a new session.
+        """
+        sid, (first, later) = _sid(), _ids(n=2)
+        store.inbox.put(first, session_id=sid, text="forget me")
+        runner = _runner(store)
+        seen: list[InboxBatch] = []
+        failures: list[BaseException] = []
+        sent: list[InboxReply] = []
+
+        async def handle(batch: InboxBatch) -> str:
+            seen.append(batch)
+            if len(seen) > 1:
+                return str((await runner.run_async(sid, batch.text)).content)
+            if when == "after the turn":
+                await runner.run_async(sid, batch.text)
+            await store.adelete(sid)  # (before the turn, only a SQL store's lease made it)
+            await store.inbox.aput(later, session_id=sid, text="hello again")
+            if when == "before the turn":
+                try:
+                    await runner.run_async(sid, batch.text)
+                except Exception as exc:
+                    failures.append(exc)
+                    raise
+            return "a reply to a deleted session"
+
+        async def send(reply: InboxReply) -> None:
+            sent.append(reply)
+
+        asyncio.run(_serve_until(store, handle, lambda: bool(sent), send=send))
+        assert [batch.text for batch in seen] == ["forget me", "hello again"]
+        assert sent == [InboxReply(sid, reply_to("hello again"), (later,))]
+        assert [e.message_id for e in store.inbox.entries(limit=None)
+                if e.session_id == sid] == [later], "the deleted session's message stayed"
+        assert _user_texts(store, sid) == ["hello again"]
+        if when == "before the turn":
+            (failure,) = failures
+            assert isinstance(failure, ChatflowStoreError), failure
 
     def test_handle_returning_a_non_string_fails_the_batch(self, store: Any) -> None:
         sid, (mid,) = _sid(), _ids()

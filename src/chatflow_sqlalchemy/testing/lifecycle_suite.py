@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 from chatflow_agent import Agent, Message, Role, Runner, ToolCall, ToolResult
 
-from chatflow_sqlalchemy.exceptions import CorruptRowError, SessionDeletedError
+from chatflow_sqlalchemy.claims import list_claims
+from chatflow_sqlalchemy.exceptions import (
+    ClaimLostError,
+    CorruptRowError,
+    LeaseLostError,
+    SessionDeletedError,
+)
 from chatflow_sqlalchemy.testing.engines import ScriptedEngine
 from chatflow_sqlalchemy.testing.harness import (
     Capability,
@@ -237,7 +243,11 @@ class UserScopeTests:
 
 @requires(Capability.USER_SCOPE)
 class ErasureAndExportTests:
-    """``erase_user`` / ``export_user`` (+ async twins): everything of one user, nothing else."""
+    """``erase_user`` / ``export_user`` (+ async twins): everything of one user, nothing else.
+
+    And ``delete``, which removes one session the way erasure does: nothing of
+    it is left for its owner's or a later owner's export or erasure to find.
+    """
 
     def _populate(self, store: Any, user: str) -> dict[str, Any]:
         call = ToolCall(id=f"call-{user}", name="lookup", args={"order": 5, "note": "ünï"})
@@ -353,6 +363,97 @@ class ErasureAndExportTests:
         left = {entry.message_id for entry in store.inbox.entries(limit=None)}
         assert not left & set(inbox), "erase_user left an exported inbox message behind"
         assert {f"{other}-in", f"{user}-stray"} <= left
+
+    def _delete_populated(self, store: Any, user: str) -> str:
+        """``user``'s sessions, claims and inbox messages; the chat deleted: its id."""
+        self._populate(store, user)
+        sid = f"{user}-chat"
+        store.inbox.put(f"{user}-in", session_id=sid, text="my address is 1 Main St")
+        store.inbox.put(f"{user}-kept", session_id=f"{user}-mail", text="kept")
+        assert store.delete(sid) is True
+        return sid
+
+    def test_delete_leaves_nothing_of_the_session_to_its_owner_or_the_ids_next_owner(
+        self, store: Any
+    ) -> None:
+        """What delete leaves of a session no owner's erase or export could find any more."""
+        user, heir = _uid(), _uid()
+        sid = self._delete_populated(store, user)
+        exported = store.export_user(user)
+        assert [s["session_id"] for s in exported["sessions"]] == [f"{user}-mail"]
+        assert [m["message_id"] for m in exported["inbox"]] == [f"{user}-kept"], (
+            "the deleted session's inbox messages outlived it"
+        )
+        store.get_or_create(sid, _agent(), user_id=heir)  # the id, owned by someone else now
+        inherited = store.export_user(heir)
+        (session,) = inherited["sessions"]
+        assert (session["messages"], session["webhook_claims"]) == ([], []), (
+            "a new owner of the id exports the deleted session's claims"
+        )
+        assert inherited["inbox"] == [], "a new owner of the id exports the deleted inbox messages"
+        assert store.erase_user(heir) == 1
+        assert [m["message_id"] for m in store.export_user(user)["inbox"]] == [f"{user}-kept"]
+        assert store.erase_user(user) == 1
+        left = store.export_user(user)
+        assert (left["sessions"], left["inbox"]) == ([], [])
+
+    def test_delete_removes_the_sessions_claims_and_inbox_messages(
+        self, harness: StoreHarness, store: Any
+    ) -> None:
+        user, other = _uid(), _uid()
+        self._populate(store, other)
+        sid = self._delete_populated(store, user)
+        assert store.delete(sid) is False
+        assert not store.is_message_processed(f"{user}-wamid"), "its claim (and reply) stayed"
+        assert store.is_message_processed(f"{other}-wamid")
+        assert sid not in {c.session_id for c in list_claims(store, limit=None)}
+        left = {e.message_id: e.session_id for e in store.inbox.entries(limit=None)}
+        assert sid not in left.values(), "its inbox messages stayed"
+        assert left[f"{user}-kept"] == f"{user}-mail"
+        with store.claim(f"{user}-wamid", session_id=sid) as claim:
+            assert claim.acquired, "a redelivery of the deleted session's id is new"
+        if harness.has(Capability.SQL):
+            tables = ("chatflow_messages", "chatflow_message_archive",
+                      "chatflow_processed_messages", "chatflow_inbox")
+            store.delete(sid)
+            for table in tables:
+                (count,) = _raw(
+                    store, f"SELECT COUNT(*) FROM {table} WHERE session_id = :sid", sid=sid
+                )[0]
+                assert count == 0, f"{table} still holds rows of the deleted session"
+
+    def test_a_claim_in_flight_for_a_deleted_session_fails_cleanly(self, store: Any) -> None:
+        """Deleted under a claim: a clear error or a clean end, never a half-kept turn."""
+        runner = Runner(starting_agent=_agent(), session_store=store, engine=ScriptedEngine())
+        user, mid = _uid(), f"wamid-{uuid.uuid4().hex[:10]}"
+        sid = f"{user}-chat"
+
+        def gone() -> None:
+            assert store.get(sid) is None and sid not in store.list_sessions()
+            assert sid not in {c.session_id for c in list_claims(store, limit=None)}
+            assert not store.is_message_processed(mid)
+
+        store.get_or_create(sid, _agent(), user_id=user)
+        # Deleted before the turn: the turn writes nothing (the claim, or the session's
+        # lease taken with it, went with the session: ClaimLostError or LeaseLostError).
+        with pytest.raises(LeaseLostError), store.claim(mid, session_id=sid) as claim:
+            assert claim.acquired
+            assert store.delete(sid) is True
+            asyncio.run(runner.run_async(sid, "hello"))
+        gone()
+        # Deleted after the turn, which stored the reply with the claim: a clean end.
+        with store.claim(mid, session_id=sid) as claim:
+            assert claim.acquired, "the deleted session's claim was left behind"
+            claim.response = asyncio.run(runner.run_async(sid, "hello")).content
+            assert store.delete(sid) is True
+        gone()
+        # Deleted after the turn, with a reply other than the turn's to store: lost.
+        with pytest.raises(ClaimLostError), store.claim(mid, session_id=sid) as claim:
+            asyncio.run(runner.run_async(sid, "hello"))
+            claim.response = "sent by hand"
+            assert store.delete(sid) is True
+        gone()
+        assert store.export_user(user)["sessions"] == []
 
     @requires(Capability.PERSISTENT)
     def test_live_context_in_another_store_sees_the_erasure(self, harness: StoreHarness) -> None:
