@@ -113,6 +113,23 @@ def _safely(call: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
+_tracing = False
+"""A tracer provider was set (it stays set): the store's spans are recorded."""
+
+
+def _tracer_provider_set() -> bool:
+    """Whether a tracer provider is set; until then the store starts no span.
+
+    Without one, the tracer is the API's no-op tracer: its spans record
+    nothing and carry the caller's span on unchanged, so not starting them
+    changes nothing but the work. ``_get`` already asked for the provider
+    (loading one named by the environment), so this only reads it.
+    """
+    global _tracing
+    _tracing = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _tracing
+
+
 def enabled() -> bool:
     """True if ``opentelemetry-api`` is installed (the store then reports through it)."""
     return trace is not None
@@ -136,11 +153,13 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
     if instruments is None:
         yield _NO_OP
         return
-    span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
-    span_attributes.update({f"chatflow.{key}": value for key, value in attributes.items()})
     metric_attributes = {"chatflow.operation": name, "db.system.name": system}
-    span = _safely(_start_span, instruments, f"chatflow.{name}", span_attributes)
-    token = None if span is None else _safely(context.attach, trace.set_span_in_context(span))
+    span = token = None
+    if _tracing or _safely(_tracer_provider_set):
+        span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
+        span_attributes.update({f"chatflow.{key}": value for key, value in attributes.items()})
+        span = _safely(_start_span, instruments, f"chatflow.{name}", span_attributes)
+        token = None if span is None else _safely(context.attach, trace.set_span_in_context(span))
     started = time.perf_counter()
     failure: BaseException | None = None
     try:
