@@ -73,6 +73,9 @@ _RESTORES_AUTOCOMMIT = _version(sqlalchemy.__version__) >= (2, 0, 20)
 level (SQLAlchemy issue 10147); before 2.0.20 it kept that level, and each later autocommit
 statement would cost a COMMIT round trip: the AsyncEngine's pool then stays as it was."""
 
+_SKIPS_AUTOCOMMIT_ROLLBACK = _version(sqlalchemy.__version__) >= (2, 0, 43)
+"""``create_engine(skip_autocommit_rollback=True)`` exists (SQLAlchemy 2.0.43)."""
+
 _READ, _WRITE, _SINGLE = 0, 1, 2
 """Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
 
@@ -339,6 +342,13 @@ class StoreRuntime:
                     # The store has no hstore columns: without this, every new connection
                     # looks the type up in a transaction of its own (BEGIN ... COMMIT).
                     options.setdefault("use_native_hstore", False)
+                    if _SKIPS_AUTOCOMMIT_ROLLBACK:
+                        # The pool rolls back every connection it takes back, also after
+                        # a commit; in autocommit psycopg has nothing to roll back, and
+                        # the call still costs a hop into the driver's coroutine. Only a
+                        # connection in autocommit skips it (one at another isolation
+                        # level, after a transaction, is still rolled back).
+                        options.setdefault("skip_autocommit_rollback", True)
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(
