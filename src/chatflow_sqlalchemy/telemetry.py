@@ -149,7 +149,7 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
     if trace is None:
         yield _NO_OP
         return
-    instruments = _safely(_get)
+    instruments = _instruments if _instruments is not None else _safely(_get)
     if instruments is None:
         yield _NO_OP
         return
