@@ -19,14 +19,13 @@ import importlib.util
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import sqlalchemy
-from sqlalchemy import URL, Connection, Engine, create_engine
+from sqlalchemy import URL, Connection, Engine, RootTransaction, create_engine
 from sqlalchemy import exc as sa_exc
 
 from chatflow_sqlalchemy.dialect import DialectSupport
@@ -72,6 +71,9 @@ _RESTORES_AUTOCOMMIT = _version(sqlalchemy.__version__) >= (2, 0, 20)
 """A pooled connection gets its engine-level AUTOCOMMIT back after a transaction at another
 level (SQLAlchemy issue 10147); before 2.0.20 it kept that level, and each later autocommit
 statement would cost a COMMIT round trip: the AsyncEngine's pool then stays as it was."""
+
+_SKIPS_AUTOCOMMIT_ROLLBACK = _version(sqlalchemy.__version__) >= (2, 0, 43)
+"""``create_engine(skip_autocommit_rollback=True)`` exists (SQLAlchemy 2.0.43)."""
 
 _READ, _WRITE, _SINGLE = 0, 1, 2
 """Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
@@ -119,6 +121,66 @@ class _Guard:
             self._serial.release()
         if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
             raise _unavailable(self._url, exc) from exc
+
+
+class _Transaction:
+    """:meth:`StoreRuntime.transaction`: under the guard, a connection in a transaction.
+
+    What ``with guard: with conn, conn.begin(): ...`` does, spelled out in a
+    class rather than a ``@contextmanager`` generator: every statement of the
+    store runs in one, several each turn, and a generator context manager
+    costs more. A commit or rollback that fails still closes the connection
+    and leaves the guard, and the guard sees that failure, as the nested
+    ``with`` statements would.
+    """
+
+    __slots__ = ("_begun", "_conn", "_mode", "_runtime")
+
+    def __init__(self, runtime: StoreRuntime, mode: int) -> None:
+        self._runtime = runtime
+        self._mode = mode
+        self._conn: Connection | None = None
+        self._begun: RootTransaction | None = None
+
+    def __enter__(self) -> Connection:
+        runtime = self._runtime
+        engine = runtime._engine_for(self._mode)
+        guard = runtime.guard
+        guard.__enter__()
+        try:
+            conn = runtime.connect(engine)
+            try:
+                begun = conn.begin()
+            except BaseException as exc:
+                conn.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        except BaseException as exc:
+            guard.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._conn, self._begun = conn, begun
+        return conn
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conn, begun = self._conn, self._begun
+        assert conn is not None and begun is not None
+        self._conn = self._begun = None
+        guard = self._runtime.guard
+        try:
+            try:
+                begun.__exit__(exc_type, exc, tb)  # commits, or rolls back on an error
+            except BaseException as failed:
+                conn.__exit__(type(failed), failed, failed.__traceback__)
+                raise
+            conn.__exit__(exc_type, exc, tb)
+        except BaseException as failed:
+            guard.__exit__(type(failed), failed, failed.__traceback__)
+            raise
+        guard.__exit__(exc_type, exc, tb)
 
 
 class StoreRuntime:
@@ -281,8 +343,7 @@ class StoreRuntime:
                 f"pool_timeout: every one is still waiting on the database ({exc})"
             ) from exc
 
-    @contextmanager
-    def transaction(self, *, write: bool = False, single: bool = False) -> Iterator[Connection]:
+    def transaction(self, *, write: bool = False, single: bool = False) -> _Transaction:
         """One transaction; ``write`` takes the database's write lock up front.
 
         ``single`` is for one statement that is atomic on its own: it runs in
@@ -291,14 +352,18 @@ class StoreRuntime:
         Inside :meth:`run_blocking` on a native-async store this code runs in
         a greenlet and uses the AsyncEngine's sync facade, so the very same
         statements execute on the async driver without a thread hop.
+
+        Use it as ``with runtime.transaction() as conn:``; the connection is
+        taken when the block is entered.
         """
+        return _Transaction(self, _SINGLE if single else _WRITE if write else _READ)
+
+    def _engine_for(self, mode: int) -> Engine:
+        """The engine of ``mode`` (``_READ``...), on the sync facade inside :meth:`run_blocking`."""
         self.check_open()
         engines = self._aengines if self.in_async_facade() else self._engines
         assert engines is not None
-        with self.guard:
-            conn = self.connect(engines[_SINGLE if single else _WRITE if write else _READ])
-            with conn, conn.begin():
-                yield conn
+        return engines[mode]
 
     def in_async_facade(self) -> bool:
         """True in :meth:`run_blocking`'s greenlet: use the AsyncEngine's sync facade."""
@@ -339,6 +404,13 @@ class StoreRuntime:
                     # The store has no hstore columns: without this, every new connection
                     # looks the type up in a transaction of its own (BEGIN ... COMMIT).
                     options.setdefault("use_native_hstore", False)
+                    if _SKIPS_AUTOCOMMIT_ROLLBACK:
+                        # The pool rolls back every connection it takes back, also after
+                        # a commit; in autocommit psycopg has nothing to roll back, and
+                        # the call still costs a hop into the driver's coroutine. Only a
+                        # connection in autocommit skips it (one at another isolation
+                        # level, after a transaction, is still rolled back).
+                        options.setdefault("skip_autocommit_rollback", True)
             return create_async_engine(url, **options)
         except ImportError as exc:
             raise BackendImportError(

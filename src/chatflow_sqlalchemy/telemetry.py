@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 try:
@@ -113,14 +113,32 @@ def _safely(call: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
+_tracing = False
+"""A tracer provider was set (it stays set): the store's spans are recorded."""
+
+
+def _tracer_provider_set() -> bool:
+    """Whether a tracer provider is set; until then the store starts no span.
+
+    Without one, the tracer is the API's no-op tracer: its spans record
+    nothing and carry the caller's span on unchanged, so not starting them
+    changes nothing but the work. ``_get`` already asked for the provider
+    (loading one named by the environment), so this only reads it.
+    """
+    global _tracing
+    _tracing = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _tracing
+
+
 def enabled() -> bool:
     """True if ``opentelemetry-api`` is installed (the store then reports through it)."""
     return trace is not None
 
 
-@contextmanager
-def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[Operation]:
+def operation(name: str, system: str, **attributes: AttributeValue) -> _Operating:
     """Run the block as the store operation ``name``: a span and a duration sample.
+
+    Use it as ``with operation(...) as op:``; ``op`` is an :class:`Operation`.
 
     Args:
         name: ``claim``, ``load``, ``turn.lease``, ``turn.commit``, ``inbox.put``,
@@ -129,34 +147,67 @@ def operation(name: str, system: str, **attributes: AttributeValue) -> Iterator[
         **attributes: More span attributes, keyed ``chatflow.<key>``.
 
     """
-    if trace is None:
-        yield _NO_OP
-        return
-    instruments = _safely(_get)
-    if instruments is None:
-        yield _NO_OP
-        return
-    span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
-    span_attributes.update({f"chatflow.{key}": value for key, value in attributes.items()})
-    metric_attributes = {"chatflow.operation": name, "db.system.name": system}
-    span = _safely(_start_span, instruments, f"chatflow.{name}", span_attributes)
-    token = None if span is None else _safely(context.attach, trace.set_span_in_context(span))
-    started = time.perf_counter()
-    failure: BaseException | None = None
-    try:
-        yield Operation(span)
-    except BaseException as exc:
-        failure = exc
-        raise
-    finally:
-        elapsed = time.perf_counter() - started
-        if token is not None:
-            _safely(context.detach, token)
-        if span is not None:
-            _safely(_end_span, span, failure)
+    return _Operating(name, system, attributes)
+
+
+class _Operating:
+    """:func:`operation`'s context manager: a class, since each turn runs several.
+
+    A ``@contextmanager`` generator would cost a wrapper and a step into
+    the generator on the way in and out of every store operation.
+    """
+
+    __slots__ = ("_attributes", "_instruments", "_metric", "_name", "_span", "_started",
+                 "_system", "_token")
+
+    def __init__(self, name: str, system: str, attributes: dict[str, AttributeValue]) -> None:
+        self._name = name
+        self._system = system
+        self._attributes = attributes
+        self._instruments: _Instruments | None = None
+        self._metric: dict[str, AttributeValue] = {}
+        self._span: Any = None
+        self._token: Any = None
+        self._started = 0.0
+
+    def __enter__(self) -> Operation:
+        if trace is None:
+            return _NO_OP
+        instruments = _instruments if _instruments is not None else _safely(_get)
+        if instruments is None:
+            return _NO_OP
+        self._instruments = instruments
+        name, system = self._name, self._system
+        self._metric = {"chatflow.operation": name, "db.system.name": system}
+        if _tracing or _safely(_tracer_provider_set):
+            span_attributes: dict[str, AttributeValue] = {"db.system.name": system}
+            span_attributes.update(
+                {f"chatflow.{key}": value for key, value in self._attributes.items()}
+            )
+            span = self._span = _safely(_start_span, instruments, f"chatflow.{name}",
+                                        span_attributes)
+            if span is not None:
+                self._token = _safely(context.attach, trace.set_span_in_context(span))
+        self._started = time.perf_counter()
+        return Operation(self._span)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        failure: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        instruments = self._instruments
+        if instruments is None:  # nothing was started
+            return
+        elapsed = time.perf_counter() - self._started
+        if self._token is not None:
+            _safely(context.detach, self._token)
+        if self._span is not None:
+            _safely(_end_span, self._span, failure)
         if failure is not None:
-            metric_attributes["error.type"] = type(failure).__qualname__
-        _safely(instruments.duration.record, elapsed, metric_attributes)
+            self._metric["error.type"] = type(failure).__qualname__
+        _safely(instruments.duration.record, elapsed, self._metric)
 
 
 def _start_span(instruments: _Instruments, name: str, attributes: dict[str, AttributeValue]) -> Any:

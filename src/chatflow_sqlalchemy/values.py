@@ -226,13 +226,17 @@ def check_metadata(metadata: object, *, stored_json: str | None = None) -> str:
     return dump_metadata(metadata)
 
 
+_METADATA_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+"""What ``json.dumps`` with these options builds on every call (it keeps no state)."""
+
+
 def dump_metadata(metadata: object) -> str:
     """Serialise metadata to canonical JSON, or raise ``ValueError``.
 
     NaN, infinities, NUL and lone surrogates are refused on every backend alike.
     """
     try:
-        text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = _METADATA_ENCODER.encode(metadata)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metadata must be JSON-serialisable: {exc}") from None
     if "\\ud" in text:  # a surrogate escape: fine in a pair, not alone (not UTF-8 text)

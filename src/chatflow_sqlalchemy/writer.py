@@ -20,7 +20,6 @@ there while still held is looked for in every day once.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -142,22 +141,24 @@ class SessionWriter:
         held = None if lease is None else lease_params(lease)
         if lease is not None and lease.kept:
             held = {**lease_params(lease), **self._leases.until_params()}
-        write = SessionWrite(
-            swap=self._bump_params(pending, now),
-            gone=sorted(pending.gone),
-            clear=bool(pending.gone) and pending.empty,
-            rows=self._rows(pending, now),
-            archived=archived,
-            waiting=waiting,
-            summary=summary,
-            fence=None if fence is None else fence.params(now, reply),
-            lease=held,
-            keep_lease=lease is not None and lease.kept,
-            batch=None if answer is None else {**answer, "now": now},
-        )
+        fields: dict[str, Any] = {
+            "swap": self._bump_params(pending, now),
+            "gone": sorted(pending.gone),
+            "clear": bool(pending.gone) and pending.empty,
+            "rows": self._rows(pending, now),
+            "archived": archived,
+            "waiting": waiting,
+            "summary": summary,
+            "fence": None if fence is None else fence.params(now, reply),
+            "lease": held,
+            "keep_lease": lease is not None and lease.kept,
+            "batch": None if answer is None else {**answer, "now": now},
+        }
+        write = SessionWrite(**fields)
         if self._support.one_statement_write:
             return write  # its one statement is built from the fields, not the steps
-        return replace(write, steps=portable_steps(write))
+        # Made again with its steps: cheaper than dataclasses.replace, which reads every field.
+        return SessionWrite(**fields, steps=portable_steps(write))
 
     def _execute(self, write: SessionWrite) -> bool:
         """:meth:`DialectSupport.execute_write`; False (rolled back) if the write did not stand."""
