@@ -1,0 +1,120 @@
+"""``store.delete`` racing the work in flight for its session, on real databases.
+
+Delete removes a session with its claims and inbox messages in one
+transaction. These tests hold it (or a turn) at a chosen point with a row
+lock taken on a connection of their own, so the interleaving is the same on
+every run: a delete of an id whose session row appears while it runs, and a
+turn or inbox batch whose session is deleted under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from chatflow_agent import Agent, Runner
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
+
+from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
+from chatflow_sqlalchemy.testing.engines import ScriptedEngine
+
+from .stores import Opener
+
+AGENT = Agent(name="a", instructions="")
+
+HANG_GUARD = 60.0
+"""Bound of every wait (a hung race fails instead of hanging the suite)."""
+
+SERVER_KINDS = [
+    pytest.param("postgresql", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+]
+
+
+def _locked(probe: Connection, table: str, column: str, value: str) -> bool:
+    """Whether another transaction holds a row lock on ``table``'s row of ``value``."""
+    try:
+        with probe.begin():
+            probe.execute(
+                text(f"SELECT {column} FROM {table} WHERE {column} = :v FOR UPDATE NOWAIT"),
+                {"v": value},
+            )
+    except DBAPIError:
+        return True
+    return False
+
+
+def _until(condition: Callable[[], bool], *, steady: int = 1) -> None:
+    """Wait until ``condition`` holds ``steady`` polls in a row (bounded by HANG_GUARD)."""
+    deadline, seen = time.monotonic() + HANG_GUARD, 0
+    while seen < steady:
+        assert time.monotonic() < deadline, "the race never reached its point"
+        seen = seen + 1 if condition() else 0
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sql_store", SERVER_KINDS, indirect=True)
+def test_delete_of_an_id_whose_session_appears_meanwhile_does_not_deadlock_a_claimed_turn(
+    sql_store: Opener,
+) -> None:
+    """An id claimed before its first turn, deleted as that turn writes: no deadlock.
+
+    The session row does not exist when the delete starts (a webhook claim
+    comes before the session's first turn), so the delete locks the id's
+    claim first; the turn then makes the session and its write locks the row
+    and waits for the claim. The delete must not then wait for the row the
+    turn holds: one of the two would die of a deadlock, a raw driver error.
+    The turn finds its claim gone (``ClaimLostError``) and writes nothing.
+    """
+    store = sql_store(turn_lease_seconds=HANG_GUARD)
+    sid, mid = f"new-{uuid.uuid4().hex[:8]}", f"wamid-{uuid.uuid4().hex[:8]}"
+    store.inbox.put(f"in-{mid}", session_id=sid, text="held")  # a row to hold the delete at
+    runner = Runner(starting_agent=AGENT, session_store=store, engine=ScriptedEngine())
+    claimed, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def webhook() -> None:
+        try:
+            with store.claim(mid, session_id=sid) as claim:
+                assert claim.acquired
+                claimed.set()
+                assert go.wait(HANG_GUARD)
+                claim.response = asyncio.run(runner.run_async(sid, "hello")).content
+            outcome["turn"] = "written"
+        except BaseException as exc:
+            outcome["turn"] = exc
+
+    def delete() -> None:
+        try:
+            outcome["delete"] = store.delete(sid)
+        except BaseException as exc:
+            outcome["delete"] = exc
+
+    turn, deleting = threading.Thread(target=webhook), threading.Thread(target=delete)
+    with store.engine.connect() as holder, store.engine.connect() as probe:
+        holder.begin()
+        holder.execute(text("SELECT id FROM chatflow_inbox WHERE session_id = :sid FOR UPDATE"),
+                       {"sid": sid})
+        turn.start()
+        assert claimed.wait(HANG_GUARD)
+        deleting.start()
+        # The delete has the claim and waits for the inbox row held here.
+        _until(lambda: _locked(probe, "chatflow_processed_messages", "message_id", mid))
+        go.set()
+        # The turn's write has the session row it made and waits for the claim.
+        _until(lambda: _locked(probe, "chatflow_sessions", "session_id", sid), steady=5)
+        holder.rollback()
+        deleting.join(HANG_GUARD)
+        turn.join(HANG_GUARD)
+    assert not deleting.is_alive() and not turn.is_alive()
+    assert outcome["delete"] is False, outcome["delete"]  # no session row when it began
+    assert isinstance(outcome["turn"], ChatflowStoreError), outcome["turn"]
+    assert not store.is_message_processed(mid)
+    assert store.get(sid) is None and sid not in store.list_sessions()
