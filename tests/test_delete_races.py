@@ -118,3 +118,84 @@ def test_delete_of_an_id_whose_session_appears_meanwhile_does_not_deadlock_a_cla
     assert isinstance(outcome["turn"], ChatflowStoreError), outcome["turn"]
     assert not store.is_message_processed(mid)
     assert store.get(sid) is None and sid not in store.list_sessions()
+
+
+def _gone(store: Any, sid: str) -> None:
+    """Nothing of the session is shown: no empty session was left in its place."""
+    assert store.get(sid) is None, "an empty session was left where the deleted one was"
+    assert sid not in store.list_sessions()
+
+
+@pytest.mark.parametrize("deleter", ["this store", "another store"])
+def test_a_batch_whose_session_is_deleted_under_it_leaves_no_empty_session(
+    any_store: Opener, deleter: str
+) -> None:
+    """Deleted while ``handle`` runs: the batch's turn fails and leaves nothing behind.
+
+    The turn's ``get_or_create`` makes the session anew (the delete took its
+    row), and its write fails (the batch's lease went with the row). The
+    session it made for the turn must be unborn again, as after any failed
+    first turn; it stayed, empty, in ``get`` and ``list_sessions``.
+    """
+    store = any_store()
+    other = store if deleter == "this store" else any_store()
+    if other is store and deleter == "another store":
+        pytest.skip("the in-memory store has no second store on its data")
+    sid = f"gone-{uuid.uuid4().hex[:8]}"
+    store.inbox.put(f"in-{sid}", session_id=sid, text="delete me")
+    runner = Runner(starting_agent=AGENT, session_store=store, engine=ScriptedEngine())
+    failures: list[BaseException] = []
+    sent: list[InboxReply] = []
+
+    async def handle(batch: InboxBatch) -> str:
+        await asyncio.to_thread(other.delete, sid)
+        try:
+            return str((await runner.run_async(sid, batch.text)).content)
+        except Exception as exc:
+            failures.append(exc)
+            raise
+
+    async def send(reply: InboxReply) -> None:
+        sent.append(reply)
+
+    async def serve() -> None:
+        serving = asyncio.ensure_future(store.inbox.serve(handle, send=send, coalesce_seconds=0))
+        try:
+            deadline = time.monotonic() + HANG_GUARD
+            while not failures:
+                assert time.monotonic() < deadline, "the batch never ran"
+                await asyncio.sleep(0.02)
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+
+    asyncio.run(serve())
+    (failure,) = failures
+    assert isinstance(failure, ChatflowStoreError), failure
+    assert sent == []
+    _gone(store, sid)
+    _gone(other, sid)
+
+
+def test_a_claimed_turn_whose_session_another_store_deleted_leaves_no_empty_session(
+    sql_store: Opener,
+) -> None:
+    """Deleted by another store (process, ``sessions delete``) between claim and turn.
+
+    On PostgreSQL the claim took the session's lease with it, and this store
+    offered it to the claim's turn; ``forget_offered`` only hears of deletes
+    made through this store. The turn makes the session anew, and its write
+    fails on the lease of the deleted row: the session it made must not stay.
+    """
+    store, other = sql_store(), sql_store()
+    sid, mid = f"gone-{uuid.uuid4().hex[:8]}", f"wamid-{uuid.uuid4().hex[:8]}"
+    other_runner = Runner(starting_agent=AGENT, session_store=other, engine=ScriptedEngine())
+    asyncio.run(other_runner.run_async(sid, "first"))  # the session exists; this store has no context
+    runner = Runner(starting_agent=AGENT, session_store=store, engine=ScriptedEngine())
+    with pytest.raises(ChatflowStoreError), store.claim(mid, session_id=sid) as claim:
+        assert claim.acquired
+        assert other.delete(sid) is True
+        claim.response = asyncio.run(runner.run_async(sid, "hello")).content
+    _gone(store, sid)
+    _gone(other, sid)
+    assert not store.is_message_processed(mid)
