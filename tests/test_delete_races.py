@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Runner
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, event, text
 from sqlalchemy.exc import DBAPIError
 
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError
@@ -190,7 +190,7 @@ def test_a_claimed_turn_whose_session_another_store_deleted_leaves_no_empty_sess
     store, other = sql_store(), sql_store()
     sid, mid = f"gone-{uuid.uuid4().hex[:8]}", f"wamid-{uuid.uuid4().hex[:8]}"
     other_runner = Runner(starting_agent=AGENT, session_store=other, engine=ScriptedEngine())
-    asyncio.run(other_runner.run_async(sid, "first"))  # the session exists; this store has no context
+    asyncio.run(other_runner.run_async(sid, "first"))  # no context of it here
     runner = Runner(starting_agent=AGENT, session_store=store, engine=ScriptedEngine())
     with pytest.raises(ChatflowStoreError), store.claim(mid, session_id=sid) as claim:
         assert claim.acquired
@@ -199,3 +199,47 @@ def test_a_claimed_turn_whose_session_another_store_deleted_leaves_no_empty_sess
     _gone(store, sid)
     _gone(other, sid)
     assert not store.is_message_processed(mid)
+
+
+@pytest.mark.parametrize("sql_store", SERVER_KINDS[:1], indirect=True)
+def test_get_or_create_whose_insert_loses_to_a_session_deleted_at_once_creates_it(
+    sql_store: Opener,
+) -> None:
+    """Another writer's session row, deleted between this insert and its read: made anew.
+
+    ``get_or_create`` inserts the row unless it exists, then reads it in the
+    same transaction. On PostgreSQL the insert that finds another writer's
+    committed row does nothing and locks nothing, so a delete can commit
+    before the read, which then finds no row: ``assert stored is not None``
+    failed (an ``AssertionError`` out of ``get_or_create``, or a turn).
+    The other writer and the delete run on connections of their own, at
+    that point of the store's transaction. (PostgreSQL only: MariaDB's
+    insert locks the row it finds, SQLite's transaction the database.)
+    """
+    store = sql_store()
+    sid = f"raced-{uuid.uuid4().hex[:8]}"
+    other = sql_store()
+    other_runner = Runner(starting_agent=AGENT, session_store=other, engine=ScriptedEngine())
+    raced: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("INSERT INTO chatflow_sessions") and not raced:
+            raced.append("inserted")
+            asyncio.run(other_runner.run_async(sid, "first"))  # the other writer's row
+
+    def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("INSERT INTO chatflow_sessions") and raced == ["inserted"]:
+            raced.append("deleted")
+            assert other.delete(sid) is True
+
+    event.listen(store.engine, "before_cursor_execute", before)
+    event.listen(store.engine, "after_cursor_execute", after)
+    try:
+        ctx = store.get_or_create(sid, AGENT, user_id="u")
+    finally:
+        event.remove(store.engine, "before_cursor_execute", before)
+        event.remove(store.engine, "after_cursor_execute", after)
+    assert raced == ["inserted", "deleted"]
+    assert ctx.history == []
+    stored = other.get(sid)
+    assert stored is not None and stored.history == []
