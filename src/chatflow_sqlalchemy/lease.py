@@ -92,6 +92,13 @@ _UNMAKE = (
 )
 """Make a session unborn again if it is still at the version it was made at, under this lease."""
 _RELEASE_UNMADE = _UNMAKE.values(lease_owner=null(), lease_expires_at=null())
+_UNMAKE_FREE = (
+    update(_s)
+    .where(_SESSION, LEASE_FREE, _s.c.version == bindparam("made_version"))
+    .values(active_agent_name=UNBORN_AGENT, version=_s.c.version + 1)
+)
+""":data:`_UNMAKE` for a session whose lease no one holds: the turn's lease went with a
+deleted row, and the session made anew under the id for the turn is not under it."""
 
 
 
@@ -159,7 +166,9 @@ class SessionLeases:
         failed. If the session is still at it (nothing was ever written to
         it), the same statement makes it unborn again (no agent, version + 1):
         ``get`` and ``list_sessions`` no longer show it, and a turn waiting
-        for the lease catches up and gives it its agent by its write.
+        for the lease catches up and gives it its agent by its write. So it
+        is too if the lease is no longer on its row (the session was deleted
+        under the turn and made anew for it) and no one else holds that row's.
         """
         params = lease_params(lease)
         if made is None:
@@ -168,14 +177,16 @@ class SessionLeases:
         else:
             with self._runtime.transaction(write=True) as conn:
                 unmade = conn.execute(_RELEASE_UNMADE, {**params, "made_version": made})
-                if unmade.rowcount != 1:
-                    conn.execute(RELEASE, params)
+                if unmade.rowcount != 1 and conn.execute(RELEASE, params).rowcount != 1:
+                    conn.execute(_UNMAKE_FREE, {**params, "made_version": made})
         lease.released = True
 
     def unmake(self, lease: Lease, made: int) -> None:
         """:meth:`release`'s unmaking alone, for a lease its inbox batch keeps."""
-        with self._runtime.transaction(single=True) as conn:
-            conn.execute(_UNMAKE, {**lease_params(lease), "made_version": made})
+        params = {**lease_params(lease), "made_version": made}
+        with self._runtime.transaction(write=True) as conn:
+            if conn.execute(_UNMAKE, params).rowcount != 1:
+                conn.execute(_UNMAKE_FREE, params)
 
     def _exists(self, session_id: str) -> bool:
         with self._runtime.transaction(single=True) as conn:

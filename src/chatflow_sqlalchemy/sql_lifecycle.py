@@ -152,12 +152,17 @@ def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
     """
     erased = 0
     for chunk in _chunks(list(ids)):
-        for table in (_messages, _processed, _archive, _inbox):
-            conn.execute(delete(table).where(table.c.session_id.in_(chunk)))
+        _erase_stored_with(conn, chunk)
         erased += conn.execute(
             delete(_sessions).where(_sessions.c.session_id.in_(chunk))
         ).rowcount
     return int(erased)
+
+
+def _erase_stored_with(conn: Connection, ids: list[str]) -> None:
+    """Delete the messages, archive, claims and inbox messages of these session ids."""
+    for table in (_messages, _processed, _archive, _inbox):
+        conn.execute(delete(table).where(table.c.session_id.in_(ids)))
 
 
 def delete_session(conn: Connection, session_id: str) -> bool:
@@ -172,9 +177,13 @@ def delete_session(conn: Connection, session_id: str) -> bool:
     so a caller without the store's up-front write lock (the CLI on SQLite)
     never upgrades a read snapshot. The claims and inbox messages of the id
     go even when it has no session row (a message no worker has taken yet).
+    The row is not deleted a second time: one that appeared after the first
+    DELETE (a claimed turn's first write, waiting for the claim locked here)
+    would be locked after the claim, and the two would deadlock; that turn
+    finds its claim gone and writes nothing.
     """
     existed = conn.execute(delete(_sessions).where(_sessions.c.session_id == session_id))
-    erase_sessions(conn, [session_id])
+    _erase_stored_with(conn, [session_id])
     return bool(existed.rowcount)
 
 

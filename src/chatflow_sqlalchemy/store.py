@@ -542,15 +542,28 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         says this store (not another writer) made it: a failed turn may unmake it.
         """
         if stored is None:
-            with self.runtime.transaction(write=True) as conn:
-                version = self._insert(conn, session_id, default_agent.name, metadata, user_id)
-                stored = read_session(conn, self._sealer, session_id)
-            assert stored is not None
-            # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
-            stored.made = stored.version == version
+            stored = self._inserted(session_id, default_agent, metadata, user_id)
         elif stored.agent_name == UNBORN_AGENT:
             stored = self._adopt(session_id, default_agent, metadata, user_id)
         return stored
+
+    def _inserted(
+        self, session_id: str, default_agent: Agent, metadata: dict[str, Any], user_id: str | None
+    ) -> StoredSession:
+        """The session's row, inserted unless it exists, as read in the same transaction.
+
+        Inserted again if none is read: the row the insert found (another
+        writer's) was deleted before the read, which PostgreSQL's insert does
+        not prevent (it locks no row it finds).
+        """
+        while True:
+            with self.runtime.transaction(write=True) as conn:
+                version = self._insert(conn, session_id, default_agent.name, metadata, user_id)
+                stored = read_session(conn, self._sealer, session_id)
+            if stored is not None:
+                # Ours, unless another writer's insert won (an INSERT's rowcount is not portable).
+                stored.made = stored.version == version
+                return stored
 
     def _create_empty_session(self, session_id: str) -> None:
         """A session for the inbox to lease before its first turn; ``get_or_create`` adopts it."""
