@@ -1295,3 +1295,23 @@ def test_the_console_script_is_run_and_passes_on_mains_exit_code(tmp_path: Path)
                                 capture_output=True, text=True, env=env, timeout=60)
         assert result.returncode == code, result.stderr
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_sessions_delete_of_an_id_with_no_session_row_takes_its_claims_and_inbox_messages(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``store.delete``: a message no worker has taken yet leaves nothing behind either."""
+    with SQLiteSessionStore(str(db)) as store:
+        store.inbox.put("in.new", session_id="whatsapp:+1555", text="my address is 1 Main St")
+        store.inbox.put("in.kept", session_id=SESSION, text="kept")
+    url = url_of(db)
+    code, out, err = run(capsys, "--url", url, "sessions", "delete", "whatsapp:+1555", "--yes",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"session_id": "whatsapp:+1555", "deleted": True,
+                               "session_existed": False}
+    code, out, _ = run(capsys, "--url", url, "inbox", "list", "--json")
+    assert {row["message_id"] for row in json.loads(out)["messages"]} == {"in.kept"}
+    code, out, err = run(capsys, "--url", url, "sessions", "delete", "whatsapp:+1555", "--yes")
+    assert code == 1
+    assert "whatsapp:+1555" in assert_one_error_line(err, out)

@@ -1199,25 +1199,31 @@ def sessions_delete(session_id: str) -> None:
     """Delete a session and everything stored with it (asks first).
 
     Its history, archive, webhook claims and inbox messages, in one transaction,
-    as store.delete does. Asks for confirmation unless --yes.
+    as store.delete does; also the claims and inbox messages of an id that has
+    no session (yet). Asks for confirmation unless --yes.
     """
-    from sqlalchemy import select
+    from sqlalchemy import select, union_all
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_lifecycle import delete_session
 
     _validate_session_id(session_id)
-    table, shown = tables.sessions, clean(repr(session_id))
-    where = table.c.session_id == session_id
+    shown = clean(repr(session_id))
+    holders = (tables.sessions, tables.processed_messages, tables.inbox)
+    held = union_all(*(
+        select(table.c.session_id).where(table.c.session_id == session_id).limit(1)
+        .subquery().select() for table in holders
+    ))
     with _database(write=True) as (url, engine):
         with _read_conn(engine) as conn:
-            if conn.execute(select(table.c.session_id).where(where)).first() is None:
+            if conn.execute(held).first() is None:
                 raise _no_session(session_id, url)
         _confirm(f"Delete session {shown} with its history, claims and inbox messages?")
         with engine.begin() as conn:
-            if not delete_session(conn, session_id):
-                raise _no_session(session_id, url)
-    _emit({"session_id": session_id, "deleted": True}, f"deleted session {shown}")
+            existed = delete_session(conn, session_id)
+    shown_done = (f"deleted session {shown}" if existed else
+                  f"deleted the claims and inbox messages of {shown} (it had no session row)")
+    _emit({"session_id": session_id, "deleted": True, "session_existed": existed}, shown_done)
 
 
 @contextmanager
