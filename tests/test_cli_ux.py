@@ -116,7 +116,8 @@ def test_write_commands_print_json(tmp_path: Path, capsys: pytest.CaptureFixture
             claim.response = "ok"
 
     code, out, _ = run(capsys, "--url", url, "sessions", "delete", "s1", "--yes", "--json")
-    assert code == 0 and json.loads(out) == {"session_id": "s1", "deleted": True}
+    assert code == 0 and json.loads(out) == {"session_id": "s1", "deleted": True,
+                                                "session_existed": True}
     code, out, _ = run(capsys, "--url", url, "sessions", "list", "--json")
     assert json.loads(out)["sessions"] == []
     code, out, _ = run(capsys, "--url", url, "dedup", "purge", "--yes", "--json")
