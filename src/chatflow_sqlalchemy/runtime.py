@@ -18,6 +18,7 @@ import asyncio
 import importlib.util
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -41,7 +42,9 @@ __all__ = [
     "StoreRuntime",
     "create_store_engine",
     "describe",
+    "is_deadlock",
     "merged",
+    "retrying_deadlocks",
 ]
 
 _T = TypeVar("_T")
@@ -77,6 +80,36 @@ _SKIPS_AUTOCOMMIT_ROLLBACK = _version(sqlalchemy.__version__) >= (2, 0, 43)
 
 _READ, _WRITE, _SINGLE = 0, 1, 2
 """Indexes of the engine modes (see :meth:`StoreRuntime._engine_modes`)."""
+
+
+DEADLOCK_RETRIES = 5
+"""Attempts of a transaction the database keeps choosing as a deadlock victim."""
+
+
+def is_deadlock(exc: sa_exc.DBAPIError) -> bool:
+    """The database rolled the transaction back as a deadlock victim (SQLSTATE 40001/40P01)."""
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) in ("40001", "40P01"):
+        return True
+    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+    return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
+
+
+def retrying_deadlocks(run: Callable[[], _T]) -> _T:
+    """``run()`` (one whole transaction), run again while it is rolled back as a deadlock victim.
+
+    For upkeep that takes many rows at once (a sweep's batch, the inbox's purge):
+    on InnoDB it can deadlock with the turns and inbox writes beside it, and a
+    victim was rolled back whole, so running it again is safe.
+    """
+    for attempt in range(DEADLOCK_RETRIES):
+        try:
+            return run()
+        except sa_exc.OperationalError as exc:
+            if not is_deadlock(exc) or attempt == DEADLOCK_RETRIES - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def describe(url: URL) -> str:

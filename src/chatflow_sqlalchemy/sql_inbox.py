@@ -52,6 +52,7 @@ from chatflow_sqlalchemy.inbox import (
 )
 from chatflow_sqlalchemy.inbox_reads import read_entries, read_stats
 from chatflow_sqlalchemy.lease import KEEP_HELD, free_at, lease_params
+from chatflow_sqlalchemy.runtime import retrying_deadlocks
 from chatflow_sqlalchemy.tables import UTCDateTime
 from chatflow_sqlalchemy.values import Lease, utcnow
 
@@ -401,7 +402,7 @@ class SQLInbox:
     def purge(self, older_than_seconds: float) -> int:
         """Delete done and sent messages older than the dedup window."""
         params = _moved(utcnow(), "cutoff", "older_than", older_than_seconds, -1)
-        return self._execute(_PURGE, params)
+        return retrying_deadlocks(lambda: self._execute(_PURGE, params))
 
     def _execute(self, statement: Executable, params: dict[str, Any]) -> int:
         """One statement on its own (autocommit), at the worker's ``now``; rows it changed."""

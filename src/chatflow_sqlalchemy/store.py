@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from datetime import datetime, timedelta
@@ -78,6 +77,7 @@ from chatflow_sqlalchemy.runtime import (
     describe,
     merged,
     require_transactions,
+    retrying_deadlocks,
 )
 from chatflow_sqlalchemy.sealing import ROTATE_BATCH, Sealer, rotate_batch
 from chatflow_sqlalchemy.sql_claims import SQLClaims
@@ -116,16 +116,6 @@ logger = logging.getLogger(__name__)
 
 _PURGE_BATCH = 1000
 _PURGE_INTERVAL = timedelta(minutes=5)
-_SWEEP_DEADLOCK_RETRIES = 5
-
-
-def _is_deadlock(exc: sa_exc.DBAPIError) -> bool:
-    """The database rolled the transaction back as a deadlock victim (SQLSTATE 40001/40P01)."""
-    orig = exc.orig
-    if getattr(orig, "sqlstate", None) in ("40001", "40P01"):
-        return True
-    args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
-    return bool(args) and args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK (SQLSTATE 40001)
 
 
 class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
@@ -811,22 +801,19 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         A deadlock victim (racing sweepers on InnoDB) was rolled back whole: it is retried.
         """
         start = (cursor.updated_at, cursor.session_id)
-        for attempt in range(_SWEEP_DEADLOCK_RETRIES):
+
+        def batch() -> tuple[list[str], list[str]]:
             cursor.updated_at, cursor.session_id = start  # a rolled-back batch is redone whole
-            try:
-                with self.runtime.transaction(write=True) as conn:
-                    found = sweep_candidates(
-                        conn, cutoff, utcnow(), want, cursor, self.support.lock_batch
-                    )
-                    ours = self._contexts.in_turn(found)
-                    removed = [sid for sid in found if sid not in ours]
-                    erase_sessions(conn, removed)
-                return found, removed
-            except sa_exc.OperationalError as exc:
-                if not _is_deadlock(exc) or attempt == _SWEEP_DEADLOCK_RETRIES - 1:
-                    raise
-                time.sleep(0.01 * (attempt + 1))
-        raise AssertionError("unreachable")  # pragma: no cover
+            with self.runtime.transaction(write=True) as conn:
+                found = sweep_candidates(
+                    conn, cutoff, utcnow(), want, cursor, self.support.lock_batch
+                )
+                ours = self._contexts.in_turn(found)
+                removed = [sid for sid in found if sid not in ours]
+                erase_sessions(conn, removed)
+            return found, removed
+
+        return retrying_deadlocks(batch)
 
     def transcript(self, session_id: str) -> list[Message]:
         """The whole conversation: archived messages, then the window, in order.
