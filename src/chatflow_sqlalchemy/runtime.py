@@ -183,7 +183,10 @@ class _Transaction:
         try:
             conn = runtime.connect(engine)
             try:
-                begun = conn.begin()
+                # Entered as ``with conn.begin():`` does: SQLAlchemy then refuses a
+                # statement after the block ended this transaction itself, instead
+                # of beginning another that closing the connection rolls back.
+                begun = conn.begin().__enter__()
             except BaseException as exc:
                 conn.__exit__(type(exc), exc, exc.__traceback__)
                 raise
