@@ -1,4 +1,4 @@
-"""Review of the hotpath merge (class-based ``StoreRuntime.transaction``), on real databases.
+"""``StoreRuntime.transaction`` keeps the contract of a nested ``with``, on real databases.
 
 ``with runtime.transaction() as conn:`` promises what ``with conn, conn.begin():``
 did: among that, SQLAlchemy refusing a statement after the block's own
