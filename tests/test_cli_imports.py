@@ -164,3 +164,24 @@ def test_the_version_is_read_as_alembic_reads_it(tmp_path: Path) -> None:
         with pytest.raises(CommandError, match="more than one head"):
             migrate.current_revision(conn)
     engine.dispose()
+
+
+def test_backends_lists_a_missing_driver_without_loading_chatflow_agent() -> None:
+    """A base install lacks psycopg: the row says so, and the error class's module stays out."""
+    probe = (
+        "import json, sys\n"
+        "sys.modules['psycopg'] = None\n"  # as if not installed
+        "from chatflow_sqlalchemy.cli import main\n"
+        "code = main(['backends', '--json'])\n"
+        "print(json.dumps({'code': code, 'agent': 'chatflow_agent' in sys.modules}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    *listing, last = result.stdout.strip().splitlines()
+    report = json.loads(last)
+    rows = {row["name"]: row for row in json.loads("\n".join(listing))["backends"]}
+    assert report == {"code": 0, "agent": False}
+    assert not rows["postgresql"]["available"]
+    assert "pip install 'chatflow-sqlalchemy[postgres]'" in rows["postgresql"]["detail"]
+    assert rows["sqlite"]["available"]

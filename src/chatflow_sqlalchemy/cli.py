@@ -1944,12 +1944,12 @@ def backends() -> None:
     register()), the store class open_store opens for it, and its
     DialectSupport class, or why it cannot be loaded.
     """
-    from chatflow_sqlalchemy.registry import available_backends, backend_sources
+    from chatflow_sqlalchemy.registry import backend_availability, backend_sources
 
     sources, rows = backend_sources(), []
-    for name, backend in sorted(available_backends().items()):
-        if isinstance(backend, Exception):
-            store, detail = "-", f"unavailable: {_one_line(str(backend))}"
+    for name, backend in sorted(backend_availability().items()):
+        if isinstance(backend, str):
+            store, detail = "-", f"unavailable: {_one_line(backend)}"
         else:
             store, detail = _dotted(backend.store_class), _dotted(backend)
         source, origin = sources.get(name), "-"

@@ -28,7 +28,8 @@ from chatflow_sqlalchemy.dialect import DialectSupport
 from chatflow_sqlalchemy.urls import ALIASES, URL_EXAMPLES
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "BackendSource", "available_backends", "backend_name_for_url",
+    "ENTRY_POINT_GROUP", "BackendSource", "available_backends", "backend_availability",
+    "backend_name_for_url",
     "backend_sources", "load_backend", "register", "store_class_for", "support_for", "unregister",
 ]
 
@@ -166,11 +167,21 @@ def _single_claim(name: str, claims: list[EntryPoint]) -> EntryPoint:
 # --------------------------------------------------------------------------- importing
 
 
-def _import_error(message: str) -> Exception:
-    """A ``BackendImportError`` (its module loads chatflow-agent: imported when raised)."""
-    from chatflow_sqlalchemy.exceptions import BackendImportError
+class _Unavailable(Exception):
+    """Why a backend cannot be loaded, inside this module.
 
-    return BackendImportError(message)
+    The public functions raise it as ``BackendImportError``, whose module loads
+    chatflow-agent; :func:`backend_availability` gives its text without that.
+    """
+
+    def public(self) -> Exception:
+        from chatflow_sqlalchemy.exceptions import BackendImportError
+
+        return BackendImportError(str(self))
+
+
+def _import_error(message: str) -> _Unavailable:
+    return _Unavailable(message)
 
 
 def _import(name: str, target: str, hint: str) -> Any:
@@ -295,9 +306,12 @@ def load_backend(name: str) -> type[DialectSupport]:
         DuplicateBackendError: Two distributions claim the name (names both).
 
     """
-    backend = _lookup(name)
-    if backend is None and name in ALIASES:
-        backend = _lookup(ALIASES[name])
+    try:
+        backend = _lookup(name)
+        if backend is None and name in ALIASES:
+            backend = _lookup(ALIASES[name])
+    except _Unavailable as exc:
+        raise exc.public() from exc.__cause__
     if backend is None:
         from chatflow_sqlalchemy.exceptions import BackendNotFoundError
 
@@ -328,12 +342,15 @@ def store_class_for(name: str) -> type[Any]:
     backend = load_backend(name)
     target = backend.store_class
     hint = f"fix store_class of {backend.__module__}.{backend.__qualname__}"
-    store = _import(name, target, hint) if isinstance(target, str) else target
+    try:
+        store = _import(name, target, hint) if isinstance(target, str) else target
+    except _Unavailable as exc:
+        raise exc.public() from exc.__cause__
     if not _is_store_class(store):
         raise _import_error(
             f"backend {name!r}: {_target_text(target)} is not a session store class "
             f"(it has no from_url); {hint}"
-        )
+        ).public()
     return cast(type[Any], store)
 
 
@@ -386,4 +403,23 @@ def available_backends() -> dict[str, type[DialectSupport] | Exception]:
             result[name] = load_backend(name)
         except Exception as exc:  # reported, never raised: one broken plugin must not hide others
             result[name] = exc
+    return result
+
+
+def backend_availability() -> dict[str, type[DialectSupport] | str]:
+    """:func:`available_backends` with each error as its message.
+
+    A backend whose driver or plugin cannot be imported costs no import of
+    chatflow-agent here (the error classes' module loads it), so
+    ``chatflow-sqlalchemy backends`` answers as quickly as the other read commands.
+    """
+    result: dict[str, type[DialectSupport] | str] = {}
+    for name in _names():
+        try:
+            found = _lookup(name)
+        except Exception as exc:  # reported, never raised: one broken plugin must not hide others
+            result[name] = str(exc)
+        else:
+            if found is not None:
+                result[name] = found
     return result
