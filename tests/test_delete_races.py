@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 from chatflow_agent import Agent, Runner
-from sqlalchemy import Connection, event, text
+from sqlalchemy import Connection, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from chatflow_sqlalchemy.exceptions import ChatflowStoreError
 from chatflow_sqlalchemy.inbox import InboxBatch, InboxReply
@@ -243,3 +244,57 @@ def test_get_or_create_whose_insert_loses_to_a_session_deleted_at_once_creates_i
     assert ctx.history == []
     stored = other.get(sid)
     assert stored is not None and stored.history == []
+
+
+def _a_lock_is_awaited(probe: Connection) -> bool:
+    """Whether some transaction of the PostgreSQL server waits for a lock (its own view)."""
+    query = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    with probe.begin():
+        return bool(probe.execute(text(query)).scalar_one())
+
+
+@pytest.mark.parametrize(
+    "sql_store", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
+)
+def test_users_erase_does_not_deadlock_a_turn_holding_the_session_row(sql_store: Opener) -> None:
+    """The CLI's erase takes the user's session rows first, as a turn's write does.
+
+    A turn's write holds its session row and then updates the session's claim
+    (shown on PostgreSQL, whose own view says when the erase waits).
+    An erase that deleted the claims first and the session rows last held the
+    claim and waited for the row: one of the two died of a deadlock, a raw
+    driver error. Taking the rows first, the erase waits and then erases.
+    """
+    from chatflow_sqlalchemy.sql_lifecycle import erase_user_rows
+
+    store = sql_store()
+    user, sid, mid = f"u-{uuid.uuid4().hex[:8]}", f"s-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    store.get_or_create(sid, AGENT, user_id=user)
+    with store.claim(mid, session_id=sid) as claim:
+        claim.response = "stored"
+    outcome: dict[str, Any] = {}
+
+    def erase() -> None:
+        try:
+            with store.engine.begin() as conn:
+                outcome["erased"] = erase_user_rows(conn, user)
+        except BaseException as exc:
+            outcome["erased"] = exc
+
+    erasing = threading.Thread(target=erase)
+    watcher = create_engine(store.engine.url, poolclass=NullPool)  # server views only
+    with store.engine.connect() as turn, watcher.connect() as probe:
+        turn.begin()  # as a turn's write: the session row first ...
+        turn.execute(text("SELECT version FROM chatflow_sessions WHERE session_id = :sid "
+                          "FOR UPDATE"), {"sid": sid})
+        erasing.start()
+        _until(lambda: _a_lock_is_awaited(probe), steady=3)
+        # ... then its claim, which an erase that began with the claims holds.
+        turn.execute(text("UPDATE chatflow_processed_messages SET response = 'written' "
+                          "WHERE message_id = :mid"), {"mid": mid})
+        turn.commit()
+        erasing.join(HANG_GUARD)
+    watcher.dispose()
+    assert not erasing.is_alive()
+    assert outcome["erased"] == 1, outcome["erased"]
+    assert store.list_sessions(user_id=user) == [] and not store.is_message_processed(mid)

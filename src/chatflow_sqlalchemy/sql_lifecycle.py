@@ -33,6 +33,7 @@ from sqlalchemy import (
     select,
     tuple_,
     type_coerce,
+    update,
 )
 from sqlalchemy.dialects import postgresql
 
@@ -190,14 +191,19 @@ def delete_session(conn: Connection, session_id: str) -> bool:
 def erase_user_rows(conn: Connection, user_id: str) -> int:
     """Delete everything of ``user_id``'s sessions by subquery; return how many sessions.
 
-    The same rows as :func:`erase_sessions` (the inbox too). No read precedes
-    the first write, so a caller without the store's up-front write lock (the
-    CLI on SQLite) never upgrades a read snapshot.
+    The same rows as :func:`erase_sessions` (the inbox too). The session rows
+    are locked first, by an update that changes nothing, in the order every
+    writer of a session takes its rows (a turn's write, a delete): taken last,
+    they deadlocked with a turn's write holding one and waiting for its claim.
+    No read precedes the first write, so a caller without the store's up-front
+    write lock (the CLI on SQLite) never upgrades a read snapshot.
     """
+    mine = _sessions.c.user_id == user_id
+    conn.execute(update(_sessions).where(mine).values(user_id=_sessions.c.user_id))
     owned = owned_sessions(user_id).scalar_subquery()
     for table in (_messages, _processed, _archive, _inbox):
         conn.execute(delete(table).where(table.c.session_id.in_(owned)))
-    return int(conn.execute(delete(_sessions).where(_sessions.c.user_id == user_id)).rowcount)
+    return int(conn.execute(delete(_sessions).where(mine)).rowcount)
 
 
 def expired_query(cutoff: datetime, now: datetime) -> Select[Any]:
