@@ -392,3 +392,45 @@ def test_missing_driver_names_the_extra() -> None:
     assert result.returncode == 0, result.stderr
     assert "pip install 'chatflow-sqlalchemy[postgres]'" in result.stdout
     assert "psycopg" in result.stdout
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception linked to it (cause and context), as a debugger walks them."""
+    found: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is not None and not any(current is seen for seen in found):
+            found.append(current)
+            todo += [current.__cause__, current.__context__]
+    return found
+
+
+def test_a_backend_import_error_links_no_private_exception(plugins: Plugins) -> None:
+    """Each public path raises BackendImportError linked only to the real failure.
+
+    The registry's internal reason must not ride along as ``__context__`` (a
+    debugger, a log handler or Sentry walking the chain would show a private class).
+    """
+    class LostStore(DialectSupport):
+        store_class = "no_such_module_for_chatflow_tests:Store"
+
+    register("fakedb", "no_such_module_for_chatflow_tests:Support")
+    register("clash", LostStore)
+    register("olddb", int)  # type: ignore[arg-type]
+    failing = [
+        lambda: load_backend("fakedb"),
+        lambda: support_for("fakedb"),
+        lambda: load_backend("olddb"),
+        lambda: store_class_for("clash"),
+        lambda: open_store("clash://db"),
+    ]
+    for run in failing:
+        with pytest.raises(BackendImportError) as caught:
+            run()
+        linked = [type(e) for e in _chain(caught.value)[1:]]
+        assert all(issubclass(t, ImportError) for t in linked), linked
+    error = available_backends()["fakedb"]
+    assert isinstance(error, BackendImportError)
+    assert isinstance(error.__cause__, ModuleNotFoundError)
+    assert all(isinstance(e, ImportError) for e in _chain(error)), _chain(error)

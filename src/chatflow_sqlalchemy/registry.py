@@ -17,9 +17,10 @@ import logging
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -184,6 +185,27 @@ def _import_error(message: str) -> _Unavailable:
     return _Unavailable(message)
 
 
+_T = TypeVar("_T")
+
+
+def _publicly(run: Callable[[], _T]) -> _T:
+    """``run()``, an :class:`_Unavailable` raised as ``BackendImportError``.
+
+    Raised outside the handler, so the private reason is not its
+    ``__context__``: the error links to the real failure only, as when the
+    registry raised ``BackendImportError`` itself.
+    """
+    try:
+        return run()
+    except _Unavailable as exc:
+        failed = exc
+    error = failed.public().with_traceback(failed.__traceback__)
+    error.__context__ = failed.__context__
+    if failed.__cause__ is None:
+        raise error
+    raise error from failed.__cause__
+
+
 def _import(name: str, target: str, hint: str) -> Any:
     """The object ``"module:attr"`` names; any failure is a :class:`BackendImportError`."""
     module_name, _, attr = target.partition(":")
@@ -306,12 +328,9 @@ def load_backend(name: str) -> type[DialectSupport]:
         DuplicateBackendError: Two distributions claim the name (names both).
 
     """
-    try:
-        backend = _lookup(name)
-        if backend is None and name in ALIASES:
-            backend = _lookup(ALIASES[name])
-    except _Unavailable as exc:
-        raise exc.public() from exc.__cause__
+    backend = _publicly(lambda: _lookup(name))
+    if backend is None and name in ALIASES:
+        backend = _publicly(lambda: _lookup(ALIASES[name]))
     if backend is None:
         from chatflow_sqlalchemy.exceptions import BackendNotFoundError
 
@@ -342,10 +361,7 @@ def store_class_for(name: str) -> type[Any]:
     backend = load_backend(name)
     target = backend.store_class
     hint = f"fix store_class of {backend.__module__}.{backend.__qualname__}"
-    try:
-        store = _import(name, target, hint) if isinstance(target, str) else target
-    except _Unavailable as exc:
-        raise exc.public() from exc.__cause__
+    store = _publicly(lambda: _import(name, target, hint)) if isinstance(target, str) else target
     if not _is_store_class(store):
         raise _import_error(
             f"backend {name!r}: {_target_text(target)} is not a session store class "
