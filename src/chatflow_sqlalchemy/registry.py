@@ -181,10 +181,6 @@ class _Unavailable(Exception):
         return BackendImportError(str(self))
 
 
-def _import_error(message: str) -> _Unavailable:
-    return _Unavailable(message)
-
-
 _T = TypeVar("_T")
 
 
@@ -214,7 +210,7 @@ def _import(name: str, target: str, hint: str) -> Any:
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
     except Exception as exc:  # any import-time failure of a plugin is reported the same way
-        raise _import_error(
+        raise _Unavailable(
             f"backend {name!r} ({target}) cannot be imported: "
             f"{type(exc).__name__}: {exc}; {hint}"
         ) from exc
@@ -238,7 +234,7 @@ def _as_support(name: str, obj: Any, target: str, hint: str) -> type[DialectSupp
             stacklevel=2,
         )
         return _support_of_store(obj)
-    raise _import_error(
+    raise _Unavailable(
         f"backend {name!r} ({target}) is not a DialectSupport subclass; {hint}"
     )
 
@@ -282,7 +278,7 @@ def _require_driver(name: str, driver: str | None, extra: str | None) -> None:
     except (ImportError, ValueError):  # a module blocked in sys.modules
         found = False
     if not found:
-        raise _import_error(
+        raise _Unavailable(
             f"backend {name!r} needs the {driver} driver, which is not installed; "
             f"{_builtin_hint(extra)}"
         )
@@ -363,7 +359,7 @@ def store_class_for(name: str) -> type[Any]:
     hint = f"fix store_class of {backend.__module__}.{backend.__qualname__}"
     store = _publicly(lambda: _import(name, target, hint)) if isinstance(target, str) else target
     if not _is_store_class(store):
-        raise _import_error(
+        raise _Unavailable(
             f"backend {name!r}: {_target_text(target)} is not a session store class "
             f"(it has no from_url); {hint}"
         ).public()
