@@ -445,7 +445,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         return {sid for sid, uid in self._users.items() if uid == user_id}
 
     def sweep(self, limit: int | None = None) -> int:
-        """Remove expired sessions (and their claims), never one in a turn or held by a claim."""
+        """Remove expired sessions (and their claims), never one in a turn, a claim or a batch."""
         validate_sweep_limit(limit)
         if self.session_ttl_hours is None:
             raise ValueError(
@@ -460,6 +460,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 row.session_id for row in self._claim_rows.rows.values()
                 if row.state == CLAIM_ACQUIRED and row.lease_until >= now
             }
+            held |= self._inbox_rows.leased(self._updated_at.keys())
             return {sid for _, sid in sorted(
                 (stamp, sid) for sid, stamp in self._updated_at.items()
                 if stamp < cutoff and sid not in held and not self._sessions[sid].in_turn

@@ -154,6 +154,11 @@ class MemoryInbox:
             ]
         return [sid for _, sid in sorted(due)[:limit]]
 
+    def leased(self, session_ids: Collection[str]) -> set[str]:
+        """Those of ``session_ids`` a batch holds now (a sweep leaves them)."""
+        with self._lock:
+            return {sid for sid in session_ids if not self._free(sid)}
+
     def _free(self, session_id: str) -> bool:
         held = self._leases.get(session_id)
         return held is None or held[2] <= time.monotonic()

@@ -573,6 +573,46 @@ class RetentionTests:
         assert ids["fresh"] in left or fresh_may_be_gone()
         assert store.sweep() in ((0, 1) if fresh_may_be_gone() else (0,))
 
+    def test_sweep_keeps_a_session_whose_inbox_batch_is_in_flight(
+        self, harness: StoreHarness
+    ) -> None:
+        """A batch holds its session's lease: a sweep must not take the session from under it."""
+        store: Any = harness.open(session_ttl_hours=SHORT_TTL_HOURS)
+        sid, message_id = f"{_uid()}-inbox", f"{_uid()}-m"
+        try:
+            store.get_or_create(sid, _agent()).add_message(Message(role=Role.USER, content="x"))
+            time.sleep(SHORT_EXPIRE_SECONDS)
+            store.inbox.put(message_id, session_id=sid, text="hi")
+            assert asyncio.run(self._sweep_during_a_batch(store)) == 0
+            assert sid in store.list_sessions()
+            entries = [(e.message_id, e.state) for e in store.inbox.entries(limit=None)]
+            assert entries in ([(message_id, "done")], [(message_id, "sent")]), entries
+        finally:
+            store.close()
+
+    @staticmethod
+    async def _sweep_during_a_batch(store: Any) -> int:
+        entered, answered, swept = asyncio.Event(), asyncio.Event(), []
+
+        async def handle(_batch: Any) -> str:
+            entered.set()
+            swept.append(await store.asweep())
+            return "answer"
+
+        async def sent(_reply: Any) -> None:
+            answered.set()
+
+        serving = asyncio.ensure_future(
+            store.inbox.serve(handle, send=sent, coalesce_seconds=0.0, retry_seconds=0.0)
+        )
+        try:
+            await asyncio.wait_for(entered.wait(), 60)
+            await asyncio.wait_for(asyncio.shield(answered.wait()), 60)
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+        return int(swept[0])
+
     @requires(Capability.CROSS_PROCESS)
     def test_sweep_keeps_a_session_whose_turn_runs_in_another_process(
         self, harness: StoreHarness
