@@ -160,6 +160,24 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     console.print(table)
 
 
+def _listing(
+    document: Any, header: Sequence[str], rows: Sequence[Sequence[str]], none: str, total: int = 0
+) -> bool:
+    """``document`` with ``--json``, else a table (saying if ``total`` is more), else ``none``.
+
+    True if no table was printed.
+    """
+    if _emit(document):
+        return True
+    if not rows:
+        click.echo(none)
+        return True
+    _table(header, rows)
+    if total > len(rows):
+        click.echo(f"showing {len(rows)} of {total}; use --limit to see more")
+    return False
+
+
 def _format_time(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
@@ -1009,18 +1027,13 @@ def sessions_list(meta: tuple[str, ...], updated_after: str | None, **given: Any
     ]}
     if limit is not None:  # paging: where the next page starts (None: this was the last)
         document["next_after"] = next_after
-    if _emit(document):
-        return
-    if not rows:
-        click.echo("no sessions")
-        return
-    if next_after is not None:
+    if next_after is not None and not _opt("as_json"):
         click.echo(f"next page: --after {clean(repr(next_after))}", err=True)
-    _table(("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"), [
+    _listing(document, ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"), [
         (clean(r.session_id), clean(r.active_agent_name), str(r.messages),
          _format_time(r.updated_at))
         for r in rows
-    ])
+    ], "no sessions")
 
 
 _Line = tuple[str, str, bool]
@@ -1546,26 +1559,19 @@ def dedup_list(limit: int, ttl: float) -> None:
         claims = read_claims(conn, limit=limit)
         total = _count(conn, tables.processed_messages)
     cutoff, window = _cutoff(ttl), timedelta(hours=ttl)
-    if _emit({"ttl_hours": ttl, "total": total, "ids": [
+    _listing({"ttl_hours": ttl, "total": total, "ids": [
         {"message_id": c.message_id, "state": c.state, "session_id": c.session_id,
          "lease_age": c.lease_age, "lease_left": c.lease_left, "has_response": c.has_response,
          "processed_at": _iso(c.updated_at), "expires_at": _iso(c.updated_at + window),
          "expired": c.updated_at < cutoff}
         for c in claims
-    ]}):
-        return
-    if not claims:
-        click.echo("no processed ids")
-        return
-    _table(("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
+    ]}, ("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
         (clean(c.message_id),
          c.state if c.lease_age is None else f"{c.state} (lease renewed {c.lease_age:.0f} s ago)",
          clean(c.session_id or "-"), _format_time(c.updated_at),
          _format_time(c.updated_at + window), "yes" if c.updated_at < cutoff else "no")
         for c in claims
-    ])
-    if total > len(claims):
-        click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
+    ], "no processed ids", total)
 
 
 @_command(dedup, "release", yes=True)
@@ -1683,18 +1689,15 @@ def inbox_list(state: str | None, limit: int) -> None:
         entries = read_entries(conn, state, limit)
         counts = read_stats(conn).counts
     total = counts.get(state, 0) if state is not None else sum(counts.values())
-    if _emit({"state": state, "total": total, "messages": [e.as_dict() for e in entries]}):
+    if _listing(
+        {"state": state, "total": total, "messages": [e.as_dict() for e in entries]},
+        ("MESSAGE ID", "SESSION", "STATE", "ATTEMPTS", "RECEIVED", "UPDATED", "ERROR"),
+        [(clean(e.message_id), clean(e.session_id), e.state, str(e.attempts),
+          _format_time(e.received_at), _format_time(e.updated_at), clean(e.error or "-"))
+         for e in entries],
+        f"no {state} messages in the inbox" if state else "no messages in the inbox", total,
+    ):
         return
-    if not entries:
-        click.echo(f"no {state} messages in the inbox" if state else "no messages in the inbox")
-        return
-    _table(("MESSAGE ID", "SESSION", "STATE", "ATTEMPTS", "RECEIVED", "UPDATED", "ERROR"), [
-        (clean(e.message_id), clean(e.session_id), e.state, str(e.attempts),
-         _format_time(e.received_at), _format_time(e.updated_at), clean(e.error or "-"))
-        for e in entries
-    ])
-    if total > len(entries):
-        click.echo(f"showing {len(entries)} of {total}; use --limit to see more")
     if any(entry.state == "dead" for entry in entries):
         click.echo(f"give a dead message another try with: {PROG} inbox retry MESSAGE_ID", err=True)
 
@@ -1958,16 +1961,12 @@ def backends() -> None:
         elif source is not None:
             origin = " + ".join(source.distributions) if source.distributions else source.origin
         rows.append((clean(name), clean(origin), clean(store), clean(detail)))
-    if _emit({"backends": [
+    _listing({"backends": [
         {"name": n, "from": o, "available": not d.startswith("unavailable: "),
          "store_class": s if s != "-" else None, "detail": d}
         for n, o, s, d in rows
-    ]}):
-        return
-    if not rows:
-        click.echo("no backends installed")
-        return
-    _table(("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows)
+    ]}, ("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows,
+        "no backends installed")
 
 
 @_command(cli, "demo", url=False)
