@@ -883,19 +883,23 @@ class _Record:
                 for what, where, p in self._parts() if p.error is not None]
 
 
-def _session_query(session_ids: Sequence[str] | None = None) -> Any:
-    """The sessions ``show`` and ``export`` read; none without an agent yet (as ``get``)."""
+def _session_query(session_ids: Sequence[str] | None = None, *, columns: Any = None) -> Any:
+    """Sessions, most recently updated first; none without an agent yet (as ``get``).
+
+    Their ids, agents, times and ``columns`` (default: what ``show`` and ``export`` read).
+    """
     from sqlalchemy import Text, cast, select
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     c = tables.sessions.c
-    query = select(
-        c.session_id, c.active_agent_name, c.created_at, c.updated_at,
-        cast(c.metadata_json, Text).label("metadata_text"),
-        c.summary, c.forked_from, c.forked_at_turn,
-    ).where(c.active_agent_name != UNBORN_AGENT).order_by(c.updated_at.desc(), c.session_id)
+    if columns is None:
+        text = cast(c.metadata_json, Text).label("metadata_text")
+        columns = (text, c.summary, c.forked_from, c.forked_at_turn)
+    query = select(c.session_id, c.active_agent_name, c.created_at, c.updated_at, *columns)
+    query = query.where(c.active_agent_name != UNBORN_AGENT)  # the inbox's, before a turn
+    query = query.order_by(c.updated_at.desc(), c.session_id)
     return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 
@@ -999,17 +1003,13 @@ def sessions_list(meta: tuple[str, ...], updated_after: str | None, **given: Any
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_lifecycle import session_page
-    from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     filters = _list_filters(meta, updated_after, **given)
     s, m = tables.sessions.c, tables.messages.c
     # Counted per listed session (an index range each), not over the whole table.
     count = select(func.count()).where(m.session_id == s.session_id).correlate(tables.sessions)
-    query = select(
-        s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
-        s.created_at, s.updated_at,
-    ).where(s.active_agent_name != UNBORN_AGENT).order_by(s.updated_at.desc(), s.session_id)
-    with _reading() as (_url, conn):  # UNBORN: the inbox's sessions before their first turn
+    query = _session_query(columns=[count.scalar_subquery().label("messages")])
+    with _reading() as (_url, conn):
         if filters is None:
             rows = list(conn.execute(query))
         else:
