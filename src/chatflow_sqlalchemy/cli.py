@@ -310,10 +310,6 @@ def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
     A SQLite file opened to read needs no backend: only the sqlite3 module.
     """
     path = _sqlite_file(url)
-    if not (read_only and path):
-        from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
-
-        support_for(backend_name_for_url(url))  # first: it names a missing driver's pip extra
     if path is not None and not path.is_file():  # SQLite would create it on connect
         raise CliError(
             f"no SQLite database at {clean(str(path))!r} (nothing was created); "
