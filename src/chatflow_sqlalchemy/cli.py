@@ -932,12 +932,6 @@ def _record(conn: Connection, row: Any, *, whole: bool = False, archived: bool =
     return record
 
 
-def _validate_session_id(session_id: str) -> None:
-    from chatflow_sqlalchemy.values import validate_session_id
-
-    _checked(validate_session_id, session_id)
-
-
 def _no_session(session_id: str, url: URL) -> CliError:
     return CliError(f"no session {clean(repr(session_id))} in {_describe(url)}", EXIT_FAILED)
 
@@ -1160,7 +1154,9 @@ def sessions_show(session_id: str, whole: bool) -> None:
     archive_pruned=True, then the window). Corrupt rows (and corrupt
     metadata) are shown raw and named, with exit code 1.
     """
-    _validate_session_id(session_id)
+    from chatflow_sqlalchemy.values import validate_session_id
+
+    _checked(validate_session_id, session_id)
     with _reading() as (url, conn):
         row = conn.execute(_session_query([session_id])).first()
         if row is None:
@@ -1215,8 +1211,9 @@ def sessions_delete(session_id: str) -> None:
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_lifecycle import delete_session
+    from chatflow_sqlalchemy.values import validate_session_id
 
-    _validate_session_id(session_id)
+    _checked(validate_session_id, session_id)
     shown = clean(repr(session_id))
     holders = (tables.sessions, tables.processed_messages, tables.inbox)
     held = union_all(*(
@@ -1242,7 +1239,9 @@ def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]
     With the keys of ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI
     runs no agent); a row that cannot be read is exit 1, naming it.
     """
-    _validate_session_id(session_id)
+    from chatflow_sqlalchemy.values import validate_session_id
+
+    _checked(validate_session_id, session_id)
     with _reading() as (url, conn):
         if conn.execute(_session_query([session_id])).first() is None:
             raise _no_session(session_id, url)
@@ -1785,12 +1784,6 @@ def inbox_purge(ttl: float) -> None:
 # --------------------------------------------------------------------------- users, keys, misc
 
 
-def _validated(user_id: str) -> None:
-    from chatflow_sqlalchemy.lifecycle import validate_user_id
-
-    _checked(validate_user_id, user_id)
-
-
 @_command(users, "erase", yes=True)
 @click.argument("user_id")
 def users_erase(user_id: str) -> None:
@@ -1800,9 +1793,10 @@ def users_erase(user_id: str) -> None:
     Asks first unless --yes. Workers with a live context of an erased
     session get SessionDeletedError on their next read or write.
     """
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
     from chatflow_sqlalchemy.sql_lifecycle import erase_user_rows, user_session_ids
 
-    _validated(user_id)
+    _checked(validate_user_id, user_id)
     shown = clean(repr(user_id))
     with _database(write=True) as (_url, engine):
         with _read_conn(engine) as conn:
@@ -1851,11 +1845,12 @@ def users_export(user_id: str, target: Path | None) -> None:
     The document is JSON already; with --output and --json the summary is
     {"user_id", "exported", "output"}.
     """
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
     from chatflow_sqlalchemy.sql_lifecycle import export_user_document
 
     if target is not None:
         _check_output(target)  # before reading anything
-    _validated(user_id)
+    _checked(validate_user_id, user_id)
     sealer = _sealer()
     with _reading() as (_url, conn):
         try:
