@@ -1391,13 +1391,16 @@ def _check_output(target: Path) -> None:
     )
 
 
-def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
+def _write_output(target: Path | None, write: Callable[[IO[str]], _T]) -> _T:
     """Run ``write`` on a private (0600) file beside ``target``, then rename it over ``target``.
 
     ``target`` is replaced only if ``write`` succeeds and it is still absent or a regular file.
+    Without a ``target``, ``write`` writes to stdout.
     """
     import tempfile
 
+    if target is None:
+        return write(sys.stdout)
     _check_output(target)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     partial = Path(name)
@@ -1441,10 +1444,7 @@ def sessions_export(target: Path | None, skip_corrupt: bool) -> None:
     the summary after writing FILE is a JSON document.
     """
     with _database() as (_url, engine):
-        if target is None:
-            _, skipped = _export(engine, sys.stdout, skip_corrupt)
-        else:
-            count, skipped = _write_output(target, lambda f: _export(engine, f, skip_corrupt))
+        count, skipped = _write_output(target, lambda f: _export(engine, f, skip_corrupt))
     for problem in skipped:
         click.echo(f"skipped: {problem}", err=True)
     if target is not None:
@@ -1858,11 +1858,9 @@ def users_export(user_id: str, target: Path | None) -> None:
         except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
             _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
-    text = _json_text(document, indent=2) + "\n"
+    _write_output(target, lambda sink: sink.write(_json_text(document, indent=2) + "\n"))
     if target is None:
-        sys.stdout.write(text)
         return
-    _write_output(target, lambda sink: sink.write(text))
     found = len(document["sessions"])
     _emit({"user_id": user_id, "exported": found, "output": str(target)},
           f"exported {found} session(s) and {len(document['inbox'])} inbox message(s) of "
