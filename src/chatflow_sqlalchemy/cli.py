@@ -830,13 +830,12 @@ def _read_message(session_id: str, row: Any, table: Any) -> _Part:
     return part
 
 
-def _read_metadata(session_id: str, stored: Any) -> _Part:
-    """Metadata from its stored JSON (never raises): a dict, else why not."""
-    if stored is None:
+def _read_metadata(session_id: str, text: str | None) -> _Part:
+    """Metadata from its stored JSON text (never raises): a dict, else why not."""
+    if text is None:
         return _Part(error="metadata_json is NULL")
-    text = stored if isinstance(stored, str) else json.dumps(stored, default=str)
     try:
-        value = json.loads(text) if isinstance(stored, str) else stored
+        value = json.loads(text)
     except ValueError as exc:
         return _Part(raw=text, error=f"invalid JSON: {exc}")
     if not isinstance(value, dict):
