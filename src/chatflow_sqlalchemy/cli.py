@@ -1261,9 +1261,7 @@ def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]
 
 def _turns_in(history: Sequence[Message]) -> int:
     """How many turns a history window holds (each opens with a USER message)."""
-    from chatflow_agent import Role
-
-    return sum(1 for message in history if message.role == Role.USER)
+    return sum(1 for message in history if message.role == "user")
 
 
 @_command(sessions, "rewind", yes=True)
