@@ -695,8 +695,7 @@ def db_history(chain_name: str | None, show_all: bool) -> None:
     for index, chain in enumerate(chains):
         if index:
             dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
-            click.echo("")
-            click.echo(f"plugin {chain.name} ({chain.distribution}; version table "
+            click.echo(f"\nplugin {chain.name} ({chain.distribution}; version table "
                        f"{chain.version_table}; {dialects}):")
         for rev in reversed(migrate.history(chain)):
             marker = " (head)" if rev.is_head else ""
@@ -1092,21 +1091,15 @@ def _header(record: _Record, turns: int) -> list[tuple[str, str, str]]:
 def _show_plain(record: _Record, turns: int) -> None:
     for name, value, _style in _header(record, turns):
         if name == "summary" and record.summary.value is not None:  # a block: may span lines
-            click.echo("summary:")
-            for line in value.split("\n"):
-                click.echo(f"  {line}")
+            click.echo("summary:\n  " + value.replace("\n", "\n  "))
         else:
             click.echo(f"{name}: {value}")
     for title, parts in _group_turns(record.rows):
-        click.echo("")
-        click.echo(title)
+        click.echo(f"\n{title}")
         for part in parts:
-            for role, text, _corrupt in _lines(part):
-                first, *rest = text.split("\n")
+            for role, text, _corrupt in _lines(part):  # later lines aligned under the first
                 label = f"  {_format_time(part.row.created_at)}  [{role}] "
-                click.echo(f"{label}{first}")
-                for line in rest:
-                    click.echo(f"{' ' * len(label)}{line}")
+                click.echo(label + text.replace("\n", "\n" + " " * len(label)))
 
 
 _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
