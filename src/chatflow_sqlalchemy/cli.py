@@ -233,17 +233,13 @@ def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any
 
 
 def _resolve_url() -> URL:
-    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
+    """``--url`` (after the command, else before it), env, default file; read as the stores do.
+
+    A refused URL (``DatabaseURLError``) is a usage error, as every store error (``_failure``).
+    """
     from chatflow_sqlalchemy.urls import parse_database_url
 
-    try:
-        return parse_database_url(_opt("url"))
-    except Exception as exc:
-        from chatflow_sqlalchemy.exceptions import DatabaseURLError  # only now: it is heavy
-
-        if isinstance(exc, DatabaseURLError):
-            raise CliError(str(exc)) from None
-        raise
+    return parse_database_url(_opt("url"))
 
 
 @contextmanager
@@ -1999,14 +1995,16 @@ def _failure(exc: Exception) -> tuple[str, int]:
         return exc.format_message(), exc.exit_code
     if isinstance(exc, CliError):
         return str(exc), exc.code
-    from alembic.util.exc import CommandError  # only now: they are heavy
-    from sqlalchemy import exc as sa_exc
+    from chatflow_sqlalchemy.exceptions import ChatflowStoreError  # only now: they are heavy
 
-    from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+    if isinstance(exc, ChatflowStoreError):  # a refused URL, a missing driver's extra, ...
+        return str(exc), EXIT_USAGE
+    from alembic.util.exc import CommandError
+    from sqlalchemy import exc as sa_exc
 
     if isinstance(exc, sa_exc.ArgumentError):
         return f"invalid database URL: {exc}", EXIT_USAGE
-    if isinstance(exc, (ChatflowStoreError, CommandError, OSError)):
+    if isinstance(exc, (CommandError, OSError)):
         return str(exc), EXIT_USAGE
     if isinstance(exc, sa_exc.SQLAlchemyError):
         return f"database error: {_db_error_reason(exc)}", EXIT_USAGE
