@@ -160,6 +160,24 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     console.print(table)
 
 
+def _listing(
+    document: Any, header: Sequence[str], rows: Sequence[Sequence[str]], none: str, total: int = 0
+) -> bool:
+    """``document`` with ``--json``, else a table (saying if ``total`` is more), else ``none``.
+
+    True if no table was printed.
+    """
+    if _emit(document):
+        return True
+    if not rows:
+        click.echo(none)
+        return True
+    _table(header, rows)
+    if total > len(rows):
+        click.echo(f"showing {len(rows)} of {total}; use --limit to see more")
+    return False
+
+
 def _format_time(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
@@ -215,17 +233,13 @@ def _checked(check: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any
 
 
 def _resolve_url() -> URL:
-    """``--url`` (after the command, else before it), env, default file; read as the stores do."""
+    """``--url`` (after the command, else before it), env, default file; read as the stores do.
+
+    A refused URL (``DatabaseURLError``) is a usage error, as every store error (``_failure``).
+    """
     from chatflow_sqlalchemy.urls import parse_database_url
 
-    try:
-        return parse_database_url(_opt("url"))
-    except Exception as exc:
-        from chatflow_sqlalchemy.exceptions import DatabaseURLError  # only now: it is heavy
-
-        if isinstance(exc, DatabaseURLError):
-            raise CliError(str(exc)) from None
-        raise
+    return parse_database_url(_opt("url"))
 
 
 @contextmanager
@@ -292,10 +306,6 @@ def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
     A SQLite file opened to read needs no backend: only the sqlite3 module.
     """
     path = _sqlite_file(url)
-    if not (read_only and path):
-        from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
-
-        support_for(backend_name_for_url(url))  # first: it names a missing driver's pip extra
     if path is not None and not path.is_file():  # SQLite would create it on connect
         raise CliError(
             f"no SQLite database at {clean(str(path))!r} (nothing was created); "
@@ -681,8 +691,7 @@ def db_history(chain_name: str | None, show_all: bool) -> None:
     for index, chain in enumerate(chains):
         if index:
             dialects = ", ".join(sorted(chain.dialects)) if chain.dialects else "every database"
-            click.echo("")
-            click.echo(f"plugin {chain.name} ({chain.distribution}; version table "
+            click.echo(f"\nplugin {chain.name} ({chain.distribution}; version table "
                        f"{chain.version_table}; {dialects}):")
         for rev in reversed(migrate.history(chain)):
             marker = " (head)" if rev.is_head else ""
@@ -816,13 +825,12 @@ def _read_message(session_id: str, row: Any, table: Any) -> _Part:
     return part
 
 
-def _read_metadata(session_id: str, stored: Any) -> _Part:
-    """Metadata from its stored JSON (never raises): a dict, else why not."""
-    if stored is None:
+def _read_metadata(session_id: str, text: str | None) -> _Part:
+    """Metadata from its stored JSON text (never raises): a dict, else why not."""
+    if text is None:
         return _Part(error="metadata_json is NULL")
-    text = stored if isinstance(stored, str) else json.dumps(stored, default=str)
     try:
-        value = json.loads(text) if isinstance(stored, str) else stored
+        value = json.loads(text)
     except ValueError as exc:
         return _Part(raw=text, error=f"invalid JSON: {exc}")
     if not isinstance(value, dict):
@@ -865,19 +873,23 @@ class _Record:
                 for what, where, p in self._parts() if p.error is not None]
 
 
-def _session_query(session_ids: Sequence[str] | None = None) -> Any:
-    """The sessions ``show`` and ``export`` read; none without an agent yet (as ``get``)."""
+def _session_query(session_ids: Sequence[str] | None = None, *, columns: Any = None) -> Any:
+    """Sessions, most recently updated first; none without an agent yet (as ``get``).
+
+    Their ids, agents, times and ``columns`` (default: what ``show`` and ``export`` read).
+    """
     from sqlalchemy import Text, cast, select
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     c = tables.sessions.c
-    query = select(
-        c.session_id, c.active_agent_name, c.created_at, c.updated_at,
-        cast(c.metadata_json, Text).label("metadata_text"),
-        c.summary, c.forked_from, c.forked_at_turn,
-    ).where(c.active_agent_name != UNBORN_AGENT).order_by(c.updated_at.desc(), c.session_id)
+    if columns is None:
+        text = cast(c.metadata_json, Text).label("metadata_text")
+        columns = (text, c.summary, c.forked_from, c.forked_at_turn)
+    query = select(c.session_id, c.active_agent_name, c.created_at, c.updated_at, *columns)
+    query = query.where(c.active_agent_name != UNBORN_AGENT)  # the inbox's, before a turn
+    query = query.order_by(c.updated_at.desc(), c.session_id)
     return query if session_ids is None else query.where(c.session_id.in_(session_ids))
 
 
@@ -912,12 +924,6 @@ def _record(conn: Connection, row: Any, *, whole: bool = False, archived: bool =
     if archived:
         record.archived.extend(_read_message(sid, msg, archive) for msg in rows(archive))
     return record
-
-
-def _validate_session_id(session_id: str) -> None:
-    from chatflow_sqlalchemy.values import validate_session_id
-
-    _checked(validate_session_id, session_id)
 
 
 def _no_session(session_id: str, url: URL) -> CliError:
@@ -981,17 +987,13 @@ def sessions_list(meta: tuple[str, ...], updated_after: str | None, **given: Any
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_lifecycle import session_page
-    from chatflow_sqlalchemy.values import UNBORN_AGENT
 
     filters = _list_filters(meta, updated_after, **given)
     s, m = tables.sessions.c, tables.messages.c
     # Counted per listed session (an index range each), not over the whole table.
     count = select(func.count()).where(m.session_id == s.session_id).correlate(tables.sessions)
-    query = select(
-        s.session_id, s.active_agent_name, count.scalar_subquery().label("messages"),
-        s.created_at, s.updated_at,
-    ).where(s.active_agent_name != UNBORN_AGENT).order_by(s.updated_at.desc(), s.session_id)
-    with _reading() as (_url, conn):  # UNBORN: the inbox's sessions before their first turn
+    query = _session_query(columns=[count.scalar_subquery().label("messages")])
+    with _reading() as (_url, conn):
         if filters is None:
             rows = list(conn.execute(query))
         else:
@@ -1009,18 +1011,13 @@ def sessions_list(meta: tuple[str, ...], updated_after: str | None, **given: Any
     ]}
     if limit is not None:  # paging: where the next page starts (None: this was the last)
         document["next_after"] = next_after
-    if _emit(document):
-        return
-    if not rows:
-        click.echo("no sessions")
-        return
-    if next_after is not None:
+    if next_after is not None and not _opt("as_json"):
         click.echo(f"next page: --after {clean(repr(next_after))}", err=True)
-    _table(("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"), [
+    _listing(document, ("SESSION", "ACTIVE AGENT", "MESSAGES", "UPDATED"), [
         (clean(r.session_id), clean(r.active_agent_name), str(r.messages),
          _format_time(r.updated_at))
         for r in rows
-    ])
+    ], "no sessions")
 
 
 _Line = tuple[str, str, bool]
@@ -1090,21 +1087,15 @@ def _header(record: _Record, turns: int) -> list[tuple[str, str, str]]:
 def _show_plain(record: _Record, turns: int) -> None:
     for name, value, _style in _header(record, turns):
         if name == "summary" and record.summary.value is not None:  # a block: may span lines
-            click.echo("summary:")
-            for line in value.split("\n"):
-                click.echo(f"  {line}")
+            click.echo("summary:\n  " + value.replace("\n", "\n  "))
         else:
             click.echo(f"{name}: {value}")
     for title, parts in _group_turns(record.rows):
-        click.echo("")
-        click.echo(title)
+        click.echo(f"\n{title}")
         for part in parts:
-            for role, text, _corrupt in _lines(part):
-                first, *rest = text.split("\n")
+            for role, text, _corrupt in _lines(part):  # later lines aligned under the first
                 label = f"  {_format_time(part.row.created_at)}  [{role}] "
-                click.echo(f"{label}{first}")
-                for line in rest:
-                    click.echo(f"{' ' * len(label)}{line}")
+                click.echo(label + text.replace("\n", "\n" + " " * len(label)))
 
 
 _ROLE_STYLES = {"user": "bold green", "model": "bold cyan", "tool": "magenta", "system": "yellow"}
@@ -1151,7 +1142,9 @@ def sessions_show(session_id: str, whole: bool) -> None:
     archive_pruned=True, then the window). Corrupt rows (and corrupt
     metadata) are shown raw and named, with exit code 1.
     """
-    _validate_session_id(session_id)
+    from chatflow_sqlalchemy.values import validate_session_id
+
+    _checked(validate_session_id, session_id)
     with _reading() as (url, conn):
         row = conn.execute(_session_query([session_id])).first()
         if row is None:
@@ -1206,8 +1199,9 @@ def sessions_delete(session_id: str) -> None:
 
     from chatflow_sqlalchemy import tables
     from chatflow_sqlalchemy.sql_lifecycle import delete_session
+    from chatflow_sqlalchemy.values import validate_session_id
 
-    _validate_session_id(session_id)
+    _checked(validate_session_id, session_id)
     shown = clean(repr(session_id))
     holders = (tables.sessions, tables.processed_messages, tables.inbox)
     held = union_all(*(
@@ -1233,7 +1227,9 @@ def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]
     With the keys of ``$CHATFLOW_KEYS``; a stored agent name stands for itself (the CLI
     runs no agent); a row that cannot be read is exit 1, naming it.
     """
-    _validate_session_id(session_id)
+    from chatflow_sqlalchemy.values import validate_session_id
+
+    _checked(validate_session_id, session_id)
     with _reading() as (url, conn):
         if conn.execute(_session_query([session_id])).first() is None:
             raise _no_session(session_id, url)
@@ -1254,9 +1250,7 @@ def _history_store(session_id: str, **options: Any) -> Iterator[tuple[URL, Any]]
 
 def _turns_in(history: Sequence[Message]) -> int:
     """How many turns a history window holds (each opens with a USER message)."""
-    from chatflow_agent import Role
-
-    return sum(1 for message in history if message.role == Role.USER)
+    return sum(1 for message in history if message.role == "user")
 
 
 @_command(sessions, "rewind", yes=True)
@@ -1383,13 +1377,16 @@ def _check_output(target: Path) -> None:
     )
 
 
-def _write_output(target: Path, write: Callable[[IO[str]], _T]) -> _T:
+def _write_output(target: Path | None, write: Callable[[IO[str]], _T]) -> _T:
     """Run ``write`` on a private (0600) file beside ``target``, then rename it over ``target``.
 
     ``target`` is replaced only if ``write`` succeeds and it is still absent or a regular file.
+    Without a ``target``, ``write`` writes to stdout.
     """
     import tempfile
 
+    if target is None:
+        return write(sys.stdout)
     _check_output(target)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     partial = Path(name)
@@ -1433,10 +1430,7 @@ def sessions_export(target: Path | None, skip_corrupt: bool) -> None:
     the summary after writing FILE is a JSON document.
     """
     with _database() as (_url, engine):
-        if target is None:
-            _, skipped = _export(engine, sys.stdout, skip_corrupt)
-        else:
-            count, skipped = _write_output(target, lambda f: _export(engine, f, skip_corrupt))
+        count, skipped = _write_output(target, lambda f: _export(engine, f, skip_corrupt))
     for problem in skipped:
         click.echo(f"skipped: {problem}", err=True)
     if target is not None:
@@ -1546,26 +1540,19 @@ def dedup_list(limit: int, ttl: float) -> None:
         claims = read_claims(conn, limit=limit)
         total = _count(conn, tables.processed_messages)
     cutoff, window = _cutoff(ttl), timedelta(hours=ttl)
-    if _emit({"ttl_hours": ttl, "total": total, "ids": [
+    _listing({"ttl_hours": ttl, "total": total, "ids": [
         {"message_id": c.message_id, "state": c.state, "session_id": c.session_id,
          "lease_age": c.lease_age, "lease_left": c.lease_left, "has_response": c.has_response,
          "processed_at": _iso(c.updated_at), "expires_at": _iso(c.updated_at + window),
          "expired": c.updated_at < cutoff}
         for c in claims
-    ]}):
-        return
-    if not claims:
-        click.echo("no processed ids")
-        return
-    _table(("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
+    ]}, ("MESSAGE ID", "STATE", "SESSION", "CLAIMED AT", "EXPIRES AT", "EXPIRED"), [
         (clean(c.message_id),
          c.state if c.lease_age is None else f"{c.state} (lease renewed {c.lease_age:.0f} s ago)",
          clean(c.session_id or "-"), _format_time(c.updated_at),
          _format_time(c.updated_at + window), "yes" if c.updated_at < cutoff else "no")
         for c in claims
-    ])
-    if total > len(claims):
-        click.echo(f"showing {len(claims)} of {total}; use --limit to see more")
+    ], "no processed ids", total)
 
 
 @_command(dedup, "release", yes=True)
@@ -1683,18 +1670,15 @@ def inbox_list(state: str | None, limit: int) -> None:
         entries = read_entries(conn, state, limit)
         counts = read_stats(conn).counts
     total = counts.get(state, 0) if state is not None else sum(counts.values())
-    if _emit({"state": state, "total": total, "messages": [e.as_dict() for e in entries]}):
+    if _listing(
+        {"state": state, "total": total, "messages": [e.as_dict() for e in entries]},
+        ("MESSAGE ID", "SESSION", "STATE", "ATTEMPTS", "RECEIVED", "UPDATED", "ERROR"),
+        [(clean(e.message_id), clean(e.session_id), e.state, str(e.attempts),
+          _format_time(e.received_at), _format_time(e.updated_at), clean(e.error or "-"))
+         for e in entries],
+        f"no {state} messages in the inbox" if state else "no messages in the inbox", total,
+    ):
         return
-    if not entries:
-        click.echo(f"no {state} messages in the inbox" if state else "no messages in the inbox")
-        return
-    _table(("MESSAGE ID", "SESSION", "STATE", "ATTEMPTS", "RECEIVED", "UPDATED", "ERROR"), [
-        (clean(e.message_id), clean(e.session_id), e.state, str(e.attempts),
-         _format_time(e.received_at), _format_time(e.updated_at), clean(e.error or "-"))
-        for e in entries
-    ])
-    if total > len(entries):
-        click.echo(f"showing {len(entries)} of {total}; use --limit to see more")
     if any(entry.state == "dead" for entry in entries):
         click.echo(f"give a dead message another try with: {PROG} inbox retry MESSAGE_ID", err=True)
 
@@ -1786,12 +1770,6 @@ def inbox_purge(ttl: float) -> None:
 # --------------------------------------------------------------------------- users, keys, misc
 
 
-def _validated(user_id: str) -> None:
-    from chatflow_sqlalchemy.lifecycle import validate_user_id
-
-    _checked(validate_user_id, user_id)
-
-
 @_command(users, "erase", yes=True)
 @click.argument("user_id")
 def users_erase(user_id: str) -> None:
@@ -1801,9 +1779,10 @@ def users_erase(user_id: str) -> None:
     Asks first unless --yes. Workers with a live context of an erased
     session get SessionDeletedError on their next read or write.
     """
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
     from chatflow_sqlalchemy.sql_lifecycle import erase_user_rows, user_session_ids
 
-    _validated(user_id)
+    _checked(validate_user_id, user_id)
     shown = clean(repr(user_id))
     with _database(write=True) as (_url, engine):
         with _read_conn(engine) as conn:
@@ -1852,11 +1831,12 @@ def users_export(user_id: str, target: Path | None) -> None:
     The document is JSON already; with --output and --json the summary is
     {"user_id", "exported", "output"}.
     """
+    from chatflow_sqlalchemy.lifecycle import validate_user_id
     from chatflow_sqlalchemy.sql_lifecycle import export_user_document
 
     if target is not None:
         _check_output(target)  # before reading anything
-    _validated(user_id)
+    _checked(validate_user_id, user_id)
     sealer = _sealer()
     with _reading() as (_url, conn):
         try:
@@ -1864,11 +1844,9 @@ def users_export(user_id: str, target: Path | None) -> None:
         except Exception as exc:  # a CorruptRowError: the errors load chatflow-agent
             _why_closed(exc)  # raises anything else again
             raise CliError(f"export stopped: {clean(str(exc))}", EXIT_FAILED) from None
-    text = _json_text(document, indent=2) + "\n"
+    _write_output(target, lambda sink: sink.write(_json_text(document, indent=2) + "\n"))
     if target is None:
-        sys.stdout.write(text)
         return
-    _write_output(target, lambda sink: sink.write(text))
     found = len(document["sessions"])
     _emit({"user_id": user_id, "exported": found, "output": str(target)},
           f"exported {found} session(s) and {len(document['inbox'])} inbox message(s) of "
@@ -1958,16 +1936,12 @@ def backends() -> None:
         elif source is not None:
             origin = " + ".join(source.distributions) if source.distributions else source.origin
         rows.append((clean(name), clean(origin), clean(store), clean(detail)))
-    if _emit({"backends": [
+    _listing({"backends": [
         {"name": n, "from": o, "available": not d.startswith("unavailable: "),
          "store_class": s if s != "-" else None, "detail": d}
         for n, o, s, d in rows
-    ]}):
-        return
-    if not rows:
-        click.echo("no backends installed")
-        return
-    _table(("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows)
+    ]}, ("BACKEND", "FROM", "STORE CLASS", "DIALECT SUPPORT OR ERROR"), rows,
+        "no backends installed")
 
 
 @_command(cli, "demo", url=False)
@@ -2021,14 +1995,16 @@ def _failure(exc: Exception) -> tuple[str, int]:
         return exc.format_message(), exc.exit_code
     if isinstance(exc, CliError):
         return str(exc), exc.code
-    from alembic.util.exc import CommandError  # only now: they are heavy
-    from sqlalchemy import exc as sa_exc
+    from chatflow_sqlalchemy.exceptions import ChatflowStoreError  # only now: they are heavy
 
-    from chatflow_sqlalchemy.exceptions import ChatflowStoreError
+    if isinstance(exc, ChatflowStoreError):  # a refused URL, a missing driver's extra, ...
+        return str(exc), EXIT_USAGE
+    from alembic.util.exc import CommandError
+    from sqlalchemy import exc as sa_exc
 
     if isinstance(exc, sa_exc.ArgumentError):
         return f"invalid database URL: {exc}", EXIT_USAGE
-    if isinstance(exc, (ChatflowStoreError, CommandError, OSError)):
+    if isinstance(exc, (CommandError, OSError)):
         return str(exc), EXIT_USAGE
     if isinstance(exc, sa_exc.SQLAlchemyError):
         return f"database error: {_db_error_reason(exc)}", EXIT_USAGE
