@@ -138,7 +138,7 @@ _LIST = select(
 
 
 class SQLClaims:
-    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine.
+    """The claims of the SQL stores: the statements above on the store's engine.
 
     Args:
         runtime: Where the statements run.
