@@ -158,7 +158,7 @@ class AsyncStoreAPI(BaseSessionStore):
             session_id, default_agent, metadata,
         )
 
-    aget = _twin(BaseSessionStore.get)
+    aget = _twin(get)
     adelete = _twin(BaseSessionStore.delete)
     alist_sessions = _twin(list_sessions)
     afork = _twin(fork)
