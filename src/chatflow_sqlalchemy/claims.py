@@ -512,14 +512,13 @@ class WebhookClaim:
 
     def _apply(self, got: Acquisition) -> None:
         """Take on what the acquire decided (the token was sent with it)."""
+        self.status = got.status
         if not got.acquired:
             self.token = None
-            self.status = got.status
             self._response = got.response if got.done else None  # as stored: not checked again
             return
         assert self.token is not None
         self.acquired = True
-        self.status = got.status
         self.ticket = got.ticket
         self._fence = ClaimFence(self.message_id, self.token, partition_day=got.partition_day)
         self._version_read = got.version_read and self.session_id is not None
@@ -918,7 +917,7 @@ class MemoryClaims:
             self._remember(claim.message_id, now)
             return Acquisition(True, ticket=ticket)
 
-    def _mine(self, claim: WebhookClaim) -> _HeldInMemory | None:
+    def _mine(self, claim: WebhookClaim | ClaimFence) -> _HeldInMemory | None:
         row = self.rows.get(claim.message_id)
         return row if row is not None and row.token == claim.token else None
 
@@ -934,8 +933,8 @@ class MemoryClaims:
     def commit_turn(self, fence: ClaimFence) -> bool:
         """The in-memory fence of a turn: mark the claim done if the token holds."""
         with self._lock:
-            row = self.rows.get(fence.message_id)
-            if row is None or row.token != fence.token:
+            row = self._mine(fence)
+            if row is None:
                 return False
             row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
             row.response = fence.reply
@@ -964,10 +963,9 @@ class MemoryClaims:
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""
-        with self._lock:
-            row = self._mine(claim)
-            if row is not None and row.state == CLAIM_ACQUIRED:
-                row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+        with self._lock:  # re-entered by free
+            if self._mine(claim) is not None:
+                self.free(claim.message_id)
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""
