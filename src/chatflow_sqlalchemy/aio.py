@@ -38,6 +38,7 @@ def _twin(
             method = functools.partial(method, **kwargs)
         return await self._run_blocking(method, *args)
 
+    functools.update_wrapper(twin, sync, (), ())  # its signature, for help() and inspect
     twin.__name__ = f"a{name}"
     twin.__qualname__ = f"AsyncStoreAPI.a{name}"
     twin.__doc__ = f"Async :meth:`{name}`."
