@@ -159,16 +159,15 @@ class AsyncStoreAPI(BaseSessionStore):
             session_id, default_agent, metadata,
         )
 
+    async def await_for_summaries(self, timeout: float | None = None) -> bool:
+        """Async ``wait_for_summaries`` (the wait runs on a thread, never on the loop)."""
+        return await asyncio.to_thread(self.wait_for_summaries, timeout)
+
     aget = _twin(get)
     adelete = _twin(BaseSessionStore.delete)
     alist_sessions = _twin(list_sessions)
     afork = _twin(fork)
     aerase_user = _twin(erase_user)
-
-    async def await_for_summaries(self, timeout: float | None = None) -> bool:
-        """Async ``wait_for_summaries`` (the wait runs on a thread, never on the loop)."""
-        return await asyncio.to_thread(self.wait_for_summaries, timeout)
-
     atranscript = _twin(transcript)
     asweep = _twin(sweep)
     aexport_user = _twin(export_user)
