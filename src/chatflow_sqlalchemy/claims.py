@@ -63,7 +63,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from chatflow_sqlalchemy.values import (
     CLAIM_ACQUIRED,
@@ -77,11 +77,7 @@ from chatflow_sqlalchemy.values import (
 )
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
-
     from chatflow_agent import Message
-
-    from chatflow_sqlalchemy.sql_claims import SQLClaims
 
 # chatflow-agent (and the errors, which load it) are imported where they are used:
 # ``dedup list`` reads claims without them.
@@ -426,6 +422,28 @@ class Acquisition:
     def status(self) -> ClaimStatus:
         """The claim's status as decided: acquired, done or in flight."""
         return "acquired" if self.acquired else "done" if self.done else "in_flight"
+
+
+class ClaimBackend(Protocol):
+    """What a store provides to :class:`WebhookClaim` (sync calls; ``run`` for async)."""
+
+    def acquire(self, claim: WebhookClaim) -> Acquisition: ...
+
+    def renew(self, claim: WebhookClaim) -> bool: ...
+
+    def finish(self, claim: WebhookClaim) -> bool: ...
+
+    def finishes_in_memory(self, claim: WebhookClaim) -> bool: ...
+
+    def release(self, claim: WebhookClaim) -> None: ...
+
+    def earlier_in_flight(self, claim: WebhookClaim) -> bool: ...
+
+    def list(self, limit: int | None) -> list[ClaimInfo]: ...
+
+    def free(self, message_id: str) -> bool: ...
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T: ...
 
 
 class WebhookClaim:
@@ -816,7 +834,7 @@ def _backend_of(store: Any) -> ClaimBackend:
         raise TypeError(
             f"{type(store).__name__} has no webhook claims; use a chatflow-sqlalchemy store"
         )
-    return cast("ClaimBackend", claims())
+    return cast(ClaimBackend, claims())
 
 
 def list_claims(store: Any, *, limit: int | None = 100) -> list[ClaimInfo]:
@@ -858,7 +876,7 @@ class _HeldInMemory:
 
 
 class MemoryClaims:
-    """The claims of the in-memory ``SessionStore`` (one process's semantics).
+    """:class:`ClaimBackend` of the in-memory ``SessionStore`` (one process's semantics).
 
     Rows live beside the store's dedup stamps, under the store's lock; an id
     whose stamp expired or was evicted is forgotten here too.
@@ -1004,7 +1022,3 @@ class MemoryClaims:
             row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
             return True
 
-
-if TYPE_CHECKING:
-    ClaimBackend: TypeAlias = MemoryClaims | SQLClaims
-    """What a store gives its :class:`WebhookClaim`: sync calls, and ``run`` to await them."""

@@ -127,7 +127,7 @@ _LIST = select(
 
 
 class SQLClaims:
-    """The claims of the SQL stores: the statements above on the store's engine.
+    """:class:`ClaimBackend` of the SQL stores: the statements above on the store's engine.
 
     Args:
         runtime: Where the statements run.
