@@ -105,6 +105,9 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_Run = Callable[..., Coroutine[Any, Any, Any]]
+"""How a claim's step runs a backend call: ``await run(fn, *args)`` is ``fn(*args)``."""
+_Sleep = Callable[[float], Coroutine[Any, Any, None]]
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -527,14 +530,13 @@ class WebhookClaim:
 
     def _apply(self, got: Acquisition) -> None:
         """Take on what the acquire decided (the token was sent with it)."""
+        self.status = got.status
         if not got.acquired:
             self.token = None
-            self.status = got.status
             self._response = got.response if got.done else None  # as stored: not checked again
             return
         assert self.token is not None
         self.acquired = True
-        self.status = got.status
         self.ticket = got.ticket
         self._fence = ClaimFence(self.message_id, self.token, partition_day=got.partition_day)
         self._version_read = got.version_read and self.session_id is not None
@@ -558,11 +560,7 @@ class WebhookClaim:
             return self
         self._var_token = _ACTIVE.set(self)
         self._renewal = Renewal(self.lease_seconds / 3, self._renew_loop)
-        try:
-            await self._await_earlier_claims()
-        except BaseException:
-            await self._aclose(failed=True)
-            raise
+        await self._await_earlier_claims(self._backend.run, asyncio.sleep)
         return self
 
     async def _acquire_after(self, place: _Place) -> None:
@@ -597,40 +595,12 @@ class WebhookClaim:
         tb: TracebackType | None,
     ) -> None:
         if self.acquired:
-            await self._aclose(failed=exc is not None)
-
-    async def _aclose(self, *, failed: bool) -> None:
-        renewal, self._renewal = self._renewal, None
-        if renewal is not None:
-            await renewal.stop()
-        self._reset_var()
-        finish = self._finish_or_release(failed)
-        local = not failed and self._backend.finishes_in_memory(self)
-        if not (finish() if local else await self._backend.run(finish)):
-            from chatflow_sqlalchemy.exceptions import ClaimLostError
-
-            raise ClaimLostError(self.message_id)
+            await self._close(self._backend.run, failed=exc is not None)
 
     async def _renew_loop(self) -> None:
         """Renew now, then every third of the lease (started by :class:`Renewal`)."""
-        while True:
-            try:
-                held = await self._backend.run(self._backend.renew, self)
-            except Exception as exc:  # the database is away: try again at the next beat
-                logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
-                held = True
-            if not held:
-                self._mark_lost()
-                return
+        while await self._renew_once(self._backend.run):
             await asyncio.sleep(self.lease_seconds / 3)
-
-    async def _await_earlier_claims(self) -> None:
-        if self.session_id is None or not self.earlier_seen:
-            return
-        delay = _ORDER_POLL_MIN
-        while await self._backend.run(self._backend.earlier_in_flight, self):
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _ORDER_POLL_MAX)
 
     # ------------------------------------------------------------ sync use
 
@@ -642,22 +612,10 @@ class WebhookClaim:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 place.before.result(timeout=_ORDER_WAIT_MAX)
         self._acquire_in_place(place)
-        if not self.acquired:
-            return self
-        self._var_token = _ACTIVE.set(self)
-        _SYNC_RENEWALS.add(self)
-        try:
-            delay = _ORDER_POLL_MIN
-            while (
-                self.session_id is not None
-                and self.earlier_seen
-                and self._backend.earlier_in_flight(self)
-            ):
-                time.sleep(delay)
-                delay = min(delay * 2, _ORDER_POLL_MAX)
-        except BaseException:
-            self._close(failed=True)
-            raise
+        if self.acquired:
+            self._var_token = _ACTIVE.set(self)
+            _SYNC_RENEWALS.add(self)
+            _run_here(self._await_earlier_claims(_here, _sleep_here))
         return self
 
     def __exit__(
@@ -667,29 +625,55 @@ class WebhookClaim:
         tb: TracebackType | None,
     ) -> None:
         if self.acquired:
-            self._close(failed=exc is not None)
+            _run_here(self._close(_here, failed=exc is not None))
 
-    def _close(self, *, failed: bool) -> None:
-        self._stop.set()  # a renewal already under way can only miss now: not "lost"
-        _SYNC_RENEWALS.discard(self)
+    # ------------------------------------------------------------ shared
+    # The steps below run the backend's calls through ``run``: the backend's own
+    # (off the loop) in the async form, ``_here`` (in the calling thread) in the sync one.
+
+    async def _await_earlier_claims(self, run: _Run, sleep: _Sleep) -> None:
+        """Hold the block back while an earlier claim of its session is in flight.
+
+        If the wait fails (or is cancelled), the claim is closed as failed first.
+        """
+        try:
+            delay = _ORDER_POLL_MIN
+            while (
+                self.session_id is not None
+                and self.earlier_seen
+                and await run(self._backend.earlier_in_flight, self)
+            ):
+                await sleep(delay)
+                delay = min(delay * 2, _ORDER_POLL_MAX)
+        except BaseException:
+            await self._close(run, failed=True)
+            raise
+
+    async def _close(self, run: _Run, *, failed: bool) -> None:
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None:
+            await renewal.stop()
+        else:  # the sync form's: a renewal already under way can only miss now, not "lose"
+            self._stop.set()
+            _SYNC_RENEWALS.discard(self)
         self._reset_var()
-        if not self._finish_or_release(failed)():
+        finish = self._finish_or_release(failed)
+        local = not failed and self._backend.finishes_in_memory(self)
+        if not (finish() if local else await run(finish)):
             from chatflow_sqlalchemy.exceptions import ClaimLostError
 
             raise ClaimLostError(self.message_id)
 
-    def _renew_now(self) -> bool:
-        """One renewal for the sync form; False when the claim needs no more."""
+    async def _renew_once(self, run: _Run) -> bool:
+        """One renewal; False once the claim needs no more."""
         try:
-            held = self._backend.renew(self)
-        except Exception as exc:
+            held: bool = await run(self._backend.renew, self)
+        except Exception as exc:  # the database is away: try again at the next beat
             logger.warning("could not renew webhook claim %r: %s", self.message_id, exc)
             return True
         if not held and not self._stop.is_set():  # not just finished meanwhile
             self._mark_lost()
         return held
-
-    # ------------------------------------------------------------ shared
 
     def _enter_once(self) -> None:
         if self._entered:
@@ -754,6 +738,26 @@ def _on_a_running_loop() -> bool:
     return True
 
 
+async def _here(fn: Callable[..., _T], *args: Any) -> _T:
+    """The sync form's ``run``: the call, in the calling thread."""
+    return fn(*args)
+
+
+async def _sleep_here(seconds: float) -> None:
+    """The sync form's ``sleep``: the calling thread's."""
+    time.sleep(seconds)
+
+
+def _run_here(step: Coroutine[Any, Any, _T]) -> _T:
+    """Run a step of the sync form to its end (it awaits only ``_here`` and ``_sleep_here``)."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return cast(_T, done.value)
+    step.close()
+    raise AssertionError("a sync claim step awaited the event loop")
+
+
 class _SyncRenewals:
     """One daemon thread renews the leases of every open sync ``with`` claim block.
 
@@ -763,15 +767,14 @@ class _SyncRenewals:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._due: dict[WebhookClaim, float] = {}
-        self._contexts: dict[WebhookClaim, contextvars.Context] = {}
+        # Each claim's next renewal, run in the context of the block that opened the claim.
+        self._due: dict[WebhookClaim, tuple[float, contextvars.Context]] = {}
         self._thread: threading.Thread | None = None
 
     def add(self, claim: WebhookClaim) -> None:
         with self._cond:
-            self._due[claim] = time.monotonic() + claim.lease_seconds / 3
-            # Renewals run in the context of the block that opened the claim.
-            self._contexts[claim] = contextvars.copy_context()
+            due = time.monotonic() + claim.lease_seconds / 3
+            self._due[claim] = due, contextvars.copy_context()
             if self._thread is None or not self._thread.is_alive():  # also after a fork
                 self._thread = threading.Thread(
                     target=self._run, name="chatflow-claim-renewals", daemon=True
@@ -782,23 +785,20 @@ class _SyncRenewals:
     def discard(self, claim: WebhookClaim) -> None:
         with self._cond:
             self._due.pop(claim, None)
-            self._contexts.pop(claim, None)
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 now = time.monotonic()
-                ready = [claim for claim, due in self._due.items() if due <= now]
+                ready = [(claim, ctx) for claim, (due, ctx) in self._due.items() if due <= now]
                 if not ready:
-                    wait = min(self._due.values(), default=now + 60.0) - now
+                    wait = min((due for due, _ in self._due.values()), default=now + 60.0) - now
                     self._cond.wait(wait)
                     continue
-                for claim in ready:
-                    self._due[claim] = now + claim.lease_seconds / 3
-                contexts = [self._contexts.get(claim) for claim in ready]
-            for claim, context in zip(ready, contexts, strict=True):
-                renew = claim._renew_now
-                if not (renew() if context is None else context.run(renew)):
+                for claim, ctx in ready:
+                    self._due[claim] = now + claim.lease_seconds / 3, ctx
+            for claim, ctx in ready:
+                if not ctx.run(_run_here, claim._renew_once(_here)):
                     self.discard(claim)
 
 
@@ -903,9 +903,7 @@ class MemoryClaims:
         self.rows: dict[str, _HeldInMemory] = {}
         self._tickets = 0
 
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """No I/O: run directly."""
-        return fn(*args)
+    run = staticmethod(_here)  # no I/O: calls run directly
 
     def _live(self, message_id: str, now: float) -> tuple[bool, _HeldInMemory | None]:
         stamp = self._stamps.get(message_id)
@@ -937,7 +935,7 @@ class MemoryClaims:
             self._remember(claim.message_id, now)
             return Acquisition(True, ticket=ticket)
 
-    def _mine(self, claim: WebhookClaim) -> _HeldInMemory | None:
+    def _mine(self, claim: WebhookClaim | ClaimFence) -> _HeldInMemory | None:
         row = self.rows.get(claim.message_id)
         return row if row is not None and row.token == claim.token else None
 
@@ -953,8 +951,8 @@ class MemoryClaims:
     def commit_turn(self, fence: ClaimFence) -> bool:
         """The in-memory fence of a turn: mark the claim done if the token holds."""
         with self._lock:
-            row = self.rows.get(fence.message_id)
-            if row is None or row.token != fence.token:
+            row = self._mine(fence)
+            if row is None:
                 return False
             row.state, row.lease_until, row.updated_at = CLAIM_DONE, 0.0, utcnow()
             row.response = fence.reply
@@ -983,10 +981,9 @@ class MemoryClaims:
 
     def release(self, claim: WebhookClaim) -> None:
         """Let the next delivery acquire the id (a done claim is left done)."""
-        with self._lock:
-            row = self._mine(claim)
-            if row is not None and row.state == CLAIM_ACQUIRED:
-                row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
+        with self._lock:  # re-entered by free
+            if self._mine(claim) is not None:
+                self.free(claim.message_id)
 
     def earlier_in_flight(self, claim: WebhookClaim) -> bool:
         """True while an earlier claim of the session is held under a live lease."""
@@ -1024,3 +1021,4 @@ class MemoryClaims:
                 return False
             row.state, row.token, row.updated_at = CLAIM_RELEASED, None, utcnow()
             return True
+

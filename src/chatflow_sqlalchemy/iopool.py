@@ -49,20 +49,15 @@ class IOPool:
     ) -> None:
         if max_workers <= 0:
             raise ValueError(f"max_workers must be positive, got {max_workers}")
-        self._max_workers = max_workers
-        self._prefix = thread_name_prefix
-        self._initializer = initializer
+        self._new_executor = functools.partial(
+            ThreadPoolExecutor,
+            max_workers,
+            thread_name_prefix,
+            initializer=None if initializer is None else functools.partial(_logged, initializer),
+        )
         self._closed = False
         self._executor = self._new_executor()
         _ALL_POOLS.add(self)
-
-    def _new_executor(self) -> ThreadPoolExecutor:
-        initializer = self._initializer
-        return ThreadPoolExecutor(
-            self._max_workers,
-            self._prefix,
-            initializer=None if initializer is None else functools.partial(_logged, initializer),
-        )
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on a pool thread, in a copy of the caller's context.

@@ -20,7 +20,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -41,8 +41,8 @@ from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, CLAIM_DONE, CLAIM_RELEASE
 if TYPE_CHECKING:  # the store's machinery: read_claims (``dedup list``) needs none of it
     from chatflow_sqlalchemy.claims import WebhookClaim
     from chatflow_sqlalchemy.dialect import DialectSupport
-    from chatflow_sqlalchemy.lease import SessionLeases
     from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
+    from chatflow_sqlalchemy.turns import Turns
 
 logger = logging.getLogger("chatflow_sqlalchemy")
 
@@ -55,17 +55,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-
-class _Turns(Protocol):
-    @property
-    def leases(self) -> SessionLeases: ...
-
-    def offer(self, lease: Lease) -> None: ...
-
-    def withdraw(self, lease: Lease) -> bool: ...
-
-    def is_offered(self, lease: Lease) -> bool: ...
 
 
 _processed = tables.processed_messages
@@ -155,7 +144,7 @@ class SQLClaims:
         runtime: StoreRuntime,
         run_blocking: RunBlocking,
         support: DialectSupport,
-        turns: _Turns,
+        turns: Turns,
         dedup_ttl: timedelta,
         upkeep: Callable[[datetime], None],
     ) -> None:

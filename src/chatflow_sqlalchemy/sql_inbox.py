@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.lease import SessionLeases
     from chatflow_sqlalchemy.runtime import RunBlocking, StoreRuntime
     from chatflow_sqlalchemy.sealing import Sealer
+    from chatflow_sqlalchemy.turns import Turns
 
 __all__ = ["ANSWER_BATCH", "SQLInbox"]
 
@@ -193,12 +194,6 @@ _PURGE = _i.delete().where(
 )
 
 
-class _Turns(Protocol):
-    def lend(self, lease: Lease) -> None: ...
-
-    def unlend(self, lease: Lease) -> None: ...
-
-
 class SQLInbox:
     """:class:`~chatflow_sqlalchemy.inbox.InboxRows` on a SQL store.
 
@@ -218,7 +213,7 @@ class SQLInbox:
         runtime: StoreRuntime,
         run_blocking: RunBlocking,
         leases: SessionLeases,
-        turns: _Turns,
+        turns: Turns,
         sealer: Sealer,
         *,
         create_empty: Callable[[str], None],
