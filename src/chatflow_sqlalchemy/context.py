@@ -14,13 +14,13 @@ import asyncio
 import json
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from chatflow_agent import Agent, Message, Role
 from chatflow_agent import SessionContext as _UpstreamSessionContext
@@ -40,6 +40,7 @@ __all__ = [
     "METADATA_MAX_DEPTH",
     "SUMMARY_SEQ",
     "Checkpoint",
+    "ContextOwner",
     "PendingWrite",
     "SessionContext",
     "StoredSession",
@@ -53,8 +54,6 @@ __all__ = [
     "validate_max_turns",
     "validate_session_id",
 ]
-
-_T = TypeVar("_T")
 
 _JOURNAL_LIMIT = 64
 """Rollback points kept per context (bounded so long-lived contexts stay small)."""
@@ -109,23 +108,23 @@ AgentLookup = Callable[[str, Agent | None], Agent]
 """Maps a stored agent name to an Agent, given the one to fall back on (the store's resolver)."""
 
 
-class ContextOwner(Protocol):
-    """What an attached context needs from the store that hands it out."""
+@dataclass(frozen=True, slots=True)
+class ContextOwner:
+    """What an attached context needs from the store that hands it out: the store's hooks.
 
-    def flush(self, ctx: SessionContext) -> None:
-        """Write what ``ctx`` changed outside a turn."""
+    Each is the store's own callable, called by the context with no adapter between.
+    """
 
-    async def begin_turn(self, ctx: SessionContext) -> None:
-        """Take the session for a turn of ``ctx`` and catch it up."""
-
-    async def end_turn(self, ctx: SessionContext) -> None:
-        """Write the turn and give the session back."""
-
-    async def discard_turn(self, ctx: SessionContext) -> None:
-        """Give the session back after a failed turn, writing nothing of it."""
-
-    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run blocking work off the event loop, as the store's async API does."""
+    flush: Callable[[SessionContext], None]
+    """Write what a context changed outside a turn."""
+    begin_turn: Callable[[SessionContext], Awaitable[None]]
+    """Take the session for a turn of the context and catch it up."""
+    end_turn: Callable[[SessionContext], Awaitable[None]]
+    """Write the turn and give the session back."""
+    discard_turn: Callable[[SessionContext], Awaitable[None]]
+    """Give the session back after a failed turn, writing nothing of it."""
+    run_blocking: Callable[..., Awaitable[Any]]
+    """Run blocking work ``(fn, *args)`` off the event loop, as the store's async API does."""
 
 
 @dataclass

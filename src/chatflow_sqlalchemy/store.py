@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.claims import (
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
+    ContextOwner,
     SessionContext,
     check_metadata,
     validate_agent,
@@ -233,9 +234,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             io_workers=self._blocking_io_workers,
         )
         leases = SessionLeases(self.runtime, self.turn_lease_seconds)
-        self._context_owner = _ContextOwner(self)
         self.turns = Turns(
             self.runtime, leases, self._run_blocking, self._refresh, self._flush_context
+        )
+        self._context_owner = ContextOwner(
+            # Looked up at each write, as store._flush_context may be wrapped after open.
+            lambda ctx: self._flush_context(ctx), self.turns.begin, self.turns.end,
+            self._discard_turn, self._run_blocking,
         )
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, SQLSummaries(self.runtime, self._sealer), self.get,
@@ -1020,6 +1025,14 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             if fence is not None:
                 fence.committed = True
 
+    async def _discard_turn(self, ctx: SessionContext) -> None:
+        """A turn ended by an exception: nothing is written, the lease goes back.
+
+        A session this store made for it and never wrote to is unborn again
+        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
+        """
+        await self.turns.discard(ctx, ctx.made_version)
+
     # ------------------------------------------------------------ lifecycle
 
     def wait_for_summaries(self, timeout: float | None = None) -> bool:
@@ -1050,36 +1063,3 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {describe(self.url)}>"
-
-
-class _ContextOwner:
-    """The store as its contexts see it (a :class:`~.context.ContextOwner`)."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: SQLAlchemySessionStore) -> None:
-        self._store = store
-
-    def flush(self, ctx: SessionContext) -> None:
-        """Write what ``ctx`` changed outside a turn."""
-        self._store._flush_context(ctx)
-
-    async def begin_turn(self, ctx: SessionContext) -> None:
-        """Take the session's lease and catch ``ctx`` up."""
-        await self._store.turns.begin(ctx)
-
-    async def end_turn(self, ctx: SessionContext) -> None:
-        """Write the turn in the transaction that gives the lease back."""
-        await self._store.turns.end(ctx)
-
-    async def discard_turn(self, ctx: SessionContext) -> None:
-        """A turn ended by an exception: nothing is written, the lease goes back.
-
-        A session this store made for it and never wrote to is unborn again
-        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
-        """
-        await self._store.turns.discard(ctx, ctx.made_version)
-
-    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """The store's own, bounded in time where its backend bounds it."""
-        return await self._store._run_blocking(fn, *args)
