@@ -263,13 +263,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             merged.update(ctx.window())
             return [merged[seq] for seq in sorted(merged)]
 
-    def _archived(self, session_id: str) -> dict[int, Message]:
-        """What the SQL stores' archive would hold (with rows waiting for the summary), by seq."""
-        return {
-            **self._summary_rows.waiting.get(session_id, {}),
-            **self._archive.get(session_id, {}),
-        }
-
     def _drop(self, session_id: str) -> SessionContext | None:
         """Forget a session (under ``_lock``); the caller marks its context deleted."""
         self._updated.pop(session_id, None)
@@ -503,6 +496,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _export_session(self, session_id: str, user_id: str) -> dict[str, Any]:
         ctx = self._sessions[session_id]
+        # What the SQL stores' archive would hold (with rows waiting for the summary), by seq.
+        archived = {
+            **self._summary_rows.waiting.get(session_id, {}), **self._archive.get(session_id, {})
+        }
         claims = sorted(
             (row.ticket, message_id, row)
             for message_id, row in self._claim_rows.rows.items()
@@ -521,7 +518,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             "messages": [m.model_dump(mode="json") for _, m in ctx.window()],
             "archived_messages": [
                 message.model_dump(mode="json")
-                for _, message in sorted(self._archived(session_id).items())
+                for _, message in sorted(archived.items())
             ],
             "webhook_claims": [
                 {
@@ -593,9 +590,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         return WebhookClaim(
             self._claim_rows, message_id, session_id=session_id, lease_seconds=lease_seconds
         )
-
-    def _claims(self) -> MemoryClaims:
-        return self._claim_rows
 
     def purge_processed_messages(self) -> int:
         """Drop expired claims; return how many went."""

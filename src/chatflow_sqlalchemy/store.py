@@ -387,7 +387,12 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ctx = self._get_or_create_later(session_id, default_agent, metadata, user_id)
             if ctx is not None:
                 return ctx
-        ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+        ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
+        if ctx is not None:
+            self._adopt_unborn(ctx, default_agent, metadata, user_id)
+        else:
+            stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
+            ctx = self._contexts.publish(self._build_context(stored, session_id, default_agent))
         if user_id is not None:
             self._record_owner(session_id, user_id)
         return ctx
@@ -444,8 +449,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ctx.session_id, default_agent, metadata, user_id, self._load(ctx.session_id)
         )
         ctx.load(stored, self._agents(stored.agent_name, default_agent))
-        if user_id is not None:
-            self._owned_by(ctx, user_id)
+        if user_id is None:
+            return
+        try:
+            self._record_owner(ctx.session_id, user_id)
+        except ValueError:  # a context of another user's session is not kept
+            self._forget(ctx.session_id, ctx)
+            raise
 
     def _catch_up(
         self,
@@ -472,7 +482,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> None:
         """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
 
-        Its first turn failed unwritten (:meth:`_ContextOwner.discard_turn`); a turn in
+        Its first turn failed unwritten (:meth:`_discard_turn`); a turn in
         progress keeps its own view, and its write gives the session its agent.
         """
         if not ctx.unborn or ctx.in_turn:
@@ -481,14 +491,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         if not ctx.catch_up(stored, lambda name, _: self._agents(name, default_agent)):
             self._forget(ctx.session_id, ctx)  # another session under the id meanwhile
             raise SessionDeletedError(ctx.session_id)
-
-    def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
-        """:meth:`_record_owner` for a new context; one of another user's session is not kept."""
-        try:
-            self._record_owner(ctx.session_id, user_id)
-        except ValueError:
-            self._forget(ctx.session_id, ctx)
-            raise
 
     def _record_owner(self, session_id: str, user_id: str) -> None:
         """Make ``user_id`` the session's owner, unless it already has another one."""
@@ -508,20 +510,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                 f"session {session_id!r} belongs to another user_id; a session has one owner "
                 "(use a session id of this user's, or erase_user the other one first)"
             )
-
-    def _get_or_create(
-        self,
-        session_id: str,
-        default_agent: Agent,
-        metadata: dict[str, Any],
-        user_id: str | None,
-    ) -> SessionContext:
-        ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
-        if ctx is not None:
-            self._adopt_unborn(ctx, default_agent, metadata, user_id)
-            return ctx
-        stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
-        return self._contexts.publish(self._build_context(stored, session_id, default_agent))
 
     def _stored_or_created(
         self,
