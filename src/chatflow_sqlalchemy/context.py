@@ -1218,6 +1218,7 @@ class SessionContext(_UpstreamSessionContext):
     def _append(self, message: Message) -> None:
         """Add ``message`` to the window, then prune it to ``max_turns`` turns."""
         role = message.role
+        at: int | None = None  # None: a non-USER message with no turn to belong to is dropped
         if role == Role.SYSTEM:
             at = self._n_system - (self._summary is not None)  # the summary stays last
             self._n_system += 1
@@ -1227,9 +1228,7 @@ class SessionContext(_UpstreamSessionContext):
         elif self._turns:
             at = len(self._history)
             self._turns[-1] += 1
-        else:
-            at = -1  # a non-USER message with no turn to belong to is discarded forward
-        if at >= 0:
+        if at is not None:
             self._history.insert(at, message)
             self._seqs.insert(at, self._next_seq)
             self._next_seq += 1

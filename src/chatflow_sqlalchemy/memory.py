@@ -591,6 +591,9 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             self._claim_rows, message_id, session_id=session_id, lease_seconds=lease_seconds
         )
 
+    def _claims(self) -> MemoryClaims:
+        return self._claim_rows
+
     def purge_processed_messages(self) -> int:
         """Drop expired claims; return how many went."""
         cutoff = time.monotonic() - self._ttl_seconds

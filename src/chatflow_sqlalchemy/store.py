@@ -237,10 +237,10 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         self.turns = Turns(
             self.runtime, leases, self._run_blocking, self._refresh, self._flush_context
         )
-        self._context_owner = ContextOwner(
-            # Looked up at each write, as store._flush_context may be wrapped after open.
-            lambda ctx: self._flush_context(ctx), self.turns.begin, self.turns.end,
-            self._discard_turn, self._run_blocking,
+        self._context_owner = ContextOwner(  # flush and run_blocking: looked up at each call,
+            lambda ctx: self._flush_context(ctx),  # as a test or benchmark may wrap them
+            self.turns.begin, self.turns.end, self._discard_turn,
+            lambda fn, *args: self._run_blocking(fn, *args),
         )
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, SQLSummaries(self.runtime, self._sealer), self.get,
