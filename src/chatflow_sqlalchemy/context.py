@@ -14,13 +14,13 @@ import asyncio
 import json
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from chatflow_agent import Agent, Message, Role
 from chatflow_agent import SessionContext as _UpstreamSessionContext
@@ -40,6 +40,7 @@ __all__ = [
     "METADATA_MAX_DEPTH",
     "SUMMARY_SEQ",
     "Checkpoint",
+    "ContextOwner",
     "PendingWrite",
     "SessionContext",
     "StoredSession",
@@ -53,8 +54,6 @@ __all__ = [
     "validate_max_turns",
     "validate_session_id",
 ]
-
-_T = TypeVar("_T")
 
 _JOURNAL_LIMIT = 64
 """Rollback points kept per context (bounded so long-lived contexts stay small)."""
@@ -109,23 +108,23 @@ AgentLookup = Callable[[str, Agent | None], Agent]
 """Maps a stored agent name to an Agent, given the one to fall back on (the store's resolver)."""
 
 
-class ContextOwner(Protocol):
-    """What an attached context needs from the store that hands it out."""
+@dataclass(frozen=True, slots=True)
+class ContextOwner:
+    """What an attached context needs from the store that hands it out: the store's hooks.
 
-    def flush(self, ctx: SessionContext) -> None:
-        """Write what ``ctx`` changed outside a turn."""
+    Each is the store's own callable, called by the context with no adapter between.
+    """
 
-    async def begin_turn(self, ctx: SessionContext) -> None:
-        """Take the session for a turn of ``ctx`` and catch it up."""
-
-    async def end_turn(self, ctx: SessionContext) -> None:
-        """Write the turn and give the session back."""
-
-    async def discard_turn(self, ctx: SessionContext) -> None:
-        """Give the session back after a failed turn, writing nothing of it."""
-
-    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run blocking work off the event loop, as the store's async API does."""
+    flush: Callable[[SessionContext], None]
+    """Write what a context changed outside a turn."""
+    begin_turn: Callable[[SessionContext], Awaitable[None]]
+    """Take the session for a turn of the context and catch it up."""
+    end_turn: Callable[[SessionContext], Awaitable[None]]
+    """Write the turn and give the session back."""
+    discard_turn: Callable[[SessionContext], Awaitable[None]]
+    """Give the session back after a failed turn, writing nothing of it."""
+    run_blocking: Callable[..., Awaitable[Any]]
+    """Run blocking work ``(fn, *args)`` off the event loop, as the store's async API does."""
 
 
 @dataclass
@@ -259,32 +258,29 @@ class _TrackedDict(dict[str, Any]):
         super().__init__(data)
         self._owner = owner
 
-    def _changed(self) -> None:
-        self._owner._on_metadata_change()
-
     def __setitem__(self, key: str, value: Any) -> None:
         check_metadata({key: value})
         super().__setitem__(key, value)
-        self._changed()
+        self._owner._on_metadata_change()
 
     def __delitem__(self, key: str) -> None:
         super().__delitem__(key)
-        self._changed()
+        self._owner._on_metadata_change()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         incoming = dict(*args, **kwargs)
         check_metadata(incoming)
         super().update(incoming)
-        self._changed()
+        self._owner._on_metadata_change()
 
     def pop(self, key: str, *default: Any) -> Any:
         value = super().pop(key, *default)
-        self._changed()
+        self._owner._on_metadata_change()
         return value
 
     def popitem(self) -> tuple[str, Any]:
         item = super().popitem()
-        self._changed()
+        self._owner._on_metadata_change()
         return item
 
     def setdefault(self, key: str, default: Any = None) -> Any:
@@ -294,7 +290,7 @@ class _TrackedDict(dict[str, Any]):
 
     def clear(self) -> None:
         super().clear()
-        self._changed()
+        self._owner._on_metadata_change()
 
     def __ior__(self, other: Any) -> _TrackedDict:  # type: ignore[override,misc]
         self.update(other)
@@ -470,7 +466,6 @@ class SessionContext(_UpstreamSessionContext):
         self._turns: deque[int] = deque()
         self._next_seq = 1
         self._journal: list[tuple[int, Checkpoint]] = []
-        self._turn_snapshot: Checkpoint | None = None
         self._turn_start: _TurnSnapshot | None = None
         self._cleared = False
         self._in_turn = False
@@ -900,7 +895,10 @@ class SessionContext(_UpstreamSessionContext):
         with self._mutex:
             if stored is None or self._other_incarnation(stored):
                 return False
-            if self._holds_newer_than(stored):
+            durable = self._durable  # what a turn or a write holds is newer than ``stored``:
+            if durable is not None and not self._stale and (
+                self._in_turn or self._writing > 0 or durable.version >= stored.version
+            ):
                 return True
             tail = self._unsaved_tail()
             carried = self._orphaned_tool_call(stored) or (tail if _is_call(tail) else None)
@@ -1037,8 +1035,8 @@ class SessionContext(_UpstreamSessionContext):
         with self._mutex:
             self._check_alive()
             self._ensure_indexed()
-            start = self._turn_snapshot if self._in_turn else None
-            state = start if start is not None else self._snapshot()
+            start = self._turn_start if self._in_turn else None
+            state = start.state if start is not None else self._snapshot()
             metadata = json.loads(dump_metadata(self._metadata))
             next_seq = self._next_seq
         pairs = [(m, seq) for m, seq in zip(state.history, state.seqs, strict=True)
@@ -1097,9 +1095,8 @@ class SessionContext(_UpstreamSessionContext):
             self._ensure_indexed()
             self._in_turn = True
             self._journal.clear()
-            self._turn_snapshot = self._snapshot()
             self._turn_start = _TurnSnapshot(
-                self._turn_snapshot, dump_metadata(self._metadata), self._durable
+                self._snapshot(), dump_metadata(self._metadata), self._durable
             )
 
     def _close_turn(self, *, to_write: bool = False) -> _TurnSnapshot | None:
@@ -1108,7 +1105,6 @@ class SessionContext(_UpstreamSessionContext):
             self._in_turn = False
             if to_write:
                 self._writing += 1
-            self._turn_snapshot = None
             self._turn_start = None
             self._journal.clear()
             return start
@@ -1190,10 +1186,10 @@ class SessionContext(_UpstreamSessionContext):
         return snapshot
 
     def _find_snapshot(self, checkpoint_len: int) -> Checkpoint | None:
-        turn = self._turn_snapshot
-        if turn is not None and len(turn.history) == checkpoint_len:
+        turn = self._turn_start
+        if turn is not None and len(turn.state.history) == checkpoint_len:
             self._journal.clear()
-            return turn
+            return turn.state
         for index in range(len(self._journal) - 1, -1, -1):
             length, snapshot = self._journal[index]
             if length == checkpoint_len:
@@ -1220,31 +1216,28 @@ class SessionContext(_UpstreamSessionContext):
         return seq
 
     def _append(self, message: Message) -> None:
+        """Add ``message`` to the window, then prune it to ``max_turns`` turns."""
         role = message.role
+        at: int | None = None  # None: a non-USER message with no turn to belong to is dropped
         if role == Role.SYSTEM:
             at = self._n_system - (self._summary is not None)  # the summary stays last
-            self._history.insert(at, message)
-            self._seqs.insert(at, self._new_seq())
             self._n_system += 1
         elif role == Role.USER:
-            self._history.append(message)
-            self._seqs.append(self._new_seq())
+            at = len(self._history)
             self._turns.append(1)
         elif self._turns:
-            self._history.append(message)
-            self._seqs.append(self._new_seq())
+            at = len(self._history)
             self._turns[-1] += 1
-        # else: a non-USER message with no turn to belong to is discarded forward.
-        self._enforce_window()
-
-    def _enforce_window(self) -> None:
+        if at is not None:
+            self._history.insert(at, message)
+            self._seqs.insert(at, self._next_seq)
+            self._next_seq += 1
         excess = len(self._turns) - self._max_turns
-        if excess <= 0:
-            return
-        dropped = sum(self._turns.popleft() for _ in range(excess))
-        start = self._n_system
-        del self._history[start : start + dropped]
-        del self._seqs[start : start + dropped]
+        if excess > 0:
+            dropped = sum(self._turns.popleft() for _ in range(excess))
+            start = self._n_system
+            del self._history[start : start + dropped]
+            del self._seqs[start : start + dropped]
 
     def _ensure_indexed(self) -> None:
         """Re-derive bookkeeping if ``history`` was edited in place behind our back."""
@@ -1402,13 +1395,6 @@ class SessionContext(_UpstreamSessionContext):
         """True if ``stored`` is a later session under this id (told by ``created_at``)."""
         known = self.incarnation
         return known is not None and stored.created_at is not None and stored.created_at != known
-
-    def _holds_newer_than(self, stored: StoredSession) -> bool:
-        """True if installing ``stored`` would throw away what a turn or a write holds."""
-        durable = self._durable
-        if durable is None or self._stale:
-            return False
-        return self._in_turn or self._writing > 0 or durable.version >= stored.version
 
     def _summary_changed(self) -> bool:
         """True if the summary is not the one the database last held (read or written)."""

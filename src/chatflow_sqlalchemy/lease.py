@@ -59,7 +59,6 @@ LEASE_HELD = _MINE & (_s.c.lease_expires_at > _NOW)
 """The session row while this holder's lease is unexpired (parameters: :func:`lease_params`)."""
 
 
-
 def free_at(now: ColumnElement[datetime]) -> ColumnElement[bool]:
     """The session row's lease is free, or expired at ``now`` (a database-clock time)."""
     return or_(_s.c.lease_owner.is_(None), _s.c.lease_expires_at <= now)
@@ -99,8 +98,6 @@ _UNMAKE_FREE = (
 )
 """:data:`_UNMAKE` for a session whose lease no one holds: the turn's lease went with a
 deleted row, and the session made anew under the id for the turn is not under it."""
-
-
 
 
 def lease_params(lease: Lease) -> dict[str, Any]:
@@ -147,7 +144,9 @@ class SessionLeases:
                 row = conn.execute(_TAKEN, params).first() if taken else None
         if row is not None:
             return Lease(session_id, params["holder_token"], int(row[1]), int(row[0]))
-        if not self._exists(session_id):
+        with self._runtime.transaction(single=True) as conn:
+            exists = conn.execute(_EXISTS, params).first() is not None
+        if not exists:
             from chatflow_sqlalchemy.exceptions import SessionDeletedError
 
             raise SessionDeletedError(session_id)
@@ -187,10 +186,6 @@ class SessionLeases:
         with self._runtime.transaction(write=True) as conn:
             if conn.execute(_UNMAKE, params).rowcount != 1:
                 conn.execute(_UNMAKE_FREE, params)
-
-    def _exists(self, session_id: str) -> bool:
-        with self._runtime.transaction(single=True) as conn:
-            return conn.execute(_EXISTS, {"sid": session_id}).first() is not None
 
     def take_params(self) -> dict[str, Any]:
         """Parameters of a take by a new holder (a fresh token), but the session's."""

@@ -16,7 +16,6 @@ from chatflow_sqlalchemy.aio import AsyncStoreAPI
 from chatflow_sqlalchemy.claims import (
     DEFAULT_DEDUP_TTL_HOURS,
     DEFAULT_LEASE_SECONDS,
-    ClaimFence,
     MemoryClaims,
     WebhookClaim,
     active_fence,
@@ -25,6 +24,7 @@ from chatflow_sqlalchemy.claims import (
 )
 from chatflow_sqlalchemy.context import (
     Checkpoint,
+    ContextOwner,
     SessionContext,
     check_metadata,
     dump_metadata,
@@ -38,7 +38,7 @@ from chatflow_sqlalchemy.forks import (
     session_exists,
     validate_fork,
 )
-from chatflow_sqlalchemy.inbox import BatchFence, Inbox, active_batch
+from chatflow_sqlalchemy.inbox import Inbox, active_batch
 from chatflow_sqlalchemy.lifecycle import (
     ListFilters,
     export_document,
@@ -152,7 +152,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
-        self._context_owner = _MemoryContextOwner(self)
+        self._context_owner = ContextOwner(
+            self._flush_context, self._start_turn, self._finish_turn, self._drop_turn,
+            self._run_blocking,
+        )
         self._claim_rows = MemoryClaims(
             self._lock, self._processed, self._ttl_seconds, self._remember
         )
@@ -260,13 +263,6 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             merged.update(ctx.window())
             return [merged[seq] for seq in sorted(merged)]
 
-    def _archived(self, session_id: str) -> dict[int, Message]:
-        """What the SQL stores' archive would hold (with rows waiting for the summary), by seq."""
-        return {
-            **self._summary_rows.waiting.get(session_id, {}),
-            **self._archive.get(session_id, {}),
-        }
-
     def _drop(self, session_id: str) -> SessionContext | None:
         """Forget a session (under ``_lock``); the caller marks its context deleted."""
         self._updated.pop(session_id, None)
@@ -280,8 +276,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._summary_rows.forget(session_id)
         return self._sessions.pop(session_id, None)
 
-
     def _flush_context(self, ctx: SessionContext) -> None:
+        """Note the session as written (no I/O): what left its window is kept or summarized."""
         with self._lock:
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
@@ -292,30 +288,45 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                     self._keep_what_left(ctx)
 
     async def _start_turn(self, ctx: SessionContext) -> None:
+        """Keep the turn's start, to discard a fenced-out turn."""
         self._check_open()
         fenced = active_fence(ctx.session_id) or active_batch(ctx.session_id)
-        if fenced is not None:  # kept to discard a fenced-out turn
+        if fenced is not None:
             self._turn_starts[id(ctx)] = ctx.checkpoint()
 
     async def _finish_turn(self, ctx: SessionContext) -> None:
+        """Keep the turn, with its claim or inbox batch; a turn that fails is not kept.
+
+        As on the SQL stores: a turn that changed something commits its claim
+        and records its inbox batch's reply, or is undone.
+        """
         try:
-            self._end_turn(ctx)
-        except BaseException:  # not kept: a turn that failed, as on the SQL stores
+            if ctx.deleted:  # a turn of a session deleted meanwhile is not kept
+                raise SessionDeletedError(ctx.session_id)
+            start = self._turn_starts.pop(id(ctx), None)
+            if start is not None and ctx.changed_since(start):
+                self._answer(ctx, start)
+            self._flush_context(ctx)
+        except BaseException:
             await self._drop_turn(ctx)
             raise
 
-    def _end_turn(self, ctx: SessionContext) -> None:
-        if ctx.deleted:  # a turn of a session deleted meanwhile is not kept
-            raise SessionDeletedError(ctx.session_id)
-        start = self._turn_starts.pop(id(ctx), None)
-        changed = start is not None and ctx.changed_since(start)
+    def _answer(self, ctx: SessionContext, start: Checkpoint) -> None:
+        """Commit the turn's claim and record its batch's reply, or undo the turn to ``start``."""
+        reply = reply_of(ctx.added_since(start))
         fence = active_fence(ctx.session_id)
-        if fence is not None and start is not None and changed:
-            self._commit_claim(ctx, fence, start)
+        if fence is not None:
+            fence.reply = reply
+            if not self._claim_rows.commit_turn(fence):
+                ctx.restore(start)
+                raise ClaimLostError(fence.message_id)
         batch = active_batch(ctx.session_id)
-        if batch is not None and start is not None and changed:
-            self._answer_batch(ctx, batch, start)
-        self._flush_context(ctx)
+        if batch is not None:
+            try:
+                self._inbox_rows.answer(batch, reply)
+            except LeaseLostError:
+                ctx.restore(start)
+                raise
 
     async def _drop_turn(self, ctx: SessionContext) -> None:
         """A failed turn: forget its start; a session it alone made is unborn (as on SQL)."""
@@ -326,22 +337,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._unborn.add(ctx.session_id)
 
     async def _run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` directly: the in-memory store does no I/O."""
         return fn(*args)
-
-    def _commit_claim(self, ctx: SessionContext, fence: ClaimFence, start: Checkpoint) -> None:
-        """As the SQL stores: a turn that changed something commits its claim, or is undone."""
-        fence.reply = reply_of(ctx.added_since(start))
-        if not self._claim_rows.commit_turn(fence):
-            ctx.restore(start)
-            raise ClaimLostError(fence.message_id)
-
-    def _answer_batch(self, ctx: SessionContext, batch: BatchFence, start: Checkpoint) -> None:
-        """As the SQL stores: a turn of an inbox batch records its reply, or is undone."""
-        try:
-            self._inbox_rows.answer(batch, reply_of(ctx.added_since(start)))
-        except LeaseLostError:
-            ctx.restore(start)
-            raise
 
     def get(self, session_id: str) -> SessionContext | None:
         """Return the session's context, or None."""
@@ -500,6 +497,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _export_session(self, session_id: str, user_id: str) -> dict[str, Any]:
         ctx = self._sessions[session_id]
+        # What the SQL stores' archive would hold (with rows waiting for the summary), by seq.
+        archived = {
+            **self._summary_rows.waiting.get(session_id, {}), **self._archive.get(session_id, {})
+        }
         claims = sorted(
             (row.ticket, message_id, row)
             for message_id, row in self._claim_rows.rows.items()
@@ -518,7 +519,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             "messages": [m.model_dump(mode="json") for _, m in ctx.window()],
             "archived_messages": [
                 message.model_dump(mode="json")
-                for _, message in sorted(self._archived(session_id).items())
+                for _, message in sorted(archived.items())
             ],
             "webhook_claims": [
                 {
@@ -627,32 +628,3 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
     async def aclose(self) -> None:
         """Async :meth:`close`."""
         self.close()
-
-
-class _MemoryContextOwner:
-    """The in-memory store as its contexts see it (a :class:`~.context.ContextOwner`)."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: SessionStore) -> None:
-        self._store = store
-
-    def flush(self, ctx: SessionContext) -> None:
-        """Note the session as written (no I/O)."""
-        self._store._flush_context(ctx)
-
-    async def begin_turn(self, ctx: SessionContext) -> None:
-        """Keep the turn's start, to discard a fenced-out turn."""
-        await self._store._start_turn(ctx)
-
-    async def end_turn(self, ctx: SessionContext) -> None:
-        """Keep the turn, with its claim or inbox batch."""
-        await self._store._finish_turn(ctx)
-
-    async def discard_turn(self, ctx: SessionContext) -> None:
-        """Forget the turn; a session it alone made is unborn."""
-        await self._store._drop_turn(ctx)
-
-    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """The store's own (``fn(*args)`` directly: it does no I/O), as its async API runs it."""
-        return await self._store._run_blocking(fn, *args)

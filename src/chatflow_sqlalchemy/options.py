@@ -90,9 +90,6 @@ class StoreOptions:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        self._check_at_rest()
-
-    def _check_at_rest(self) -> None:
         if self.auto_migrate is not None and not isinstance(self.auto_migrate, bool):
             raise TypeError(f"auto_migrate must be True, False or None, not {self.auto_migrate!r}")
         if self.cipher is not None and not isinstance(self.cipher, AESGCMCipher):
@@ -130,18 +127,15 @@ class StoreOptions:
         known = {f.name for f in fields(cls)} - (set() if sql else SQL_ONLY)
         unknown = sorted(set(keywords) - known)
         if unknown:
-            raise TypeError(cls._unknown(store, unknown[0], known) + (f"; {fix}" if fix else ""))
+            name = unknown[0]
+            why = f": {name} is an option of the SQL stores, which keep data at rest"
+            raise TypeError(
+                f"{store}() got an unexpected keyword argument {name!r}"
+                f"{why if name in SQL_ONLY else ''}; its options are "
+                f"{', '.join(sorted(known))} (chatflow_sqlalchemy.options.StoreOptions)"
+                + (f"; {fix}" if fix else "")
+            )
         return cls(**keywords)
-
-    @staticmethod
-    def _unknown(store: str, name: str, known: set[str]) -> str:
-        why = "" if name not in SQL_ONLY else (
-            f": {name} is an option of the SQL stores, which keep data at rest"
-        )
-        return (
-            f"{store}() got an unexpected keyword argument {name!r}{why}; its options are "
-            f"{', '.join(sorted(known))} (chatflow_sqlalchemy.options.StoreOptions)"
-        )
 
 
 class OptionsOwner:

@@ -32,6 +32,7 @@ from chatflow_sqlalchemy.claims import (
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
+    ContextOwner,
     SessionContext,
     check_metadata,
     validate_agent,
@@ -233,9 +234,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             io_workers=self._blocking_io_workers,
         )
         leases = SessionLeases(self.runtime, self.turn_lease_seconds)
-        self._context_owner = _ContextOwner(self)
         self.turns = Turns(
             self.runtime, leases, self._run_blocking, self._refresh, self._flush_context
+        )
+        self._context_owner = ContextOwner(  # flush and run_blocking: looked up at each call,
+            lambda ctx: self._flush_context(ctx),  # as a test or benchmark may wrap them
+            self.turns.begin, self.turns.end, self._discard_turn,
+            lambda fn, *args: self._run_blocking(fn, *args),
         )
         self._summaries = None if self.summarizer is None else Summaries(
             self.summarizer, SQLSummaries(self.runtime, self._sealer), self.get,
@@ -382,7 +387,12 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ctx = self._get_or_create_later(session_id, default_agent, metadata, user_id)
             if ctx is not None:
                 return ctx
-        ctx = self._get_or_create(session_id, default_agent, metadata, user_id)
+        ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
+        if ctx is not None:
+            self._adopt_unborn(ctx, default_agent, metadata, user_id)
+        else:
+            stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
+            ctx = self._contexts.publish(self._build_context(stored, session_id, default_agent))
         if user_id is not None:
             self._record_owner(session_id, user_id)
         return ctx
@@ -439,8 +449,13 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             ctx.session_id, default_agent, metadata, user_id, self._load(ctx.session_id)
         )
         ctx.load(stored, self._agents(stored.agent_name, default_agent))
-        if user_id is not None:
-            self._owned_by(ctx, user_id)
+        if user_id is None:
+            return
+        try:
+            self._record_owner(ctx.session_id, user_id)
+        except ValueError:  # a context of another user's session is not kept
+            self._forget(ctx.session_id, ctx)
+            raise
 
     def _catch_up(
         self,
@@ -467,7 +482,7 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
     ) -> None:
         """:meth:`get_or_create` of a live context whose session has no agent yet: adopt it.
 
-        Its first turn failed unwritten (:meth:`_ContextOwner.discard_turn`); a turn in
+        Its first turn failed unwritten (:meth:`_discard_turn`); a turn in
         progress keeps its own view, and its write gives the session its agent.
         """
         if not ctx.unborn or ctx.in_turn:
@@ -476,14 +491,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
         if not ctx.catch_up(stored, lambda name, _: self._agents(name, default_agent)):
             self._forget(ctx.session_id, ctx)  # another session under the id meanwhile
             raise SessionDeletedError(ctx.session_id)
-
-    def _owned_by(self, ctx: SessionContext, user_id: str) -> None:
-        """:meth:`_record_owner` for a new context; one of another user's session is not kept."""
-        try:
-            self._record_owner(ctx.session_id, user_id)
-        except ValueError:
-            self._forget(ctx.session_id, ctx)
-            raise
 
     def _record_owner(self, session_id: str, user_id: str) -> None:
         """Make ``user_id`` the session's owner, unless it already has another one."""
@@ -503,20 +510,6 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
                 f"session {session_id!r} belongs to another user_id; a session has one owner "
                 "(use a session id of this user's, or erase_user the other one first)"
             )
-
-    def _get_or_create(
-        self,
-        session_id: str,
-        default_agent: Agent,
-        metadata: dict[str, Any],
-        user_id: str | None,
-    ) -> SessionContext:
-        ctx, stored = self._lookup(session_id, self._claimed_version(session_id))
-        if ctx is not None:
-            self._adopt_unborn(ctx, default_agent, metadata, user_id)
-            return ctx
-        stored = self._stored_or_created(session_id, default_agent, metadata, user_id, stored)
-        return self._contexts.publish(self._build_context(stored, session_id, default_agent))
 
     def _stored_or_created(
         self,
@@ -1020,6 +1013,14 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
             if fence is not None:
                 fence.committed = True
 
+    async def _discard_turn(self, ctx: SessionContext) -> None:
+        """A turn ended by an exception: nothing is written, the lease goes back.
+
+        A session this store made for it and never wrote to is unborn again
+        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
+        """
+        await self.turns.discard(ctx, ctx.made_version)
+
     # ------------------------------------------------------------ lifecycle
 
     def wait_for_summaries(self, timeout: float | None = None) -> bool:
@@ -1050,36 +1051,3 @@ class SQLAlchemySessionStore(OptionsOwner, AsyncStoreAPI):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {describe(self.url)}>"
-
-
-class _ContextOwner:
-    """The store as its contexts see it (a :class:`~.context.ContextOwner`)."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: SQLAlchemySessionStore) -> None:
-        self._store = store
-
-    def flush(self, ctx: SessionContext) -> None:
-        """Write what ``ctx`` changed outside a turn."""
-        self._store._flush_context(ctx)
-
-    async def begin_turn(self, ctx: SessionContext) -> None:
-        """Take the session's lease and catch ``ctx`` up."""
-        await self._store.turns.begin(ctx)
-
-    async def end_turn(self, ctx: SessionContext) -> None:
-        """Write the turn in the transaction that gives the lease back."""
-        await self._store.turns.end(ctx)
-
-    async def discard_turn(self, ctx: SessionContext) -> None:
-        """A turn ended by an exception: nothing is written, the lease goes back.
-
-        A session this store made for it and never wrote to is unborn again
-        (:attr:`SessionContext.made_version`): ``get`` no longer shows it.
-        """
-        await self._store.turns.discard(ctx, ctx.made_version)
-
-    async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """The store's own, bounded in time where its backend bounds it."""
-        return await self._store._run_blocking(fn, *args)
