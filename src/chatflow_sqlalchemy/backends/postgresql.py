@@ -6,7 +6,7 @@ The dialect: :class:`~chatflow_sqlalchemy.backends.postgresql_dialect.PostgresDi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import URL
@@ -45,18 +45,8 @@ OPERATION_TIMEOUT_SECONDS = 15.0
 
 _R = TypeVar("_R")
 
-
 _timeout = getattr(asyncio, "timeout", None)
 """``asyncio.timeout`` (Python 3.11 and later), else None."""
-
-
-async def _bounded(awaitable: Awaitable[_R], seconds: float) -> _R:
-    """``awaitable`` cancelled after ``seconds`` (``asyncio.TimeoutError``), without a new task."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
-        return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
-        return await awaitable
 
 
 class PostgresSessionStore(ServerSessionStore):
@@ -104,9 +94,10 @@ class PostgresSessionStore(ServerSessionStore):
             return await super()._run_blocking(fn, *args)
         try:
             if _timeout is None:  # Python 3.10
-                return await _bounded(super()._run_blocking(fn, *args), self.operation_timeout)
-            # Not through _bounded: one coroutine less on a path every statement
-            # takes, and each is stepped through each time the driver waits.
+                work = super()._run_blocking(fn, *args)
+                return await asyncio.wait_for(work, self.operation_timeout)
+            # Not through wait_for (a new task) or a wrapper coroutine: every
+            # statement takes this path, stepped through each time the driver waits.
             async with _timeout(self.operation_timeout):
                 return await super()._run_blocking(fn, *args)
         except asyncio.TimeoutError as exc:
