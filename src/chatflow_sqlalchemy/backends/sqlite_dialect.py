@@ -112,7 +112,7 @@ class SQLiteDialectSupport(DialectSupport):
         return stmt.on_conflict_do_update(
             index_elements=[table.c.message_id],
             set_={"processed_at": stmt.excluded.processed_at, **RECLAIMED_AS_DONE},
-            where=table.c.processed_at < _cutoff(),
+            where=table.c.processed_at < bindparam("cutoff", type_=UTCDateTime()),
         ).returning(table.c.message_id)
 
     def acquire_claim(self, table: Table) -> Insert:
@@ -159,7 +159,3 @@ def _enter_wal(cursor: Any) -> None:
 
 def _raw(connection: Connection) -> Any:
     return connection.connection.dbapi_connection
-
-
-def _cutoff() -> Any:
-    return bindparam("cutoff", type_=UTCDateTime())
