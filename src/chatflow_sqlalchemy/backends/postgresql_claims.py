@@ -236,18 +236,14 @@ def create_day_partitions(connection: Connection, first: date, last: date) -> li
     partition could not be attached over them); they stay there, and the
     upkeep deletes them in batches once expired.
     """
-    existing = set(_children(connection))
     created = []
-    day = first
-    while day <= last:
+    for day in _missing_days(connection, first, last, set(_children(connection))):
         name = partition_name(day)
-        if name not in existing and not _default_holds(connection, day):
-            bounds = f"FOR VALUES FROM ('{day}') TO ('{day + timedelta(1)}')"
-            connection.execute(
-                text(f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF {PARENT} {bounds}')
-            )
-            created.append(name)
-        day += timedelta(1)
+        bounds = f"FOR VALUES FROM ('{day}') TO ('{day + timedelta(1)}')"
+        connection.execute(
+            text(f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF {PARENT} {bounds}')
+        )
+        created.append(name)
     return created
 
 
@@ -277,7 +273,8 @@ def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -
     removed = _purge_batch(connection, DEFAULT_PARTITION, cutoff)
     children = _children(connection)
     expired = sorted(day for day in _days(children) if day < utc_day(cutoff))
-    if not expired and not _missing_days(connection, today, set(children)):
+    ahead = today + timedelta(DAYS_AHEAD)
+    if not expired and not _missing_days(connection, today, ahead, set(children)):
         return removed
     # Counted before the lock: nothing inserts into a past day (new ids go to today).
     sizes = {day: _size(connection, day) for day in expired}
@@ -343,11 +340,13 @@ def _purge_batch(connection: Connection, table: str, cutoff: datetime) -> int:
     )
 
 
-def _missing_days(connection: Connection, today: date, existing: set[str]) -> list[date]:
-    """Days ahead without a partition that one can be made for (none of their rows in default)."""
+def _missing_days(
+    connection: Connection, first: date, last: date, existing: set[str]
+) -> list[date]:
+    """Days without a partition that one can be made for (none of their rows in default)."""
     return [
         day
-        for day in (today + timedelta(n) for n in range(DAYS_AHEAD + 1))
+        for day in (first + timedelta(n) for n in range((last - first).days + 1))
         if partition_name(day) not in existing and not _default_holds(connection, day)
     ]
 
