@@ -40,17 +40,16 @@ ENTRY_POINT_GROUP = "chatflow_sqlalchemy.backends"
 
 CORE_DISTRIBUTION = "chatflow-sqlalchemy"
 
-_BUILTINS: dict[str, tuple[str, str | None]] = {
-    "sqlite": ("chatflow_sqlalchemy.backends.sqlite_dialect:SQLiteDialectSupport", None),
+_BUILTINS: dict[str, tuple[str, str | None, str | None]] = {
+    "sqlite": ("chatflow_sqlalchemy.backends.sqlite_dialect:SQLiteDialectSupport", None, None),
     "postgresql": (
         "chatflow_sqlalchemy.backends.postgresql_dialect:PostgresDialectSupport",
         "postgres",
+        "psycopg",
     ),
 }
-"""name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver)."""
-
-_BUILTIN_DRIVERS = {"postgresql": "psycopg"}
-"""name -> the driver module a built-in backend needs (its module imports without it)."""
+"""name -> (import target, pip extra of chatflow-sqlalchemy that provides its driver, the
+driver module it needs: its module imports without it)."""
 
 _KNOWN_PLUGINS = {"mysql": "chatflow-sqlalchemy-mariadb"}
 """name -> the published distribution that provides it (after aliasing)."""
@@ -301,12 +300,12 @@ def _lookup(name: str) -> type[DialectSupport] | None:
     if target is not None:
         return _import_target(name, target, "fix the target given to register()")
     if name in _BUILTINS:
-        builtin, extra = _BUILTINS[name]
+        builtin, extra, driver = _BUILTINS[name]
         shadowing = _entry_points().get(name)
         if shadowing:
             _warn_shadowed(name, shadowing)
         backend = _import_target(name, builtin, _builtin_hint(extra))
-        _require_driver(name, _BUILTIN_DRIVERS.get(name), extra)
+        _require_driver(name, driver, extra)
         return backend
     claims = _entry_points().get(name)
     if not claims:
