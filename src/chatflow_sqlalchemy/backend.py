@@ -43,30 +43,24 @@ if TYPE_CHECKING:
     from chatflow_sqlalchemy.values import DEFAULT_DEDUP_TTL_HOURS, DEFAULT_TURN_LEASE_SECONDS
 
 _SOURCES: dict[str, str] = {
-    "DEFAULT_DEDUP_TTL_HOURS": "chatflow_sqlalchemy.values",
-    "DEFAULT_TURN_LEASE_SECONDS": "chatflow_sqlalchemy.values",
-    "AESGCMCipher": "chatflow_sqlalchemy.crypto",
-    "RECLAIMED_AS_DONE": "chatflow_sqlalchemy.dialect",
-    "DialectSupport": "chatflow_sqlalchemy.dialect",
-    "SessionWrite": "chatflow_sqlalchemy.dialect",
-    "WriteStep": "chatflow_sqlalchemy.dialect",
-    "BackendImportError": "chatflow_sqlalchemy.exceptions",
-    "DatabaseUnavailableError": "chatflow_sqlalchemy.exceptions",
-    "IOPool": "chatflow_sqlalchemy.iopool",
-    "MigrationChain": "chatflow_sqlalchemy.migrate",
-    "CLAIM_TICKETS": "chatflow_sqlalchemy.tables",
-    "NAMING_CONVENTION": "chatflow_sqlalchemy.tables",
-    "UTCDateTime": "chatflow_sqlalchemy.tables",
-    "StoreOptions": "chatflow_sqlalchemy.options",
-    "ServerSessionStore": "chatflow_sqlalchemy.server_store",
-    "CLAIM_CUTOFF": "chatflow_sqlalchemy.clock",
-    "CLAIM_HORIZON": "chatflow_sqlalchemy.clock",
-    "CLAIM_LEASE": "chatflow_sqlalchemy.clock",
-    "CLAIM_NOW": "chatflow_sqlalchemy.clock",
-    "DatabaseNow": "chatflow_sqlalchemy.clock",
-    "SQLAlchemySessionStore": "chatflow_sqlalchemy.store",
-    "Summarizer": "chatflow_sqlalchemy.summaries",
+    name: f"chatflow_sqlalchemy.{module}"
+    for module, names in {
+        "values": ("DEFAULT_DEDUP_TTL_HOURS", "DEFAULT_TURN_LEASE_SECONDS"),
+        "crypto": ("AESGCMCipher",),
+        "dialect": ("RECLAIMED_AS_DONE", "DialectSupport", "SessionWrite", "WriteStep"),
+        "exceptions": ("BackendImportError", "DatabaseUnavailableError"),
+        "iopool": ("IOPool",),
+        "migrate": ("MigrationChain",),
+        "tables": ("CLAIM_TICKETS", "NAMING_CONVENTION", "UTCDateTime"),
+        "options": ("StoreOptions",),
+        "server_store": ("ServerSessionStore",),
+        "clock": ("CLAIM_CUTOFF", "CLAIM_HORIZON", "CLAIM_LEASE", "CLAIM_NOW", "DatabaseNow"),
+        "store": ("SQLAlchemySessionStore",),
+        "summaries": ("Summarizer",),
+    }.items()
+    for name in names
 }
+"""Where each name lives, by module (imported on first use)."""
 
 __all__ = [
     "CLAIM_CUTOFF",
