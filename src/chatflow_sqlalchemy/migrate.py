@@ -41,6 +41,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import table as table_named
 
 from chatflow_sqlalchemy.dialect import DialectSupport
+from chatflow_sqlalchemy.registry import support_for
 from chatflow_sqlalchemy.tables import BACKEND_SHAPED
 from chatflow_sqlalchemy.urls import psycopg_url
 
@@ -128,12 +129,6 @@ def _errors() -> ModuleType:
     from chatflow_sqlalchemy import exceptions
 
     return exceptions
-
-
-def _support_for(dialect_name: str) -> DialectSupport:
-    from chatflow_sqlalchemy.registry import support_for
-
-    return support_for(dialect_name)
 
 
 def __getattr__(name: str) -> Any:
@@ -477,7 +472,7 @@ def open_engine(url: str | URL) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() in ("postgresql", "postgres"):
         parsed = psycopg_url(parsed)
-    support = _support_for(parsed.get_backend_name())
+    support = support_for(parsed.get_backend_name())
     parsed = support.sync_url(parsed)
     engine = create_engine(parsed, **support.engine_options(parsed))
     support.prepare_engine(engine)
@@ -491,7 +486,7 @@ def run_locked(url: str | None, fn: Callable[[Connection], None]) -> None:
             "no database URL: set CHATFLOW_DATABASE_URL", found=None, expected=""
         )
     engine = open_engine(url)
-    support = _support_for(engine.dialect.name)
+    support = support_for(engine.dialect.name)
     try:
         with locked_connection(engine, support) as conn:
             fn(conn)
@@ -712,7 +707,7 @@ def _run(
 ) -> None:
     """Run ``steps`` in one locked transaction; log each chain that moved once committed."""
     moved: list[tuple[MigrationChain, str, str, str, float]] = []
-    support = support or _support_for(engine.dialect.name)
+    support = support or support_for(engine.dialect.name)
     with alembic_chatter_at_debug(), locked_connection(engine, support) as conn:
         for chain, action, revision in steps:
             started = time.perf_counter()
