@@ -66,6 +66,7 @@ ASYNC_INSTALL_HINT = "pip install 'chatflow-sqlalchemy[aiosqlite]'"
 _IN_ASYNC_FACADE: ContextVar[bool] = ContextVar("chatflow_in_async_facade", default=False)
 """True while store code runs in a greenlet on the AsyncEngine's sync facade."""
 
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
@@ -170,11 +171,9 @@ class _Guard:
 class _Transaction:
     """:meth:`StoreRuntime.transaction`: under the guard, a connection in a transaction.
 
-    What ``with guard: with conn, conn.begin(): ...`` does, spelled out in a
-    class rather than a ``@contextmanager`` generator: every statement of the
-    store runs in one, several each turn, and a generator context manager
-    costs more. A commit or rollback that fails still closes the connection
-    and leaves the guard, and the guard sees that failure, as the nested
+    What ``with guard: with conn, conn.begin(): ...`` does, in a class for the
+    reason :class:`_Guard` is one. A commit or rollback that fails still closes
+    the connection and leaves the guard, which sees that failure, as the nested
     ``with`` statements would.
     """
 
@@ -326,13 +325,10 @@ class StoreRuntime:
     def _wants_native_async(self) -> bool:
         """Whether the async API runs in greenlets on an AsyncEngine (else the thread pool).
 
-        Needs an async driver for the URL and greenlet (the asyncio extension
-        of SQLAlchemy). A URL that names an async driver itself
-        (``sqlite+aiosqlite://``) without greenlet installed is refused with
-        the extra to install; otherwise the thread pool serves the async API.
-        A caller's engine carries settings (connect_args, pool, listeners)
-        that an AsyncEngine built from its URL would not: its async work runs
-        on threads.
+        It needs an async driver for the URL and greenlet; a URL naming an async
+        driver without greenlet is refused. A caller's engine carries settings
+        (connect_args, pool, listeners) that an AsyncEngine built from its URL
+        would not: its async work runs on threads.
         """
         if self.ephemeral or self.support.async_url(self.url) is None or not self.owns_engine:
             return False
@@ -431,9 +427,7 @@ class StoreRuntime:
         return await self._io_pool().run(fn, *args)
 
     def _make_async_engine(self, autocommit: bool = False) -> AsyncEngine:
-        """Create the AsyncEngine of a native-async store, with the store's engine options.
-
-        ``autocommit``: its connections run in autocommit (see :meth:`_transaction_level`).
+        """The AsyncEngine with the store's options (``autocommit``: :meth:`_transaction_level`).
 
         Raises:
             BackendImportError: The async driver is not installed (names the extra).
