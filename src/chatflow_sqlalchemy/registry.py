@@ -123,15 +123,11 @@ def _dist_label(ep: EntryPoint) -> str:
     return f"{dist.name} {dist.version}" if dist is not None else "<unknown distribution>"
 
 
-def _is_core(ep: EntryPoint) -> bool:
-    return _normalise(_dist_name(ep)) == CORE_DISTRIBUTION
-
-
 def _entry_points() -> dict[str, list[EntryPoint]]:
     """Third-party entry points by name, one per distribution (ours left out)."""
     found: dict[str, list[EntryPoint]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if _is_core(ep) and ep.name in _BUILTINS:
+        if ep.name in _BUILTINS and _normalise(_dist_name(ep)) == CORE_DISTRIBUTION:
             continue  # our own declaration of a built-in
         claims = found.setdefault(ep.name, [])
         if all(_normalise(_dist_name(ep)) != _normalise(_dist_name(c)) for c in claims):

@@ -1,11 +1,8 @@
 """``ServerSessionStore``: the store class of a backend for a database server.
 
-``PostgresSessionStore`` and a plugin's store (``MariaDBSessionStore``) are
-this class with their ``dialect_support`` set: a URL, the two positional
-options, and keywords that are store options
-(:class:`~chatflow_sqlalchemy.options.StoreOptions`) or, any other keyword,
-``create_engine`` options. A backend class adds only what differs (a URL
-check, methods of its own).
+``PostgresSessionStore`` and a plugin's store (``MariaDBSessionStore``) are this
+class with their ``dialect_support`` set, adding only what differs (a URL check,
+methods of their own).
 """
 
 from __future__ import annotations

@@ -73,7 +73,6 @@ __all__ = ["execute_write"]
 
 _sessions = tables.sessions
 _messages = tables.messages
-_archive_table = tables.message_archive
 _inbox = tables.inbox
 _processed = tables.processed_messages
 _NOW = bindparam("now", type_=UTCDateTime())
@@ -156,7 +155,7 @@ def _archive(swapped: Any) -> Any:
         _messages.c.session_id, _messages.c.seq, _messages.c.role, _messages.c.content,
         _messages.c.message_json, _messages.c.created_at, _NOW, waiting,
     ).where(_messages.c.session_id.in_(select(swapped.c.session_id)), kept | waiting)
-    return insert(_archive_table).from_select(ARCHIVE_COLUMNS, source).cte("archived")
+    return insert(tables.message_archive).from_select(ARCHIVE_COLUMNS, source).cte("archived")
 
 
 def _messages_diff(shape: _Shape, swapped: Any) -> list[Any]:
