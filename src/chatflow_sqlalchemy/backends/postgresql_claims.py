@@ -250,16 +250,11 @@ def create_day_partitions(connection: Connection, first: date, last: date) -> li
 def drop_expired_days(connection: Connection, cutoff: datetime, now: datetime) -> int:
     """Drop the day partitions before ``cutoff``'s day; return the expired rows removed.
 
-    Runs in a transaction of the caller's (one of its own: it sets
-    ``lock_timeout`` for its own statements and puts it back). One purge at a
-    time: a purge that finds another one running returns 0 at once. It deletes
-    one batch of expired rows from the default partition; then, under the
-    table's lock, it creates the partitions of today and :data:`DAYS_AHEAD`
-    days on, moves the live rows of the expired days to today's and drops
-    those days. The lock is waited for at most :data:`DROP_LOCK_TIMEOUT`.
-    When it is not granted nothing of that changes (logged). A role that
-    does not own the table (it may not create or drop partitions) deletes
-    one batch of expired rows instead, as on other databases (warned once).
+    The module's upkeep, in the caller's transaction (its ``lock_timeout`` is
+    put back after). A purge that finds another one running returns 0 at once;
+    the table's lock is waited for at most :data:`DROP_LOCK_TIMEOUT`, and when
+    it is not granted no partition changes (logged). A role that does not own
+    the table deletes one batch of expired rows instead (warned once).
     """
     taken = connection.execute(
         text(f"SELECT pg_try_advisory_xact_lock({PURGE_LOCK_KEYS})")
