@@ -111,17 +111,16 @@ def retrying_deadlocks(run: Callable[[], _T]) -> _T:
         except sa_exc.OperationalError as exc:
             if not is_deadlock(exc) or attempt == DEADLOCK_RETRIES - 1:
                 raise
-            if not _on_loop_thread():
+            if _running_loop() is None:
                 time.sleep(0.01 * (attempt + 1))
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _on_loop_thread() -> bool:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        asyncio.get_running_loop()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
-    return True
+        return None
 
 
 def describe(url: URL) -> str:
@@ -549,14 +548,13 @@ _BACKGROUND: set[asyncio.Task[None]] = set()
 
 def _dispose_from_sync_code(engine: AsyncEngine) -> None:
     """Close an AsyncEngine's pool from sync code (``aclose`` is the clean way)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
+    loop = _running_loop()
+    if loop is None:
         asyncio.run(engine.dispose())
-    else:
-        task = loop.create_task(engine.dispose())
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        return
+    task = loop.create_task(engine.dispose())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _on_async_facade(_session: Any, fn: Callable[..., _T], *args: Any) -> _T:
