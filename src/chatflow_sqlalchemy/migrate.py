@@ -805,13 +805,12 @@ def history(chain: MigrationChain | None = None) -> list[Revision]:
 
 def drift(engine: Engine, chain: MigrationChain | None = None) -> list[str]:
     """Differences between the models and the schema (default: every chain that applies)."""
-    with alembic_chatter_at_debug():
-        from alembic.autogenerate import compare_metadata
-        from alembic.runtime.migration import MigrationContext
-
     chains = [chain] if chain is not None else chains_for(engine.dialect.name)
     found: list[str] = []
     with alembic_chatter_at_debug(), engine.connect() as conn:
+        from alembic.autogenerate import compare_metadata
+        from alembic.runtime.migration import MigrationContext
+
         for item in chains:
             options = _context_options(conn.dialect.name, item.target_metadata, item.version_table)
             context = MigrationContext.configure(conn, opts=options)
