@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -80,3 +82,49 @@ def test_clear_forgets_what_waited_for_the_summary(kind: str) -> None:
         assert store.wait_for_summaries(30)
         assert seen == [["new-0", "new-reply-0"]]
         assert ctx.summary == "summary"
+
+
+def test_sweep_keeps_a_session_whose_batch_starts_as_the_sweep_looks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch that starts on another thread while a sweep runs must not lose its session.
+
+    The SQL stores check the lease and delete the session in one locked
+    statement. Here another thread's batch starts right after the sweep has
+    looked at the leases: either it waits for the sweep (and finds nothing
+    left to answer), or the sweep leaves its session and messages.
+    """
+    from chatflow_sqlalchemy.memory_inbox import MemoryInbox
+    from chatflow_sqlalchemy.testing.lifecycle_suite import SHORT_EXPIRE_SECONDS, SHORT_TTL_HOURS
+
+    batches: list[tuple[MemoryInbox, Any, list[Any]]] = []
+    workers: list[threading.Thread] = []
+    look = MemoryInbox.leased
+
+    def start_batch(rows: MemoryInbox) -> None:
+        lease = rows.take("s")
+        assert lease is not None
+        batches.append((rows, lease, rows.open_batch(lease, "token", 3)[1]))
+
+    def leased_as_a_batch_starts(rows: MemoryInbox, session_ids: Any) -> set[str]:
+        held = look(rows, session_ids)
+        if not workers:
+            workers.append(threading.Thread(target=start_batch, args=(rows,)))
+            workers[0].start()
+            workers[0].join(1.0)  # it may wait for the sweep: then it starts after it
+        return held
+
+    with SessionStore(session_ttl_hours=SHORT_TTL_HOURS) as store:
+        store.get_or_create("s", BOT).add_message(Message(role=Role.USER, content="hi"))
+        store.inbox.put("m1", session_id="s", text="hi")
+        time.sleep(SHORT_EXPIRE_SECONDS)  # the session expires
+        monkeypatch.setattr(MemoryInbox, "leased", leased_as_a_batch_starts)
+        swept = store.sweep()
+        workers[0].join(60)
+        assert not workers[0].is_alive()
+        rows, lease, items = batches[0]
+        if items:  # the batch has a message to answer: its session and lease stay
+            assert (swept, store.list_sessions()) == (0, ["s"])
+            assert rows.renew(lease)
+        else:
+            assert (swept, store.list_sessions()) == (1, [])

@@ -315,7 +315,9 @@ def _engine(url: URL, *, read_only: bool) -> Iterator[Engine]:
         engine = _read_only_sqlite(url, path)
     else:
         from chatflow_sqlalchemy import migrate
+        from chatflow_sqlalchemy.registry import backend_name_for_url, support_for
 
+        support_for(backend_name_for_url(url))  # first, as a store: names a missing driver's extra
         engine = migrate.open_engine(url)
     try:
         with _database_errors(url, "cannot reach"), engine.connect():

@@ -471,7 +471,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         Returns how many of them existed; the claims and inbox messages of the
         others go too.
         """
-        with self._lock:
+        with self._lock, self._inbox_rows.held():  # no batch starts between pick and forget
             self._check_open()
             ids = pick()
             contexts = [self._drop(sid) for sid in ids]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -87,7 +88,17 @@ class MemoryInbox:
         self._leases: dict[str, tuple[str, int, float]] = {}  # owner, fence, expiry
         self._fences: dict[str, int] = {}
         self._next_id = 1
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No lease is taken or given back meanwhile (this thread's own calls still run).
+
+        A store that reads :meth:`leased` and then forgets sessions holds the inbox
+        across both, as a SQL store checks and deletes in one statement.
+        """
+        with self._lock:
+            yield
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run the call here: nothing blocks."""
