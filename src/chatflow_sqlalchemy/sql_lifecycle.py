@@ -14,6 +14,7 @@ checked exactly, so no dialect's loose JSON comparison lets a wrong row through.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from sqlalchemy import (
     Connection,
     Select,
     Table,
+    Text,
     bindparam,
     case,
+    cast,
     delete,
     func,
     literal,
@@ -320,6 +323,21 @@ def decode_transcript(
     return [parsers[table](session_id, row_id, text) for table, row_id, text in rows]
 
 
+_SESSION_COLUMNS = [column for column in _sessions.c if column.name != "metadata_json"]
+_METADATA_TEXT = cast(_sessions.c.metadata_json, Text).label("metadata_json")
+"""Read as text, so metadata that is not JSON names its session instead of failing the fetch."""
+
+
+def _metadata_of(session_id: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+        raise CorruptRowError(session_id, None, reason, table=_sessions.name) from exc
+
+
 def export_sessions(
     conn: Connection,
     ids: list[str],
@@ -340,14 +358,14 @@ def export_sessions(
 
     exported: list[dict[str, Any]] = []
     for chunk in _chunks(ids):
-        query = select(_sessions).where(_sessions.c.session_id.in_(chunk))
+        query = select(*_SESSION_COLUMNS, _METADATA_TEXT).where(_sessions.c.session_id.in_(chunk))
         for row in conn.execute(query.order_by(_sessions.c.session_id)).mappings():
             sid = row["session_id"]
             exported.append({
                 "session_id": sid,
                 "user_id": row["user_id"],
                 "active_agent_name": row["active_agent_name"],
-                "metadata": open_metadata(sid, row["metadata_json"]),
+                "metadata": open_metadata(sid, _metadata_of(sid, row["metadata_json"])),
                 "created_at": _iso(row["created_at"]),
                 "updated_at": _iso(row["updated_at"]),
                 "summary": open_summary(sid, row["summary"]),
