@@ -537,8 +537,8 @@ class _Worker:
             if items:
                 await self._run_batch(lease, token, tuple(items))
         except LeaseLostError:
-            logger.warning("inbox: lost the lease of session %r: another worker took it over, "
-                           "or the session was deleted", lease.session_id)
+            logger.warning("inbox: lost the lease of session %r: it expired, another worker "
+                           "took it over, or the session was deleted", lease.session_id)
         except Exception:
             logger.exception("inbox: serving session %r failed; it is tried again",
                              lease.session_id)
