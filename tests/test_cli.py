@@ -436,31 +436,16 @@ def test_unreachable_database_hides_the_password(
 @pytest.mark.parametrize(
     "argv", [["db", "current"], ["db", "upgrade"], ["db", "check"], ["sessions", "list"]]
 )
-def test_missing_driver_names_the_extra_like_python_does(tmp_path: Path, argv: list[str]) -> None:
-    code = (
-        "import sys; sys.modules['psycopg'] = None\n"
-        "from chatflow_sqlalchemy.cli import main\n"
-        f"sys.exit(main(['--url', {PG_URL_WITH_PASSWORD!r}, *{argv!r}]))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert result.returncode == 2, result.stderr
-    line = assert_one_error_line(result.stderr, result.stdout)
-    assert "pip install 'chatflow-sqlalchemy[postgres]'" in line
-    assert "sekret" not in result.stderr
-
-
-@pytest.mark.parametrize("argv", [["db", "current"], ["sessions", "list"]])
-def test_missing_driver_is_named_before_a_url_for_another_driver(
-    tmp_path: Path, argv: list[str]
+@pytest.mark.parametrize("driver", ["+psycopg:", "+psycopg2:"])
+def test_missing_driver_names_the_extra_like_python_does(
+    tmp_path: Path, argv: list[str], driver: str
 ) -> None:
-    """Without psycopg, a ``postgresql+psycopg2://`` URL names the missing extra, as a store does.
+    """Without psycopg, any PostgreSQL URL names the missing extra, as a store does.
 
-    Naming the driver to write in the URL instead would send the user to one
-    that is not installed either.
+    For a ``postgresql+psycopg2://`` URL, naming the driver to write in the URL
+    instead would send the user to one that is not installed either.
     """
-    url = PG_URL_WITH_PASSWORD.replace("+psycopg:", "+psycopg2:")
+    url = PG_URL_WITH_PASSWORD.replace("+psycopg:", driver)
     code = (
         "import sys; sys.modules['psycopg'] = None\n"
         "from chatflow_sqlalchemy.cli import main\n"
