@@ -151,11 +151,6 @@ class Turns:
             offered = self._offered.get(lease.session_id)
             return offered is not None and offered[0] is lease
 
-    def _take_offered(self, session_id: str) -> tuple[Lease | None, float]:
-        with self._offered_lock:
-            lease, since = self._offered.pop(session_id, (None, 0.0))
-        return lease, time.monotonic() - since
-
     async def begin(self, ctx: SessionContext) -> None:
         """Take the session's lease, then catch up with the database.
 
@@ -233,8 +228,9 @@ class Turns:
         None if there is none, or if it could not be renewed (it lapsed):
         the turn then takes the lease as usual.
         """
-        lease, age = self._take_offered(session_id)
-        if lease is None or age < self.leases.lease_seconds / 3:
+        with self._offered_lock:
+            lease, since = self._offered.pop(session_id, (None, 0.0))
+        if lease is None or time.monotonic() - since < self.leases.lease_seconds / 3:
             return lease
         if await self._run_blocking(self.leases.renew, lease):
             return lease
