@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from chatflow_sqlalchemy import telemetry
@@ -44,6 +45,7 @@ Write = Callable[[SessionContext, ClaimFence | None, Lease | None, BatchFence | 
 """Writes a context's pending turn with its claim fence, lease and inbox batch."""
 
 
+@dataclass
 class _Held:
     """A lease held by a running turn, and the task that renews it.
 
@@ -51,15 +53,9 @@ class _Held:
     it and gives it back (``batch`` is set, ``renewal`` None).
     """
 
-    def __init__(
-        self,
-        lease: Lease,
-        renewal: Renewal | None,
-        batch: BatchFence | None = None,
-    ) -> None:
-        self.lease = lease
-        self.renewal = renewal
-        self.batch = batch
+    lease: Lease
+    renewal: Renewal | None
+    batch: BatchFence | None = None
 
     async def stop_renewing(self) -> None:
         """Cancel the renewal and wait for it; a cancellation of the caller still raises."""

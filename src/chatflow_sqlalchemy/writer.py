@@ -258,11 +258,7 @@ class SessionWriter:
         return sorted(others), waiting
 
     def _rebase(self, conn: Connection, ctx: SessionContext) -> PendingWrite:
-        """Another writer moved the session: replay our unsaved changes on its rows.
-
-        See :meth:`SessionContext.rebase`; it raises :class:`SessionDeletedError`
-        for a session deleted meanwhile (or deleted and created anew).
-        """
+        """Another writer moved the session: replay our unsaved changes on its rows."""
         pending = ctx.rebase(read_session(conn, self._sealer, ctx.session_id), self._agents)
         telemetry.count("chatflow.version_conflicts", 1, self._runtime.system)
         logger.info(
@@ -276,14 +272,8 @@ class SessionWriter:
 def _raise_lost(write: SessionWrite, row: Row[Any] | None, incarnation: object) -> None:
     """Raise what the write lost, as :func:`~chatflow_sqlalchemy.sql_write.probe` read it.
 
-    ``incarnation``: the ``created_at`` of the session the write began on.
-
-    Raises:
-        SessionDeletedError: The session is gone (or is another one now).
-        LeaseLostError: The lease expired or was taken over, or the inbox
-            batch's items are no longer in flight under its token.
-        ClaimLostError: The claim is no longer held.
-
+    ``incarnation`` is the ``created_at`` of the session the write began on; an
+    inbox batch whose items are no longer in flight under its token lost its lease.
     """
     sid = write.swap["sid"]
     if row is None or (incarnation is not None and row.created_at != incarnation):
