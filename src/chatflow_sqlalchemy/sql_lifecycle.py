@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    ScalarSelect,
     Select,
     Table,
     bindparam,
@@ -160,8 +161,8 @@ def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
     return int(erased)
 
 
-def _erase_stored_with(conn: Connection, ids: list[str] | Any) -> None:
-    """Delete the messages, archive, claims and inbox messages of these session ids."""
+def _erase_stored_with(conn: Connection, ids: list[str] | ScalarSelect[Any]) -> None:
+    """Delete the messages, archive, claims and inbox messages of these ids (or subquery's)."""
     for table in (_messages, _processed, _archive, _inbox):
         conn.execute(delete(table).where(table.c.session_id.in_(ids)))
 
