@@ -56,16 +56,6 @@ def _cipher_error(message: str) -> CipherError:
     return CipherError(message)
 
 
-def _aesgcm() -> Any:
-    try:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    except ImportError as exc:
-        raise ImportError(
-            f"encryption needs the 'cryptography' package: {CRYPTO_INSTALL_HINT} ({exc})"
-        ) from exc
-    return AESGCM
-
-
 class AESGCMCipher:
     """AES-GCM with several named keys: encrypts with ``primary``, decrypts with any.
 
@@ -81,7 +71,12 @@ class AESGCMCipher:
     """
 
     def __init__(self, keys: Mapping[str, bytes], primary: str) -> None:
-        aesgcm = _aesgcm()
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError as exc:
+            raise ImportError(
+                f"encryption needs the 'cryptography' package: {CRYPTO_INSTALL_HINT} ({exc})"
+            ) from exc
         if not keys:
             raise ValueError("keys must hold at least one key id -> key bytes")
         for key_id, key in keys.items():
@@ -98,7 +93,7 @@ class AESGCMCipher:
         if primary not in keys:
             raise ValueError(f"primary {primary!r} is not one of the key ids {sorted(keys)}")
         self.primary = primary
-        self._ciphers = {key_id: aesgcm(bytes(key)) for key_id, key in keys.items()}
+        self._ciphers = {key_id: AESGCM(bytes(key)) for key_id, key in keys.items()}
 
     @property
     def key_ids(self) -> frozenset[str]:

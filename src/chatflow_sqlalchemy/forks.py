@@ -86,14 +86,9 @@ def fork_window(
             "(pruned turns are no longer in the window)"
         )
     end = starts[taken] if taken < len(starts) else len(messages)
-    while end > systems and _unanswered_call(messages[end - 1]):
-        end -= 1  # its result would never come: the tool runs for the source
+    while end > systems and messages[end - 1].role == Role.MODEL and messages[end - 1].tool_calls:
+        end -= 1  # a tool call: its result would never come (the tool runs for the source)
     return ForkedWindow(list(messages[:end]), list(seqs[:end]), taken)
-
-
-def _unanswered_call(message: Message) -> bool:
-    """True for a tool call (at the end of what a fork takes: no result follows it)."""
-    return message.role == Role.MODEL and bool(message.tool_calls)
 
 
 def no_such_session(session_id: str) -> ValueError:

@@ -432,7 +432,10 @@ class _Worker:
                 wake.clear()
                 if time.monotonic() >= next_purge:
                     next_purge = time.monotonic() + PURGE_EVERY_SECONDS
-                    await self._purge()
+                    try:
+                        await self._inbox.apurge()
+                    except Exception as exc:  # upkeep: the next one will do
+                        logger.warning("inbox: could not purge answered messages: %s", exc)
                 started = await self._start_ready()
                 idle = _FIRST_POLL if started else min(idle * 2, _LAST_POLL)
                 await _until_woken(wake, idle)
@@ -446,12 +449,6 @@ class _Worker:
                 await asyncio.wait(running)
             while self._orphans:  # a take that finishes now starts its give-back: loop
                 await asyncio.wait(set(self._orphans))
-
-    async def _purge(self) -> None:
-        try:
-            await self._inbox.apurge()
-        except Exception as exc:  # upkeep: the next one will do
-            logger.warning("inbox: could not purge answered messages: %s", exc)
 
     async def _start_ready(self) -> int:
         """Take the lease of each ready session there is room for; start its batch."""
@@ -658,8 +655,7 @@ def _describe(exc: BaseException) -> str:
 def _checked(
     message_id: object, session_id: object, text: object, sent_at: object, payload: object
 ) -> tuple[str, str, str, datetime | None, Any]:
-    validate_message_id(message_id)
-    assert isinstance(message_id, str)
+    checked_id = validate_message_id(message_id)
     if not isinstance(session_id, str) or not session_id:
         raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
     if len(session_id) > SESSION_ID_MAX_LENGTH:
@@ -673,7 +669,7 @@ def _checked(
             json.dumps(payload, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"payload must be JSON-serialisable: {exc}") from None
-    return message_id, session_id, text, parse_sent_at(sent_at), payload
+    return checked_id, session_id, text, parse_sent_at(sent_at), payload
 
 
 def parse_sent_at(value: object) -> datetime | None:

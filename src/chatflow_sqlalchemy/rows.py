@@ -40,8 +40,6 @@ __all__ = [
     "IS_PROCESSED",
     "SELECT_VERSION",
     "StoredSession",
-    "content_column",
-    "dump_message_json",
     "first_version",
     "message_row",
     "messages",
@@ -111,7 +109,11 @@ def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSes
         CorruptRowError: A row cannot be decoded (it names the table and row).
 
     """
-    row = _fetch_session_row(conn, session_id)
+    try:  # SQLite keeps metadata as text, which a hand edit or a damaged file can leave invalid
+        row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
     if row is None:
         return None
     metadata = sealer.open_metadata(session_id, row.metadata_json)
@@ -140,89 +142,64 @@ def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSes
     )
 
 
-def _fetch_session_row(conn: Connection, session_id: str) -> Any:
-    """The session's row; metadata that is not valid JSON is a :class:`CorruptRowError`.
-
-    Databases with a JSON type validate on write; SQLite stores text, which
-    a hand edit or a damaged file can leave undecodable.
-    """
-    try:
-        return conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
-    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
-        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
-        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
-
-
 def message_row(
     sealer: Sealer, session_id: str, seq: int, message: Message, now: datetime
 ) -> dict[str, Any]:
-    """The ``chatflow_messages`` row of ``message`` at ``seq`` (sealed if the store encrypts)."""
-    return {
-        "session_id": session_id,
-        "seq": seq,
-        "role": message.role.value,
-        "content": None if sealer.active else content_column(message.content),
-        "message_json": sealer.seal_text(session_id, dump_message_json(session_id, message)),
-        "created_at": now,
-    }
+    """``message``'s ``chatflow_messages`` row at ``seq`` (sealed if the store encrypts).
 
-
-def parse_message(session_id: str, row_id: object, text: str) -> Message:
-    """A message from its row's JSON, or :class:`CorruptRowError` naming the row."""
-    try:
-        return Message.model_validate_json(text)
-    except ValidationError as exc:
-        if _too_deep_for_pydantic_json(exc):
-            return _parse_deep_message(session_id, row_id, text)
-        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
-    except (ValueError, TypeError) as exc:
-        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
-
-
-def _too_deep_for_pydantic_json(exc: ValidationError) -> bool:
-    """True if pydantic's JSON parser gave up on nesting depth, not on the content.
-
-    pydantic writes JSON nested deeper than its own parser reads back (a tool
-    result ~200 levels deep); such a row is valid and is parsed another way.
+    ``content`` is a readable copy of ``message_json``'s content. PostgreSQL text
+    cannot hold NUL, so NUL becomes U+FFFD in it (on every backend, alike); the
+    message is read back from ``message_json``, where JSON escapes it, so it
+    round-trips exactly. A message that cannot be stored raises ``ValueError``.
     """
-    errors = exc.errors()
-    return (
-        len(errors) == 1
-        and errors[0]["type"] == "json_invalid"
-        and "recursion limit" in str(errors[0].get("ctx", {}).get("error", ""))
-    )
-
-
-def _parse_deep_message(session_id: str, row_id: object, text: str) -> Message:
-    """Parse a deeply nested row with the stdlib's JSON parser, then validate it."""
     try:
-        return Message.model_validate(json.loads(text))
-    except (ValidationError, ValueError, TypeError, RecursionError) as exc:
-        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
-
-
-def dump_message_json(session_id: str, message: Message) -> str:
-    """A message's JSON for its row, or ``ValueError`` saying why it cannot be stored."""
-    try:
-        return dump_message(message)
+        text = dump_message(message)
     except PydanticSerializationError as exc:
         raise ValueError(
             f"a {message.role.value} message of session {session_id!r} cannot be stored: "
             f"{exc}. Tool results and arguments must be JSON-serialisable and nested at "
             "most 250 levels deep; flatten or stringify the value (the turn was not stored)"
         ) from None
-
-
-def content_column(content: str | None) -> str | None:
-    """The text for the ``content`` column: a readable copy of ``message_json``'s content.
-
-    PostgreSQL text cannot hold NUL, so NUL becomes U+FFFD in this copy (on
-    every backend, alike); the message itself is read back from
-    ``message_json``, where JSON escapes it, so it round-trips exactly.
-    """
+    content = None if sealer.active else message.content
     if content is not None and "\x00" in content:
-        return content.replace("\x00", "\ufffd")
-    return content
+        content = content.replace("\x00", "\ufffd")
+    return {
+        "session_id": session_id,
+        "seq": seq,
+        "role": message.role.value,
+        "content": content,
+        "message_json": sealer.seal_text(session_id, text),
+        "created_at": now,
+    }
+
+
+def parse_message(session_id: str, row_id: object, text: str) -> Message:
+    """A message from its row's JSON, or :class:`CorruptRowError` naming the row.
+
+    pydantic writes JSON nested deeper than its own parser reads back (a tool
+    result ~200 levels deep): such a row is valid, and read with the stdlib's parser.
+    """
+    try:
+        return Message.model_validate_json(text)
+    except ValidationError as exc:
+        if not _too_deep_for_pydantic_json(exc):
+            raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+    except (ValueError, TypeError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+    try:
+        return Message.model_validate(json.loads(text))
+    except (ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise CorruptRowError(session_id, row_id, str(exc).splitlines()[0]) from exc
+
+
+def _too_deep_for_pydantic_json(exc: ValidationError) -> bool:
+    """True if pydantic's JSON parser gave up on nesting depth, not on the content."""
+    errors = exc.errors()
+    return (
+        len(errors) == 1
+        and errors[0]["type"] == "json_invalid"
+        and "recursion limit" in str(errors[0].get("ctx", {}).get("error", ""))
+    )
 
 
 def first_version() -> int:

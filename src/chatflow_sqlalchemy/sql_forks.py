@@ -7,7 +7,6 @@ are sealed again under the new id (a token names its session).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select
 
@@ -17,7 +16,6 @@ from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.forks import ForkedWindow, fork_window, no_such_session, session_exists
 from chatflow_sqlalchemy.rows import (
     INSERT_MESSAGES,
-    StoredSession,
     first_version,
     message_row,
     read_session,
@@ -68,9 +66,20 @@ def copy_session(
     window, seqs, _hidden = repair_window(stored.messages, stored.seqs)
     forked = fork_window(session_id, window, seqs, at_turn)
     now = utcnow()
-    conn.execute(_INSERT_SESSION, _session_row(
-        sealer, stored, source.user_id, session_id, new_session_id, forked, now
-    ))
+    summary = stored.summary  # the source's agent, metadata, owner and summary
+    conn.execute(_INSERT_SESSION, {
+        "session_id": new_session_id,
+        "active_agent_name": stored.agent_name,
+        "metadata_json": sealer.seal_metadata(new_session_id, stored.metadata),
+        "version": first_version(),
+        "created_at": now,
+        "updated_at": now,
+        "user_id": source.user_id,
+        "summary": None if summary is None else sealer.seal_text(new_session_id, summary),
+        "summary_through": stored.summary_through,
+        "forked_from": session_id,
+        "forked_at_turn": forked.turns,
+    })
     if forked.messages:
         conn.execute(INSERT_MESSAGES, [
             message_row(sealer, new_session_id, seq, message, now)
@@ -103,28 +112,3 @@ def _copy_waiting(
     if copies:
         conn.execute(insert(_archive), copies)
 
-
-def _session_row(
-    sealer: Sealer,
-    stored: StoredSession,
-    user_id: str | None,
-    session_id: str,
-    new_session_id: str,
-    forked: ForkedWindow,
-    now: datetime,
-) -> dict[str, Any]:
-    """The fork's ``chatflow_sessions`` row: the source's agent, metadata, owner and summary."""
-    summary = stored.summary
-    return {
-        "session_id": new_session_id,
-        "active_agent_name": stored.agent_name,
-        "metadata_json": sealer.seal_metadata(new_session_id, stored.metadata),
-        "version": first_version(),
-        "created_at": now,
-        "updated_at": now,
-        "user_id": user_id,
-        "summary": None if summary is None else sealer.seal_text(new_session_id, summary),
-        "summary_through": stored.summary_through,
-        "forked_from": session_id,
-        "forked_at_turn": forked.turns,
-    }

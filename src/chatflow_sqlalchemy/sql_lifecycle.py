@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    ScalarSelect,
     Select,
     Table,
     Text,
@@ -163,8 +164,8 @@ def erase_sessions(conn: Connection, ids: Iterable[str]) -> int:
     return int(erased)
 
 
-def _erase_stored_with(conn: Connection, ids: list[str]) -> None:
-    """Delete the messages, archive, claims and inbox messages of these session ids."""
+def _erase_stored_with(conn: Connection, ids: list[str] | ScalarSelect[Any]) -> None:
+    """Delete the messages, archive, claims and inbox messages of these ids (or subquery's)."""
     for table in (_messages, _processed, _archive, _inbox):
         conn.execute(delete(table).where(table.c.session_id.in_(ids)))
 
@@ -203,9 +204,7 @@ def erase_user_rows(conn: Connection, user_id: str) -> int:
     """
     mine = _sessions.c.user_id == user_id
     conn.execute(update(_sessions).where(mine).values(user_id=_sessions.c.user_id))
-    owned = owned_sessions(user_id).scalar_subquery()
-    for table in (_messages, _processed, _archive, _inbox):
-        conn.execute(delete(table).where(table.c.session_id.in_(owned)))
+    _erase_stored_with(conn, owned_sessions(user_id).scalar_subquery())
     return int(conn.execute(delete(_sessions).where(mine)).rowcount)
 
 

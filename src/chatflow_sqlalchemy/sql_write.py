@@ -94,14 +94,6 @@ def swap_params(write: SessionWrite) -> dict[str, Any]:
     return {**write.swap, **(write.lease or {}), **(write.summary or {})}
 
 
-def swap_of(write: SessionWrite) -> Update:
-    """:func:`swap_statement` for ``write``."""
-    return swap_statement(
-        metadata="metadata" in write.swap, lease=write.lease is not None,
-        keep=write.keep_lease, summary=write.summary is not None,
-    )
-
-
 @cache
 def settle_statement(*, keep: bool) -> Update | Any:
     """Archived rows up to seq ``through`` are in the summary now: kept (``keep``) or deleted."""
@@ -129,7 +121,11 @@ def _archive_step(write: SessionWrite, seqs: list[int], *, waiting: bool) -> Wri
 def portable_steps(write: SessionWrite) -> tuple[WriteStep, ...]:
     """``write`` as statements any database runs, in order; the swap comes first."""
     sid = write.swap["sid"]
-    steps = [WriteStep(swap_of(write), swap_params(write), rows=1)]
+    swap = swap_statement(
+        metadata="metadata" in write.swap, lease=write.lease is not None,
+        keep=write.keep_lease, summary=write.summary is not None,
+    )
+    steps = [WriteStep(swap, swap_params(write), rows=1)]
     for seqs, waiting in ((list(write.archived), False), (list(write.waiting), True)):
         steps += [
             _archive_step(write, seqs[start : start + _ID_CHUNK], waiting=waiting)

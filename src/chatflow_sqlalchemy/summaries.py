@@ -291,11 +291,7 @@ class Summaries:
             raise RuntimeError(f"the summarizer raised {type(exc).__name__}: {exc}") from exc
 
     async def _apply(self, ctx: SessionContext, pending: PendingSummary, summary: str) -> None:
-        """Store ``summary`` as a turn of ``ctx``, over the summary it was made from.
-
-        Only if ``ctx`` (taken before the claim) is the session the claim read,
-        not a new one under the id of one deleted meanwhile.
-        """
+        """Store ``summary`` as a turn of ``ctx`` (if the claim read it), over its ``previous``."""
         applied = False
         if self._rows.incarnation(ctx) == pending.incarnation:
             with contextlib.suppress(SessionDeletedError):  # deleted meanwhile

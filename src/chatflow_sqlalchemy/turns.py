@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from chatflow_sqlalchemy import telemetry
@@ -44,6 +45,7 @@ Write = Callable[[SessionContext, ClaimFence | None, Lease | None, BatchFence | 
 """Writes a context's pending turn with its claim fence, lease and inbox batch."""
 
 
+@dataclass
 class _Held:
     """A lease held by a running turn, and the task that renews it.
 
@@ -51,15 +53,9 @@ class _Held:
     it and gives it back (``batch`` is set, ``renewal`` None).
     """
 
-    def __init__(
-        self,
-        lease: Lease,
-        renewal: Renewal | None,
-        batch: BatchFence | None = None,
-    ) -> None:
-        self.lease = lease
-        self.renewal = renewal
-        self.batch = batch
+    lease: Lease
+    renewal: Renewal | None
+    batch: BatchFence | None = None
 
     async def stop_renewing(self) -> None:
         """Cancel the renewal and wait for it; a cancellation of the caller still raises."""
@@ -151,11 +147,6 @@ class Turns:
             offered = self._offered.get(lease.session_id)
             return offered is not None and offered[0] is lease
 
-    def _take_offered(self, session_id: str) -> tuple[Lease | None, float]:
-        with self._offered_lock:
-            lease, since = self._offered.pop(session_id, (None, 0.0))
-        return lease, time.monotonic() - since
-
     async def begin(self, ctx: SessionContext) -> None:
         """Take the session's lease, then catch up with the database.
 
@@ -233,8 +224,9 @@ class Turns:
         None if there is none, or if it could not be renewed (it lapsed):
         the turn then takes the lease as usual.
         """
-        lease, age = self._take_offered(session_id)
-        if lease is None or age < self.leases.lease_seconds / 3:
+        with self._offered_lock:
+            lease, since = self._offered.pop(session_id, (None, 0.0))
+        if lease is None or time.monotonic() - since < self.leases.lease_seconds / 3:
             return lease
         if await self._run_blocking(self.leases.renew, lease):
             return lease

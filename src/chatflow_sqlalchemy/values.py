@@ -262,10 +262,6 @@ INBOX_STATES = (PENDING, IN_FLIGHT, DONE, SENT, DEAD)
 """Every state an inbox message can be in, in the order it goes through them."""
 
 
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
 @dataclass(frozen=True)
 class InboxEntry:
     """One inbox message as operators see it (``inbox list``).
@@ -295,7 +291,7 @@ class InboxEntry:
         """JSON-ready fields (times as ISO 8601)."""
         fields = asdict(self)
         for name in ("received_at", "updated_at", "sent_at"):
-            fields[name] = _iso(fields[name])
+            fields[name] = None if fields[name] is None else fields[name].isoformat()
         return fields
 
 

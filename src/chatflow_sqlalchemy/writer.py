@@ -20,7 +20,6 @@ there while still held is looked for in every day once.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Row
@@ -141,11 +140,24 @@ class SessionWriter:
         held = None if lease is None else lease_params(lease)
         if lease is not None and lease.kept:
             held = {**lease_params(lease), **self._leases.until_params()}
+        sid = pending.session_id
+        swap: dict[str, Any] = {  # the compare-and-swap's; the metadata only if it changed
+            "sid": sid,
+            "expected": pending.version,
+            "new_version": pending.version + 1,
+            "agent_name": pending.agent_name,
+            "now": now,
+        }
+        if pending.metadata is not None:
+            swap["metadata"] = self._sealer.seal_metadata(sid, pending.metadata)
         fields: dict[str, Any] = {
-            "swap": self._bump_params(pending, now),
+            "swap": swap,
             "gone": sorted(pending.gone),
             "clear": bool(pending.gone) and pending.empty,
-            "rows": self._rows(pending, now),
+            "rows": [
+                message_row(self._sealer, sid, seq, message, now)
+                for seq, message in pending.messages
+            ],
             "archived": archived,
             "waiting": waiting,
             "summary": summary,
@@ -245,32 +257,8 @@ class SessionWriter:
         others = pending.gone.difference(waiting, pending.hidden)
         return sorted(others), waiting
 
-    def _rows(self, pending: PendingWrite, now: datetime) -> list[dict[str, Any]]:
-        """The message rows ``pending`` inserts."""
-        return [
-            message_row(self._sealer, pending.session_id, seq, message, now)
-            for seq, message in pending.messages
-        ]
-
-    def _bump_params(self, pending: PendingWrite, now: datetime) -> dict[str, Any]:
-        """Parameters of the compare-and-swap UPDATE (with the metadata if it changed)."""
-        params: dict[str, Any] = {
-            "sid": pending.session_id,
-            "expected": pending.version,
-            "new_version": pending.version + 1,
-            "agent_name": pending.agent_name,
-            "now": now,
-        }
-        if pending.metadata is not None:
-            params["metadata"] = self._sealer.seal_metadata(pending.session_id, pending.metadata)
-        return params
-
     def _rebase(self, conn: Connection, ctx: SessionContext) -> PendingWrite:
-        """Another writer moved the session: replay our unsaved changes on its rows.
-
-        See :meth:`SessionContext.rebase`; it raises :class:`SessionDeletedError`
-        for a session deleted meanwhile (or deleted and created anew).
-        """
+        """Another writer moved the session: replay our unsaved changes on its rows."""
         pending = ctx.rebase(read_session(conn, self._sealer, ctx.session_id), self._agents)
         telemetry.count("chatflow.version_conflicts", 1, self._runtime.system)
         logger.info(
@@ -284,14 +272,8 @@ class SessionWriter:
 def _raise_lost(write: SessionWrite, row: Row[Any] | None, incarnation: object) -> None:
     """Raise what the write lost, as :func:`~chatflow_sqlalchemy.sql_write.probe` read it.
 
-    ``incarnation``: the ``created_at`` of the session the write began on.
-
-    Raises:
-        SessionDeletedError: The session is gone (or is another one now).
-        LeaseLostError: The lease expired or was taken over, or the inbox
-            batch's items are no longer in flight under its token.
-        ClaimLostError: The claim is no longer held.
-
+    ``incarnation`` is the ``created_at`` of the session the write began on; an
+    inbox batch whose items are no longer in flight under its token lost its lease.
     """
     sid = write.swap["sid"]
     if row is None or (incarnation is not None and row.created_at != incarnation):
