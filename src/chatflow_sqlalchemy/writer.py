@@ -272,8 +272,14 @@ class SessionWriter:
 def _raise_lost(write: SessionWrite, row: Row[Any] | None, incarnation: object) -> None:
     """Raise what the write lost, as :func:`~chatflow_sqlalchemy.sql_write.probe` read it.
 
-    ``incarnation`` is the ``created_at`` of the session the write began on; an
-    inbox batch whose items are no longer in flight under its token lost its lease.
+    ``incarnation`` is the ``created_at`` of the session the write began on.
+
+    Raises:
+        SessionDeletedError: The session is gone (or is another one now).
+        LeaseLostError: The lease expired or was taken over, or the inbox
+            batch's items are no longer in flight under its token.
+        ClaimLostError: The claim is no longer held.
+
     """
     sid = write.swap["sid"]
     if row is None or (incarnation is not None and row.created_at != incarnation):
