@@ -152,9 +152,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
-        self._context_owner = ContextOwner(
-            self._flush_context, self._start_turn, self._finish_turn, self._drop_turn,
-            self._run_blocking,
+        self._context_owner = ContextOwner(  # flush and run_blocking: looked up at each call,
+            lambda ctx: self._flush_context(ctx),  # as a test or benchmark may wrap them
+            self._start_turn, self._finish_turn, self._drop_turn,
+            lambda fn, *args: self._run_blocking(fn, *args),
         )
         self._claim_rows = MemoryClaims(
             self._lock, self._processed, self._ttl_seconds, self._remember
