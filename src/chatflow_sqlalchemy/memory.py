@@ -314,14 +314,15 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _answer(self, ctx: SessionContext, start: Checkpoint) -> None:
         """Commit the turn's claim and record its batch's reply, or undo the turn to ``start``."""
+        fence, batch = active_fence(ctx.session_id), active_batch(ctx.session_id)
+        if fence is None and batch is None:
+            return  # the turn outlived its block: its answer is no claim's or batch's reply
         reply = reply_of(ctx.added_since(start))
-        fence = active_fence(ctx.session_id)
         if fence is not None:
             fence.reply = reply
             if not self._claim_rows.commit_turn(fence):
                 ctx.restore(start)
                 raise ClaimLostError(fence.message_id)
-        batch = active_batch(ctx.session_id)
         if batch is not None:
             try:
                 self._inbox_rows.answer(batch, reply)
