@@ -274,3 +274,34 @@ async def test_aiosqlite_url_runs_natively(tmp_path: Path) -> None:
         assert reopened.is_message_processed("m1")
     finally:
         reopened.close()
+
+
+@pytest.mark.parametrize("base", ["memory", "sqlite"])
+async def test_a_wrapper_set_on_the_store_after_it_opened_runs_its_contexts_writes(
+    base: str, tmp_path: Path
+) -> None:
+    """Contexts call the store's ``_run_blocking`` and ``_flush_context`` as it has them now.
+
+    A test or benchmark wraps them on an open store (this module's spies do):
+    the in-memory store honours that as the SQL stores do.
+    """
+    store: Any = SessionStore() if base == "memory" else SQLiteSessionStore(tmp_path / "w.db")
+    seen: list[str] = []
+    flush, run_blocking = store._flush_context, store._run_blocking
+
+    def flush_spy(ctx: Any) -> None:
+        seen.append("flush")
+        flush(ctx)
+
+    async def run_spy(fn: Any, *args: Any) -> Any:
+        seen.append("run")
+        return await run_blocking(fn, *args)
+
+    store._flush_context, store._run_blocking = flush_spy, run_spy
+    try:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        seen.clear()
+        await ctx.aadd_message(Message(role=Role.USER, content="hi"))
+        assert seen == ["run", "flush"]
+    finally:
+        await store.aclose()

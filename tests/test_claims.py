@@ -652,3 +652,26 @@ def test_a_claim_never_waits_for_a_session_row_locked_elsewhere(
             thread.start()
             thread.join(20)
             assert outcome == [True], "the acquire waited on the locked session row"
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_turn_ending_after_its_claim_block_stores_no_reply_with_it(kind: str) -> None:
+    """A turn begun in a claim block and ended after it is a turn of no claim.
+
+    Its answer is not a claim's reply, so text a claim could not store does
+    not fail it: every store keeps the turn, the in-memory one as the SQL ones.
+    """
+    from chatflow_sqlalchemy import SessionStore
+
+    store: Any = SessionStore() if kind == "memory" else SQLiteSessionStore(":memory:")
+    try:
+        ctx = await store.aget_or_create("s", Agent(name="Bot", instructions=""))
+        lock = ctx.lock
+        async with store.claim("m1", session_id="s"):
+            await lock.__aenter__()
+            await ctx.aadd_message(Message(role=Role.USER, content="hi"))
+            await ctx.aadd_message(Message(role=Role.MODEL, content="no\x00reply for a claim"))
+        await lock.__aexit__(None, None, None)
+        assert [m.role for m in store.get("s").history] == [Role.USER, Role.MODEL]
+    finally:
+        await store.aclose()

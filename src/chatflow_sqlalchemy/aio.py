@@ -5,10 +5,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatflow_agent import Agent, BaseSessionStore, Message
 
@@ -20,29 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncStoreAPI"]
 
 _T = TypeVar("_T")
-_P = ParamSpec("_P")
-
-
-def _twin(
-    sync: Callable[Concatenate[Any, _P], _T],
-) -> Callable[Concatenate[AsyncStoreAPI, _P], Coroutine[Any, Any, _T]]:
-    """The ``a``-method of the store method ``sync``: the store's own, by :meth:`_run_blocking`.
-
-    It looks the method up on the store, so a subclass's override is the one run.
-    """
-    name = sync.__name__
-
-    async def twin(self: AsyncStoreAPI, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        method = getattr(self, name)
-        if kwargs:
-            method = functools.partial(method, **kwargs)
-        return await self._run_blocking(method, *args)
-
-    functools.update_wrapper(twin, sync, (), ())  # its signature, for help() and inspect
-    twin.__name__ = f"a{name}"
-    twin.__qualname__ = f"AsyncStoreAPI.a{name}"
-    twin.__doc__ = f"Async :meth:`{name}`."
-    return twin
 
 
 class AsyncStoreAPI(BaseSessionStore):
@@ -159,20 +136,76 @@ class AsyncStoreAPI(BaseSessionStore):
             session_id, default_agent, metadata,
         )
 
+    async def aget(self, session_id: str) -> SessionContext | None:
+        """Async :meth:`get`."""
+        return await self._run_blocking(self.get, session_id)
+
+    async def adelete(self, session_id: str) -> bool:
+        """Async :meth:`delete`."""
+        return await self._run_blocking(self.delete, session_id)
+
+    async def alist_sessions(
+        self,
+        *,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        updated_after: datetime | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+        forked_from: str | None = None,
+    ) -> list[str]:
+        """Async :meth:`list_sessions`."""
+        return await self._run_blocking(
+            functools.partial(
+                self.list_sessions, user_id=user_id, metadata=metadata,
+                updated_after=updated_after, limit=limit, after=after, forked_from=forked_from,
+            )
+        )
+
+    async def afork(
+        self, session_id: str, new_session_id: str, *, at_turn: int | None = None
+    ) -> SessionContext:
+        """Async :meth:`fork`."""
+        return await self._run_blocking(
+            functools.partial(self.fork, at_turn=at_turn), session_id, new_session_id
+        )
+
+    async def aerase_user(self, user_id: str) -> int:
+        """Async :meth:`erase_user`."""
+        return await self._run_blocking(self.erase_user, user_id)
+
     async def await_for_summaries(self, timeout: float | None = None) -> bool:
         """Async ``wait_for_summaries`` (the wait runs on a thread, never on the loop)."""
         return await asyncio.to_thread(self.wait_for_summaries, timeout)
 
-    aget = _twin(get)
-    adelete = _twin(BaseSessionStore.delete)
-    alist_sessions = _twin(list_sessions)
-    afork = _twin(fork)
-    aerase_user = _twin(erase_user)
-    atranscript = _twin(transcript)
-    asweep = _twin(sweep)
-    aexport_user = _twin(export_user)
-    aclear = _twin(BaseSessionStore.clear)
-    ais_message_processed = _twin(BaseSessionStore.is_message_processed)
-    amark_message_processed = _twin(mark_message_processed)
-    arecord_processed_message = _twin(BaseSessionStore.record_processed_message)
-    apurge_processed_messages = _twin(purge_processed_messages)
+    async def atranscript(self, session_id: str) -> list[Message]:
+        """Async :meth:`transcript`."""
+        return await self._run_blocking(self.transcript, session_id)
+
+    async def asweep(self, limit: int | None = None) -> int:
+        """Async :meth:`sweep`."""
+        return await self._run_blocking(self.sweep, limit)
+
+    async def aexport_user(self, user_id: str) -> dict[str, Any]:
+        """Async :meth:`export_user`."""
+        return await self._run_blocking(self.export_user, user_id)
+
+    async def aclear(self) -> None:
+        """Async :meth:`clear`."""
+        await self._run_blocking(self.clear)
+
+    async def ais_message_processed(self, message_id: str) -> bool:
+        """Async :meth:`is_message_processed`."""
+        return await self._run_blocking(self.is_message_processed, message_id)
+
+    async def amark_message_processed(self, message_id: str) -> None:
+        """Async :meth:`mark_message_processed`."""
+        await self._run_blocking(self.mark_message_processed, message_id)
+
+    async def arecord_processed_message(self, message_id: str) -> bool:
+        """Async :meth:`record_processed_message`."""
+        return await self._run_blocking(self.record_processed_message, message_id)
+
+    async def apurge_processed_messages(self) -> int:
+        """Async :meth:`purge_processed_messages`."""
+        return await self._run_blocking(self.purge_processed_messages)

@@ -152,9 +152,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._lock = threading.RLock()
         self._agent_resolver: Callable[[str], Agent | None] | None = None
         self._closed = False
-        self._context_owner = ContextOwner(
-            self._flush_context, self._start_turn, self._finish_turn, self._drop_turn,
-            self._run_blocking,
+        self._context_owner = ContextOwner(  # flush and run_blocking: looked up at each call,
+            lambda ctx: self._flush_context(ctx),  # as a test or benchmark may wrap them
+            self._start_turn, self._finish_turn, self._drop_turn,
+            lambda fn, *args: self._run_blocking(fn, *args),
         )
         self._claim_rows = MemoryClaims(
             self._lock, self._processed, self._ttl_seconds, self._remember
@@ -313,14 +314,15 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
 
     def _answer(self, ctx: SessionContext, start: Checkpoint) -> None:
         """Commit the turn's claim and record its batch's reply, or undo the turn to ``start``."""
+        fence, batch = active_fence(ctx.session_id), active_batch(ctx.session_id)
+        if fence is None and batch is None:
+            return  # the turn outlived its block: its answer is no claim's or batch's reply
         reply = reply_of(ctx.added_since(start))
-        fence = active_fence(ctx.session_id)
         if fence is not None:
             fence.reply = reply
             if not self._claim_rows.commit_turn(fence):
                 ctx.restore(start)
                 raise ClaimLostError(fence.message_id)
-        batch = active_batch(ctx.session_id)
         if batch is not None:
             try:
                 self._inbox_rows.answer(batch, reply)
