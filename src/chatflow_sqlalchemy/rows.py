@@ -31,6 +31,7 @@ from chatflow_sqlalchemy.context import StoredSession, dump_message
 from chatflow_sqlalchemy.crypto import is_encrypted
 from chatflow_sqlalchemy.exceptions import CorruptRowError
 from chatflow_sqlalchemy.sealing import Sealer
+from chatflow_sqlalchemy.sql_lifecycle import invalid_metadata
 
 __all__ = [
     "BUMP_SESSION",
@@ -112,8 +113,7 @@ def read_session(conn: Connection, sealer: Sealer, session_id: str) -> StoredSes
     try:  # SQLite keeps metadata as text, which a hand edit or a damaged file can leave invalid
         row = conn.execute(_SELECT_SESSION, {"session_id": session_id}).first()
     except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
-        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
-        raise CorruptRowError(session_id, None, reason, table="chatflow_sessions") from exc
+        raise invalid_metadata(session_id, exc) from exc
     if row is None:
         return None
     metadata = sealer.open_metadata(session_id, row.metadata_json)

@@ -55,6 +55,7 @@ from chatflow_sqlalchemy.values import CLAIM_ACQUIRED, UNBORN_AGENT
 if TYPE_CHECKING:
     from chatflow_agent import Message
 
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
     from chatflow_sqlalchemy.sealing import Sealer
 
 # chatflow-agent, the errors and the lease load the store's machinery: each is imported
@@ -63,8 +64,8 @@ if TYPE_CHECKING:
 __all__ = [
     "SweepCursor", "count_expired", "decode_transcript", "delete_session", "erase_sessions",
     "erase_user_rows", "expired_query", "export_sessions", "export_user_document",
-    "owned_sessions", "parser_for", "session_page", "sweep_candidates", "transcript_sources",
-    "user_session_ids",
+    "invalid_metadata", "owned_sessions", "parser_for", "session_page", "sweep_candidates",
+    "transcript_sources", "user_session_ids",
 ]
 
 _ID_CHUNK = 500  # ids per IN (...) list: far below every dialect's bound-parameter limit
@@ -327,14 +328,19 @@ _METADATA_TEXT = cast(_sessions.c.metadata_json, Text).label("metadata_json")
 """Read as text, so metadata that is not JSON names its session instead of failing the fetch."""
 
 
+def invalid_metadata(session_id: str, exc: ValueError) -> CorruptRowError:
+    """The error for a session row whose ``metadata_json`` does not decode (SQLite keeps text)."""
+    from chatflow_sqlalchemy.exceptions import CorruptRowError
+
+    reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
+    return CorruptRowError(session_id, None, reason, table=_sessions.name)
+
+
 def _metadata_of(session_id: str, text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        from chatflow_sqlalchemy.exceptions import CorruptRowError
-
-        reason = f"metadata_json is not valid JSON ({str(exc).splitlines()[0]})"
-        raise CorruptRowError(session_id, None, reason, table=_sessions.name) from exc
+        raise invalid_metadata(session_id, exc) from exc
 
 
 def export_sessions(
