@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,3 +130,127 @@ def test_sweep_keeps_a_session_whose_batch_starts_as_the_sweep_looks(
             assert rows.renew(lease)
         else:
             assert (swept, store.list_sessions()) == (1, [])
+
+
+def _store(kind: str, tmp_path: Path, **options: Any) -> Any:
+    """The in-memory store, or a SQLite file store: what the in-memory one should agree with."""
+    return SessionStore(**options) if kind == "memory" else SQLiteSessionStore(
+        tmp_path / "s.db", **options
+    )
+
+
+def _texts(messages: list[Any]) -> list[str]:
+    return [m["content"] if isinstance(m, dict) else m.content for m in messages]
+
+
+@pytest.mark.parametrize("archive_pruned", [False, True])
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_reads_show_the_last_write_while_history_is_edited_in_place(
+    kind: str, archive_pruned: bool, tmp_path: Path
+) -> None:
+    """A ``history`` edited in place is written by the next write; reads show the last write.
+
+    As a SQL store reads its rows. The in-memory store raised ValueError
+    reading a window its seqs no longer matched, and with ``archive_pruned``
+    failed the turn that edited it.
+    """
+    with _store(kind, tmp_path, archive_pruned=archive_pruned) as store:
+        ctx = store.get_or_create("s", BOT, user_id="u")
+        ctx.add_message(Message(role=Role.USER, content="hi"))
+        ctx.add_message(Message(role=Role.MODEL, content="yo"))
+        ctx.history.append(Message(role=Role.USER, content="sneak"))  # as upstream allows
+
+        def exported() -> list[str]:
+            return _texts(store.export_user("u")["sessions"][0]["messages"])
+
+        assert (_texts(store.transcript("s")), exported()) == (["hi", "yo"], ["hi", "yo"])
+
+        async def turn() -> None:
+            async with ctx.lock:
+                ctx.history.append(Message(role=Role.MODEL, content="edited in a turn"))
+
+        asyncio.run(turn())
+        written = ["hi", "yo", "sneak", "edited in a turn"]
+        assert _texts(ctx.history) == written
+        # (The regroup gives the edited window new seqs: archive_pruned keeps the old too.)
+        assert (_texts(store.transcript("s"))[-4:], exported()) == (written, written)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_a_summary_takes_what_was_written_while_history_is_edited_in_place(
+    kind: str, tmp_path: Path
+) -> None:
+    """The summaries' worker reads the window last written (the in-memory store's raised)."""
+    called, go = threading.Event(), threading.Event()
+    seen: list[list[str]] = []
+
+    async def summarizer(previous: str | None, dropped: list[Any]) -> str:
+        seen.append(_texts(dropped))
+        if len(seen) == 1:  # fails once the window is edited in place: its turns wait
+            called.set()
+            await asyncio.to_thread(go.wait, 60)
+            raise RuntimeError("summarizer down")
+        return "summary"
+
+    with _store(kind, tmp_path, default_max_turns=1, summarizer=summarizer) as store:
+        ctx = store.get_or_create("s", BOT)
+        for i, text in enumerate(["u0", "m0", "u1", "m1", "u2"]):
+            ctx.add_message(Message(role=(Role.USER, Role.MODEL)[i % 2], content=text))
+            if text == "u1":  # turn 0 pruned: its summary is being made
+                assert called.wait(60)
+        ctx.history.append(Message(role=Role.MODEL, content="sneak"))
+        go.set()  # the failed summary's worker claims again: turns 0 and 1 wait
+        assert store.wait_for_summaries(60)
+        assert seen[:2] == [["u0", "m0"], ["u0", "m0", "u1", "m1"]]
+
+
+def test_reads_beside_writes_neither_deadlock_nor_raise() -> None:
+    """Reads take the store's lock, never a context's mutex (a write takes both, mutex first).
+
+    The first read comes while ``history`` is edited in place; then writes,
+    turns, summaries and reads run at once.
+    """
+
+    async def summarizer(previous: str | None, dropped: list[Any]) -> str:
+        return "summary"
+
+    errors: list[BaseException] = []
+    first_read = threading.Event()
+    with SessionStore(archive_pruned=True, default_max_turns=2, summarizer=summarizer) as store:
+        ctx = store.get_or_create("s", BOT, user_id="u")
+        ctx.add_message(Message(role=Role.USER, content="hi"))
+        ctx.history.append(Message(role=Role.MODEL, content="sneak"))
+
+        def read() -> None:
+            try:
+                for _ in range(300):
+                    store.transcript("s")
+                    store.export_user("u")
+                    first_read.set()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                first_read.set()
+
+        async def turn(i: int) -> None:
+            async with ctx.lock:
+                ctx.add_message(Message(role=Role.USER, content=f"turn-{i}"))
+                ctx.add_message(Message(role=Role.MODEL, content=f"reply-{i}"))
+
+        def write() -> None:
+            first_read.wait(60)
+            try:
+                for i in range(150):
+                    ctx.add_message(Message(role=Role.USER, content=f"user-{i}"))
+                    asyncio.run(turn(i))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (read, write)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "reads and writes deadlocked"
+        assert errors == []
+        assert store.wait_for_summaries(60)

@@ -859,7 +859,7 @@ class SessionContext(_UpstreamSessionContext):
         return None if durable is None else durable.incarnation
 
     def window(self) -> list[tuple[int, Message]]:
-        """The window's messages with their seqs, without the summary's (read without the mutex)."""
+        """The window's messages with their seqs, without the summary's (hold the mutex)."""
         pairs = zip(self._seqs, self._history, strict=True)
         return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
 
@@ -988,8 +988,12 @@ class SessionContext(_UpstreamSessionContext):
             return self._pending()
 
     def checkpoint(self) -> Checkpoint:
-        """The state now (history, active agent, summary), to go back to with :meth:`restore`."""
+        """The state now (history, active agent, summary), to go back to with :meth:`restore`.
+
+        A ``history`` edited in place is re-derived first, as a write does.
+        """
         with self._mutex:
+            self._ensure_indexed()
             return self._snapshot()
 
     def restore(self, checkpoint: Checkpoint) -> None:

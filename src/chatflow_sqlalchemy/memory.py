@@ -23,6 +23,7 @@ from chatflow_sqlalchemy.claims import (
     validate_message_id,
 )
 from chatflow_sqlalchemy.context import (
+    SUMMARY_SEQ,
     Checkpoint,
     ContextOwner,
     SessionContext,
@@ -62,6 +63,13 @@ __all__ = ["SessionStore"]
 _T = TypeVar("_T")
 
 
+def _window(written: Checkpoint | None) -> dict[int, Message]:
+    """The window of a session as written (None: never), by seq, without the summary's."""
+    window = {} if written is None else dict(zip(written.seqs, written.history, strict=True))
+    window.pop(SUMMARY_SEQ, None)
+    return window
+
+
 class _MemorySummaryRows:
     """The in-memory store's :class:`~chatflow_sqlalchemy.summaries.SummaryRows`."""
 
@@ -76,7 +84,7 @@ class _MemorySummaryRows:
             ctx = self._store._sessions.get(session_id)
             if ctx is None or session_id in self._claimed:
                 return None
-            through, shown = ctx.summary_through, {seq for seq, _ in ctx.window()}
+            through, shown = ctx.summary_through, _window(self._store._written.get(session_id))
             dropped = sorted(  # not what is back in the window (a rollback undid the prune)
                 (seq, m) for seq, m in self.waiting.get(session_id, {}).items()
                 if seq > through and seq not in shown
@@ -137,7 +145,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         given = {"default_max_turns": default_max_turns, "dedup_ttl_hours": dedup_ttl_hours}
         self.options = StoreOptions.of(type(self).__name__, {**given, **options}, sql=False)
         self._archive: dict[str, dict[int, Message]] = {}
-        self._window_seen: dict[str, dict[int, Message]] = {}
+        # Each session as last written: what reads show, as the SQL stores show their rows.
+        self._written: dict[str, Checkpoint] = {}
         self._ttl_seconds = self.dedup_ttl_hours * 3600.0
         self._sessions: dict[str, SessionContext] = {}
         self._updated: dict[str, float] = {}
@@ -235,10 +244,10 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._updated_at[session_id] = now
         self._created_at.setdefault(session_id, now)
 
-    def _keep_what_left(self, ctx: SessionContext) -> None:
+    def _keep_what_left(self, ctx: SessionContext, written: Checkpoint) -> None:
         """Archive (or queue for the summary) what left the window since the last write."""
-        window = dict(ctx.window())
-        before = self._window_seen.get(ctx.session_id, {})
+        window = _window(written)
+        before = _window(self._written.get(ctx.session_id))
         gone = before.keys() - window.keys()
         pruned, cleared = ctx.settle_window(gone)
         if self.archive_pruned:
@@ -250,18 +259,13 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             waiting.update((seq, before[seq]) for seq in pruned)
             self._summaries.due(ctx.session_id)
         self._summary_rows.settle(ctx.session_id, ctx.summary_through)
-        self._window_seen[ctx.session_id] = window
 
     def transcript(self, session_id: str) -> list[Message]:
-        """Archived messages, then the window, in order ([] for an unknown session)."""
+        """Archived messages, then the window as last written, in order ([] if no such session)."""
         validate_session_id(session_id)
         with self._lock:
             self._check_open()
-            ctx = self._sessions.get(session_id)
-            if ctx is None:
-                return []
-            merged = dict(self._archive.get(session_id, {}))
-            merged.update(ctx.window())
+            merged = {**self._archive.get(session_id, {}), **_window(self._written.get(session_id))}
             return [merged[seq] for seq in sorted(merged)]
 
     def _drop(self, session_id: str) -> SessionContext | None:
@@ -273,12 +277,17 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         self._made.discard(session_id)
         self._unborn.discard(session_id)
         self._archive.pop(session_id, None)
-        self._window_seen.pop(session_id, None)
+        self._written.pop(session_id, None)
         self._summary_rows.forget(session_id)
         return self._sessions.pop(session_id, None)
 
     def _flush_context(self, ctx: SessionContext) -> None:
-        """Note the session as written (no I/O): what left its window is kept or summarized."""
+        """Note the session as written (no I/O): its window, and what left it (kept or summarized).
+
+        The caller holds the context's mutex (a write does) or alone has the
+        context (a fork): no other write comes between the window read and kept.
+        """
+        written = ctx.checkpoint()  # takes the mutex: never under the lock
         with self._lock:
             self._check_open()
             if self._sessions.get(ctx.session_id) is ctx:
@@ -286,7 +295,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
                 self._made.discard(ctx.session_id)
                 self._unborn.discard(ctx.session_id)  # written: born, with its agent
                 if self.archive_pruned or self._summaries is not None:
-                    self._keep_what_left(ctx)
+                    self._keep_what_left(ctx, written)
+                self._written[ctx.session_id] = written
 
     async def _start_turn(self, ctx: SessionContext) -> None:
         """Keep the turn's start, to discard a fenced-out turn."""
@@ -307,7 +317,8 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             start = self._turn_starts.pop(id(ctx), None)
             if start is not None and ctx.changed_since(start):
                 self._answer(ctx, start)
-            self._flush_context(ctx)
+            with ctx.writing():  # holds the context as add_message does (see _flush_context)
+                self._flush_context(ctx)
         except BaseException:
             await self._drop_turn(ctx)
             raise
@@ -426,7 +437,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             owner = self._users.get(session_id)
             if owner is not None:
                 self._users[new_session_id] = owner
-            self._flush_context(ctx)
+            self._flush_context(ctx)  # its mutex under the lock: no other thread has it yet
             waiting = self._summary_rows.waiting.get(session_id)
             if waiting:  # what waited for the source's summary waits for the fork's too
                 self._summary_rows.waiting[new_session_id] = dict(waiting)
@@ -518,7 +529,9 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
             "summary": ctx.summary,
             "forked_from": ctx.forked_from,
             "forked_at_turn": ctx.forked_at_turn,
-            "messages": [m.model_dump(mode="json") for _, m in ctx.window()],
+            "messages": [
+                m.model_dump(mode="json") for m in _window(self._written.get(session_id)).values()
+            ],
             "archived_messages": [
                 message.model_dump(mode="json")
                 for _, message in sorted(archived.items())
