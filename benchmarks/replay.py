@@ -49,7 +49,8 @@ from sqlalchemy import Engine, event
 
 from benchmarks.workload import TurnRef
 
-__all__ = ["Trace", "capture", "main", "replay_postgres", "replay_sqlite"]
+__all__ = ["Trace", "capture", "drive", "main", "replay_postgres", "replay_sqlite", "tracing",
+           "turn_refs", "untraced"]
 
 SESSIONS = 50
 
@@ -132,12 +133,13 @@ def _copied(parameters: Any) -> Any:
     return parameters
 
 
-def _refs(turns: int, label: str) -> list[TurnRef]:
+def turn_refs(turns: int, label: str) -> list[TurnRef]:
+    """``turns`` webhook turns round-robin over the sessions, ids and sessions tagged ``label``."""
     return [TurnRef(f"+55{label}{k % SESSIONS:04d}", k // SESSIONS, f"{label}-{k}")
             for k in range(turns)]
 
 
-async def _drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any]) -> float:
+async def drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any]) -> float:
     """Open ``adapter``, run ``refs`` as turns; seconds for the turns only."""
     payloads = [adapter.payload(ref) for ref in refs]
     await adapter.open()
@@ -152,8 +154,21 @@ async def _drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any
 
 
 @contextmanager
-def _nothing(_adapter: Any) -> Iterator[None]:
+def untraced(_adapter: Any) -> Iterator[None]:
+    """The ``on_open`` of :func:`drive` for a run with no listeners."""
     yield None
+
+
+def tracing(traces: list[Trace]) -> Callable[[Any], Any]:
+    """The ``on_open`` of :func:`drive` that captures what the adapter's store sends."""
+
+    @contextmanager
+    def traced(adapter: Any) -> Iterator[None]:
+        with capture(adapter.store.engines) as trace:
+            traces.append(trace)
+            yield None
+
+    return traced
 
 
 # ----------------------------------------------------------------- replays
@@ -229,17 +244,11 @@ def _sqlite_round(turns: int, label: str) -> dict[str, float]:
         paths = {name: folder / f"{name}.db" for name in ("store", "capture", "replay")}
         for path in paths.values():
             shutil.copyfile(empty, path)
-        refs = _refs(turns, label)
-        store_s = asyncio.run(_drive(cls(Target(path=str(paths["store"]))), refs, _nothing))
+        refs = turn_refs(turns, label)
+        store_s = asyncio.run(drive(cls(Target(path=str(paths["store"]))), refs, untraced))
         traces: list[Trace] = []
-
-        @contextmanager
-        def traced(adapter: Any) -> Iterator[None]:
-            with capture(adapter.store.engines) as trace:
-                traces.append(trace)
-                yield None
-
-        capture_s = asyncio.run(_drive(cls(Target(path=str(paths["capture"]))), refs, traced))
+        capture_s = asyncio.run(
+            drive(cls(Target(path=str(paths["capture"]))), refs, tracing(traces)))
         replay_s = replay_sqlite(str(paths["replay"]), traces[0])
         return _figures(turns, store_s, capture_s, replay_s, traces[0])
     finally:
@@ -259,26 +268,19 @@ def _postgres_round(url: str, turns: int, label: str, delayed: str | None,
     try:
         for name in ("store", "capture", "replay"):
             cls.prepare(Target(pg_url=url, schema=schemas[name]))
-        refs = _refs(turns, label)
+        refs = turn_refs(turns, label)
         store_s = asyncio.run(
-            _drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, _nothing))
+            drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, untraced))
         traces: list[Trace] = []
-
-        @contextmanager
-        def traced(adapter: Any) -> Iterator[None]:
-            with capture(adapter.store.engines) as trace:
-                traces.append(trace)
-                yield None
-
         capture_s = asyncio.run(
-            _drive(cls(Target(pg_url=run_url, schema=schemas["capture"])), refs, traced))
+            drive(cls(Target(pg_url=run_url, schema=schemas["capture"])), refs, tracing(traces)))
         trace = traces[0]
         replay_s = replay_postgres(run_url, schemas["replay"], trace)
         figures = _figures(turns, store_s, capture_s, replay_s, trace)
         floor = adapter_class("raw-pg")
         floor_target = Target(pg_url=run_url, schema=schemas["floor"])
         floor.prepare(Target(pg_url=url, schema=schemas["floor"]))
-        figures["floor ms"] = asyncio.run(_drive(floor(floor_target), refs, _nothing)) \
+        figures["floor ms"] = asyncio.run(drive(floor(floor_target), refs, untraced)) \
             / turns * 1000
         return figures
     finally:
