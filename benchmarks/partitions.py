@@ -4,11 +4,13 @@ Run: ``python -m benchmarks.partitions [--turns N] [--rounds R] [--url URL]``.
 
 Each round captures the SQL of ``ours-pg-claim`` (the turn in ``async with
 store.claim(...)``, its reply stored) on a schema the store migrated
-(:func:`benchmarks.replay.capture`), then sends that one trace on raw psycopg
-(:func:`benchmarks.replay.replay_postgres`: no SQLAlchemy, no store code) to
+(:func:`benchmarks.replay.capture`), then sends it on raw psycopg
+(:class:`benchmarks.replay.PostgresReplay`: no SQLAlchemy, no store code) to
 fresh schemas the store migrated that differ only in the claims table and its
 functions. The store itself and the ``raw-pg-claim`` floor run in the same
-round, and the order of the runs turns by one each round:
+round. The turns go in blocks of one turn per session, and every run takes
+each block in turn, in an order that shifts by one each block: a load that
+comes and goes on a shared machine falls on every run alike.
 
 * **partitioned**: as migrated (revision 0006): day partitions, and
   ``chatflow_claim_day`` takes the id's advisory lock and looks for its row
@@ -42,9 +44,10 @@ import argparse
 import asyncio
 import os
 import statistics
+import time
 from typing import Any
 
-from benchmarks.replay import Trace, drive, replay_postgres, tracing, turn_refs, untraced
+from benchmarks.replay import SESSIONS, PostgresReplay, Trace, capture, turn_refs
 
 __all__ = ["VARIANTS", "main"]
 
@@ -108,40 +111,80 @@ def _on_plain_table(trace: Trace) -> Trace:
     return Trace(steps=steps)
 
 
-def _round(url: str, turns: int, number: int) -> dict[str, float]:
-    """One round: capture, then every run in this round's order; ms per turn by run."""
+async def _captured(adapter: Any, blocks: list[list[Any]]) -> list[Trace]:
+    """Run ``blocks`` of turns on ``adapter``'s store; the trace of each block."""
+    traces = []
+    await adapter.open()
+    try:
+        for block in blocks:
+            with capture(adapter.store.engines) as trace:
+                for ref in block:
+                    await adapter.turn(ref, adapter.payload(ref))
+            traces.append(trace)
+        return traces
+    finally:
+        await adapter.close()
+
+
+async def _timed(adapters: dict[str, Any], replays: dict[str, PostgresReplay],
+                 blocks: list[list[Any]], traces: dict[str, list[Trace]]) -> dict[str, float]:
+    """Every run takes each block in turn, in a shifting order; seconds by run."""
+    runs = [*adapters, *replays]
+    seconds = dict.fromkeys(runs, 0.0)
+    payloads = {name: [[a.payload(ref) for ref in block] for block in blocks]
+                for name, a in adapters.items()}
+    for adapter in adapters.values():
+        await adapter.open()
+    try:
+        for number, block in enumerate(blocks):
+            shift = number % len(runs)
+            for name in runs[shift:] + runs[:shift]:
+                if name in replays:
+                    seconds[name] += replays[name].send(traces[name][number].steps)
+                    continue
+                start = time.perf_counter()
+                for ref, payload in zip(block, payloads[name][number], strict=True):
+                    await adapters[name].turn(ref, payload)
+                seconds[name] += time.perf_counter() - start
+        return seconds
+    finally:
+        for adapter in adapters.values():
+            await adapter.close()
+        for replay in replays.values():
+            replay.close()
+
+
+def _round(url: str, turns: int, label: str) -> dict[str, float]:
+    """One round: the capture, then every run interleaved; ms per turn by run."""
     from benchmarks.pg import create_schema, drop_schema
     from benchmarks.stores import Target, adapter_class
 
     store, floor = adapter_class("ours-pg-claim"), adapter_class("raw-pg-claim")
-    runs = ["store", *VARIANTS, "floor"]
-    schemas = {name: create_schema(url, "parts") for name in ["capture", *runs]}
+    schemas = {name: create_schema(url, "parts") for name in ["capture", "store", *VARIANTS,
+                                                              "floor"]}
     try:
         for name, schema in schemas.items():
             (floor if name == "floor" else store).prepare(Target(pg_url=url, schema=schema))
             _execute(url, schema, VARIANTS.get(name, ()))
-        refs = turn_refs(turns, f"r{number}")
-        traces: list[Trace] = []
-        target = Target(pg_url=url, schema=schemas["capture"])
-        asyncio.run(drive(store(target), refs, tracing(traces)))
+        refs = turn_refs(turns, label)
+        blocks = [refs[k:k + SESSIONS] for k in range(0, turns, SESSIONS)]
+        captured = asyncio.run(_captured(store(Target(pg_url=url, schema=schemas["capture"])),
+                                         blocks))
         expected = _execute(url, schemas["capture"], (_STATE,))
         if expected[:2] != [turns, turns]:
             raise RuntimeError(f"capture: {expected[:2]} claims (done), not {turns} of each")
-        ms: dict[str, float] = {}
-        shift = number % len(runs)
-        for name in runs[shift:] + runs[:shift]:
-            target = Target(pg_url=url, schema=schemas[name])
-            if name in VARIANTS:
-                trace = traces[0] if name.startswith("partitioned") else _on_plain_table(traces[0])
-                seconds = replay_postgres(url, schemas[name], trace)
-            else:
-                seconds = asyncio.run(
-                    drive((store if name == "store" else floor)(target), refs, untraced))
-            if name != "floor" and (state := _execute(url, schemas[name], (_STATE,))) != expected:
+        plain = [_on_plain_table(trace) for trace in captured]
+        traces = {name: captured if name.startswith("partitioned") else plain
+                  for name in VARIANTS}
+        adapters = {"store": store(Target(pg_url=url, schema=schemas["store"])),
+                    "floor": floor(Target(pg_url=url, schema=schemas["floor"]))}
+        replays = {name: PostgresReplay(url, schemas[name]) for name in VARIANTS}
+        seconds = asyncio.run(_timed(adapters, replays, blocks, traces))
+        for name in ["store", *VARIANTS]:
+            if (state := _execute(url, schemas[name], (_STATE,))) != expected:
                 raise RuntimeError(f"{name}: ended with {state}, the capture with {expected} "
                                    "(claims, claims done, sessions released, messages digest)")
-            ms[name] = seconds / turns * 1000
-        return ms
+        return {name: seconds[name] / turns * 1000 for name in ["store", *VARIANTS, "floor"]}
     finally:
         for schema in schemas.values():
             drop_schema(url, schema)
@@ -160,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds, loads = [], []
     for number in range(args.rounds):
         loads.append(os.getloadavg()[0])
-        rounds.append(_round(url, args.turns, number))
+        rounds.append(_round(url, args.turns, f"r{number}"))
     loads.append(os.getloadavg()[0])
     median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     print("| ms per turn | " + " | ".join(f"round {i + 1}" for i in range(len(rounds)))

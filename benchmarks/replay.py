@@ -49,8 +49,16 @@ from sqlalchemy import Engine, event
 
 from benchmarks.workload import TurnRef
 
-__all__ = ["Trace", "capture", "drive", "main", "replay_postgres", "replay_sqlite", "tracing",
-           "turn_refs", "untraced"]
+__all__ = [
+    "SESSIONS",
+    "PostgresReplay",
+    "Trace",
+    "capture",
+    "main",
+    "replay_postgres",
+    "replay_sqlite",
+    "turn_refs",
+]
 
 SESSIONS = 50
 
@@ -134,12 +142,12 @@ def _copied(parameters: Any) -> Any:
 
 
 def turn_refs(turns: int, label: str) -> list[TurnRef]:
-    """``turns`` webhook turns round-robin over the sessions, ids and sessions tagged ``label``."""
+    """``turns`` webhook turns round-robin over the sessions; ids and sessions tagged ``label``."""
     return [TurnRef(f"+55{label}{k % SESSIONS:04d}", k // SESSIONS, f"{label}-{k}")
             for k in range(turns)]
 
 
-async def drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any]) -> float:
+async def _drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any]) -> float:
     """Open ``adapter``, run ``refs`` as turns; seconds for the turns only."""
     payloads = [adapter.payload(ref) for ref in refs]
     await adapter.open()
@@ -154,21 +162,8 @@ async def drive(adapter: Any, refs: list[TurnRef], on_open: Callable[[Any], Any]
 
 
 @contextmanager
-def untraced(_adapter: Any) -> Iterator[None]:
-    """The ``on_open`` of :func:`drive` for a run with no listeners."""
+def _nothing(_adapter: Any) -> Iterator[None]:
     yield None
-
-
-def tracing(traces: list[Trace]) -> Callable[[Any], Any]:
-    """The ``on_open`` of :func:`drive` that captures what the adapter's store sends."""
-
-    @contextmanager
-    def traced(adapter: Any) -> Iterator[None]:
-        with capture(adapter.store.engines) as trace:
-            traces.append(trace)
-            yield None
-
-    return traced
 
 
 # ----------------------------------------------------------------- replays
@@ -193,41 +188,52 @@ def replay_sqlite(path: str, trace: Trace) -> float:
     return elapsed
 
 
-def replay_postgres(url: str, schema: str, trace: Trace) -> float:
-    """Send ``trace`` on plain psycopg connections, one per engine; seconds.
+class PostgresReplay:
+    """Plain psycopg connections to ``schema``, one per engine of the store, that send steps.
 
     Autocommit, as the store's single statements run (the turn's lease and
-    its write are one statement each).
+    its write are one statement each); nothing prepared, as the store prepares
+    nothing.
     """
-    import psycopg
 
-    from benchmarks.pg import libpq_url, schema_connect_args
+    def __init__(self, url: str, schema: str) -> None:
+        from benchmarks.pg import libpq_url, schema_connect_args
 
-    conninfo = libpq_url(url)
-    options = schema_connect_args(schema)
-    connections: dict[int, Any] = {}
+        self.conninfo = libpq_url(url)
+        self.options = schema_connect_args(schema)
+        self.connections: dict[int, Any] = {}
 
-    def connection(index: int) -> Any:
-        if index not in connections:
-            connections[index] = psycopg.connect(
-                conninfo, autocommit=True, prepare_threshold=None, **options
+    def send(self, steps: list[tuple[int, str, Any, Any]]) -> float:
+        """Send ``steps`` (a :class:`Trace`'s) in order; seconds, connecting not counted."""
+        import psycopg
+
+        for index in {step[0] for step in steps} - set(self.connections):
+            self.connections[index] = psycopg.connect(
+                self.conninfo, autocommit=True, prepare_threshold=None, **self.options
             )
-        return connections[index]
+        start = time.perf_counter()
+        for index, kind, statement, parameters in steps:
+            if kind == "execute":
+                cursor = self.connections[index].execute(statement, parameters)
+                if cursor.description is not None:
+                    cursor.fetchall()
+            elif kind == "many":
+                self.connections[index].cursor().executemany(statement, parameters)
+        return time.perf_counter() - start
 
-    for index in {step[0] for step in trace.steps}:
-        connection(index)
-    start = time.perf_counter()
-    for index, kind, statement, parameters in trace.steps:
-        if kind == "execute":
-            cursor = connection(index).execute(statement, parameters)
-            if cursor.description is not None:
-                cursor.fetchall()
-        elif kind == "many":
-            connection(index).cursor().executemany(statement, parameters)
-    elapsed = time.perf_counter() - start
-    for conn in connections.values():
-        conn.close()
-    return elapsed
+    def close(self) -> None:
+        """Close the connections."""
+        for conn in self.connections.values():
+            conn.close()
+
+
+def replay_postgres(url: str, schema: str, trace: Trace) -> float:
+    """Send ``trace`` on a fresh :class:`PostgresReplay`; seconds."""
+    replay = PostgresReplay(url, schema)
+    try:
+        return replay.send(trace.steps)
+    finally:
+        replay.close()
 
 
 # ------------------------------------------------------------------- runs
@@ -245,10 +251,16 @@ def _sqlite_round(turns: int, label: str) -> dict[str, float]:
         for path in paths.values():
             shutil.copyfile(empty, path)
         refs = turn_refs(turns, label)
-        store_s = asyncio.run(drive(cls(Target(path=str(paths["store"]))), refs, untraced))
+        store_s = asyncio.run(_drive(cls(Target(path=str(paths["store"]))), refs, _nothing))
         traces: list[Trace] = []
-        capture_s = asyncio.run(
-            drive(cls(Target(path=str(paths["capture"]))), refs, tracing(traces)))
+
+        @contextmanager
+        def traced(adapter: Any) -> Iterator[None]:
+            with capture(adapter.store.engines) as trace:
+                traces.append(trace)
+                yield None
+
+        capture_s = asyncio.run(_drive(cls(Target(path=str(paths["capture"]))), refs, traced))
         replay_s = replay_sqlite(str(paths["replay"]), traces[0])
         return _figures(turns, store_s, capture_s, replay_s, traces[0])
     finally:
@@ -270,17 +282,24 @@ def _postgres_round(url: str, turns: int, label: str, delayed: str | None,
             cls.prepare(Target(pg_url=url, schema=schemas[name]))
         refs = turn_refs(turns, label)
         store_s = asyncio.run(
-            drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, untraced))
+            _drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, _nothing))
         traces: list[Trace] = []
+
+        @contextmanager
+        def traced(adapter: Any) -> Iterator[None]:
+            with capture(adapter.store.engines) as trace:
+                traces.append(trace)
+                yield None
+
         capture_s = asyncio.run(
-            drive(cls(Target(pg_url=run_url, schema=schemas["capture"])), refs, tracing(traces)))
+            _drive(cls(Target(pg_url=run_url, schema=schemas["capture"])), refs, traced))
         trace = traces[0]
         replay_s = replay_postgres(run_url, schemas["replay"], trace)
         figures = _figures(turns, store_s, capture_s, replay_s, trace)
         floor = adapter_class("raw-pg")
         floor_target = Target(pg_url=run_url, schema=schemas["floor"])
         floor.prepare(Target(pg_url=url, schema=schemas["floor"]))
-        figures["floor ms"] = asyncio.run(drive(floor(floor_target), refs, untraced)) \
+        figures["floor ms"] = asyncio.run(_drive(floor(floor_target), refs, _nothing)) \
             / turns * 1000
         return figures
     finally:
