@@ -1,6 +1,6 @@
 """What partitioned claims cost a claimed turn on PostgreSQL: its SQL replayed on variant schemas.
 
-Run: ``python -m benchmarks.partitions [--turns N] [--rounds R] [--url URL]``.
+Run: ``python -m benchmarks.partitions [--turns N] [--rounds R] [--url URL] [--explain]``.
 
 Each round captures the SQL of ``ours-pg-claim`` (the turn in ``async with
 store.claim(...)``, its reply stored) on a schema the store migrated
@@ -32,7 +32,10 @@ comes and goes on a shared machine falls on every run alike.
 On the plain table the acquire's ``ON CONFLICT (message_id, partition_day)``
 is sent as ``ON CONFLICT (message_id)`` (a conflict target must match a unique
 key); every other statement is sent as captured, the day function's calls
-included. Every run but the floor's is checked: its schema must end with the
+included. ``--explain`` sends the replays' two claim statements (the acquire,
+the write) under ``EXPLAIN (ANALYZE, TIMING OFF, SUMMARY)`` instead, to tell the
+server's planning from its execution (no store, no floor, no wall times).
+Every run but the floor's is checked: its schema must end with the
 rows the capture left (claims, claims done with their reply, sessions with
 their lease released, the messages themselves), every turn's claim done, or
 the run fails.
@@ -45,6 +48,7 @@ import asyncio
 import os
 import statistics
 import time
+from collections import defaultdict
 from typing import Any
 
 from benchmarks.replay import SESSIONS, PostgresReplay, Trace, capture, turn_refs
@@ -104,6 +108,31 @@ def _execute(url: str, schema: str, statements: tuple[str, ...]) -> list[Any]:
     return list(row or ())
 
 
+_EXPLAINED = {"WITH acquired": "acquire", "WITH locked": "write"}
+
+
+class _Explained(PostgresReplay):
+    """A replay that sends the claim's two statements under ``EXPLAIN ANALYZE``."""
+
+    def __init__(self, url: str, schema: str) -> None:
+        super().__init__(url, schema)
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def send(self, steps: list[tuple[int, str, Any, Any]]) -> float:
+        """Send ``steps``, noting the server's ms of each claim statement; 0 seconds."""
+        for step in steps:
+            index, _kind, statement, parameters = step
+            name = _EXPLAINED.get((statement or "").split(" AS", 1)[0])
+            if name is None:
+                super().send([step])
+                continue
+            explain = "EXPLAIN (ANALYZE, TIMING OFF, SUMMARY, FORMAT JSON) "
+            plan = self.connection(index).execute(explain + statement, parameters).fetchone()
+            self.times[f"{name} planning"].append(plan[0][0]["Planning Time"])
+            self.times[f"{name} execution"].append(plan[0][0]["Execution Time"])
+        return 0.0
+
+
 def _on_plain_table(trace: Trace) -> Trace:
     """``trace`` with the acquire's conflict target the plain table's primary key."""
     steps = [(index, kind, statement and statement.replace(*_CONFLICT), parameters)
@@ -154,8 +183,12 @@ async def _timed(adapters: dict[str, Any], replays: dict[str, PostgresReplay],
             replay.close()
 
 
-def _round(url: str, turns: int, label: str) -> dict[str, float]:
-    """One round: the capture, then every run interleaved; ms per turn by run."""
+def _round(url: str, turns: int, label: str, explain: bool) -> dict[str, float]:
+    """One round: the capture, then every run interleaved; ms per turn by run.
+
+    With ``explain``, the replays only: the server's mean ms a statement, by
+    variant, statement and phase.
+    """
     from benchmarks.pg import create_schema, drop_schema
     from benchmarks.stores import Target, adapter_class
 
@@ -176,14 +209,20 @@ def _round(url: str, turns: int, label: str) -> dict[str, float]:
         plain = [_on_plain_table(trace) for trace in captured]
         traces = {name: captured if name.startswith("partitioned") else plain
                   for name in VARIANTS}
-        adapters = {"store": store(Target(pg_url=url, schema=schemas["store"])),
-                    "floor": floor(Target(pg_url=url, schema=schemas["floor"]))}
-        replays = {name: PostgresReplay(url, schemas[name]) for name in VARIANTS}
+        adapters = {} if explain else {
+            "store": store(Target(pg_url=url, schema=schemas["store"])),
+            "floor": floor(Target(pg_url=url, schema=schemas["floor"]))}
+        kind = _Explained if explain else PostgresReplay
+        replays = {name: kind(url, schemas[name]) for name in VARIANTS}
         seconds = asyncio.run(_timed(adapters, replays, blocks, traces))
-        for name in ["store", *VARIANTS]:
-            if (state := _execute(url, schemas[name], (_STATE,))) != expected:
+        for name in [*adapters, *VARIANTS]:
+            if name != "floor" and (state := _execute(url, schemas[name], (_STATE,))) != expected:
                 raise RuntimeError(f"{name}: ended with {state}, the capture with {expected} "
                                    "(claims, claims done, sessions released, messages digest)")
+        if explain:
+            return {f"{name}: {phase}": statistics.mean(times)
+                    for name, replay in replays.items() if isinstance(replay, _Explained)
+                    for phase, times in replay.times.items()}
         return {name: seconds[name] / turns * 1000 for name in ["store", *VARIANTS, "floor"]}
     finally:
         for schema in schemas.values():
@@ -191,29 +230,33 @@ def _round(url: str, turns: int, label: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the rounds and print a markdown table of ms per turn, with medians."""
+    """Run the rounds and print a markdown table of the figures, with medians."""
     from benchmarks.pg import pg_url_from_env
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--url", default=None, help="PostgreSQL URL (default: the bench URL)")
+    parser.add_argument("--explain", action="store_true",
+                        help="the server's planning and execution of the replays' statements")
     args = parser.parse_args(argv)
     url = pg_url_from_env(args.url)
     rounds, loads = [], []
     for number in range(args.rounds):
         loads.append(os.getloadavg()[0])
-        rounds.append(_round(url, args.turns, f"r{number}"))
+        rounds.append(_round(url, args.turns, f"r{number}", args.explain))
     loads.append(os.getloadavg()[0])
     median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
-    print("| ms per turn | " + " | ".join(f"round {i + 1}" for i in range(len(rounds)))
-          + " | median | x floor |")
-    print("|---|" + "---|" * (len(rounds) + 2))
+    floor = median.get("floor")
+    print(("| server ms, a statement | " if args.explain else "| ms per turn | ")
+          + " | ".join(f"round {i + 1}" for i in range(len(rounds)))
+          + " | median |" + (" x floor |" if floor else ""))
+    print("|---|" + "---|" * (len(rounds) + 1 + bool(floor)))
     for name, value in median.items():
         cells = " | ".join(f"{r[name]:.3f}" for r in rounds)
-        print(f"| {name} | {cells} | {value:.3f} | {median['floor'] / value:.2f} |")
-    for name in ("partitioned", "partitioned, 8 past days"):  # paired within each round
-        cost = statistics.median(r[name] - r["plain"] for r in rounds)
+        print(f"| {name} | {cells} | {value:.3f} |" + (f" {floor / value:.2f} |" if floor else ""))
+    for name in ("partitioned", "partitioned, 8 past days") if floor else ():
+        cost = statistics.median(r[name] - r["plain"] for r in rounds)  # paired in each round
         share = statistics.median((r[name] - r["plain"]) / r[name] for r in rounds)
         print(f"\n{name}: partitioning costs {cost:.3f} ms a turn, {share:.0%} of the SQL's "
               "time (medians of each round's difference to plain)")

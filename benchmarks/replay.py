@@ -203,14 +203,20 @@ class PostgresReplay:
         self.options = schema_connect_args(schema)
         self.connections: dict[int, Any] = {}
 
-    def send(self, steps: list[tuple[int, str, Any, Any]]) -> float:
-        """Send ``steps`` (a :class:`Trace`'s) in order; seconds, connecting not counted."""
+    def connection(self, index: int) -> Any:
+        """The connection of the store's engine ``index`` (opened on first use)."""
         import psycopg
 
-        for index in {step[0] for step in steps} - set(self.connections):
+        if index not in self.connections:
             self.connections[index] = psycopg.connect(
                 self.conninfo, autocommit=True, prepare_threshold=None, **self.options
             )
+        return self.connections[index]
+
+    def send(self, steps: list[tuple[int, str, Any, Any]]) -> float:
+        """Send ``steps`` (a :class:`Trace`'s) in order; seconds, connecting not counted."""
+        for index in {step[0] for step in steps}:
+            self.connection(index)
         start = time.perf_counter()
         for index, kind, statement, parameters in steps:
             if kind == "execute":
