@@ -8,9 +8,9 @@ store.claim(...)``, its reply stored) on a schema the store migrated
 (:class:`benchmarks.replay.PostgresReplay`: no SQLAlchemy, no store code) to
 fresh schemas the store migrated that differ only in the claims table and its
 functions. The store itself and the ``raw-pg-claim`` floor run in the same
-round. The turns go in blocks of one turn per session, and every run takes
-each block in turn, in an order that shifts by one each block: a load that
-comes and goes on a shared machine falls on every run alike.
+round. The turns go in blocks of :data:`BLOCK`, and every run takes each block
+in turn, in an order that shifts by one each block: a load that comes and goes
+on a shared machine falls on every run alike.
 
 * **partitioned**: as migrated (revision 0006): day partitions, and
   ``chatflow_claim_day`` takes the id's advisory lock and looks for its row
@@ -51,9 +51,12 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from benchmarks.replay import SESSIONS, PostgresReplay, Trace, capture, turn_refs
+from benchmarks.replay import PostgresReplay, Trace, capture, turn_refs
 
-__all__ = ["VARIANTS", "main"]
+__all__ = ["BLOCK", "VARIANTS", "main"]
+
+BLOCK = 10
+"""Turns a run takes before the next run's turn: small, so bursts of load fall on all."""
 
 _PLAIN = (
     "CREATE TABLE plain (LIKE chatflow_processed_messages INCLUDING ALL)",
@@ -200,7 +203,7 @@ def _round(url: str, turns: int, label: str, explain: bool) -> dict[str, float]:
             (floor if name == "floor" else store).prepare(Target(pg_url=url, schema=schema))
             _execute(url, schema, VARIANTS.get(name, ()))
         refs = turn_refs(turns, label)
-        blocks = [refs[k:k + SESSIONS] for k in range(0, turns, SESSIONS)]
+        blocks = [refs[k:k + BLOCK] for k in range(0, turns, BLOCK)]
         captured = asyncio.run(_captured(store(Target(pg_url=url, schema=schemas["capture"])),
                                          blocks))
         expected = _execute(url, schemas["capture"], (_STATE,))
