@@ -49,7 +49,16 @@ from sqlalchemy import Engine, event
 
 from benchmarks.workload import TurnRef
 
-__all__ = ["Trace", "capture", "main", "replay_postgres", "replay_sqlite"]
+__all__ = [
+    "SESSIONS",
+    "PostgresReplay",
+    "Trace",
+    "capture",
+    "main",
+    "replay_postgres",
+    "replay_sqlite",
+    "turn_refs",
+]
 
 SESSIONS = 50
 
@@ -132,7 +141,8 @@ def _copied(parameters: Any) -> Any:
     return parameters
 
 
-def _refs(turns: int, label: str) -> list[TurnRef]:
+def turn_refs(turns: int, label: str) -> list[TurnRef]:
+    """``turns`` webhook turns round-robin over the sessions; ids and sessions tagged ``label``."""
     return [TurnRef(f"+55{label}{k % SESSIONS:04d}", k // SESSIONS, f"{label}-{k}")
             for k in range(turns)]
 
@@ -178,41 +188,58 @@ def replay_sqlite(path: str, trace: Trace) -> float:
     return elapsed
 
 
-def replay_postgres(url: str, schema: str, trace: Trace) -> float:
-    """Send ``trace`` on plain psycopg connections, one per engine; seconds.
+class PostgresReplay:
+    """Plain psycopg connections to ``schema``, one per engine of the store, that send steps.
 
     Autocommit, as the store's single statements run (the turn's lease and
-    its write are one statement each).
+    its write are one statement each); nothing prepared, as the store prepares
+    nothing.
     """
-    import psycopg
 
-    from benchmarks.pg import libpq_url, schema_connect_args
+    def __init__(self, url: str, schema: str) -> None:
+        from benchmarks.pg import libpq_url, schema_connect_args
 
-    conninfo = libpq_url(url)
-    options = schema_connect_args(schema)
-    connections: dict[int, Any] = {}
+        self.conninfo = libpq_url(url)
+        self.options = schema_connect_args(schema)
+        self.connections: dict[int, Any] = {}
 
-    def connection(index: int) -> Any:
-        if index not in connections:
-            connections[index] = psycopg.connect(
-                conninfo, autocommit=True, prepare_threshold=None, **options
+    def connection(self, index: int) -> Any:
+        """The connection of the store's engine ``index`` (opened on first use)."""
+        import psycopg
+
+        if index not in self.connections:
+            self.connections[index] = psycopg.connect(
+                self.conninfo, autocommit=True, prepare_threshold=None, **self.options
             )
-        return connections[index]
+        return self.connections[index]
 
-    for index in {step[0] for step in trace.steps}:
-        connection(index)
-    start = time.perf_counter()
-    for index, kind, statement, parameters in trace.steps:
-        if kind == "execute":
-            cursor = connection(index).execute(statement, parameters)
-            if cursor.description is not None:
-                cursor.fetchall()
-        elif kind == "many":
-            connection(index).cursor().executemany(statement, parameters)
-    elapsed = time.perf_counter() - start
-    for conn in connections.values():
-        conn.close()
-    return elapsed
+    def send(self, steps: list[tuple[int, str, Any, Any]]) -> float:
+        """Send ``steps`` (a :class:`Trace`'s) in order; seconds, connecting not counted."""
+        for index in {step[0] for step in steps}:
+            self.connection(index)
+        start = time.perf_counter()
+        for index, kind, statement, parameters in steps:
+            if kind == "execute":
+                cursor = self.connections[index].execute(statement, parameters)
+                if cursor.description is not None:
+                    cursor.fetchall()
+            elif kind == "many":
+                self.connections[index].cursor().executemany(statement, parameters)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Close the connections."""
+        for conn in self.connections.values():
+            conn.close()
+
+
+def replay_postgres(url: str, schema: str, trace: Trace) -> float:
+    """Send ``trace`` on a fresh :class:`PostgresReplay`; seconds."""
+    replay = PostgresReplay(url, schema)
+    try:
+        return replay.send(trace.steps)
+    finally:
+        replay.close()
 
 
 # ------------------------------------------------------------------- runs
@@ -229,7 +256,7 @@ def _sqlite_round(turns: int, label: str) -> dict[str, float]:
         paths = {name: folder / f"{name}.db" for name in ("store", "capture", "replay")}
         for path in paths.values():
             shutil.copyfile(empty, path)
-        refs = _refs(turns, label)
+        refs = turn_refs(turns, label)
         store_s = asyncio.run(_drive(cls(Target(path=str(paths["store"]))), refs, _nothing))
         traces: list[Trace] = []
 
@@ -259,7 +286,7 @@ def _postgres_round(url: str, turns: int, label: str, delayed: str | None,
     try:
         for name in ("store", "capture", "replay"):
             cls.prepare(Target(pg_url=url, schema=schemas[name]))
-        refs = _refs(turns, label)
+        refs = turn_refs(turns, label)
         store_s = asyncio.run(
             _drive(cls(Target(pg_url=run_url, schema=schemas["store"])), refs, _nothing))
         traces: list[Trace] = []
