@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +313,15 @@ def test_a_write_beside_get_or_create_remaking_the_session_does_not_deadlock(wri
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads), "the write and the remake deadlocked"
     assert (store.get("s") is ctx, store.transcript("s")[-1].content) == (True, "hi")
+
+
+def test_close_lets_go_of_every_message() -> None:
+    """A closed store drops its sessions: it holds none of their messages any more."""
+    store = SessionStore()
+    message = Message(role=Role.USER, content="hi")
+    store.get_or_create("s", BOT).add_message(message)
+    kept = weakref.ref(message)
+    del message
+    store.close()
+    gc.collect()
+    assert kept() is None
