@@ -641,6 +641,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         with self._lock:
             self._closed = True
             self._sessions.clear()
+            self._written.clear()
             self._updated.clear()
             self._processed.clear()
         self._inbox_rows.clear()
