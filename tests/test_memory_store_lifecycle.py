@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +256,72 @@ def test_reads_beside_writes_neither_deadlock_nor_raise() -> None:
         assert not any(thread.is_alive() for thread in threads), "reads and writes deadlocked"
         assert errors == []
         assert store.wait_for_summaries(60)
+
+
+@pytest.mark.parametrize("write", ["turn", "add_message"])
+def test_a_write_beside_get_or_create_remaking_the_session_does_not_deadlock(write: str) -> None:
+    """A write holds the context's mutex, then takes the store's lock; get_or_create too.
+
+    Remaking a session whose first turn failed writes its metadata: under the
+    store's lock it waited for the mutex a write held while waiting for the lock.
+    """
+    store = SessionStore()
+    ctx = store.get_or_create("s", BOT)
+
+    async def turn(fail: bool) -> None:
+        async with ctx.lock:
+            ctx.add_message(Message(role=Role.USER, content="hi"))
+            if fail:
+                raise RuntimeError("the model is down")
+
+    with pytest.raises(RuntimeError, match="down"):
+        asyncio.run(turn(True))  # the first turn failed: the session is unborn
+    writer, remaking = threading.Event(), threading.Event()
+    original = store._flush_context
+
+    def flush(flushed: Any) -> None:  # the writer holds the mutex: it waits for the remake
+        if threading.current_thread() is not threads[0]:
+            return original(flushed)
+        writer.set()
+        assert remaking.wait(60)
+        for _ in range(2000):  # until the remake holds the lock (or is done)
+            if not store._lock.acquire(blocking=False):
+                break
+            store._lock.release()
+            if not threads[1].is_alive():
+                break
+            time.sleep(0.001)
+        return original(flushed)
+
+    store._flush_context = flush  # type: ignore[method-assign]
+
+    def remake() -> None:
+        assert writer.wait(60)
+        remaking.set()
+        store.get_or_create("s", BOT, {"made": "again"})
+
+    def write_once() -> None:
+        if write == "turn":
+            asyncio.run(turn(False))
+        else:
+            ctx.add_message(Message(role=Role.USER, content="hi"))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (write_once, remake)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "the write and the remake deadlocked"
+    assert (store.get("s") is ctx, store.transcript("s")[-1].content) == (True, "hi")
+
+
+def test_close_lets_go_of_every_message() -> None:
+    """A closed store drops its sessions: it holds none of their messages any more."""
+    store = SessionStore()
+    message = Message(role=Role.USER, content="hi")
+    store.get_or_create("s", BOT).add_message(message)
+    kept = weakref.ref(message)
+    del message
+    store.close()
+    gc.collect()
+    assert kept() is None

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -210,9 +211,13 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         if user_id is not None:
             validate_user_id(user_id)
         check_metadata(metadata or {})
-        with self._lock:
+        with self._lock:  # an unborn session is remade by a write: its context's mutex first
+            peeked = self._sessions.get(session_id)
+            peeked = peeked if session_id in self._unborn else None
+        with nullcontext() if peeked is None else peeked.writing(), self._lock:
             ctx = self._sessions.get(session_id)
             remade = ctx is not None and session_id in self._unborn and not ctx.in_turn
+            remade = remade and ctx is peeked  # (its mutex held)
             owner = None if remade else self._users.get(session_id)
             if user_id is not None and owner is not None and owner != user_id:
                 raise ValueError(
@@ -636,6 +641,7 @@ class SessionStore(OptionsOwner, AsyncStoreAPI):
         with self._lock:
             self._closed = True
             self._sessions.clear()
+            self._written.clear()
             self._updated.clear()
             self._processed.clear()
         self._inbox_rows.clear()
