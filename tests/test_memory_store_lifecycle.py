@@ -178,6 +178,29 @@ def test_reads_show_the_last_write_while_history_is_edited_in_place(
         assert (_texts(store.transcript("s"))[-4:], exported()) == (written, written)
 
 
+@pytest.mark.parametrize("change", ["agent", "clear"])
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_rollback_undoes_a_change_made_after_history_was_edited_in_place(
+    kind: str, change: str, tmp_path: Path
+) -> None:
+    """The undo state a change keeps re-derives an edited ``history`` first, as a write does.
+
+    Before, a first change that was not ``add_message`` kept the edited
+    history with seqs it no longer matched, and ``rollback_to`` raised ValueError.
+    """
+    with _store(kind, tmp_path) as store:
+        ctx = store.get_or_create("s", BOT)
+        ctx.add_message(Message(role=Role.USER, content="a"))
+        ctx.history.append(Message(role=Role.MODEL, content="sneak"))  # as upstream allows
+        if change == "agent":
+            ctx.set_active_agent(Agent(name="Other", instructions=""))
+        else:
+            ctx.clear_history()
+        ctx.rollback_to(2)
+        assert (_texts(ctx.history), ctx.active_agent.name) == (["a", "sneak"], "Bot")
+        assert _texts(store.transcript("s")) == ["a", "sneak"]
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_a_summary_takes_what_was_written_while_history_is_edited_in_place(
     kind: str, tmp_path: Path

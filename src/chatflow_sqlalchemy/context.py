@@ -678,7 +678,6 @@ class SessionContext(_UpstreamSessionContext):
         """
         with self._mutex:
             self._check_alive()
-            self._ensure_indexed()
             undo = self._push_undo()
             self._append(message)
             self._changed(undo)
@@ -734,7 +733,6 @@ class SessionContext(_UpstreamSessionContext):
             if snapshot is not None:
                 self._restore(snapshot)
             elif 0 <= checkpoint_len < len(self._history):
-                self._ensure_indexed()
                 del self._history[checkpoint_len:]
                 del self._seqs[checkpoint_len:]
                 self._reindex()
@@ -993,7 +991,6 @@ class SessionContext(_UpstreamSessionContext):
         A ``history`` edited in place is re-derived first, as a write does.
         """
         with self._mutex:
-            self._ensure_indexed()
             return self._snapshot()
 
     def restore(self, checkpoint: Checkpoint) -> None:
@@ -1096,7 +1093,6 @@ class SessionContext(_UpstreamSessionContext):
         with self._mutex:
             self._drop_catch_up()  # set after the turn's own catch-up: nothing to add to it
             self._check_alive()
-            self._ensure_indexed()
             self._in_turn = True
             self._journal.clear()
             self._turn_start = _TurnSnapshot(
@@ -1177,6 +1173,7 @@ class SessionContext(_UpstreamSessionContext):
             self._changed()
 
     def _snapshot(self) -> Checkpoint:
+        self._ensure_indexed()  # a history edited in place is re-derived before it is kept
         return Checkpoint(
             list(self._history), list(self._seqs), self.active_agent, self._cleared,
             self._summary, self._summary_through,
