@@ -202,6 +202,23 @@ def test_rollback_undoes_a_change_made_after_history_was_edited_in_place(
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_rollback_writes_an_edited_history_its_regroup_pruned(kind: str, tmp_path: Path) -> None:
+    """``rollback_to`` cuts at the length the user saw, not the length re-derived from it.
+
+    Before, pruning the edited history first made a cut inside the user's view
+    look like nothing to do: memory changed and nothing was written.
+    """
+    with _store(kind, tmp_path, default_max_turns=2) as store:
+        ctx = store.get_or_create("s", BOT)
+        for text in "abcd":
+            ctx.add_message(Message(role=Role.USER if text in "ac" else Role.MODEL, content=text))
+        ctx.history.append(Message(role=Role.USER, content="sneak"))  # a third turn: one pruned
+        ctx.rollback_to(4)
+        assert _texts(ctx.history) == ["c", "d", "sneak"]
+        assert _texts(store.transcript("s")) == ["c", "d", "sneak"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_a_summary_takes_what_was_written_while_history_is_edited_in_place(
     kind: str, tmp_path: Path
 ) -> None:

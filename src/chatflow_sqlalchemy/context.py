@@ -728,11 +728,12 @@ class SessionContext(_UpstreamSessionContext):
         """
         with self._mutex:
             self._check_alive()
+            shown = len(self._history)  # the cut is at what the user saw, before any regroup
             undo = self._snapshot()
             snapshot = self._find_snapshot(checkpoint_len)
             if snapshot is not None:
                 self._restore(snapshot)
-            elif 0 <= checkpoint_len < len(self._history):
+            elif 0 <= checkpoint_len < shown:
                 del self._history[checkpoint_len:]
                 del self._seqs[checkpoint_len:]
                 self._reindex()
