@@ -141,6 +141,16 @@ def _store(kind: str, tmp_path: Path, **options: Any) -> Any:
     )
 
 
+def _all_end(targets: tuple[Any, ...], timeout: float) -> bool:
+    """Run each target on a thread of its own; False if one is still running after ``timeout``."""
+    threads = [threading.Thread(target=target, daemon=True) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return not any(thread.is_alive() for thread in threads)
+
+
 def _texts(messages: list[Any]) -> list[str]:
     return [m["content"] if isinstance(m, dict) else m.content for m in messages]
 
@@ -288,12 +298,7 @@ def test_reads_beside_writes_neither_deadlock_nor_raise() -> None:
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=f, daemon=True) for f in (read, write)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not any(thread.is_alive() for thread in threads), "reads and writes deadlocked"
+        assert _all_end((read, write), 120), "reads and writes deadlocked"
         assert errors == []
         assert store.wait_for_summaries(60)
 
