@@ -857,11 +857,6 @@ class SessionContext(_UpstreamSessionContext):
         durable = self._durable
         return None if durable is None else durable.incarnation
 
-    def window(self) -> list[tuple[int, Message]]:
-        """The window's messages with their seqs, without the summary's (hold the mutex)."""
-        pairs = zip(self._seqs, self._history, strict=True)
-        return [(seq, message) for seq, message in pairs if seq != SUMMARY_SEQ]
-
     @property
     def made_version(self) -> int | None:
         """The version this context's store made (or adopted) its session at, if still current."""
@@ -1333,7 +1328,8 @@ class SessionContext(_UpstreamSessionContext):
     def _pending_messages(self) -> list[tuple[int, Message]]:
         """Messages in memory that the database does not hold yet, with their seqs."""
         durable = self._durable.seqs if self._durable is not None else set()
-        return [(seq, message) for seq, message in self.window() if seq not in durable]
+        pairs = zip(self._seqs, self._history, strict=True)
+        return [(seq, m) for seq, m in pairs if seq != SUMMARY_SEQ and seq not in durable]
 
     def _pending(self) -> PendingWrite:
         """What this context changed since it was last read or written (caller holds the mutex)."""
